@@ -1,0 +1,261 @@
+"""The transaction assembler: messages in, whole committed transactions out.
+
+Fed the decoded messages of one replication stream in order, it hands out a `Transaction` only when
+its Commit (or, for a proto_version 2 streamed transaction, its Stream Commit) arrives, and a
+non-transactional logical message as soon as it arrives. Aborted streamed transactions and aborted
+subtransactions of them are dropped here. It keeps the relation cache, so every row change it accepts
+names a relation it knows. It does no I/O and bounds nothing: the caller watches `buffered_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+from protocol.errors import MalformedMessage, WrongState
+from protocol.messages import (
+    Begin,
+    Commit,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    PgOutputMessage,
+    Relation,
+    StreamAbort,
+    StreamCommit,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    Type,
+    Update,
+)
+from protocol.relations import RelationCache
+
+__all__ = ["Change", "Transaction", "TransactionAssembler"]
+
+Change = Insert | Update | Delete | Truncate | Message | Relation | Type
+_ROW_CHANGES: Final = (Insert, Update, Delete, Truncate, Message)
+
+
+class Transaction(msgspec.Struct, frozen=True, gc=False):
+    """One committed source transaction, whole, in the source's order.
+
+    `changes` holds the row changes, transactional logical messages and any Relation / Type message
+    that arrived inside the transaction, in stream order. `relations` maps every relation id the
+    changes use to its description as of its first use here; a consumer that walks `changes` and
+    replaces its entry on each inline Relation always holds the description each change was sent with.
+    """
+
+    xid: int
+    commit_lsn: int
+    end_lsn: int
+    commit_time: int
+    changes: list[Change]
+    relations: dict[int, Relation]
+    origin: str | None = None
+    origin_lsn: int | None = None
+    streamed: bool = False
+    nbytes: int = 0
+
+    @property
+    def row_count(self) -> int:
+        return sum(1 for c in self.changes if isinstance(c, (Insert, Update, Delete)))
+
+
+class _Builder:
+    """A transaction being received."""
+
+    __slots__ = ("changes", "final_lsn", "nbytes", "origin", "origin_lsn", "relations", "xid")
+
+    def __init__(self, xid: int, final_lsn: int | None = None) -> None:
+        self.xid = xid
+        self.final_lsn = final_lsn
+        self.changes: list[Change] = []
+        self.relations: dict[int, Relation] = {}
+        self.origin: str | None = None
+        self.origin_lsn: int | None = None
+        self.nbytes = 0
+
+    def finish(self, commit_lsn: int, end_lsn: int, commit_time: int, streamed: bool) -> Transaction:
+        return Transaction(
+            self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
+            self.origin, self.origin_lsn, streamed, self.nbytes,
+        )
+
+
+Output = Transaction | Message | None
+
+
+class TransactionAssembler:
+    """Feed it every decoded message with its WAL position; it returns what is complete."""
+
+    __slots__ = ("_current", "_handlers", "_in_stream", "_streams", "buffered_bytes", "relations")
+
+    def __init__(self) -> None:
+        self.relations = RelationCache()
+        self._current: _Builder | None = None
+        self._streams: dict[int, _Builder] = {}
+        self._in_stream: _Builder | None = None
+        self.buffered_bytes = 0
+        self._handlers: dict[type, Callable[[PgOutputMessage, int | None, int], Output]] = {
+            Begin: self._begin,
+            Commit: self._commit,
+            Origin: self._origin,
+            Relation: self._schema,
+            Type: self._schema,
+            Insert: self._change,
+            Update: self._change,
+            Delete: self._change,
+            Truncate: self._change,
+            Message: self._message,
+            StreamStart: self._stream_start,
+            StreamStop: self._stream_stop,
+            StreamCommit: self._stream_commit,
+            StreamAbort: self._stream_abort,
+        }
+
+    @property
+    def idle(self) -> bool:
+        """True when no transaction is partly received."""
+        return self._current is None and not self._streams
+
+    def reset(self) -> None:
+        """Drop partial transactions and relations (the server resends all of them after a reconnect)."""
+        self.relations.clear()
+        self._current = None
+        self._streams.clear()
+        self._in_stream = None
+        self.buffered_bytes = 0
+
+    def feed(self, message: PgOutputMessage, lsn: int | None = None, size: int = 0) -> Output:
+        """Take one message (`size`: its payload length, for memory accounting)."""
+        return self._handlers[type(message)](message, lsn, size)
+
+    def _open(self, lsn: int | None, tag: str) -> _Builder:
+        builder = self._in_stream or self._current
+        if builder is None:
+            raise WrongState("change outside any transaction", lsn=lsn, tag=tag)
+        return builder
+
+    def _begin(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, Begin)
+        if self._current is not None or self._in_stream is not None:
+            raise WrongState("Begin while another transaction is open", lsn=lsn, tag="B")
+        self._current = _Builder(message.xid, message.final_lsn)
+        return None
+
+    def _commit(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, Commit)
+        builder = self._current
+        if builder is None or self._in_stream is not None:
+            raise WrongState("Commit without Begin", lsn=lsn, tag="C")
+        if builder.final_lsn != message.commit_lsn:
+            raise MalformedMessage(
+                f"Commit at {message.commit_lsn:X} does not match Begin's final LSN {builder.final_lsn:X}",
+                lsn=lsn, tag="C",
+            )
+        self._current = None
+        self.buffered_bytes -= builder.nbytes
+        return builder.finish(message.commit_lsn, message.end_lsn, message.commit_time, False)
+
+    def _origin(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, Origin)
+        builder = self._open(lsn, "O")
+        builder.origin = message.name
+        builder.origin_lsn = message.commit_lsn
+        return None
+
+    def _schema(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        if isinstance(message, Relation):
+            self.relations.put(message)
+        else:
+            assert isinstance(message, Type)
+            self.relations.put_type(message)
+        builder = self._in_stream or self._current
+        if builder is not None:
+            builder.changes.append(message)
+        return None
+
+    def _change(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        builder = self._in_stream or self._current
+        tag = str(message.__struct_config__.tag)
+        if builder is None:
+            raise WrongState("row change outside any transaction", lsn=lsn, tag=tag)
+        if isinstance(message, Truncate):
+            relids: tuple[int, ...] = message.relids
+        else:
+            assert isinstance(message, (Insert, Update, Delete))
+            relids = (message.relid,)
+        known = builder.relations
+        for relid in relids:
+            if relid not in known:
+                known[relid] = self.relations.get(relid, lsn=lsn, tag=tag)
+        builder.changes.append(message)
+        builder.nbytes += size
+        self.buffered_bytes += size
+        return None
+
+    def _message(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, Message)
+        if not message.transactional:
+            return message
+        builder = self._open(lsn, "M")
+        builder.changes.append(message)
+        builder.nbytes += size
+        self.buffered_bytes += size
+        return None
+
+    def _stream_start(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, StreamStart)
+        if self._in_stream is not None or self._current is not None:
+            raise WrongState("Stream Start while a transaction or stream block is open", lsn=lsn, tag="S")
+        builder = self._streams.get(message.xid)
+        if message.first_segment:
+            if builder is not None:
+                raise WrongState(f"first segment of streamed xid {message.xid} seen twice", lsn=lsn, tag="S")
+            builder = self._streams[message.xid] = _Builder(message.xid)
+        elif builder is None:
+            raise WrongState(f"later segment of unknown streamed xid {message.xid}", lsn=lsn, tag="S")
+        self._in_stream = builder
+        return None
+
+    def _stream_stop(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        if self._in_stream is None:
+            raise WrongState("Stream Stop outside a stream block", lsn=lsn, tag="E")
+        self._in_stream = None
+        return None
+
+    def _closed_stream(self, xid: int, lsn: int | None, tag: str) -> _Builder:
+        if self._in_stream is not None or self._current is not None:
+            raise WrongState("stream commit or abort inside an open block", lsn=lsn, tag=tag)
+        builder = self._streams.get(xid)
+        if builder is None:
+            raise WrongState(f"streamed xid {xid} was never started", lsn=lsn, tag=tag)
+        return builder
+
+    def _stream_commit(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, StreamCommit)
+        builder = self._closed_stream(message.xid, lsn, "c")
+        del self._streams[message.xid]
+        self.buffered_bytes -= builder.nbytes
+        return builder.finish(message.commit_lsn, message.end_lsn, message.commit_time, True)
+
+    def _stream_abort(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+        assert isinstance(message, StreamAbort)
+        builder = self._closed_stream(message.xid, lsn, "A")
+        if message.subxid == message.xid:
+            del self._streams[message.xid]
+            self.buffered_bytes -= builder.nbytes
+            return None
+        if message.subxid == 0:
+            raise MalformedMessage("stream abort of subtransaction 0", lsn=lsn, tag="A")
+        kept: list[Change] = []
+        for change in builder.changes:
+            if isinstance(change, _ROW_CHANGES) and change.xid == message.subxid:
+                continue
+            kept.append(change)
+        builder.changes = kept
+        return None

@@ -1,0 +1,636 @@
+"""One logical replication source per node: the only code that touches a replication connection.
+
+A `ReplicationSource` owns a psycopg 3 connection in `replication=database` mode to one node: it runs
+IDENTIFY_SYSTEM, creates / drops / inspects the node's logical slot (optionally handing out an exported
+snapshot that outlives the slot's creation), and streams pgoutput with START_REPLICATION. The stream is
+read with `pgconn.get_copy_data` driven by the event loop (no threads), decoded once by `protocol/` and
+handed out as whole committed transactions (and non-transactional logical messages) in commit order.
+
+What it guarantees its caller:
+- Pull-based backpressure: nothing is read from the socket while the caller is not asking for more, yet
+  status updates go out on their own timer so the walsender never times the link out.
+- The flush position reported to the server is only ever what the caller passed to `confirm()` (or, when
+  every delivered transaction is confirmed and nothing is half received, the server's own idle position).
+- Reconnect with backoff after a connection loss, resuming after the last transaction handed out: no
+  transaction is lost (the slot keeps everything after the confirmed position) and none is handed out
+  twice (transactions the server resends from before that point are dropped here).
+
+It must not apply anything, decide about echoes, or know about other nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Final
+
+import msgspec
+import psycopg
+from psycopg import pq, sql
+
+from protocol.errors import ProtocolError
+from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
+from protocol.messages import Message
+from protocol.pgoutput import Decoder
+from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
+from protocol.transactions import Transaction, TransactionAssembler
+from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
+
+__all__ = [
+    "ExportedSnapshot",
+    "ReplicationSource",
+    "SlotCreated",
+    "SlotInfo",
+    "SourceOptions",
+    "SystemInfo",
+]
+
+logger = logging.getLogger(__name__)
+
+_SLOT_NAME: Final = re.compile(r"^[a-z0-9_]{1,63}$")
+_XLOG_TAG: Final = 0x77  # 'w'
+_KEEPALIVE_TAG: Final = 0x6B  # 'k'
+_BATCH: Final = 512
+
+
+class SourceOptions(msgspec.Struct, frozen=True):
+    """How a source talks to its node. Times in seconds."""
+
+    proto_version: int = 2
+    streaming: bool = True
+    binary: bool = True
+    messages: bool = True
+    status_interval: float = 10.0
+    receive_timeout: float = 60.0
+    backoff_initial: float = 0.2
+    backoff_max: float = 10.0
+    connect_timeout: float = 10.0
+    advance_when_idle: bool = True
+    application_name: str = "pgmesh"
+
+
+class SystemInfo(msgspec.Struct, frozen=True):
+    system_id: str
+    timeline: int
+    xlogpos: int
+    dbname: str | None
+
+
+class SlotInfo(msgspec.Struct, frozen=True):
+    name: str
+    plugin: str | None
+    slot_type: str
+    database: str | None
+    temporary: bool
+    active: bool
+    active_pid: int | None
+    restart_lsn: int | None
+    confirmed_flush_lsn: int | None
+    wal_status: str | None
+
+
+class ExportedSnapshot:
+    """A snapshot taken when a slot was created, importable by any connection until `close()`.
+
+    The replication connection that exports a snapshot loses it at its next command, so a holder
+    connection imports it at once and re-exports it with `pg_export_snapshot()`; the re-exported name
+    stays valid while the holder's transaction is open, whatever the source does next.
+    """
+
+    __slots__ = ("_holder", "exported_name", "name")
+
+    def __init__(self, name: str, exported_name: str, holder: psycopg.AsyncConnection[Any]) -> None:
+        self.name = name
+        self.exported_name = exported_name
+        self._holder = holder
+
+    async def close(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            await self._holder.execute("ROLLBACK")
+        await self._holder.close()
+
+    async def __aenter__(self) -> ExportedSnapshot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class SlotCreated(msgspec.Struct, frozen=True):
+    name: str
+    consistent_point: int
+    snapshot: ExportedSnapshot | None = None
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
+def _check_slot_name(name: str, node: str) -> str:
+    if not _SLOT_NAME.match(name):
+        raise SlotError(
+            f"invalid replication slot name {name!r}",
+            node=node,
+            hint="slot names use only lower-case letters, digits and underscores, at most 63",
+        )
+    return name
+
+
+def publication_list(names: tuple[str, ...] | list[str]) -> str:
+    """`publication_names` option value: a quoted literal holding a list of quoted identifiers."""
+    idents = ",".join('"' + n.replace('"', '""') + '"' for n in names)
+    return "'" + idents.replace("'", "''") + "'"
+
+
+class ReplicationSource:
+    """The replication connection to one node, its slot, and the decoded stream from it."""
+
+    def __init__(
+        self,
+        node: str,
+        dsn: str,
+        slot: str,
+        publications: tuple[str, ...] | list[str],
+        *,
+        options: SourceOptions | None = None,
+        start_lsn: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self._dsn = dsn
+        self.slot = _check_slot_name(slot, node)
+        self.publications = tuple(publications)
+        self.options = options or SourceOptions()
+        self._clock = clock
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._streaming = False
+        self._decoder = Decoder()
+        self._assembler = TransactionAssembler()
+        # Everything whose WAL record starts before this position has been handed out.
+        self._skip_before = start_lsn
+        self._confirmed = start_lsn
+        self._received = 0
+        self._server_wal_end = 0
+        self._last_receive = 0.0
+        self._last_status_sent = 0.0
+        self._confirm_event = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._status_task: asyncio.Task[None] | None = None
+        self._reading: tuple[int, asyncio.Future[None]] | None = None
+        self.state = "idle"
+        self.last_error: str | None = None
+        self.reconnects = 0
+        self.bytes_received = 0
+        self.transactions_out = 0
+        self.status_updates_sent = 0
+
+    # ---------------------------------------------------------------- positions
+
+    @property
+    def confirmed_lsn(self) -> int:
+        """What the caller has confirmed as durably handled."""
+        return self._confirmed
+
+    @property
+    def delivered_lsn(self) -> int:
+        """Position after the last transaction or message handed out."""
+        return self._skip_before
+
+    @property
+    def received_lsn(self) -> int:
+        return self._received
+
+    def confirm(self, lsn: int) -> None:
+        """The caller has durably handled everything before `lsn` (a transaction's `end_lsn`)."""
+        if lsn > self._confirmed:
+            self._confirmed = lsn
+            self._confirm_event.set()
+
+    def flush_position(self) -> int:
+        """The flush position to report: the caller's, or the idle position once all is confirmed."""
+        flush = self._confirmed
+        if (
+            self.options.advance_when_idle
+            and flush >= self._skip_before
+            and self._assembler.idle
+            and self._server_wal_end > flush
+        ):
+            flush = self._server_wal_end
+        return flush
+
+    # ---------------------------------------------------------------- connection
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        self.state = "connecting"
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self._dsn,
+                replication="database",
+                autocommit=True,
+                application_name=self.options.application_name,
+                connect_timeout=max(1, int(self.options.connect_timeout)),
+            )
+        except psycopg.Error as exc:
+            raise self._wrap(exc, "cannot open the replication connection") from exc
+        self._conn = conn
+        return conn
+
+    def _wrap(self, exc: BaseException, what: str) -> Exception:
+        text = f"{what}: {describe(exc)}"
+        state = getattr(exc, "sqlstate", None)
+        if decide(exc) is Action.RETRY:
+            return ConnectionLost(text, node=self.node, lsn=self._skip_before or None, sqlstate=state)
+        return SourceError(text, node=self.node, lsn=self._skip_before or None, sqlstate=state)
+
+    async def _command(self, command: sql.Composed | str) -> list[tuple[Any, ...]]:
+        conn = await self._connect()
+        if self._streaming:
+            raise SourceError("replication commands cannot run while streaming", node=self.node)
+        try:
+            cur = psycopg.AsyncClientCursor(conn)
+            await cur.execute(command)
+            return await cur.fetchall() if cur.description else []
+        except psycopg.Error as exc:
+            raise self._wrap(exc, "replication command failed") from exc
+
+    async def close(self) -> None:
+        """Stop streaming and close the connection (the slot stays)."""
+        task, self._status_task = self._status_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        conn, self._conn = self._conn, None
+        self._streaming = False
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # ---------------------------------------------------------------- commands
+
+    async def identify_system(self) -> SystemInfo:
+        rows = await self._command("IDENTIFY_SYSTEM")
+        system_id, timeline, xlogpos, dbname = rows[0]
+        return SystemInfo(str(system_id), int(timeline), parse_lsn(str(xlogpos)), dbname)
+
+    async def create_slot(self, *, export_snapshot: bool = False, temporary: bool = False) -> SlotCreated:
+        """CREATE_REPLICATION_SLOT ... LOGICAL pgoutput; with an exported snapshot held open if asked."""
+        snapshot_mode = "export" if export_snapshot else "nothing"
+        command = sql.SQL("CREATE_REPLICATION_SLOT {} {}LOGICAL pgoutput (SNAPSHOT {})").format(
+            sql.Identifier(self.slot),
+            sql.SQL("TEMPORARY " if temporary else ""),
+            sql.Literal(snapshot_mode),
+        )
+        try:
+            rows = await self._command(command)
+        except SourceError as exc:
+            raise SlotError(
+                f"cannot create replication slot {self.slot!r}: {exc.message}",
+                node=self.node,
+                sqlstate=exc.sqlstate,
+                hint="check max_replication_slots and that no slot of that name exists",
+            ) from exc
+        name, consistent_point, snapshot_name, _plugin = rows[0]
+        point = parse_lsn(str(consistent_point))
+        logger.info("node %s: created slot %s at %s", self.node, name, format_lsn(point))
+        snapshot = None
+        if export_snapshot:
+            snapshot = await self._hold_snapshot(str(snapshot_name))
+        return SlotCreated(str(name), point, snapshot)
+
+    async def _hold_snapshot(self, exported: str) -> ExportedSnapshot:
+        try:
+            holder = await psycopg.AsyncConnection.connect(
+                self._dsn, autocommit=True, application_name=f"{self.options.application_name}-snapshot"
+            )
+            await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            await holder.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(exported)))
+            cur = await holder.execute("SELECT pg_export_snapshot()")
+            row = await cur.fetchone()
+        except psycopg.Error as exc:
+            raise SlotError(
+                f"cannot hold the snapshot exported by slot {self.slot!r}: {describe(exc)}",
+                node=self.node,
+            ) from exc
+        assert row is not None
+        return ExportedSnapshot(str(row[0]), exported, holder)
+
+    async def drop_slot(self, *, wait: bool = True, missing_ok: bool = False) -> bool:
+        """DROP_REPLICATION_SLOT; returns False when it did not exist and `missing_ok`."""
+        command = sql.SQL("DROP_REPLICATION_SLOT {}{}").format(
+            sql.Identifier(self.slot), sql.SQL(" WAIT" if wait else "")
+        )
+        try:
+            await self._command(command)
+        except SourceError as exc:
+            if missing_ok and exc.sqlstate == "42704":
+                return False
+            raise SlotError(
+                f"cannot drop replication slot {self.slot!r}: {exc.message}",
+                node=self.node,
+                sqlstate=exc.sqlstate,
+            ) from exc
+        logger.info("node %s: dropped slot %s", self.node, self.slot)
+        return True
+
+    async def slot_info(self) -> SlotInfo | None:
+        """The slot's row in pg_replication_slots (over a short-lived normal connection)."""
+        query = (
+            "SELECT slot_name, plugin, slot_type, database, temporary, active, active_pid,"
+            " restart_lsn::text, confirmed_flush_lsn::text, wal_status"
+            " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
+        )
+        try:
+            async with await psycopg.AsyncConnection.connect(self._dsn, autocommit=True) as conn:
+                cur = await conn.execute(query, [self.slot])
+                row = await cur.fetchone()
+        except psycopg.Error as exc:
+            raise self._wrap(exc, f"cannot inspect slot {self.slot!r}") from exc
+        if row is None:
+            return None
+        restart = parse_lsn(row[7]) if row[7] else None
+        confirmed = parse_lsn(row[8]) if row[8] else None
+        return SlotInfo(row[0], row[1], row[2], row[3], row[4], row[5], row[6], restart, confirmed, row[9])
+
+    # ---------------------------------------------------------------- streaming
+
+    def _start_command(self, lsn: int) -> bytes:
+        o = self.options
+        opts = [
+            f"proto_version '{int(o.proto_version)}'",
+            f"publication_names {publication_list(self.publications)}",
+        ]
+        if o.binary:
+            opts.append("binary 'true'")
+        if o.messages:
+            opts.append("messages 'true'")
+        if o.streaming and o.proto_version >= 2:
+            opts.append("streaming 'true'")
+        return f'START_REPLICATION SLOT "{self.slot}" LOGICAL {format_lsn(lsn)} ({", ".join(opts)})'.encode()
+
+    async def _start(self, lsn: int) -> None:
+        conn = await self._connect()
+        pgconn = conn.pgconn
+        pgconn.send_query(self._start_command(lsn))
+        await self._flush_out(pgconn)
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            await self._wait_readable(pgconn, self.options.receive_timeout)
+        result = pgconn.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            message = result.error_message.decode(errors="replace").strip() if result else "no result"
+            state = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
+            code = state.decode() if state else None
+            error_cls = SlotError if code in ("42704", "55006") else SourceError
+            raise error_cls(
+                f"START_REPLICATION on slot {self.slot!r} failed: {message}",
+                node=self.node,
+                lsn=lsn,
+                sqlstate=code,
+            )
+        pgconn.nonblocking = 1
+        self._streaming = True
+        self.state = "streaming"
+        self._last_receive = asyncio.get_running_loop().time()
+        logger.info("node %s: streaming slot %s from %s", self.node, self.slot, format_lsn(lsn))
+
+    async def _wait_readable(self, pgconn: pq.abc.PGconn, limit: float | None) -> None:
+        """Until the socket is readable; `_abort_connection` ends the wait with ConnectionLost."""
+        loop = asyncio.get_running_loop()
+        fd = pgconn.socket
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, ready)
+        self._reading = (fd, ready)
+        try:
+            await asyncio.wait_for(ready, limit)
+        finally:
+            self._reading = None
+            loop.remove_reader(fd)
+
+    async def _flush_out(self, pgconn: pq.abc.PGconn) -> None:
+        loop = asyncio.get_running_loop()
+        while pgconn.flush() == 1:
+            fd = pgconn.socket
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(fd, _wake, ready)
+            try:
+                await asyncio.wait_for(ready, self.options.receive_timeout)
+            finally:
+                loop.remove_writer(fd)
+
+    async def send_status(self, *, reply: bool = False) -> None:
+        """Send a standby status update with the positions as they are now."""
+        conn = self._conn
+        if conn is None or not self._streaming:
+            return
+        async with self._send_lock:
+            flush = self.flush_position()
+            write = max(self._received, flush)
+            now = unix_seconds_to_pg_us(self._clock())
+            pgconn = conn.pgconn
+            try:
+                pgconn.put_copy_data(standby_status_update(write, flush, flush, now, reply))
+                await self._flush_out(pgconn)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                raise ConnectionLost(f"cannot send status update: {describe(exc)}", node=self.node) from exc
+            self._last_status_sent = asyncio.get_running_loop().time()
+            self.status_updates_sent += 1
+
+    async def _status_loop(self) -> None:
+        """Status updates on their own timer: the walsender sees us alive even when nobody consumes."""
+        loop = asyncio.get_running_loop()
+        interval = self.options.status_interval
+        timeout = self.options.receive_timeout
+        while self._streaming:
+            self._confirm_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._confirm_event.wait(), interval)
+            silent = loop.time() - self._last_receive
+            if silent > timeout:
+                logger.warning("node %s: nothing received for %.0f s, reconnecting", self.node, silent)
+                self._abort_connection()
+                return
+            try:
+                await self.send_status(reply=silent > timeout / 2)
+            except ConnectionLost:
+                self._abort_connection()
+                return
+
+    def _abort_connection(self) -> None:
+        """Make the reader see a dead connection (it then reconnects)."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            fd, ready = reading
+            asyncio.get_running_loop().remove_reader(fd)
+            if not ready.done():
+                lost = ConnectionLost("receive timeout: the node stopped answering", node=self.node)
+                ready.set_exception(lost)
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.pgconn.finish()
+
+    def _read_available(self, pgconn: pq.abc.PGconn) -> list[memoryview] | None:
+        """Everything already received; [] when none; None when the COPY stream ended."""
+        out: list[memoryview] = []
+        pgconn.consume_input()
+        while len(out) < _BATCH:
+            n, data = pgconn.get_copy_data(1)
+            if n > 0:
+                out.append(data)
+            elif n == 0:
+                break
+            elif n == -1:
+                return out or None
+            else:
+                raise psycopg.OperationalError(pgconn.error_message.decode(errors="replace").strip())
+        return out
+
+    def _end_of_copy(self, pgconn: pq.abc.PGconn) -> Exception:
+        """The error that ended the COPY stream, as ours: retryable or not by its SQLSTATE."""
+        result = pgconn.get_result()
+        if result is not None and result.status == pq.ExecStatus.FATAL_ERROR:
+            message = result.error_message.decode(errors="replace").strip()
+            state = result.error_field(pq.DiagnosticField.SQLSTATE)
+            code = state.decode() if state else None
+            retry = code is None or decide_sqlstate(code) is Action.RETRY
+            error_cls = ConnectionLost if retry else SourceError
+            return error_cls(f"stream ended: {message}", node=self.node, lsn=self._received, sqlstate=code)
+        return ConnectionLost("the server ended the replication stream", node=self.node, lsn=self._received)
+
+    async def _frames(self, start_lsn: int) -> AsyncGenerator[list[memoryview], None]:
+        """Batches of XLogData CopyData bodies from one connection; keepalives handled here."""
+        await self._start(start_lsn)
+        assert self._conn is not None
+        pgconn = self._conn.pgconn
+        loop = asyncio.get_running_loop()
+        self._status_task = asyncio.create_task(self._status_loop(), name=f"pgmesh-status-{self.node}")
+        try:
+            while True:
+                try:
+                    batch = self._read_available(pgconn)
+                except (psycopg.Error, OSError) as exc:
+                    raise ConnectionLost(f"replication connection lost: {describe(exc)}", node=self.node,
+                                         lsn=self._received) from exc
+                if batch is None:
+                    raise self._end_of_copy(pgconn)
+                if not batch:
+                    try:
+                        await self._wait_readable(pgconn, self.options.receive_timeout)
+                    except TimeoutError:
+                        continue  # the status loop decides when silence means death
+                    except (psycopg.Error, OSError, ValueError) as exc:  # socket closed under us
+                        raise ConnectionLost(f"replication socket closed: {exc}", node=self.node) from exc
+                    continue
+                self._last_receive = loop.time()
+                frames = []
+                reply = False
+                for data in batch:
+                    self.bytes_received += len(data)
+                    tag = data[0]
+                    if tag == _XLOG_TAG:
+                        frames.append(data)
+                    elif tag == _KEEPALIVE_TAG:
+                        keepalive = parse_copy_data(data)
+                        assert isinstance(keepalive, PrimaryKeepalive)
+                        self._server_wal_end = max(self._server_wal_end, keepalive.wal_end)
+                        self._received = max(self._received, keepalive.wal_end)
+                        reply = reply or keepalive.reply_requested
+                    else:
+                        parse_copy_data(data)  # raises the right ProtocolError
+                if frames:
+                    yield frames
+                if reply:
+                    await self.send_status()
+        finally:
+            self._streaming = False
+            task, self._status_task = self._status_task, None
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def raw_frames(self, start_lsn: int = 0) -> AsyncGenerator[XLogData, None]:
+        """XLogData frames from one connection, without decoding or reconnecting (captures, benches)."""
+        async with contextlib.aclosing(self._frames(start_lsn)) as batches:
+            async for batch in batches:
+                for data in batch:
+                    frame = parse_copy_data(data)
+                    assert isinstance(frame, XLogData)
+                    self._received = max(self._received, frame.wal_end)
+                    yield frame
+
+    async def stream(self) -> AsyncGenerator[Transaction | Message, None]:
+        """Committed transactions and non-transactional messages, in commit order, reconnecting as needed.
+
+        Each item is handed out once; call `confirm(item.end_lsn)` (messages: `lsn + 1`) once it is durable.
+        """
+        backoff = self.options.backoff_initial
+        while True:
+            try:
+                async with contextlib.aclosing(self._stream_once()) as items:
+                    async for item in items:
+                        backoff = self.options.backoff_initial
+                        yield item
+            except ConnectionLost as exc:
+                self.last_error = str(exc)
+                self.state = "reconnecting"
+                self.reconnects += 1
+                logger.warning("node %s: %s; reconnecting in %.1f s", self.node, exc, backoff)
+                await self.close()
+                self.state = "reconnecting"
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, self.options.backoff_max)
+            except (SourceError, ProtocolError) as exc:
+                self.last_error = str(exc)
+                self.state = "failed"
+                await self.close()
+                if isinstance(exc, ProtocolError):
+                    text = f"cannot decode the stream: {exc}"
+                    raise SourceError(text, node=self.node, lsn=exc.lsn) from exc
+                raise
+
+    async def _stream_once(self) -> AsyncGenerator[Transaction | Message, None]:
+        self._decoder.reset()
+        self._assembler.reset()
+        async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
+            async for batch in batches:
+                for out in self._assemble(batch):
+                    yield out
+
+    def _assemble(self, batch: list[memoryview]) -> list[Transaction | Message]:
+        """Decode a batch of XLogData bodies; return what completed and was not handed out before."""
+        decode = self._decoder.decode
+        feed = self._assembler.feed
+        done: list[Transaction | Message] = []
+        for data in batch:
+            wal_start = int.from_bytes(data[1:9], "big")
+            payload = bytes(data[25:])  # 'w' + WAL start, WAL end, send time
+            if wal_start > self._received:
+                self._received = wal_start
+            out = feed(decode(payload, wal_start), wal_start, len(payload))
+            if out is None:
+                continue
+            if isinstance(out, Transaction):
+                if out.commit_lsn < self._skip_before:
+                    continue  # resent after a reconnect: already handed out
+                self._skip_before = out.end_lsn
+                self.transactions_out += 1
+            else:
+                if out.lsn < self._skip_before:
+                    continue
+                self._skip_before = out.lsn + 1
+            done.append(out)
+        return done
