@@ -16,8 +16,10 @@ import msgspec
 from protocol.errors import MalformedMessage, TruncatedMessage, UnknownMessage
 
 __all__ = [
+    "CopyDataFramer",
     "PrimaryKeepalive",
     "XLogData",
+    "copy_data",
     "parse_copy_data",
     "standby_status_update",
 ]
@@ -25,6 +27,8 @@ __all__ = [
 _XLOG_HEAD: Final = struct.Struct(">QQq")
 _KEEPALIVE: Final = struct.Struct(">QqB")
 _STATUS: Final = struct.Struct(">cQQQqB")
+_BACKEND_HEAD: Final = struct.Struct(">cI")
+_MAX_MESSAGE: Final = 1 << 30  # PostgreSQL's MaxAllocSize
 
 
 class XLogData(msgspec.Struct, frozen=True, gc=False):
@@ -63,3 +67,53 @@ def parse_copy_data(data: bytes | bytearray | memoryview) -> XLogData | PrimaryK
 def standby_status_update(write: int, flush: int, apply: int, now_us: int, reply: bool = False) -> bytes:
     """The `r` message: positions received, durably flushed, applied; time in PostgreSQL-epoch µs."""
     return _STATUS.pack(b"r", write, flush, apply, now_us, 1 if reply else 0)
+
+
+class CopyDataFramer:
+    """Splits a backend byte stream in COPY BOTH mode into CopyData bodies, whatever the chunking.
+
+    Feed it bytes as they come off a socket (any split); it returns the bodies of the complete CopyData
+    (`d`) messages. CopyDone (`c`) ends the stream (`done` becomes true); any other message is an error
+    for the caller to read with libpq, so it raises. libpq frames the stream in the router; this framer
+    serves captures, replays and tests that handle the wire bytes themselves.
+    """
+
+    __slots__ = ("_buffer", "done")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self.done = False
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[bytes]:
+        if self.done and chunk:
+            raise MalformedMessage("bytes after CopyDone")
+        self._buffer += chunk
+        out: list[bytes] = []
+        buf = self._buffer
+        pos = 0
+        while len(buf) - pos >= _BACKEND_HEAD.size:
+            tag, length = _BACKEND_HEAD.unpack_from(buf, pos)
+            if length < 4 or length > _MAX_MESSAGE:
+                raise MalformedMessage(f"backend message length {length}")
+            end = pos + 1 + length
+            if end > len(buf):
+                break
+            if tag == b"d":
+                out.append(bytes(buf[pos + 5 : end]))
+            elif tag == b"c":
+                self.done = True
+            else:
+                raise UnknownMessage(f"backend message {tag!r} inside COPY BOTH", tag=tag.decode("latin-1"))
+            pos = end
+        del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete message held back."""
+        return len(self._buffer)
+
+
+def copy_data(body: bytes) -> bytes:
+    """Wrap a body as a CopyData message (`d`, Int32 length, body)."""
+    return _BACKEND_HEAD.pack(b"d", len(body) + 4) + body

@@ -1,0 +1,190 @@
+"""pytest fixtures that hand integration tests real PostgreSQL 15 nodes.
+
+Owns: choosing the backend (local throw-away clusters from `router.localnodes`, or Docker containers via
+testcontainers), the `pg_backend` and `pg_nodes` fixtures, and destroying every node a test created, even
+when the test failed.
+
+Must not: skip silently when no backend exists (it fails with what to install), leave servers or
+containers running after a test, or know anything about pgmesh beyond a node's DSN.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import psycopg
+import pytest
+
+from router.localnodes import LocalNodeError, create_nodes, find_pg_bindir
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "PGMESH_TEST_BACKEND"
+DOCKER_IMAGE = "postgres:15"
+DOCKER_SETTINGS: Mapping[str, str] = {
+    "wal_level": "logical",
+    "track_commit_timestamp": "on",
+    "max_replication_slots": "32",
+    "max_wal_senders": "32",
+}
+
+
+class NodeLike(Protocol):
+    """What tests may rely on, whichever backend made the node."""
+
+    name: str
+    port: int
+
+    def dsn(self, dbname: str | None = None, user: str = "postgres", password: str | None = None) -> str: ...
+
+    def sql(self, query: str) -> str: ...
+
+    def destroy(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Docker backend (used only when asked for, or when no local PostgreSQL exists)
+
+
+def _rows_as_text(rows: Sequence[Sequence[Any]]) -> str:
+    """Format rows like `psql -A -t`: columns joined by |, NULL as empty."""
+    return "\n".join("|".join("" if v is None else str(v) for v in row) for row in rows).strip()
+
+
+class DockerNode:
+    """A postgres:15 container with the same test-facing surface as LocalNode."""
+
+    __slots__ = ("container", "dbname", "host", "name", "password", "port")
+
+    def __init__(self, name: str, settings: Mapping[str, str], password: str | None) -> None:
+        try:
+            from testcontainers.community.postgres import PostgresContainer
+        except ImportError:  # testcontainers < 4.14
+            from testcontainers.postgres import PostgresContainer  # type: ignore[no-redef,unused-ignore]
+
+        conf = {**DOCKER_SETTINGS, **settings}
+        command = " ".join(f"-c {key}={value}" for key, value in conf.items())
+        self.name = name
+        self.dbname = "app"
+        self.password = password or "postgres"
+        self.container = PostgresContainer(
+            DOCKER_IMAGE, username="postgres", password=self.password, dbname=self.dbname, driver=None
+        ).with_command(command)
+        self.container.start()
+        self.host = self.container.get_container_host_ip()
+        self.port = int(self.container.get_exposed_port(5432))
+        logger.info("docker node %s on %s:%d", name, self.host, self.port)
+
+    def dsn(self, dbname: str | None = None, user: str = "postgres", password: str | None = None) -> str:
+        pw = password if password is not None else self.password
+        quoted = "'" + pw.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        db = dbname or self.dbname
+        return f"host={self.host} port={self.port} dbname={db} user={user} password={quoted}"
+
+    def sql(self, query: str, *, dbname: str | None = None) -> str:
+        with psycopg.connect(self.dsn(dbname), autocommit=True) as conn:
+            cur = psycopg.ClientCursor(conn)
+            cur.execute(query)
+            rows: list[Sequence[Any]] = []
+            while True:
+                if cur.description is not None:
+                    rows.extend(cur.fetchall())
+                if not cur.nextset():
+                    break
+            return _rows_as_text(rows)
+
+    def stop(self, mode: str = "fast") -> None:
+        pytest.skip("stop() is not supported on the docker backend")
+
+    def start(self) -> None:
+        pytest.skip("start() is not supported on the docker backend")
+
+    def restart(self, mode: str = "immediate") -> None:
+        pytest.skip("restart() is not supported on the docker backend")
+
+    def destroy(self) -> None:
+        self.container.stop()
+
+
+def _docker_reachable() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env().ping()
+    except Exception:
+        return False
+    return True
+
+
+def choose_backend() -> str:
+    """'local' or 'docker' from $PGMESH_TEST_BACKEND (local | docker | auto); fail when neither works."""
+    wanted = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if wanted == "docker":
+        if not _docker_reachable():
+            pytest.fail(f"{BACKEND_ENV}=docker but no Docker engine is reachable (docker.from_env().ping())")
+        return "docker"
+    if wanted not in ("local", "auto"):
+        pytest.fail(f"{BACKEND_ENV}={wanted!r}: expected local, docker or auto")
+    try:
+        find_pg_bindir()
+        return "local"
+    except LocalNodeError as exc:
+        if wanted == "local":
+            pytest.fail(f"{BACKEND_ENV}=local but {exc}")
+        if _docker_reachable():
+            return "docker"
+        pytest.fail(
+            f"no PostgreSQL test backend: {exc}; and no Docker engine is reachable. "
+            f"Install PostgreSQL 15+ (or set PGMESH_PG_BINDIR) or start Docker."
+        )
+
+
+@pytest.fixture(scope="session")
+def pg_backend() -> str:
+    """The node backend for this test session: 'local' or 'docker'."""
+    backend = choose_backend()
+    logger.info("integration backend: %s", backend)
+    return backend
+
+
+NodeFactory = Callable[..., list[NodeLike]]
+
+
+@pytest.fixture
+def pg_nodes(pg_backend: str) -> Iterator[NodeFactory]:
+    """Factory: `pg_nodes(n=1, names=None, settings=None, password=None)` -> started nodes.
+
+    Every node created through it is destroyed at teardown, whatever the test's outcome.
+    """
+    created: list[Any] = []
+
+    def make(
+        n: int = 1,
+        names: Sequence[str] | None = None,
+        settings: Mapping[str, str] | None = None,
+        password: str | None = None,
+    ) -> list[Any]:
+        if names is None:
+            names = [f"n{len(created) + i + 1}" for i in range(n)]
+        if pg_backend == "local":
+            nodes: list[Any] = create_nodes(names, settings=settings, password=password)
+            created.extend(nodes)
+            return nodes
+        nodes = []
+        for name in names:
+            nodes.append(DockerNode(name, settings or {}, password))
+            created.append(nodes[-1])
+        return nodes
+
+    yield make
+    errors: list[str] = []
+    for node in reversed(created):
+        try:
+            node.destroy()
+        except Exception as exc:
+            errors.append(f"{node.name}: {exc}")
+    if errors:
+        logger.warning("teardown could not destroy some nodes: %s", "; ".join(errors))
