@@ -94,6 +94,17 @@ class Action(enum.Enum):
 _RETRY_CLASSES: Final = frozenset({"08", "53", "57"})  # connection, resources, operator intervention
 _RETRY_CODES: Final = frozenset({"40001", "40P01", "55006", "55P03"})  # serialization, deadlock, busy
 _FAIL_CODES: Final = frozenset({"28000", "28P01", "3D000", "42501", "42704", "0A000"})
+# libpq reports a refused login before any SQLSTATE exists: recognise it by its text.
+_FATAL_CONNECT_TEXT: Final = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "authentication failed",
+    "does not exist",
+    "permission denied",
+    "no password supplied",
+    "must be superuser or replication role",
+    "is not permitted to log in",
+)
 
 
 def sqlstate_of(exc: BaseException) -> str | None:
@@ -123,6 +134,8 @@ def decide(exc: BaseException) -> Action:
     state = sqlstate_of(exc)
     if state is not None:
         return decide_sqlstate(state)
+    if isinstance(exc, psycopg.OperationalError) and any(t in str(exc) for t in _FATAL_CONNECT_TEXT):
+        return Action.FAIL
     if isinstance(exc, (psycopg.OperationalError, OSError, TimeoutError, EOFError)):
         return Action.RETRY
     return Action.FAIL
