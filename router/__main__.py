@@ -1,0 +1,9 @@
+"""`python -m router` is `pgmesh`."""
+
+from __future__ import annotations
+
+import sys
+
+from router.cli import main
+
+sys.exit(main())
