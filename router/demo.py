@@ -72,8 +72,8 @@ def format_transaction(node: str, txn: Transaction) -> list[str]:
             lines.append(f"    UPDATE {rel.schema}.{rel.name} ({_row_text(rel, change.new)})")
         elif isinstance(change, Delete):
             rel = relations[change.relid]
-            keys_only = change.old_kind == "K"
-            lines.append(f"    DELETE {rel.schema}.{rel.name} ({_row_text(rel, change.old, keys_only=keys_only)})")
+            old = _row_text(rel, change.old, keys_only=change.old_kind == "K")
+            lines.append(f"    DELETE {rel.schema}.{rel.name} ({old})")
         elif isinstance(change, Truncate):
             names = ", ".join(relations[r].name for r in change.relids)
             lines.append(f"    TRUNCATE {names}")

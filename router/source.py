@@ -177,7 +177,9 @@ class ReplicationSource:
         self._confirmed = start_lsn
         self._received = 0
         self._server_wal_end = 0
-        self._last_receive = 0.0
+        # When the reader started waiting on an empty socket (None while it has data or is not
+        # reading): silence only counts while we are ready to receive, never while the caller is slow.
+        self._starved_since: float | None = None
         self._last_status_sent = 0.0
         self._confirm_event = asyncio.Event()
         self._send_lock = asyncio.Lock()
@@ -403,7 +405,7 @@ class ReplicationSource:
         pgconn.nonblocking = 1
         self._streaming = True
         self.state = "streaming"
-        self._last_receive = asyncio.get_running_loop().time()
+        self._starved_since = None
         logger.info("node %s: streaming slot %s from %s", self.node, self.slot, format_lsn(lsn))
 
     async def _wait_readable(self, pgconn: pq.abc.PGconn, limit: float | None) -> None:
@@ -457,7 +459,7 @@ class ReplicationSource:
             self._confirm_event.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._confirm_event.wait(), interval)
-            silent = loop.time() - self._last_receive
+            silent = 0.0 if self._starved_since is None else loop.time() - self._starved_since
             if silent > timeout:
                 logger.warning("node %s: nothing received for %.0f s, reconnecting", self.node, silent)
                 self._abort_connection()
@@ -522,11 +524,13 @@ class ReplicationSource:
                 try:
                     batch = self._read_available(pgconn)
                 except (psycopg.Error, OSError) as exc:
-                    raise ConnectionLost(f"replication connection lost: {describe(exc)}", node=self.node,
-                                         lsn=self._received) from exc
+                    text = f"replication connection lost: {describe(exc)}"
+                    raise ConnectionLost(text, node=self.node, lsn=self._received) from exc
                 if batch is None:
                     raise self._end_of_copy(pgconn)
                 if not batch:
+                    if self._starved_since is None:
+                        self._starved_since = loop.time()
                     try:
                         await self._wait_readable(pgconn, self.options.receive_timeout)
                     except TimeoutError:
@@ -534,8 +538,8 @@ class ReplicationSource:
                     except (psycopg.Error, OSError, ValueError) as exc:  # socket closed under us
                         raise ConnectionLost(f"replication socket closed: {exc}", node=self.node) from exc
                     continue
-                self._last_receive = loop.time()
-                frames = []
+                self._starved_since = None
+                frames: list[memoryview] = []
                 reply = False
                 for data in batch:
                     self.bytes_received += len(data)
@@ -543,11 +547,12 @@ class ReplicationSource:
                     if tag == _XLOG_TAG:
                         frames.append(data)
                     elif tag == _KEEPALIVE_TAG:
-                        keepalive = parse_copy_data(data)
-                        assert isinstance(keepalive, PrimaryKeepalive)
-                        self._server_wal_end = max(self._server_wal_end, keepalive.wal_end)
-                        self._received = max(self._received, keepalive.wal_end)
-                        reply = reply or keepalive.reply_requested
+                        # Everything sent before this keepalive must be assembled and handed out before
+                        # its WAL end may count as the idle position: yield the frames first.
+                        if frames:
+                            yield frames
+                            frames = []
+                        reply = self._keepalive(data) or reply
                     else:
                         parse_copy_data(data)  # raises the right ProtocolError
                 if frames:
@@ -561,6 +566,14 @@ class ReplicationSource:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+    def _keepalive(self, data: memoryview) -> bool:
+        """Record a primary keepalive; True when the server asks for an immediate reply."""
+        keepalive = parse_copy_data(data)
+        assert isinstance(keepalive, PrimaryKeepalive)
+        self._server_wal_end = max(self._server_wal_end, keepalive.wal_end)
+        self._received = max(self._received, keepalive.wal_end)
+        return keepalive.reply_requested
 
     async def raw_frames(self, start_lsn: int = 0) -> AsyncGenerator[XLogData, None]:
         """XLogData frames from one connection, without decoding or reconnecting (captures, benches)."""

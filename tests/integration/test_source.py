@@ -173,8 +173,11 @@ async def test_idle_position_advances_once_everything_is_confirmed(node: Any) ->
 
 
 async def test_keepalives_answered_while_caller_does_not_consume(node: Any) -> None:
-    """wal_sender_timeout is 2 s: the walsender stays connected while nobody reads for much longer."""
-    source = await new_source(node, options=SourceOptions(status_interval=0.3, receive_timeout=30))
+    """wal_sender_timeout is 2 s: the walsender stays connected while nobody reads for much longer.
+
+    The source's own receive timeout (2 s) must not fire either: a slow caller is not a dead node.
+    """
+    source = await new_source(node, options=SourceOptions(status_interval=0.3, receive_timeout=2))
     await execute(node.dsn(), "INSERT INTO t SELECT i, repeat('x', 200) FROM generate_series(1, 1) i")
     await execute(node.dsn(), "INSERT INTO t SELECT i, repeat('x', 200) FROM generate_series(2, 200001) i")
     items = source.stream()
@@ -300,3 +303,30 @@ async def test_clear_errors(node: Any, pg_nodes: Any) -> None:
     with pytest.raises(ConnectionLost) as info4:
         await down.identify_system()
     assert "node ghost" in str(info4.value) and decide(info4.value) is Action.RETRY
+
+
+async def test_stalled_link_detected_by_receive_timeout(node: Any, tcp_proxy: Any) -> None:
+    """A link that stays open but carries nothing is declared dead, reconnected, and nothing is lost."""
+    proxy = tcp_proxy("127.0.0.1", node.port)
+    dsn = node.dsn().replace(f"port={node.port}", f"port={proxy.port}")
+    options = SourceOptions(status_interval=0.2, receive_timeout=1.5, connect_timeout=2, backoff_initial=0.05)
+    source = ReplicationSource(node.name, dsn, "stall", ["pub"], options=options)
+    await source.create_slot()
+    await insert_each(node.dsn(), range(1, 6))
+    items = source.stream()
+    seen: list[int] = []
+    try:
+        for txn in await take(items, 5):
+            seen += ids_of(txn)
+            source.confirm(txn.end_lsn)
+        proxy.blackhole()
+        await insert_each(node.dsn(), range(6, 11))
+        reader = asyncio.ensure_future(take(items, 5))
+        await wait_for(lambda: source.reconnects >= 1, "the source to give up on the stalled link")
+        proxy.restore()
+        for txn in await asyncio.wait_for(reader, 60):
+            seen += ids_of(txn)
+    finally:
+        await items.aclose()
+        await source.close()
+    assert seen == list(range(1, 11))
