@@ -1,0 +1,97 @@
+"""Per-link durable positions, and the position each source's slot may be confirmed to.
+
+A link is (source -> target). The fan-out tells a link's tracker what it handed to the link's queue
+(`enqueued`) and what the source stream has passed in total (`seen`, echoes and filtered transactions
+included); the target's replication origin tells what is flushed there (`flushed`). A link's durable
+position is `flushed` while anything handed to it is not yet flushed (or while it is detached and must
+re-read), and the source's whole passed position once everything handed to it is flushed. A source's
+slot is confirmed to the minimum durable position over its links: never past what some target has not
+durably applied. Pure bookkeeping: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LinkProgress", "SourceProgress"]
+
+
+class LinkProgress:
+    """What one link has been given and what its target has made durable."""
+
+    __slots__ = ("applied", "enqueued", "flushed", "missed_until", "receiving", "source", "target")
+
+    def __init__(self, source: str, target: str, flushed: int = 0) -> None:
+        self.source = source
+        self.target = target
+        self.flushed = flushed  # pg_replication_origin_progress(origin, true) on the target
+        self.applied = flushed  # end LSN of the last transaction committed there (maybe not flushed yet)
+        self.enqueued = flushed  # end LSN of the last transaction handed to the link's queue
+        # Set while the link lacks transactions the source has already passed (it was detached):
+        # the source position it must get back to by re-reading. None when it has everything.
+        self.missed_until: int | None = None
+        self.receiving = True  # whether the fan-out hands it transactions
+
+    @property
+    def detached(self) -> bool:
+        return not self.receiving
+
+    def on_flushed(self, lsn: int) -> None:
+        self.flushed = max(self.flushed, lsn)
+        self.applied = max(self.applied, self.flushed)
+
+    def on_applied(self, lsn: int) -> None:
+        self.applied = max(self.applied, lsn)
+
+    def wants(self, end_lsn: int) -> bool:
+        """Whether a transaction ending at `end_lsn` still has to be handed to this link."""
+        return self.receiving and end_lsn > self.enqueued
+
+    def detach(self, seen: int) -> None:
+        """Stop handing it transactions: it will re-read everything after `applied`."""
+        self.receiving = False
+        self.missed_until = max(self.missed_until or 0, seen)
+
+    def reattach(self) -> None:
+        """The source re-reads from at most `applied`: hand it transactions again from there."""
+        self.receiving = True
+        self.enqueued = self.applied
+        if self.missed_until is not None and self.applied >= self.missed_until:
+            self.missed_until = None
+
+    def passed(self, end_lsn: int) -> None:
+        """The fan-out has handled the source up to `end_lsn` (for a re-reading link: caught up?)."""
+        if self.receiving and self.missed_until is not None and end_lsn >= self.missed_until:
+            self.missed_until = None
+
+    def durable(self, seen: int) -> int:
+        """Position the source may be confirmed to on this link's account."""
+        if self.missed_until is not None or self.enqueued > self.flushed:
+            return self.flushed
+        return max(self.flushed, seen)
+
+
+class SourceProgress:
+    """All links out of one source."""
+
+    __slots__ = ("links", "seen", "source")
+
+    def __init__(self, source: str, links: list[LinkProgress]) -> None:
+        self.source = source
+        self.links = links
+        self.seen = min((link.flushed for link in links), default=0)
+
+    def start_position(self) -> int:
+        """Where to (re)start reading the source: the least durable link."""
+        return min((link.flushed for link in self.links), default=0)
+
+    def confirmable(self) -> int:
+        return min((link.durable(self.seen) for link in self.links), default=self.seen)
+
+    def on_seen(self, end_lsn: int) -> None:
+        self.seen = max(self.seen, end_lsn)
+        for link in self.links:
+            link.passed(end_lsn)
+
+    def rewind_position(self) -> int | None:
+        """Where to re-read from so that every detached link gets what it missed (None: no need)."""
+        detached = [link.applied for link in self.links if link.detached]
+        return min(detached) if detached else None

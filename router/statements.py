@@ -1,0 +1,195 @@
+"""SQL for applying one decoded source transaction to a target: pure text generation, no I/O.
+
+A source transaction becomes one script: BEGIN, the origin's `pg_replication_origin_xact_setup` with the
+source's commit end LSN and commit time, one statement per change, COMMIT. The script goes to the target
+in one round trip (simple query protocol), so a reader there sees all of it or none of it.
+
+Values arrive from pgoutput in text mode and are written as quoted literals that PostgreSQL coerces to
+the target column's type with the type's input function, exactly as COPY or the native apply worker
+would. Identifiers are always quoted. Columns are matched by name: a column the target lacks is an
+`ApplyError` naming table and column. An unchanged-TOAST cell leaves its column out of the UPDATE.
+
+Must not: connect, retry, decide conflicts, or know which node it runs for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from protocol.lsn import format_lsn, pg_us_to_datetime
+from protocol.messages import (
+    KIND_BINARY,
+    KIND_NULL,
+    KIND_UNCHANGED,
+    Delete,
+    Insert,
+    Message,
+    Relation,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+)
+from protocol.transactions import Transaction
+from router.errors import PgmeshError
+
+__all__ = ["ApplyError", "TargetTable", "quote_ident", "quote_literal", "transaction_script"]
+
+# Types without a btree equality operator: compared through their text form in identity matches.
+_NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
+
+
+class ApplyError(PgmeshError):
+    """A change that cannot be applied as is (schema mismatch, missing column, binary value)."""
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str) -> str:
+    """A standard-conforming string literal (the session sets standard_conforming_strings = on)."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+class TargetTable:
+    """What the target has for one replicated table: its qualified name and its column names."""
+
+    __slots__ = ("columns", "qualified")
+
+    def __init__(self, schema: str, name: str, columns: frozenset[str]) -> None:
+        self.qualified = f"{quote_ident(schema)}.{quote_ident(name)}"
+        self.columns = columns
+
+
+def _literal(relation: Relation, row: TupleData, i: int) -> str:
+    kind = row.kinds[i]
+    if kind == KIND_NULL:
+        return "NULL"
+    value = row.values[i]
+    if kind == KIND_BINARY or not isinstance(value, bytes):
+        raise ApplyError(
+            f"column {relation.columns[i].name} arrived as {chr(kind)!r}, expected text",
+            relation=f"{relation.schema}.{relation.name}",
+        )
+    return quote_literal(value.decode())
+
+
+def _check_columns(relation: Relation, table: TargetTable) -> None:
+    missing = [c.name for c in relation.columns if c.name not in table.columns]
+    if missing:
+        raise ApplyError(
+            f"the target has no column {', '.join(missing)}",
+            relation=f"{relation.schema}.{relation.name}",
+            hint="add the column on the target (or drop it on the source), then `pgmesh resume`",
+        )
+
+
+def _identity(relation: Relation, row: TupleData, *, full: bool) -> str:
+    """WHERE clause matching the row by its key columns, or by every column under REPLICA IDENTITY FULL."""
+    parts = []
+    for i, column in enumerate(relation.columns):
+        if not full and not column.key:
+            continue
+        if row.kinds[i] == KIND_UNCHANGED:
+            continue
+        name = quote_ident(column.name)
+        literal = _literal(relation, row, i)
+        if literal == "NULL":
+            parts.append(f"{name} IS NULL")
+        elif column.type_oid in _NO_EQUALITY:
+            parts.append(f"{name}::text = {literal}")
+        else:
+            parts.append(f"{name} = {literal}")
+    if not parts:
+        raise ApplyError("change without any key value", relation=f"{relation.schema}.{relation.name}")
+    return " AND ".join(parts)
+
+
+def _insert(relation: Relation, table: TargetTable, change: Insert) -> str:
+    names = ", ".join(quote_ident(c.name) for c in relation.columns)
+    values = ", ".join(_literal(relation, change.new, i) for i in range(len(relation.columns)))
+    return f"INSERT INTO {table.qualified} ({names}) VALUES ({values})"
+
+
+def _where(
+    relation: Relation, table: TargetTable, old: TupleData | None, new: TupleData, kind: str | None
+) -> str:
+    if kind == "O" and old is not None:
+        # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
+        match = _identity(relation, old, full=True)
+        return f"ctid = (SELECT ctid FROM {table.qualified} WHERE {match} LIMIT 1)"
+    return _identity(relation, old if old is not None else new, full=False)
+
+
+def _update(relation: Relation, table: TargetTable, change: Update) -> str:
+    sets = [
+        f"{quote_ident(c.name)} = {_literal(relation, change.new, i)}"
+        for i, c in enumerate(relation.columns)
+        if change.new.kinds[i] != KIND_UNCHANGED
+    ]
+    where = _where(relation, table, change.old, change.new, change.old_kind)
+    return f"UPDATE {table.qualified} SET {', '.join(sets)} WHERE {where}"
+
+
+def _delete(relation: Relation, table: TargetTable, change: Delete) -> str:
+    where = _where(relation, table, change.old, change.old, change.old_kind)
+    return f"DELETE FROM {table.qualified} WHERE {where}"
+
+
+def transaction_script(
+    txn: Transaction, tables: Mapping[tuple[str, str], TargetTable], *, origin_lsn: int | None = None
+) -> str:
+    """The whole target transaction for `txn` as one SQL script.
+
+    `tables` maps (schema, name) to the target's table; `origin_lsn` is what the origin records
+    (default: the transaction's end LSN, the position to resume from).
+    """
+    when = pg_us_to_datetime(txn.commit_time).isoformat()
+    lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
+    out = [
+        "BEGIN",
+        f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')",
+    ]
+    relations = dict(txn.relations)
+    for change in txn.changes:
+        if isinstance(change, Relation):
+            relations[change.relid] = change
+            continue
+        if isinstance(change, (Type, Message)):
+            continue
+        if isinstance(change, Truncate):
+            out.append(_truncate(change, relations, tables))
+            continue
+        relation = relations[change.relid]
+        table = _table(relation, tables)
+        if isinstance(change, Insert):
+            out.append(_insert(relation, table, change))
+        elif isinstance(change, Update):
+            out.append(_update(relation, table, change))
+        else:
+            out.append(_delete(relation, table, change))
+    out.append("COMMIT")
+    return ";\n".join(out) + ";"
+
+
+def _table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
+    table = tables.get((relation.schema, relation.name))
+    if table is None:
+        raise ApplyError(
+            "the target has no such table",
+            relation=f"{relation.schema}.{relation.name}",
+            hint="create it on the target with the same columns, then `pgmesh resume`",
+        )
+    _check_columns(relation, table)
+    return table
+
+
+def _truncate(
+    change: Truncate, relations: Mapping[int, Relation], tables: Mapping[tuple[str, str], TargetTable]
+) -> str:
+    names = ", ".join(_table(relations[r], tables).qualified for r in change.relids)
+    restart = " RESTART IDENTITY" if change.restart_identity else ""
+    cascade = " CASCADE" if change.cascade else ""
+    return f"TRUNCATE {names}{restart}{cascade}"
