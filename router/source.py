@@ -174,6 +174,8 @@ class ReplicationSource:
         self._assembler = TransactionAssembler()
         # Everything whose WAL record starts before this position has been handed out.
         self._skip_before = start_lsn
+        self._delivered_high = start_lsn  # the highest position ever handed out (rewinds go below it)
+        self._rewind_to: int | None = None
         self._confirmed = start_lsn
         self._received = 0
         self._server_wal_end = 0
@@ -214,12 +216,26 @@ class ReplicationSource:
             self._confirmed = lsn
             self._confirm_event.set()
 
+    def rewind(self, lsn: int) -> None:
+        """Hand out everything again from `lsn` (>= the confirmed position): a lagging consumer re-reads.
+
+        Nothing more from the current connection is handed out; the stream reconnects from `lsn` at once.
+        """
+        if lsn < self._confirmed:
+            raise SourceError(
+                f"cannot rewind to {format_lsn(lsn)}: the slot is confirmed to {format_lsn(self._confirmed)}",
+                node=self.node,
+            )
+        self._rewind_to = lsn
+        self._abort_connection(ConnectionLost("rewinding", node=self.node, lsn=lsn))
+
     def flush_position(self) -> int:
         """The flush position to report: the caller's, or the idle position once all is confirmed."""
         flush = self._confirmed
         if (
             self.options.advance_when_idle
-            and flush >= self._skip_before
+            and flush >= self._delivered_high
+            and self._rewind_to is None
             and self._assembler.idle
             and self._server_wal_end > flush
         ):
@@ -470,14 +486,14 @@ class ReplicationSource:
                 self._abort_connection()
                 return
 
-    def _abort_connection(self) -> None:
+    def _abort_connection(self, reason: ConnectionLost | None = None) -> None:
         """Make the reader see a dead connection (it then reconnects)."""
         reading, self._reading = self._reading, None
         if reading is not None:
             fd, ready = reading
             asyncio.get_running_loop().remove_reader(fd)
             if not ready.done():
-                lost = ConnectionLost("receive timeout: the node stopped answering", node=self.node)
+                lost = reason or ConnectionLost("receive timeout: the node stopped answering", node=self.node)
                 ready.set_exception(lost)
         conn = self._conn
         if conn is not None:
@@ -598,6 +614,11 @@ class ReplicationSource:
                         backoff = self.options.backoff_initial
                         yield item
             except ConnectionLost as exc:
+                if self._rewind_to is not None:
+                    self._skip_before, self._rewind_to = self._rewind_to, None
+                    logger.info("node %s: re-reading from %s", self.node, format_lsn(self._skip_before))
+                    await self.close()
+                    continue
                 self.last_error = str(exc)
                 self.state = "reconnecting"
                 self.reconnects += 1
@@ -616,12 +637,18 @@ class ReplicationSource:
                 raise
 
     async def _stream_once(self) -> AsyncGenerator[Transaction | Message, None]:
+        if self._rewind_to is not None:
+            self._skip_before, self._rewind_to = self._rewind_to, None
         self._decoder.reset()
         self._assembler.reset()
         async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
             async for batch in batches:
                 for out in self._assemble(batch):
+                    if self._rewind_to is not None:
+                        raise ConnectionLost("rewinding", node=self.node, lsn=self._rewind_to)
                     yield out
+                if self._rewind_to is not None:
+                    raise ConnectionLost("rewinding", node=self.node, lsn=self._rewind_to)
 
     def _assemble(self, batch: list[memoryview]) -> list[Transaction | Message]:
         """Decode a batch of XLogData bodies; return what completed and was not handed out before."""
@@ -640,10 +667,12 @@ class ReplicationSource:
                 if out.commit_lsn < self._skip_before:
                     continue  # resent after a reconnect: already handed out
                 self._skip_before = out.end_lsn
+                self._delivered_high = max(self._delivered_high, out.end_lsn)
                 self.transactions_out += 1
             else:
                 if out.lsn < self._skip_before:
                     continue
                 self._skip_before = out.lsn + 1
+                self._delivered_high = max(self._delivered_high, self._skip_before)
             done.append(out)
         return done

@@ -1,0 +1,307 @@
+"""One applier per link (source -> target): applies the source's transactions to the target, exactly once.
+
+Each source transaction becomes one target transaction (see `router.statements`), run in a session that
+has `session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit = off`
+(as the native apply worker) and the source's replication origin set up, and every transaction calls
+`pg_replication_origin_xact_setup(end LSN, commit time)`: the row carries the source's origin and
+commit time, and the origin's progress moves atomically with the data. On every (re)connect the
+applier reads that progress and skips what the target already has: nothing twice, nothing skipped.
+
+Deadlocks, serialization failures, lock timeouts and lost connections are retried with backoff
+(`router.errors.decide` says which); any other error pauses this link only, with node, table and LSN,
+until `resume()`. The applier never reads the source and never confirms anything to it: the router's
+progress tick reads the flushed origin positions and confirms the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import psycopg.conninfo
+
+from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.transactions import Transaction
+from router.config import Config, NodeConfig
+from router.errors import Action, PgmeshError, decide, describe
+from router.progress import LinkProgress
+from router.statements import ApplyError, TargetTable, transaction_script
+
+__all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
+
+logger = logging.getLogger(__name__)
+
+_SESSION_SETUP = """
+SET session_replication_role = replica;
+SET synchronous_commit = off;
+SET standard_conforming_strings = on;
+SET lock_timeout = '10s';
+"""
+
+_TABLES_QUERY = """
+SELECT n.nspname, c.relname, array_agg(a.attname::text ORDER BY a.attnum)
+FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
+  AND n.nspname NOT LIKE 'pg\\_%'
+GROUP BY n.nspname, c.relname
+"""
+
+
+class LinkState(enum.Enum):
+    STREAMING = "streaming"
+    PAUSED = "paused"
+    CATCHING_UP = "catching up"
+    DOWN = "down"
+    ERROR = "error"
+
+
+class LinkQueue:
+    """A bounded FIFO of transactions for one link. `offer` never blocks the fan-out."""
+
+    __slots__ = ("_items", "_nonempty", "_room", "maxlen")
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self._items: collections.deque[Transaction] = collections.deque()
+        self._nonempty = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def offer(self, txn: Transaction) -> bool:
+        if len(self._items) >= self.maxlen:
+            self._room.clear()
+            return False
+        self._items.append(txn)
+        self._nonempty.set()
+        return True
+
+    async def get(self) -> Transaction:
+        while not self._items:
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        txn = self._items.popleft()
+        if len(self._items) < self.maxlen:
+            self._room.set()
+        return txn
+
+    async def wait_room(self) -> None:
+        await self._room.wait()
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.maxlen
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._room.set()
+
+    def oldest_commit_time(self) -> int | None:
+        return self._items[0].commit_time if self._items else None
+
+
+def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    args: dict[str, Any] = {}
+    mapping = {"host": "host", "port": "port", "user": "user", "password": "password", "dbname": "database"}
+    for key, target in mapping.items():
+        if params.get(key) is not None:
+            args[target] = params[key]
+    if "port" in args:
+        args["port"] = int(str(args["port"]).split(",")[0])
+    if params.get("sslmode") is not None:
+        args["ssl"] = params["sslmode"]
+    if params.get("connect_timeout") is not None:
+        args["timeout"] = float(str(params["connect_timeout"]))
+    return args
+
+
+class Applier:
+    """Applies one source's transactions to one target, in order, exactly once."""
+
+    def __init__(
+        self,
+        config: Config,
+        source: str,
+        target: NodeConfig,
+        queue: LinkQueue,
+        progress: LinkProgress,
+        *,
+        on_applied: Callable[[Applier, Transaction], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.source = source
+        self.target = target
+        self.origin = config.origin_name(source)
+        self.queue = queue
+        self.progress = progress
+        self.apply_delay = config.replication.apply_delay_ms / 1000.0
+        self._clock = clock
+        self._on_applied = on_applied
+        self._conn: asyncpg.Connection | None = None
+        self._tables: dict[tuple[str, str], TargetTable] = {}
+        self._current: Transaction | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.user_paused = False
+        self.state = LinkState.DOWN
+        self.last_error: str | None = None
+        self.last_commit_time: int | None = None  # source commit time of the last applied transaction
+        self.retries = 0
+        self.errors = 0
+        self.skipped = 0
+        self.applied_transactions = 0
+        self.applied_rows = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.source} -> {self.target.name}"
+
+    # ------------------------------------------------------------ control
+
+    def pause(self, reason: str = "paused by the operator") -> None:
+        self.user_paused = True
+        self._resumed.clear()
+        self.state = LinkState.PAUSED
+        self.last_error = None if reason.startswith("paused by") else reason
+
+    def resume(self) -> None:
+        self.user_paused = False
+        self.last_error = None
+        self._resumed.set()
+
+    @property
+    def ready_for_more(self) -> bool:
+        """Running and not held: a detached link in this state can be re-attached."""
+        return self._resumed.is_set() and self.state in (LinkState.STREAMING, LinkState.CATCHING_UP)
+
+    # ------------------------------------------------------------ main loop
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            await self._resumed.wait()
+            try:
+                await self._connect()
+                backoff = 0.2
+                await self._apply_forever()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                action = self._classify(exc)
+                await self._disconnect()
+                if action is Action.RETRY:
+                    self.retries += 1
+                    self.state = LinkState.DOWN
+                    self.last_error = describe(exc)
+                    logger.warning("link %s: %s; retrying in %.1f s", self.name, self.last_error, backoff)
+                    await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                    backoff = min(backoff * 2, 10.0)
+                else:
+                    self._hold(exc)
+
+    def _classify(self, exc: Exception) -> Action:
+        if isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc):
+            return Action.RETRY
+        return decide(exc)
+
+    def _hold(self, exc: Exception) -> None:
+        """Pause this link with the error; `resume()` retries the same transaction."""
+        self.errors += 1
+        txn = self._current
+        lsn = txn.end_lsn if txn is not None else None
+        if isinstance(exc, PgmeshError):
+            exc.node = exc.node or self.target.name
+            exc.lsn = exc.lsn or lsn
+            text = exc._render()
+        else:
+            text = f"node {self.target.name}, LSN {format_lsn(lsn or 0)}: {describe(exc)}"
+        self.last_error = f"applying {self.source}'s transaction: {text}"
+        self.state = LinkState.ERROR
+        self._resumed.clear()
+        logger.error("link %s paused: %s (fix it, then `pgmesh resume`)", self.name, self.last_error)
+
+    async def _connect(self) -> None:
+        self._conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
+        await self._conn.execute(_SESSION_SETUP)
+        await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
+        row = await self._conn.fetchval(
+            "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
+        )
+        if row:
+            self.progress.on_applied(parse_lsn(row))
+        await self._load_tables()
+        self.state = LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING
+        logger.info("link %s: connected, target has everything up to %s", self.name,
+                    format_lsn(self.progress.applied))
+
+    async def _load_tables(self) -> None:
+        assert self._conn is not None
+        rows = await self._conn.fetch(_TABLES_QUERY)
+        self._tables = {(r[0], r[1]): TargetTable(r[0], r[1], frozenset(r[2])) for r in rows}
+
+    async def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
+            if not conn.is_closed():
+                conn.terminate()
+
+    async def close(self) -> None:
+        await self._disconnect()
+
+    async def _apply_forever(self) -> None:
+        while True:
+            txn = self._current or await self.queue.get()
+            self._current = txn
+            await self._resumed.wait()
+            if txn.end_lsn <= self.progress.applied:
+                self.skipped += 1
+            else:
+                await self._delay(txn)
+                await self._apply(txn)
+            self._current = None
+            self.state = LinkState.CATCHING_UP if len(self.queue) > 1000 else LinkState.STREAMING
+
+    async def _delay(self, txn: Transaction) -> None:
+        if self.apply_delay <= 0:
+            return
+        due = pg_us_to_datetime(txn.commit_time).timestamp() + self.apply_delay
+        wait = due - self._clock()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    async def _apply(self, txn: Transaction) -> None:
+        assert self._conn is not None
+        try:
+            script = transaction_script(txn, self._tables)
+        except ApplyError:
+            await self._load_tables()  # the target's schema may have changed since we looked
+            script = transaction_script(txn, self._tables)
+        try:
+            await self._conn.execute(script)
+        except BaseException:
+            if self._conn is not None and not self._conn.is_closed():
+                with contextlib.suppress(Exception):
+                    await self._conn.execute("ROLLBACK")
+            raise
+        self.progress.on_applied(txn.end_lsn)
+        self.last_commit_time = txn.commit_time
+        self.applied_transactions += 1
+        self.applied_rows += txn.row_count
+        if self._on_applied is not None:
+            self._on_applied(self, txn)

@@ -1,0 +1,109 @@
+"""The fan-out of one source: echo filter, per-link bounded queues, detach and re-read.
+
+A `SourcePump` reads its node's `ReplicationSource` and hands every committed transaction, in commit
+order, to the queue of each link out of that node. A transaction that carries a replication origin was
+applied here by pgmesh (or another replicator): it is an echo and goes nowhere. A link whose queue is
+full is detached when other links can still take more (a slow or dead target must not stall the
+others); when every link is full, the pump waits (backpressure reaches the walsender). A detached link
+gets everything it missed later by re-reading the source from its applied position; links that already
+have those transactions skip them. Owns no database connection and no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from protocol.lsn import format_lsn
+from protocol.messages import Message
+from protocol.transactions import Transaction
+from router.applier import LinkQueue
+from router.progress import LinkProgress, SourceProgress
+from router.source import ReplicationSource
+
+__all__ = ["SourcePump"]
+
+logger = logging.getLogger(__name__)
+
+
+class SourcePump:
+    """Reads one source and feeds its links' queues."""
+
+    def __init__(
+        self,
+        source: ReplicationSource,
+        progress: SourceProgress,
+        queues: dict[str, LinkQueue],
+        *,
+        on_echo: Callable[[Transaction], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.progress = progress
+        self.queues = queues  # target node -> queue
+        self._on_echo = on_echo
+        self._reattach: list[LinkProgress] = []
+        self.echoes = 0
+        self.transactions = 0
+
+    @property
+    def node(self) -> str:
+        return self.source.node
+
+    async def run(self) -> None:
+        items = self.source.stream()
+        try:
+            async for item in items:
+                if self._reattach:
+                    for link in self._reattach:
+                        link.reattach()
+                    self._reattach = []
+                if isinstance(item, Message):
+                    continue  # non-transactional logical messages carry nothing to apply (yet)
+                await self._dispatch(item)
+        finally:
+            await items.aclose()
+
+    async def _dispatch(self, txn: Transaction) -> None:
+        if txn.origin is not None:
+            self.echoes += 1
+            if self._on_echo is not None:
+                self._on_echo(txn)
+        else:
+            self.transactions += 1
+            for link in self.progress.links:
+                if link.wants(txn.end_lsn):
+                    await self._hand(link, txn)
+        self.progress.on_seen(txn.end_lsn)
+
+    async def _hand(self, link: LinkProgress, txn: Transaction) -> None:
+        queue = self.queues[link.target]
+        while not queue.offer(txn):
+            if self._others_have_room(link):
+                link.detach(self.progress.seen)
+                queue.clear()
+                logger.warning(
+                    "link %s -> %s: queue full at %s; detached, it will re-read from %s",
+                    link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),
+                )
+                return
+            await queue.wait_room()  # every link is behind: let backpressure reach the source
+            if not link.wants(txn.end_lsn):
+                return
+        link.enqueued = txn.end_lsn
+
+    def _others_have_room(self, link: LinkProgress) -> bool:
+        return any(
+            other is not link and other.receiving and not self.queues[other.target].full
+            for other in self.progress.links
+        )
+
+    def rewind_for(self, links: list[LinkProgress]) -> int | None:
+        """Re-read the source so these detached links get what they missed; returns the position."""
+        if not links:
+            return None
+        position = max(min(link.applied for link in links), self.source.confirmed_lsn)
+        self.source.rewind(position)
+        self._reattach.extend(links)
+        logger.info("node %s: re-reading from %s for %s", self.node, format_lsn(position),
+                    ", ".join(link.target for link in links))
+        return position
