@@ -1,0 +1,168 @@
+"""The router over three real nodes: convergence, origins and commit times, order, atomicity, delay."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.integration.mesh import (
+    NODE_SETTINGS,
+    execute,
+    fetch,
+    running_router,
+    setup_mesh,
+    wait_converged,
+    wait_for,
+)
+
+SCHEMA = """
+CREATE TABLE accounts (id int PRIMARY KEY, owner text NOT NULL, balance numeric NOT NULL, note text);
+CREATE TABLE orders (id bigint PRIMARY KEY, account int, amount numeric, payload text);
+CREATE TABLE events (node text, seq int, at timestamptz);
+ALTER TABLE events REPLICA IDENTITY FULL;
+CREATE TABLE scratch (id int PRIMARY KEY, v text);
+"""
+TABLES = ["accounts", "orders", "events", "scratch"]
+
+
+async def workload(node: Any, base: int, rounds: int, seed: int) -> None:
+    """Writes on one node, on keys no other node touches: every kind of change the router must carry."""
+    rng = random.Random(seed)
+    async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+        for i in range(rounds):
+            key = base + i
+            await conn.execute("INSERT INTO accounts VALUES (%s, %s, 100, NULL)", [key, f"{node.name}-{i}"])
+            change = rng.randint(1, 50)
+            await conn.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", [change, key])
+            async with conn.transaction():  # a multi-table transaction
+                await conn.execute(
+                    "INSERT INTO orders VALUES (%s, %s, %s, %s)",
+                    [key, key, rng.randint(1, 99), "".join(rng.choices("abcdef0123456789", k=6000))],
+                )
+                await conn.execute("UPDATE accounts SET note = 'ordered' WHERE id = %s", [key])
+                await conn.execute("INSERT INTO events VALUES (%s, %s, now())", [node.name, i])
+            # the TOASTed payload is left untouched by this update
+            await conn.execute("UPDATE orders SET amount = amount * 2 WHERE id = %s", [key])
+            if i % 4 == 1:
+                await conn.execute("UPDATE accounts SET id = id + 500000 WHERE id = %s", [key])  # key change
+            if i % 5 == 2:
+                await conn.execute("DELETE FROM orders WHERE id = %s", [key])
+            if i % 7 == 3:
+                await conn.execute("DELETE FROM events WHERE node = %s AND seq = %s", [node.name, i])
+
+
+async def scratch_with_truncate(node: Any) -> None:
+    async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+        await conn.execute("INSERT INTO scratch SELECT i, 'first' FROM generate_series(1, 50) i")
+        await conn.execute("TRUNCATE scratch")
+        await conn.execute("INSERT INTO scratch SELECT i, 'second' FROM generate_series(1, 20) i")
+
+
+@pytest.fixture
+async def mesh(pg_nodes: Any) -> tuple[list[Any], Any]:
+    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    config = await setup_mesh(nodes, SCHEMA)
+    return nodes, config
+
+
+async def test_three_nodes_converge_with_original_origin_and_commit_time(
+    mesh: tuple[list[Any], Any],
+) -> None:
+    nodes, config = mesh
+    async with running_router(config) as router:
+        await asyncio.gather(
+            *(workload(node, (i + 1) * 1_000_000, 40, i) for i, node in enumerate(nodes)),
+            scratch_with_truncate(nodes[0]),
+        )
+        await wait_converged(nodes, TABLES)
+        status = router.status()
+    rows = await fetch(nodes[1].dsn(), "SELECT count(*) FROM accounts")
+    assert rows[0][0] == 120
+    assert (await fetch(nodes[2].dsn(), "SELECT count(*), min(v) FROM scratch"))[0] == (20, "second")
+    assert all(link.state == "streaming" and link.last_error is None for link in status.links)
+    assert {(link.source, link.target) for link in status.links} == {
+        (s, t) for s in "abc" for t in "abc" if s != t
+    }
+    # Every replicated row carries its source's origin and the source's own commit time.
+    for source in nodes:
+        origin_rows = await fetch(
+            source.dsn(),
+            "SELECT id, pg_xact_commit_timestamp(xmin) FROM orders WHERE id / 1000000 = %s"
+            " ORDER BY id LIMIT 5",
+            [nodes.index(source) + 1],
+        )
+        assert origin_rows
+        for target in nodes:
+            if target is source:
+                continue
+            for key, committed in origin_rows:
+                (row,) = await fetch(
+                    target.dsn(),
+                    "SELECT o.roname, (pg_xact_commit_timestamp_origin(t.xmin)).timestamp"
+                    " FROM orders t JOIN pg_replication_origin o"
+                    " ON o.roident = (pg_xact_commit_timestamp_origin(t.xmin)).roident WHERE t.id = %s",
+                    [key],
+                )
+                assert row == (config.origin_name(source.name), committed)
+
+
+async def test_reader_never_sees_half_a_transaction_or_out_of_order(mesh: tuple[list[Any], Any]) -> None:
+    nodes, config = mesh
+    a, b = nodes[0], nodes[1]
+    async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+        for i in range(300):  # a backlog: each transaction writes two tables
+            async with conn.transaction():
+                await conn.execute("INSERT INTO accounts VALUES (%s, 'pair', %s, NULL)", [i, i])
+                await conn.execute("INSERT INTO events VALUES ('pair', %s, now())", [i])
+    violations: list[str] = []
+    done = asyncio.Event()
+
+    async def reader() -> None:
+        async with await psycopg.AsyncConnection.connect(b.dsn(), autocommit=True) as conn:
+            while not done.is_set():
+                async with conn.transaction():
+                    await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    cur = await conn.execute("SELECT id FROM accounts ORDER BY id")
+                    accts = [r[0] for r in await cur.fetchall()]
+                    cur = await conn.execute("SELECT seq FROM events ORDER BY seq")
+                    evs = [r[0] for r in await cur.fetchall()]
+                if accts != evs:
+                    violations.append(f"half a transaction: {len(accts)} accounts, {len(evs)} events")
+                if accts != list(range(len(accts))):
+                    violations.append("out of commit order")
+                await asyncio.sleep(0)
+
+    task = asyncio.create_task(reader())
+    async with running_router(config):
+        await wait_converged(nodes, ["accounts", "events"])
+    done.set()
+    await task
+    assert not violations, violations[:3]
+
+
+async def test_apply_delay_holds_each_transaction(pg_nodes: Any) -> None:
+    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
+    config = await setup_mesh(nodes, SCHEMA, replication="apply_delay_ms = 2000")
+    a, b = nodes
+    async with running_router(config):
+        commits = []
+        for i in range(3):
+            await execute(a.dsn(), f"INSERT INTO scratch VALUES ({i}, 'delayed')")
+            query = "SELECT extract(epoch FROM pg_xact_commit_timestamp(xmin)) FROM scratch WHERE id = %s"
+            (row,) = await fetch(a.dsn(), query, [i])
+            commits.append(float(row[0]))
+        seen: dict[int, float] = {}
+
+        async def all_seen() -> bool:
+            for (key,) in await fetch(b.dsn(), "SELECT id FROM scratch"):
+                seen.setdefault(key, time.time())
+            return len(seen) == 3
+
+        await wait_for(all_seen, "the delayed rows on b", 30)
+    for key, commit in enumerate(commits):
+        assert seen[key] - commit >= 2.0, f"row {key} visible {seen[key] - commit:.3f} s after its commit"
