@@ -32,6 +32,48 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _run(run_demo(seconds=args.seconds, keep=args.keep))
 
 
+def _config(args: argparse.Namespace) -> Any:
+    from router.config import load_config
+
+    return load_config(args.config)
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from router.control import cmd_init
+
+    return _run(cmd_init(_config(args)))
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from router.control import cmd_run
+
+    return _run(cmd_run(_config(args)))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from router.control import cmd_status
+
+    return _run(cmd_status(_config(args), as_json=args.json))
+
+
+def _cmd_pause(args: argparse.Namespace) -> int:
+    from router.control import cmd_pause
+
+    return _run(cmd_pause(_config(args), args.target))
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from router.control import cmd_resume
+
+    return _run(cmd_resume(_config(args), args.target))
+
+
+def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    command: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+    command.add_argument("--config", required=True, metavar="PATH", help="the cluster's config.toml")
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pgmesh", description="Active-active replication for stock PostgreSQL 15+."
@@ -42,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=8.0, help="how long to write (default 8)")
     demo.add_argument("--keep", action="store_true", help="keep the nodes' directories afterwards")
     demo.set_defaults(func=_cmd_demo)
+    _with_config(sub, "init", "check every node and install what pgmesh needs").set_defaults(func=_cmd_init)
+    _with_config(sub, "run", "run the router (SIGTERM / Ctrl-C stops it cleanly)").set_defaults(func=_cmd_run)
+    status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_cmd_status)
+    for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
+        command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
+        command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")
+        command.set_defaults(func=func)
     return parser
 
 

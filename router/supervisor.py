@@ -23,10 +23,12 @@ import psycopg
 
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
+from router.admin import AdminServer
 from router.applier import Applier, LinkQueue, LinkState
 from router.config import Config, NodeConfig
 from router.errors import ConfigError, describe
 from router.fanout import SourcePump
+from router.metrics import Metrics
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource, SourceOptions
 
@@ -124,14 +126,20 @@ class Router:
         source_options: SourceOptions | None = None,
         clock: Callable[[], float] = time.time,
         on_applied: Callable[[Applier, Transaction], None] | None = None,
+        metrics: Metrics | None = None,
+        admin: bool = True,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.metrics = metrics or Metrics()
+        self.admin: AdminServer | None = None
+        self._admin_enabled = admin
+        self._exported: dict[tuple[str, str], tuple[int, int, int, int, int]] = {}
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}",
         )
-        self._on_applied = on_applied
+        self._on_applied_hook = on_applied
         self.targets = {n.name: _Target(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
         self.pumps: dict[str, SourcePump] = {}
@@ -178,7 +186,7 @@ class Router:
                 link = LinkProgress(source_node.name, target_node.name, flushed[key])
                 queue = LinkQueue(queue_max)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=self._on_applied, clock=self.clock)
+                                  on_applied=self._on_applied_hook, clock=self.clock)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")
                 links.append(link)
@@ -199,6 +207,11 @@ class Router:
         flushed, paused = await self._load_state()
         self._build(flushed, paused)
         self.running = True
+        if self._admin_enabled:
+            host, port = self.config.admin_host_port
+            self.admin = AdminServer(host, port, metrics=self.metrics, status=self.status, pause=self.pause,
+                                     resume=self.resume, health=self.health)
+            await self.admin.start()
         logger.info("cluster %s: router running with %d nodes and %d links",
                     self.config.cluster.name, len(self.pumps), len(self.appliers))
         try:
@@ -216,6 +229,8 @@ class Router:
                 await self._shutdown(pump_tasks, applier_tasks, ticker)
         finally:
             self.running = False
+            if self.admin is not None:
+                await self.admin.close()
             for target in self.targets.values():
                 await target.close()
 
@@ -292,6 +307,45 @@ class Router:
                 ]
                 if ready:
                     pump.rewind_for(ready)
+        self._export_metrics()
+
+    def _export_metrics(self) -> None:
+        """Bring the metrics up to date with the appliers' and sources' own counters."""
+        m = self.metrics
+        status = {(link.source, link.target): link for link in self.status().links}
+        for key, applier in self.appliers.items():
+            labels = {"source": key[0], "target": key[1]}
+            now = (applier.applied_transactions, applier.applied_rows, applier.retries, applier.errors,
+                   applier.skipped)
+            before = self._exported.get(key, (0, 0, 0, 0, 0))
+            for family, new, old in zip(
+                (m.applied_transactions_total, m.applied_rows_total, m.apply_retries_total,
+                 m.apply_errors_total, m.skipped_transactions_total), now, before, strict=True,
+            ):
+                if new > old:
+                    family.labels(**labels).inc(new - old)
+            self._exported[key] = now
+            link = status[key]
+            m.lag_bytes.labels(**labels).set(link.lag_bytes)
+            m.lag_seconds.labels(**labels).set(link.lag_seconds)
+            m.queue_transactions.labels(**labels).set(link.queued)
+            m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
+        for node, pump in self.pumps.items():
+            for family, new in ((m.echo_transactions_total, pump.echoes),
+                                (m.source_received_bytes_total, pump.source.bytes_received),
+                                (m.source_reconnects_total, pump.source.reconnects)):
+                child = family.labels(node=node)
+                if new > child.get():
+                    child.inc(new - child.get())
+
+    def health(self) -> tuple[bool, str]:
+        if not self.running:
+            return False, "the router is not running"
+        bad = [f"node {p.node}: {p.source.last_error}" for p in self.pumps.values()
+               if p.source.state == "error"]
+        bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
+                if a.state is LinkState.ERROR]
+        return (not bad, "; ".join(bad) if bad else "ok")
 
     # ------------------------------------------------------------ control
 
