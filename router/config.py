@@ -125,7 +125,12 @@ def _line_of(text: str, path: str) -> int | None:
                 if re.match(rf"^\s*\[\s*{re.escape(key)}\s*\]", lines[i]):
                     start = i
                     break
-    last, _ = segments[-1]
+    last, last_index = segments[-1]
+    if last_index:  # the path names a whole [[key]] table: its header line
+        header = re.compile(rf"^\s*\[\[\s*{re.escape(last)}\s*\]\]")
+        headers = [i for i, line in enumerate(lines) if header.match(line)]
+        if int(last_index) < len(headers):
+            return headers[int(last_index)] + 1
     wanted = re.compile(rf"^\s*(\[\[?\s*)?{re.escape(last)}\b")
     for i in range(start, len(lines)):
         if wanted.match(lines[i]):
@@ -181,7 +186,7 @@ def parse_config(text: str, *, source: str = "config.toml") -> Config:
         detail = message.partition(" - at `")[0]
         if detail.startswith("Object contains unknown field"):
             unknown = detail.split("`")[1] if "`" in detail else "?"
-            line = _line_of(text, unknown)
+            line = _line_of(text, f"{path}.{unknown}" if path else unknown)
             where = f"{source}:{line}" if line else source
             scope = f" in [{key}]" if key != "?" else ""
             raise ConfigError(f"{where}: unknown key {unknown!r}{scope}") from None

@@ -78,7 +78,7 @@ class SourcePump:
     async def _hand(self, link: LinkProgress, txn: Transaction) -> None:
         queue = self.queues[link.target]
         while not queue.offer(txn):
-            if self._others_have_room(link):
+            if self._others_want_and_can_take(link, txn):
                 link.detach(self.progress.seen)
                 queue.clear()
                 logger.warning(
@@ -91,9 +91,14 @@ class SourcePump:
                 return
         link.enqueued = txn.end_lsn
 
-    def _others_have_room(self, link: LinkProgress) -> bool:
+    def _others_want_and_can_take(self, link: LinkProgress, txn: Transaction) -> bool:
+        """Would waiting for this link hold back another link that needs this transaction now?
+
+        While a link re-reads what it missed, nobody else wants those transactions: it is simply
+        backpressure. Only a link that stalls another detaches.
+        """
         return any(
-            other is not link and other.receiving and not self.queues[other.target].full
+            other is not link and other.wants(txn.end_lsn) and not self.queues[other.target].full
             for other in self.progress.links
         )
 

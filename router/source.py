@@ -25,6 +25,7 @@ import contextlib
 import logging
 import random
 import re
+import struct
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Final
@@ -56,6 +57,8 @@ _SLOT_NAME: Final = re.compile(r"^[a-z0-9_]{1,63}$")
 _XLOG_TAG: Final = 0x77  # 'w'
 _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
+_WAL_START: Final = struct.Struct(">Q")  # after the 'w' of an XLogData body
+_XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 
 class SourceOptions(msgspec.Struct, frozen=True):
@@ -654,13 +657,18 @@ class ReplicationSource:
         """Decode a batch of XLogData bodies; return what completed and was not handed out before."""
         decode = self._decoder.decode
         feed = self._assembler.feed
+        wal_start_of = _WAL_START.unpack_from
         done: list[Transaction | Message] = []
         for data in batch:
-            wal_start = int.from_bytes(data[1:9], "big")
-            payload = bytes(data[25:])  # 'w' + WAL start, WAL end, send time
+            # One copy per frame: 'w' + WAL start, WAL end, send time, then the payload, decoded in place.
+            buf = bytes(data)
+            try:
+                wal_start = wal_start_of(buf, 1)[0]
+            except struct.error:  # shorter than its header: decode() reports it as truncated
+                wal_start = int.from_bytes(buf[1:9], "big")
             if wal_start > self._received:
                 self._received = wal_start
-            out = feed(decode(payload, wal_start), wal_start, len(payload))
+            out = feed(decode(buf, wal_start, _XLOG_PAYLOAD), wal_start, len(buf) - _XLOG_PAYLOAD)
             if out is None:
                 continue
             if isinstance(out, Transaction):

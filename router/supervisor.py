@@ -303,6 +303,7 @@ class Router:
                 ready = [
                     link for link in progress.links
                     if link.detached and self.appliers[(node, link.target)].ready_for_more
+                    and self.targets[link.target].error is None  # answered this tick's progress query
                     and not len(pump.queues[link.target])
                 ]
                 if ready:

@@ -1,0 +1,359 @@
+"""Every metric pgmesh exports, and the tiny registry that renders them for Prometheus.
+
+Owns: the name, type, help text and label names of each `pgmesh_*` metric (all of them are declared
+in `Metrics.__init__`, nowhere else), the counter and gauge families, and the Prometheus text
+exposition format, version 0.0.4 (`Registry.render`).
+Must not: do I/O, hold a global registry, import prometheus_client, start tasks or read clocks. The
+router creates one `Metrics` and passes it to whoever updates or serves it (the admin listener).
+
+The router runs on one event loop, so families and children take no locks. Samples render with their
+labels in the order the family declares them; families sort by name and children by label values, so
+the same state always renders the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable, Iterator
+from typing import Final, Generic, TypeVar
+
+__all__ = [
+    "CONTENT_TYPE",
+    "LINK_LABELS",
+    "LINK_STATES",
+    "Counter",
+    "CounterChild",
+    "Gauge",
+    "GaugeChild",
+    "Metrics",
+    "Registry",
+    "format_value",
+]
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX: Final = "pgmesh_"
+LINK_LABELS: Final = ("source", "target")
+LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error")
+
+_METRIC_NAME_RE: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_NAME_RE: Final = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# Integral floats up to 2**53 print without an exponent or `.0`, like Go's strconv 'g' does below 1e21.
+_EXACT_INT_LIMIT: Final = 2.0**53
+
+
+def format_value(value: float) -> str:
+    """A sample value as Prometheus prints it: `1`, `0.5`, `1e+300`, `+Inf`, `-Inf`, `NaN`."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < _EXACT_INT_LIMIT:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+class CounterChild:
+    """One labelled counter: only goes up (until the process restarts)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value = 0.0
+
+    def inc(self, n: float = 1) -> None:
+        if n < 0:
+            raise ValueError(f"a counter only goes up: inc({n!r})")
+        self._value += n
+
+    def get(self) -> float:
+        return self._value
+
+
+class GaugeChild:
+    """One labelled gauge: a value that can go up and down."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value = 0.0
+
+    def inc(self, n: float = 1) -> None:
+        self._value += n
+
+    def dec(self, n: float = 1) -> None:
+        self._value -= n
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def get(self) -> float:
+        return self._value
+
+
+ChildT = TypeVar("ChildT", CounterChild, GaugeChild)
+
+
+class _Family(Generic[ChildT]):
+    """A metric name with its help text, label names and one child per distinct set of label values."""
+
+    __slots__ = ("_children", "help", "labelnames", "name")
+    kind: str = "untyped"
+
+    def __init__(self, name: str, help: str, labelnames: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help
+        self.labelnames: tuple[str, ...] = tuple(labelnames)
+        _check_names(name, self.labelnames)
+        self._children: dict[tuple[str, ...], ChildT] = {}
+        if not self.labelnames:
+            # A family without labels always exposes its one sample, 0 until touched.
+            self._children[()] = self._new_child()
+
+    def _new_child(self) -> ChildT:
+        raise NotImplementedError
+
+    def labels(self, **labels: object) -> ChildT:
+        """The child for these label values (created at 0 on first use). Every label name is required."""
+        key = self._key(labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._new_child()
+        return child
+
+    def find(self, **labels: object) -> ChildT | None:
+        """The child for these label values if it exists; never creates one."""
+        return self._children.get(self._key(labels))
+
+    def remove(self, **labels: object) -> None:
+        """Forget one child (a node that left the cluster); unknown label values are ignored."""
+        self._children.pop(self._key(labels), None)
+
+    def remove_where(self, label: str, value: str) -> None:
+        """Forget every child whose `label` is `value` (no-op when the family has no such label)."""
+        if label not in self.labelnames:
+            return
+        index = self.labelnames.index(label)
+        for key in [key for key in self._children if key[index] == value]:
+            del self._children[key]
+
+    def clear(self) -> None:
+        """Forget every child (a family without labels keeps its one sample, back at 0)."""
+        self._children.clear()
+        if not self.labelnames:
+            self._children[()] = self._new_child()
+
+    def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"metric {self.name} takes labels {list(self.labelnames)}, got {sorted(labels)}")
+        return tuple(str(labels[name]) for name in self.labelnames)
+
+    def samples(self) -> Iterator[tuple[tuple[str, ...], float]]:
+        """(label values, value) for each child, sorted by label values."""
+        for key in sorted(self._children):
+            yield key, self._children[key].get()
+
+    def render(self) -> Iterator[str]:
+        """The family's lines in the text exposition format, without line ends."""
+        yield f"# HELP {self.name} {_escape_help(self.help)}"
+        yield f"# TYPE {self.name} {self.kind}"
+        for key, value in self.samples():
+            yield f"{self.name}{self._render_labels(key)} {format_value(value)}"
+
+    def _render_labels(self, key: tuple[str, ...]) -> str:
+        if not key:
+            return ""
+        pairs = ",".join(
+            f'{name}="{_escape_label_value(value)}"' for name, value in zip(self.labelnames, key, strict=True)
+        )
+        return "{" + pairs + "}"
+
+
+def _check_names(name: str, labelnames: tuple[str, ...]) -> None:
+    if not _METRIC_NAME_RE.match(name):
+        raise ValueError(f"invalid metric name {name!r}")
+    for label in labelnames:
+        if not _LABEL_NAME_RE.match(label) or label.startswith("__"):
+            raise ValueError(f"metric {name}: invalid label name {label!r}")
+    if len(set(labelnames)) != len(labelnames):
+        raise ValueError(f"metric {name}: duplicate label names {list(labelnames)}")
+
+
+class Counter(_Family[CounterChild]):
+    """A family of counters."""
+
+    __slots__ = ()
+    kind = "counter"
+
+    def _new_child(self) -> CounterChild:
+        return CounterChild()
+
+
+class Gauge(_Family[GaugeChild]):
+    """A family of gauges."""
+
+    __slots__ = ()
+    kind = "gauge"
+
+    def _new_child(self) -> GaugeChild:
+        return GaugeChild()
+
+
+class Registry:
+    """A set of families with unique names, rendered together."""
+
+    __slots__ = ("_families",)
+
+    def __init__(self) -> None:
+        self._families: dict[str, Counter | Gauge] = {}
+
+    def counter(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Counter:
+        family = Counter(name, help, labelnames)
+        self._add(family)
+        return family
+
+    def gauge(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Gauge:
+        family = Gauge(name, help, labelnames)
+        self._add(family)
+        return family
+
+    def _add(self, family: Counter | Gauge) -> None:
+        if family.name in self._families:
+            raise ValueError(f"metric {family.name} is registered twice")
+        self._families[family.name] = family
+
+    def families(self) -> list[Counter | Gauge]:
+        """Every family, sorted by name."""
+        return [self._families[name] for name in sorted(self._families)]
+
+    def render(self) -> str:
+        """The whole registry in the Prometheus text exposition format 0.0.4 (ends with a newline)."""
+        lines = [line for family in self.families() for line in family.render()]
+        return "\n".join(lines) + "\n" if lines else ""
+
+
+class Metrics:
+    """Every metric pgmesh exports. The router creates one and passes it to sources, appliers and admin.
+
+    Link metrics carry `source` (the node a transaction was committed on) and `target` (the node it is
+    applied to); node metrics carry `node`.
+    """
+
+    __slots__ = (
+        "applied_rows_total",
+        "applied_transactions_total",
+        "apply_errors_total",
+        "apply_retries_total",
+        "conflicts_total",
+        "echo_transactions_total",
+        "lag_bytes",
+        "lag_seconds",
+        "link_state",
+        "queue_transactions",
+        "registry",
+        "skipped_transactions_total",
+        "source_received_bytes_total",
+        "source_reconnects_total",
+    )
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        self._declare_link_metrics()
+        self._declare_node_metrics()
+
+    def _declare_link_metrics(self) -> None:
+        counter, gauge, link = self.registry.counter, self.registry.gauge, LINK_LABELS
+        self.applied_transactions_total = counter(
+            PREFIX + "applied_transactions_total", "Transactions committed on the target.", link
+        )
+        self.applied_rows_total = counter(
+            PREFIX + "applied_rows_total", "Row changes applied on the target.", link
+        )
+        self.apply_retries_total = counter(
+            PREFIX + "apply_retries_total",
+            "Transactions retried on the target after a deadlock, serialization failure or lost connection.",
+            link,
+        )
+        self.apply_errors_total = counter(
+            PREFIX + "apply_errors_total", "Apply failures that paused or stopped the link.", link
+        )
+        self.skipped_transactions_total = counter(
+            PREFIX + "skipped_transactions_total",
+            "Transactions not applied because the target had already applied them (resent after a restart).",
+            link,
+        )
+        self.lag_bytes = gauge(
+            PREFIX + "lag_bytes",
+            "WAL bytes from the target's applied position up to the source's last received position.",
+            link,
+        )
+        self.lag_seconds = gauge(
+            PREFIX + "lag_seconds", "Seconds since the source committed the last transaction applied.", link
+        )
+        self.queue_transactions = gauge(
+            PREFIX + "queue_transactions", "Transactions queued in memory for the target.", link
+        )
+        self.link_state = gauge(
+            PREFIX + "link_state",
+            "1 for the link's current state, 0 for the others (" + ", ".join(LINK_STATES) + ").",
+            (*link, "state"),
+        )
+        self.conflicts_total = counter(
+            PREFIX + "conflicts_total",
+            "Conflicts detected and resolved on the target, by table and conflict type.",
+            (*link, "table", "type"),
+        )
+
+    def _declare_node_metrics(self) -> None:
+        counter = self.registry.counter
+        self.echo_transactions_total = counter(
+            PREFIX + "echo_transactions_total",
+            "Transactions decoded from the node that carried a replication origin, so were not fanned out.",
+            ("node",),
+        )
+        self.source_received_bytes_total = counter(
+            PREFIX + "source_received_bytes_total",
+            "Replication stream bytes received from the node.",
+            ("node",),
+        )
+        self.source_reconnects_total = counter(
+            PREFIX + "source_reconnects_total", "Replication connections to the node opened again.", ("node",)
+        )
+
+    def set_link_state(self, source: str, target: str, state: str) -> None:
+        """Mark `state` as the link's current state: 1 for it, 0 for every other state."""
+        if state not in LINK_STATES:
+            raise ValueError(f"unknown link state {state!r}; expected one of {', '.join(LINK_STATES)}")
+        for candidate in LINK_STATES:
+            self.link_state.labels(source=source, target=target, state=candidate).set(
+                1 if candidate == state else 0
+            )
+
+    def link_state_of(self, source: str, target: str) -> str | None:
+        """The state last set for the link, or None when none was."""
+        for candidate in LINK_STATES:
+            child = self.link_state.find(source=source, target=target, state=candidate)
+            if child is not None and child.get() == 1:
+                return candidate
+        return None
+
+    def forget_node(self, node: str) -> None:
+        """Drop every series naming `node` as source, target or node (it left the cluster)."""
+        for family in self.registry.families():
+            for label in ("source", "target", "node"):
+                family.remove_where(label, node)
+
+    def render(self) -> str:
+        """Every pgmesh metric in the Prometheus text exposition format 0.0.4."""
+        return self.registry.render()
