@@ -241,10 +241,14 @@ class Applier:
         row = await self._conn.fetchval(
             "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
         )
-        if row:
-            self.progress.on_applied(parse_lsn(row))
+        if self.progress.restart_at(parse_lsn(row) if row else 0):
+            logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
+                           self.name, format_lsn(self.progress.applied))
+            self.queue.clear()
+            self._current = None
         await self._load_tables()
         self.state = LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING
+        self.last_error = None
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))
 

@@ -98,7 +98,10 @@ class SourcePump:
         backpressure. Only a link that stalls another detaches.
         """
         return any(
-            other is not link and other.wants(txn.end_lsn) and not self.queues[other.target].full
+            other is not link
+            and other.receiving
+            and other.enqueued <= txn.end_lsn  # it has (or wants) this one: it needs the stream to move
+            and not self.queues[other.target].full
             for other in self.progress.links
         )
 

@@ -41,6 +41,22 @@ class LinkProgress:
     def on_applied(self, lsn: int) -> None:
         self.applied = max(self.applied, lsn)
 
+    def restart_at(self, lsn: int) -> bool:
+        """The target's own word on (re)connect: its origin is at `lsn`.
+
+        Lower than what we believed applied means the target lost commits it had not flushed (a crash
+        with synchronous_commit off): everything handed to the link since must be re-read. Returns
+        True when that happened (the caller then drops what it still holds for the link).
+        """
+        if lsn >= self.applied:
+            self.applied = lsn
+            return False
+        self.applied = lsn
+        self.flushed = min(self.flushed, lsn)
+        self.receiving = False
+        self.missed_until = max(self.missed_until or 0, self.enqueued)
+        return True
+
     def wants(self, end_lsn: int) -> bool:
         """Whether a transaction ending at `end_lsn` still has to be handed to this link."""
         return self.receiving and end_lsn > self.enqueued
