@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="throw-away local nodes, live decoded changes, a final check")
-    demo.add_argument("--seconds", type=float, default=8.0, help="how long to write (default 8)")
+    demo.add_argument("--seconds", type=float, default=10.0, help="how long to write (default 10)")
     demo.add_argument("--keep", action="store_true", help="keep the nodes' directories afterwards")
     demo.set_defaults(func=_cmd_demo)
     _with_config(sub, "init", "check every node and install what pgmesh needs").set_defaults(func=_cmd_init)

@@ -117,12 +117,14 @@ async def fetch_status(config: Config) -> StatusReport:
 def render_status(report: StatusReport) -> str:
     lines = [f"cluster {report.cluster}: router {'running' if report.running else 'NOT running'}"]
     lines.append(
-        f"{'link':<20} {'state':<12} {'applied':>14} {'lag bytes':>10} {'lag s':>7} {'queued':>7}  last error"
+        f"{'link':<14} {'state':<12} {'applied':>12} {'committed at source':<23} {'lag bytes':>10}"
+        f" {'lag s':>7} {'queued':>7}  last error"
     )
     for link in sorted(report.links, key=lambda lk: (lk.source, lk.target)):
         name = f"{link.source} -> {link.target}"
+        committed = (link.last_commit_time or "-").replace("T", " ")[:23]
         lines.append(
-            f"{name:<20} {link.state:<12} {link.applied_lsn:>14} {link.lag_bytes:>10} "
+            f"{name:<14} {link.state:<12} {link.applied_lsn:>12} {committed:<23} {link.lag_bytes:>10} "
             f"{link.lag_seconds:>7.2f} {link.queued:>7}  {link.last_error or ''}"
         )
     for source in report.sources:

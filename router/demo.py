@@ -1,182 +1,148 @@
-"""`pgmesh demo`: throw-away local nodes, writes on one, its decoded changes printed live.
+"""`pgmesh demo`: three throw-away local nodes, `pgmesh init`, the router, writes on all three, a check.
 
-For now (until the router core lands) the demo shows the foundation end to end: it starts local
-PostgreSQL 15 nodes with `router.localnodes`, creates a table and a publication, streams one node's
-changes through a real `ReplicationSource` (decoded once by `protocol/`), prints each committed
-transaction as it arrives, confirms it, and ends by checking that every transaction written arrived
-exactly once and that the slot's confirmed position reached the last one. It owns its nodes and removes
-them at the end (unless asked to keep them).
+It starts three local PostgreSQL 15 nodes with `router.localnodes`, creates the same small shop schema
+on each, writes a `config.toml` for them, runs the real `init` and the real router (in this process),
+drives writes on all three nodes at once while printing the live status table, then stops writing and
+checks that the three nodes converged to identical rows. The nodes are removed at the end unless
+`--keep` is given (then the config file is left beside them for `pgmesh status --config ...`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import random
 import signal
+import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 import psycopg
 
-from protocol.lsn import format_lsn, pg_us_to_datetime
-from protocol.messages import Delete, Insert, Message, Relation, Truncate, TupleData, Update
-from protocol.transactions import Transaction
+from router.catalog import init_cluster
+from router.compare import same_everywhere
+from router.config import Config, parse_config
+from router.control import render_status
 from router.localnodes import LocalNode, create_nodes
-from router.source import ReplicationSource, SourceOptions
+from router.supervisor import Router
 
-__all__ = ["format_transaction", "run_demo"]
+__all__ = ["run_demo"]
 
-logger = logging.getLogger(__name__)
-
-DEMO_SCHEMA = """
-CREATE TABLE IF NOT EXISTS accounts (id int PRIMARY KEY, owner text NOT NULL, balance numeric NOT NULL);
-CREATE PUBLICATION pgmesh_demo FOR TABLE accounts;
+SCHEMA = """
+CREATE TABLE products (id int PRIMARY KEY, name text NOT NULL, price numeric(10,2) NOT NULL);
+CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL, email text);
+CREATE TABLE orders (id bigint PRIMARY KEY, customer bigint NOT NULL, product int NOT NULL,
+                     quantity int NOT NULL, status text NOT NULL DEFAULT 'new', placed timestamptz NOT NULL);
+INSERT INTO products SELECT i, 'product ' || i, 10 + i FROM generate_series(1, 20) i;
 """
+TABLES = ["products", "customers", "orders"]
 
 
-def _row_text(relation: Relation, row: TupleData, *, keys_only: bool = False) -> str:
-    cells = []
-    for column, kind, value in zip(relation.columns, row.kinds, row.values, strict=False):
-        if keys_only and not column.key:
-            continue
-        if kind == 0x6E:  # n
-            shown = "NULL"
-        elif kind == 0x75:  # u
-            shown = "<unchanged>"
-        elif isinstance(value, bytes):
-            shown = repr(value.decode(errors="replace")) if kind == 0x74 else f"<{len(value)} bytes>"
-        else:
-            shown = "?"
-        cells.append(f"{column.name}={shown}")
-    return ", ".join(cells)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def format_transaction(node: str, txn: Transaction) -> list[str]:
-    """Human-readable lines for one decoded transaction."""
-    when = pg_us_to_datetime(txn.commit_time).strftime("%H:%M:%S.%f")[:-3]
-    origin = f" origin {txn.origin}" if txn.origin else ""
-    lines = [f"[{node}] COMMIT {format_lsn(txn.commit_lsn)} xid {txn.xid} at {when}{origin}"]
-    relations = dict(txn.relations)
-    for change in txn.changes:
-        if isinstance(change, Relation):
-            relations[change.relid] = change
-            continue
-        if isinstance(change, Insert):
-            rel = relations[change.relid]
-            lines.append(f"    INSERT {rel.schema}.{rel.name} ({_row_text(rel, change.new)})")
-        elif isinstance(change, Update):
-            rel = relations[change.relid]
-            lines.append(f"    UPDATE {rel.schema}.{rel.name} ({_row_text(rel, change.new)})")
-        elif isinstance(change, Delete):
-            rel = relations[change.relid]
-            old = _row_text(rel, change.old, keys_only=change.old_kind == "K")
-            lines.append(f"    DELETE {rel.schema}.{rel.name} ({old})")
-        elif isinstance(change, Truncate):
-            names = ", ".join(relations[r].name for r in change.relids)
-            lines.append(f"    TRUNCATE {names}")
-        elif isinstance(change, Message):
-            lines.append(f"    MESSAGE {change.prefix}: {change.content[:60]!r}")
-    return lines
+def _config_text(nodes: list[LocalNode], admin_port: int) -> str:
+    parts = ['[cluster]\nname = "demo"\n']
+    for node in nodes:
+        parts.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
+    parts.append(f'[replication]\nstatus_interval_ms = 200\n\n[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
+    return "\n".join(parts)
 
 
-async def _write_workload(dsn: str, transactions: int, stop: asyncio.Event) -> int:
-    """Small banking workload, one statement per transaction; returns how many committed."""
+async def _shop(node: LocalNode, index: int, stop: asyncio.Event) -> int:
+    """A little shop on one node: customers sign up, order, orders move on. Returns transactions."""
+    rng = random.Random(index)
+    base = (index + 1) * 1_000_000
     done = 0
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        for i in range(transactions):
-            if stop.is_set():
-                break
-            account = i % 5 + 1
-            if i < 5:
+    async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+        while not stop.is_set():
+            key = base + done
+            async with conn.transaction():
+                await conn.execute("INSERT INTO customers VALUES (%s, %s, %s)",
+                                   [key, f"customer {key}", f"c{key}@example.com"])
                 await conn.execute(
-                    "INSERT INTO accounts VALUES (%s, %s, 100)", [account, f"owner-{account}"]
+                    "INSERT INTO orders VALUES (%s, %s, %s, %s, 'new', now())",
+                    [key, key, rng.randint(1, 20), rng.randint(1, 5)],
                 )
-            elif i % 7 == 0:
-                await conn.execute("DELETE FROM accounts WHERE id = %s", [account])
-                await conn.execute("INSERT INTO accounts VALUES (%s, 'reopened', 0)", [account])
-                done += 1
-            else:
-                await conn.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", [i, account])
+            if done % 3 == 0 and done:
+                await conn.execute("UPDATE orders SET status = 'shipped' WHERE id = %s", [key - 1])
+            if done % 10 == 9:
+                await conn.execute("DELETE FROM orders WHERE id = %s", [key - 5])
             done += 1
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.02)
     return done
 
 
-async def run_demo(
-    *, seconds: float = 8.0, keep: bool = False, out: TextIO = sys.stdout
-) -> int:
-    """Run the demo; returns a process exit code (0 when every transaction arrived exactly once)."""
-    print("pgmesh demo: starting two throw-away PostgreSQL nodes ...", file=out, flush=True)
-    nodes: list[LocalNode] = await asyncio.to_thread(create_nodes, ["a", "b"])
-    stop = asyncio.Event()
-    _install_stop_handlers(stop.set)
+async def run_demo(*, seconds: float = 10.0, keep: bool = False, out: TextIO = sys.stdout) -> int:
+    """Run the demo; returns a process exit code (0 when the nodes converged)."""
+    print("pgmesh demo: starting three throw-away PostgreSQL nodes ...", file=out, flush=True)
+    nodes: list[LocalNode] = await asyncio.to_thread(create_nodes, ["a", "b", "c"])
+    workdir = Path(tempfile.mkdtemp(prefix="pgmesh-demo-"))
     try:
-        source_node = nodes[0]
-        dsn = source_node.dsn()
         for node in nodes:
-            print(f"  node {node.name}: 127.0.0.1:{node.port} ({node.datadir})", file=out)
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            await conn.execute(DEMO_SCHEMA)
-        options = SourceOptions(binary=False, status_interval=1.0)
-        source = ReplicationSource(source_node.name, dsn, "pgmesh_demo", ["pgmesh_demo"], options=options)
-        await source.create_slot()
-        transactions = max(1, int(seconds / 0.2))
-        writer = asyncio.create_task(_write_workload(dsn, transactions, stop))
-        print(f"streaming node {source_node.name}'s changes (Ctrl-C stops):", file=out, flush=True)
-        received = await _print_stream(source, writer, out)
-        written = await writer
-        await source.send_status()
-        info = await source.slot_info()
-        await source.close()
-        confirmed = info.confirmed_flush_lsn if info else None
-        ok = received == written and confirmed is not None and confirmed >= source.delivered_lsn
-        print(
-            f"\nwritten {written} transactions, received {received}; slot confirmed at "
-            f"{format_lsn(confirmed or 0)}: {'OK' if ok else 'MISMATCH'}",
-            file=out,
-        )
-        return 0 if ok else 1
+            print(f"  node {node.name}: 127.0.0.1:{node.port}  ({node.datadir})", file=out)
+            async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+                await conn.execute(SCHEMA)
+        config_path = workdir / "config.toml"
+        config_path.write_text(_config_text(nodes, _free_port()))
+        config = parse_config(config_path.read_text(), source=str(config_path))
+        print(f"\n$ pgmesh init --config {config_path}", file=out)
+        report, actions = await init_cluster(config)
+        print(report.render(), file=out)
+        for line in actions:
+            print(f"  {line}", file=out)
+        return await _run_router(config, nodes, seconds, out)
     finally:
         if keep:
-            print("keeping the nodes (--keep); remove their directories when done", file=out)
+            print(f"\nkeeping the nodes; config: {workdir / 'config.toml'}", file=out)
         else:
             for node in nodes:
                 await asyncio.to_thread(node.destroy)
 
 
-async def _print_stream(source: ReplicationSource, writer: asyncio.Task[int], out: TextIO) -> int:
-    """Print transactions until the writer is done and all it wrote arrived (or 15 s passed after it)."""
-    received = 0
-    deadline: float | None = None
-    items = source.stream()
-    try:
-        while True:
-            if writer.done():
-                if received >= writer.result():
-                    break
-                deadline = deadline or time.monotonic() + 15.0
-                if time.monotonic() > deadline:
-                    break
-            try:
-                item = await asyncio.wait_for(anext(items), 0.5)
-            except TimeoutError:
-                continue
-            if isinstance(item, Transaction):
-                received += 1
-                for line in format_transaction(source.node, item):
-                    print(line, file=out, flush=True)
-                source.confirm(item.end_lsn)
-    finally:
-        await items.aclose()
-    return received
+async def _run_router(config: Config, nodes: list[LocalNode], seconds: float, out: TextIO) -> int:
+    stop_router = asyncio.Event()
+    stop_writes = asyncio.Event()
+    _on_signal(stop_writes.set)
+    router = Router(config)
+    task = asyncio.create_task(router.run(stop_router))
+    await router.started.wait()
+    print(f"\n$ pgmesh run  (admin on {config.admin.listen}); writing on a, b and c for {seconds:.0f} s",
+          file=out, flush=True)
+    writers = [asyncio.create_task(_shop(node, i, stop_writes)) for i, node in enumerate(nodes)]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not stop_writes.is_set():
+        await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        print("\n" + render_status(router.status()), file=out, flush=True)
+    stop_writes.set()
+    written = sum(await asyncio.gather(*writers))
+    print(f"\nwrites stopped after {written} transactions; waiting for the nodes to converge ...",
+          file=out, flush=True)
+    dsns = [node.dsn() for node in nodes]
+    ok = False
+    limit = time.monotonic() + 60
+    while time.monotonic() < limit:
+        if await same_everywhere(dsns, TABLES):
+            ok = True
+            break
+        await asyncio.sleep(0.2)
+    print("\n" + render_status(router.status()), file=out)
+    stop_router.set()
+    await task
+    print(f"\nconverged: {'YES, a, b and c hold identical rows' if ok else 'NO'}", file=out)
+    return 0 if ok else 1
 
 
-def _install_stop_handlers(stop: Callable[[], Any]) -> None:
+def _on_signal(callback: Callable[[], Any]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop)
-
+            loop.add_signal_handler(sig, callback)

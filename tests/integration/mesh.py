@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from router.catalog import init_cluster
+from router.compare import fingerprints, same_everywhere
 from router.config import Config, parse_config
 from router.supervisor import Router
 
@@ -84,22 +85,11 @@ async def wait_for(check: Callable[[], Awaitable[bool] | bool], what: str, limit
 
 
 async def fingerprint(dsn: str, tables: Sequence[str]) -> dict[str, tuple[int, str]]:
-    out = {}
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        for table in tables:
-            cur = await conn.execute(
-                "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
-                f" FROM {table} t"
-            )
-            row = await cur.fetchone()
-            assert row is not None
-            out[table] = (int(row[0]), str(row[1]))
-    return out
+    return await fingerprints(dsn, tables)
 
 
 async def converged(nodes: Sequence[Any], tables: Sequence[str]) -> bool:
-    prints = [await fingerprint(n.dsn(), tables) for n in nodes]
-    return all(p == prints[0] for p in prints[1:])
+    return await same_everywhere([n.dsn() for n in nodes], tables)
 
 
 async def wait_converged(nodes: Sequence[Any], tables: Sequence[str], limit: float = 120.0) -> None:
