@@ -184,6 +184,16 @@ class Applier:
         self._resumed.set()
 
     @property
+    def pending(self) -> int:
+        """Transactions held for this link: queued, plus the one in hand."""
+        return len(self.queue) + (self._current is not None)
+
+    def oldest_pending_commit_time(self) -> int | None:
+        if self._current is not None:
+            return self._current.commit_time
+        return self.queue.oldest_commit_time()
+
+    @property
     def ready_for_more(self) -> bool:
         """Running and not held: a detached link in this state can be re-attached."""
         return self._resumed.is_set() and self.state in (LinkState.STREAMING, LinkState.CATCHING_UP)
@@ -270,9 +280,10 @@ class Applier:
 
     async def _apply_forever(self) -> None:
         while True:
+            await self._resumed.wait()
             txn = self._current or await self.queue.get()
             self._current = txn
-            await self._resumed.wait()
+            await self._resumed.wait()  # paused while it waited for the queue
             if txn.end_lsn <= self.progress.applied:
                 self.skipped += 1
             else:

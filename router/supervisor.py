@@ -86,7 +86,7 @@ class _Target:
                 self.node.dsn, autocommit=True, application_name="pgmesh-monitor", connect_timeout=5
             )
         cur = await self.conn.execute(sql, params)
-        return await cur.fetchall()
+        return await cur.fetchall() if cur.description else []
 
     async def origin_progress(self) -> dict[str, int]:
         """source node -> flushed position of its origin on this target."""
@@ -391,7 +391,7 @@ class Router:
     def _link_status(self, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:
         source = self.pumps[key[0]].source
         link = applier.progress
-        pending = applier.queue.oldest_commit_time()
+        pending = applier.oldest_pending_commit_time()
         lag_seconds = max(0.0, now - pg_us_to_datetime(pending).timestamp()) if pending is not None else 0.0
         state = applier.state
         if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
@@ -402,7 +402,7 @@ class Router:
             applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
             last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
             lag_bytes=self._lag_bytes(source, link),
-            lag_seconds=round(lag_seconds, 3), queued=len(applier.queue),
+            lag_seconds=round(lag_seconds, 3), queued=applier.pending,
             applied_transactions=applier.applied_transactions, applied_rows=applier.applied_rows,
             retries=applier.retries, last_error=applier.last_error,
         )

@@ -1,0 +1,141 @@
+"""The `pgmesh` command line end to end: init, run, status, pause, resume, metrics, SIGTERM, demo."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from router.admin import admin_request
+from router.demo import run_demo
+from tests.integration.mesh import NODE_SETTINGS, config_text, execute, fetch, wait_for
+
+SCHEMA = "CREATE TABLE items (id int PRIMARY KEY, v text);"
+
+
+def pgmesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def status_json(config: Path) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "status", "--config", str(config), "--json",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def links_by_name(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f"{lk['source']}->{lk['target']}": lk for lk in status["links"]}
+
+
+async def test_init_run_status_pause_resume_metrics_and_sigterm(pg_nodes: Any, tmp_path: Path) -> None:
+    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
+    a, b = nodes
+    for node in nodes:
+        await execute(node.dsn(), SCHEMA)
+    port = free_port()
+    config = tmp_path / "config.toml"
+    config.write_text(config_text(nodes, admin_port=port))
+
+    first = pgmesh("init", "--config", str(config))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "ready" in first.stdout and "created" in first.stdout
+    second = pgmesh("init", "--config", str(config))
+    assert second.returncode == 0 and "nothing changed" in second.stdout
+
+    offline = await status_json(config)
+    assert offline["running"] is False and {lk["state"] for lk in offline["links"]} == {"down"}
+
+    log = (tmp_path / "router.log").open("wb")
+    router = subprocess.Popen(  # noqa: ASYNC220 - a long-lived child, waited for below
+        [sys.executable, "-m", "router", "run", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        async def up() -> bool:
+            try:
+                code, _ = await admin_request("127.0.0.1", port, "GET", "/healthz", timeout=1)
+            except OSError:
+                return False
+            return code == 200
+
+        await wait_for(up, "the router's admin listener", 30)
+        await execute(a.dsn(), "INSERT INTO items VALUES (1, 'one')")
+        await wait_for(lambda: _has(b, 1), "row 1 on b")
+        status = await status_json(config)
+        assert status["running"] is True
+        assert links_by_name(status)["a->b"]["state"] == "streaming"
+        assert links_by_name(status)["a->b"]["applied_transactions"] == 1
+
+        code, body = await admin_request("127.0.0.1", port, "GET", "/metrics")
+        text = body.decode()
+        assert code == 200
+        assert 'pgmesh_applied_transactions_total{source="a",target="b"} 1' in text
+        assert 'pgmesh_link_state{source="a",target="b",state="streaming"} 1' in text
+
+        paused = pgmesh("pause", "--config", str(config), "--target", "b")
+        assert paused.returncode == 0 and "a -> b" in paused.stdout
+        await execute(a.dsn(), "INSERT INTO items VALUES (2, 'two')")
+
+        async def queued_for_b() -> bool:
+            link = links_by_name(await status_json(config))["a->b"]
+            return bool(link["state"] == "paused" and link["queued"] >= 1)
+
+        await wait_for(queued_for_b, "the paused link to hold the new transaction")
+        assert not await _has(b, 2)
+        (held,) = await fetch(b.dsn(), "SELECT paused FROM pgmesh.links WHERE source = 'a'")
+        assert held == (True,)  # survives a router restart
+        resumed = pgmesh("resume", "--config", str(config), "--target", "b")
+        assert resumed.returncode == 0
+        await wait_for(lambda: _has(b, 2), "row 2 on b after resume")
+
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(30) == 0
+    finally:
+        if router.poll() is None:
+            router.kill()
+        log.close()
+    after = await status_json(config)
+    assert after["running"] is False
+    human = pgmesh("status", "--config", str(config))
+    assert "NOT running" in human.stdout and "a -> b" in human.stdout
+
+
+async def _has(node: Any, key: int) -> bool:
+    return bool(await fetch(node.dsn(), "SELECT 1 FROM items WHERE id = %s", [key]))
+
+
+def test_config_errors_are_one_line_with_key_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[cluster]\nname = "x"\n[[nodes]]\nname = "a"\ndsn = "host=h"\n'
+                      '[[nodes]]\nname = "b"\ndsn = "host=h"\n[replication]\napply_delay_ms = "soon"\n')
+    result = pgmesh("status", "--config", str(config))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{config}:10" in line and "apply_delay_ms" in line
+
+
+async def test_demo_converges() -> None:
+    out = io.StringIO()
+    assert await run_demo(seconds=2, out=out) == 0, out.getvalue()
+    assert "converged: YES" in out.getvalue()
+    assert os.environ.get("PGMESH_DEMO_KEEP") is None
