@@ -15,13 +15,15 @@ import logging
 from collections.abc import Callable
 
 from protocol.lsn import format_lsn
-from protocol.messages import Message
+from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.applier import LinkQueue
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
 
 __all__ = ["SourcePump"]
+
+_DATA_CHANGES = (Insert, Update, Delete, Truncate)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class SourcePump:
             self.echoes += 1
             if self._on_echo is not None:
                 self._on_echo(txn)
+        elif not any(isinstance(c, _DATA_CHANGES) for c in txn.changes):
+            pass  # nothing a target needs (a transactional message, a schema description only)
         else:
             self.transactions += 1
             for link in self.progress.links:
