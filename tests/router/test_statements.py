@@ -1,0 +1,79 @@
+"""SQL generated for one source transaction (no server: the integration tests run it for real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Truncate, TupleData, Update
+from protocol.transactions import Transaction
+from router.statements import ApplyError, TargetTable, quote_ident, quote_literal, transaction_script
+
+REL = Relation(7, "public", "Odd ""Name", "d", (
+    Column("id", 23, -1, True), Column("note", 25, -1, False), Column("doc", 114, -1, False),
+))
+FULL = Relation(8, "s", "log", "f", (Column("a", 23, -1, True), Column("doc", 114, -1, True)))
+TABLES = {
+    ("public", "Odd Name"): TargetTable("public", "Odd Name", frozenset({"id", "note", "doc", "extra"})),
+    ("s", "log"): TargetTable("s", "log", frozenset({"a", "doc"})),
+}
+
+
+def txn(*changes: object, relations: tuple[Relation, ...] = (REL, FULL)) -> Transaction:
+    return Transaction(
+        xid=5, commit_lsn=0x100, end_lsn=0x1_0000_0200, commit_time=0, changes=list(changes),  # type: ignore[arg-type]
+        relations={r.relid: r for r in relations},
+    )
+
+
+def test_script_is_one_transaction_with_origin_setup() -> None:
+    script = transaction_script(txn(Insert(7, TupleData(b"tnt", (b"1", None, b'{"k": "it\'s"}')))), TABLES)
+    lines = script.split(";\n")
+    assert lines[0] == "BEGIN"
+    assert lines[1] == (
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01T00:00:00+00:00')"
+    )
+    assert lines[2] == (
+        'INSERT INTO "public"."Odd Name" ("id", "note", "doc") VALUES (\'1\', NULL, \'{"k": "it\'\'s"}\')'
+    )
+    assert lines[-1] == "COMMIT;"
+
+
+def test_update_leaves_unchanged_toast_out_and_matches_old_key() -> None:
+    new = TupleData(b"ttu", (b"2", b"x", UNCHANGED_TOAST))
+    change = Update(7, new, TupleData(b"tnn", (b"1", None, None)), "K")
+    script = transaction_script(txn(change), TABLES)
+    assert 'UPDATE "public"."Odd Name" SET "id" = \'2\', "note" = \'x\' WHERE "id" = \'1\'' in script
+    assert '"doc"' not in script.split("UPDATE")[1]
+
+
+def test_full_identity_touches_exactly_one_row_and_compares_json_as_text() -> None:
+    change = Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")
+    script = transaction_script(txn(change), TABLES)
+    assert (
+        'DELETE FROM "s"."log" WHERE ctid = (SELECT ctid FROM "s"."log" WHERE "a" = \'1\''
+        ' AND "doc"::text = \'{}\' LIMIT 1)'
+    ) in script
+
+
+def test_truncate_flags() -> None:
+    script = transaction_script(txn(Truncate((7, 8), True, True)), TABLES)
+    assert 'TRUNCATE "public"."Odd Name", "s"."log" RESTART IDENTITY CASCADE' in script
+
+
+def test_missing_column_or_table_names_them() -> None:
+    tables = {("public", "Odd Name"): TargetTable("public", "Odd Name", frozenset({"id"}))}
+    with pytest.raises(ApplyError) as info:
+        transaction_script(txn(Insert(7, TupleData(b"ttt", (b"1", b"x", b"{}")))), tables)
+    assert "public.Odd Name" in str(info.value) and "note, doc" in str(info.value)
+    with pytest.raises(ApplyError, match="no such table"):
+        transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), tables)
+
+
+def test_binary_values_are_refused() -> None:
+    with pytest.raises(ApplyError, match="expected text"):
+        transaction_script(txn(Insert(7, TupleData(b"bnn", (b"\x00\x00\x00\x01", None, None)))), TABLES)
+
+
+def test_quoting() -> None:
+    assert quote_ident('a"b') == '"a""b"'
+    assert quote_literal("it's \\ fine") == "'it''s \\ fine'"
