@@ -37,6 +37,11 @@ from router.statements import ApplyError, TargetTable, transaction_script
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 
+# Transactions sent to the target in one round trip: each stays its own target transaction (its own
+# BEGIN, origin setup and COMMIT), so every row keeps its source commit time; only the trips are shared.
+BATCH_TRANSACTIONS = 256
+BATCH_BYTES = 4 << 20
+
 logger = logging.getLogger(__name__)
 
 _SESSION_SETUP = """
@@ -97,6 +102,15 @@ class LinkQueue:
             self._room.set()
         return txn
 
+    def take(self, limit: int) -> list[Transaction]:
+        """Up to `limit` queued transactions, without waiting."""
+        out: list[Transaction] = []
+        while self._items and len(out) < limit:
+            out.append(self._items.popleft())
+        if len(self._items) < self.maxlen:
+            self._room.set()
+        return out
+
     async def wait_room(self) -> None:
         await self._room.wait()
 
@@ -153,7 +167,7 @@ class Applier:
         self._on_applied = on_applied
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], TargetTable] = {}
-        self._current: Transaction | None = None
+        self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
@@ -185,12 +199,12 @@ class Applier:
 
     @property
     def pending(self) -> int:
-        """Transactions held for this link: queued, plus the one in hand."""
-        return len(self.queue) + (self._current is not None)
+        """Transactions held for this link: queued, plus those in hand."""
+        return len(self.queue) + len(self._held)
 
     def oldest_pending_commit_time(self) -> int | None:
-        if self._current is not None:
-            return self._current.commit_time
+        if self._held:
+            return self._held[0].commit_time
         return self.queue.oldest_commit_time()
 
     @property
@@ -231,8 +245,7 @@ class Applier:
     def _hold(self, exc: Exception) -> None:
         """Pause this link with the error; `resume()` retries the same transaction."""
         self.errors += 1
-        txn = self._current
-        lsn = txn.end_lsn if txn is not None else None
+        lsn = self._held[0].end_lsn if self._held else None
         if isinstance(exc, PgmeshError):
             exc.node = exc.node or self.target.name
             exc.lsn = exc.lsn or lsn
@@ -255,7 +268,7 @@ class Applier:
             logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
                            self.name, format_lsn(self.progress.applied))
             self.queue.clear()
-            self._current = None
+            self._held = []
         await self._load_tables()
         self.state = LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING
         self.last_error = None
@@ -281,16 +294,27 @@ class Applier:
     async def _apply_forever(self) -> None:
         while True:
             await self._resumed.wait()
-            txn = self._current or await self.queue.get()
-            self._current = txn
+            if not self._held:
+                self._held = [await self.queue.get()]
             await self._resumed.wait()  # paused while it waited for the queue
-            if txn.end_lsn <= self.progress.applied:
-                self.skipped += 1
-            else:
-                await self._delay(txn)
-                await self._apply(txn)
-            self._current = None
+            self._take_more()
+            fresh = [t for t in self._held if t.end_lsn > self.progress.applied]
+            self.skipped += len(self._held) - len(fresh)
+            self._held = fresh
+            if fresh:
+                await self._delay(fresh[0])
+                await self._apply_batch(fresh)
+            self._held = []
             self.state = LinkState.CATCHING_UP if len(self.queue) > 1000 else LinkState.STREAMING
+
+    def _take_more(self) -> None:
+        """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
+        room = BATCH_TRANSACTIONS - len(self._held)
+        if room <= 0 or not len(self.queue):
+            return
+        if self.apply_delay > 0:
+            return  # one at a time: each waits for its own due time
+        self._held.extend(self.queue.take(room))
 
     async def _delay(self, txn: Transaction) -> None:
         if self.apply_delay <= 0:
@@ -300,20 +324,58 @@ class Applier:
         if wait > 0:
             await asyncio.sleep(wait)
 
-    async def _apply(self, txn: Transaction) -> None:
+    def _script(self, txn: Transaction) -> str:
+        return transaction_script(txn, self._tables)
+
+    async def _scripts(self, batch: list[Transaction]) -> list[str]:
+        """The batch's scripts; a transaction that does not fit the target's schema ends the batch."""
+        scripts: list[str] = []
+        size = 0
+        for i, txn in enumerate(batch):
+            try:
+                script = self._script(txn)
+            except ApplyError:
+                if i:
+                    break  # apply what comes before it first
+                await self._load_tables()  # the target's schema may have changed since we looked
+                script = self._script(txn)
+            scripts.append(script)
+            size += len(script)
+            if size >= BATCH_BYTES:
+                break
+        return scripts
+
+    async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
+        scripts = await self._scripts(batch)
         try:
-            script = transaction_script(txn, self._tables)
-        except ApplyError:
-            await self._load_tables()  # the target's schema may have changed since we looked
-            script = transaction_script(txn, self._tables)
-        try:
-            await self._conn.execute(script)
+            await self._conn.execute("\n".join(scripts))
         except BaseException:
-            if self._conn is not None and not self._conn.is_closed():
-                with contextlib.suppress(Exception):
-                    await self._conn.execute("ROLLBACK")
+            await self._after_failure()
             raise
+        for txn in batch[: len(scripts)]:
+            self._applied(txn)
+        self._held = batch[len(scripts):]
+        if self._held:
+            await self._apply_batch(self._held)
+
+    async def _after_failure(self) -> None:
+        """Roll back the failed transaction; learn which of the batch's transactions committed before it."""
+        conn = self._conn
+        if conn is None or conn.is_closed():
+            return  # the next connect reads the origin's progress
+        with contextlib.suppress(Exception):
+            await conn.execute("ROLLBACK")
+            row = await conn.fetchval(
+                "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
+            )
+            done = parse_lsn(row) if row else 0
+            for txn in self._held:
+                if txn.end_lsn <= done:
+                    self._applied(txn)
+            self._held = [t for t in self._held if t.end_lsn > done]
+
+    def _applied(self, txn: Transaction) -> None:
         self.progress.on_applied(txn.end_lsn)
         self.last_commit_time = txn.commit_time
         self.applied_transactions += 1
