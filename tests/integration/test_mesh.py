@@ -166,3 +166,24 @@ async def test_apply_delay_holds_each_transaction(pg_nodes: Any) -> None:
         await wait_for(all_seen, "the delayed rows on b", 30)
     for key, commit in enumerate(commits):
         assert seen[key] - commit >= 2.0, f"row {key} visible {seen[key] - commit:.3f} s after its commit"
+
+
+async def test_missing_column_pauses_only_that_link_until_resume(pg_nodes: Any) -> None:
+    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    config = await setup_mesh(nodes, SCHEMA)
+    a, b, c = nodes
+    await execute(b.dsn(), "ALTER TABLE scratch DROP COLUMN v")  # b drifts from the others
+    async with running_router(config) as router:
+        await execute(a.dsn(), "INSERT INTO scratch VALUES (1, 'needs v')")
+        link = router.appliers[("a", "b")]
+        await wait_for(lambda: link.state.value == "error", "the a -> b link to pause")
+        assert link.last_error is not None
+        assert "table public.scratch" in link.last_error and "column v" in link.last_error
+        assert "node b" in link.last_error and "LSN" in link.last_error
+        await execute(a.dsn(), "INSERT INTO accounts VALUES (1, 'still flowing', 0, NULL)")
+        await wait_converged([a, c], ["accounts", "scratch"])  # other links keep flowing
+        assert not await fetch(b.dsn(), "SELECT 1 FROM accounts")  # a -> b holds, in order
+        await execute(b.dsn(), "ALTER TABLE scratch ADD COLUMN v text")
+        await router.resume("b")
+        await wait_converged(nodes, ["accounts", "scratch"])
+        assert router.health() == (True, "ok")
