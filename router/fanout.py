@@ -11,6 +11,7 @@ have those transactions skip them. Owns no database connection and no clock.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -62,6 +63,7 @@ class SourcePump:
                 if isinstance(item, Message):
                     continue  # non-transactional logical messages carry nothing to apply (yet)
                 await self._dispatch(item)
+                await asyncio.sleep(0)  # let the appliers start while a backlog is still being read
         finally:
             await items.aclose()
 

@@ -237,12 +237,9 @@ class Router:
     async def _shutdown(self, pumps: list[asyncio.Task[None]], appliers: list[asyncio.Task[None]],
                         ticker: asyncio.Task[None]) -> None:
         logger.info("cluster %s: stopping", self.config.cluster.name)
-        for task in pumps:  # 1. stop reading the sources
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        for task in (*appliers, ticker):  # 2. stop applying (uncommitted work is simply redone later)
-            task.cancel()
-        await asyncio.gather(*appliers, ticker, return_exceptions=True)
+        await _cancel_all(pumps, "sources")  # 1. stop reading the sources
+        # 2. stop applying (what is not committed is simply applied again after a restart)
+        await _cancel_all([*appliers, ticker], "appliers")
         for applier in self.appliers.values():
             await applier.close()
         # 3. the last word: confirm what the targets flushed, then close the sources
@@ -406,3 +403,17 @@ class Router:
             applied_transactions=applier.applied_transactions, applied_rows=applier.applied_rows,
             retries=applier.retries, last_error=applier.last_error,
         )
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]], what: str, limit: float = 10.0) -> None:
+    """Cancel and wait; a task that ignores its cancel for `limit` seconds is reported and cancelled again."""
+    for task in tasks:
+        task.cancel()
+    while True:
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        if not pending:
+            return
+        logger.warning("stopping %s: %d task(s) still running after %.0f s; cancelling again",
+                       what, len(pending), limit)
+        for task in pending:
+            task.cancel()
