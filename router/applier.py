@@ -33,7 +33,7 @@ from protocol.transactions import Transaction
 from router.config import Config, NodeConfig
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
-from router.statements import ApplyError, TargetTable, transaction_script
+from router.statements import ApplyError, Prepared, TargetTable, transaction_script
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 
@@ -168,6 +168,7 @@ class Applier:
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], TargetTable] = {}
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
+        self._prepared = Prepared()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
@@ -259,6 +260,7 @@ class Applier:
 
     async def _connect(self) -> None:
         self._conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
+        self._prepared = Prepared()  # a new session has no prepared statements
         await self._conn.execute(_SESSION_SETUP)
         await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         row = await self._conn.fetchval(
@@ -325,7 +327,12 @@ class Applier:
             await asyncio.sleep(wait)
 
     def _script(self, txn: Transaction) -> str:
-        return transaction_script(txn, self._tables)
+        mark = self._prepared.mark()
+        try:
+            return transaction_script(txn, self._tables, prepared=self._prepared)
+        except ApplyError:
+            self._prepared.forget_since(mark)  # its PREPAREs are never sent
+            raise
 
     async def _scripts(self, batch: list[Transaction]) -> list[str]:
         """The batch's scripts; a transaction that does not fit the target's schema ends the batch."""

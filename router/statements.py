@@ -14,7 +14,7 @@ Must not: connect, retry, decide conflicts, or know which node it runs for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
@@ -34,7 +34,7 @@ from protocol.messages import (
 from protocol.transactions import Transaction
 from router.errors import PgmeshError
 
-__all__ = ["ApplyError", "TargetTable", "quote_ident", "quote_literal", "transaction_script"]
+__all__ = ["ApplyError", "Prepared", "TargetTable", "quote_ident", "quote_literal", "transaction_script"]
 
 # Types without a btree equality operator: compared through their text form in identity matches.
 _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
@@ -138,13 +138,111 @@ def _delete(relation: Relation, table: TargetTable, change: Delete) -> str:
     return f"DELETE FROM {table.qualified} WHERE {where}"
 
 
+class Prepared:
+    """Server-side prepared statements of one target session, by (relation version, shape).
+
+    A prepared statement is planned once; afterwards each row costs the server only the parse of a
+    short EXECUTE. The cache lives as long as the session: a new session needs a new `Prepared`.
+    Names never repeat within a session; `forget_since(mark)` drops names whose PREPARE was never sent.
+    """
+
+    __slots__ = ("_counter", "_names", "_order", "_relations")
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[int, str, bytes], str] = {}
+        self._order: list[tuple[int, str, bytes]] = []
+        self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
+        self._counter = 0
+
+    def name(
+        self, relation: Relation, shape: str, mask: bytes, build: Callable[[], str], out: list[str]
+    ) -> str:
+        key = (id(relation), shape, mask)
+        name = self._names.get(key)
+        if name is None:
+            self._counter += 1
+            name = f"pgmesh_{self._counter}"
+            self._names[key] = name
+            self._order.append(key)
+            self._relations[id(relation)] = relation
+            out.append(f"PREPARE {name} AS {build()}")
+        return name
+
+    def mark(self) -> int:
+        return len(self._order)
+
+    def forget_since(self, mark: int) -> None:
+        for key in self._order[mark:]:
+            del self._names[key]
+        del self._order[mark:]
+
+
+def _execute(name: str, literals: list[str]) -> str:
+    return f"EXECUTE {name}({', '.join(literals)})"
+
+
+def _prepared_update(
+    relation: Relation, table: TargetTable, change: Update, prepared: Prepared, out: list[str]
+) -> str:
+    new = change.new
+    row_key = change.old if change.old is not None else new
+    cols = relation.columns
+    sets = [i for i in range(len(cols)) if new.kinds[i] != KIND_UNCHANGED]
+    keys = [i for i, c in enumerate(cols) if c.key]
+
+    def build() -> str:
+        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
+        where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, len(sets) + 1))
+        return f"UPDATE {table.qualified} SET {assignments} WHERE {where}"
+
+    mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
+    name = prepared.name(relation, "U", mask, build, out)
+    literals = [_literal(relation, new, i) for i in sets] + [_literal(relation, row_key, i) for i in keys]
+    return _execute(name, literals)
+
+
+def _prepared_delete(
+    relation: Relation, table: TargetTable, change: Delete, prepared: Prepared, out: list[str]
+) -> str:
+    cols = relation.columns
+    keys = [i for i, c in enumerate(cols) if c.key]
+
+    def build() -> str:
+        where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, 1))
+        return f"DELETE FROM {table.qualified} WHERE {where}"
+
+    name = prepared.name(relation, "D", b"", build, out)
+    return _execute(name, [_literal(relation, change.old, i) for i in keys])
+
+
+def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert]) -> str:
+    """One INSERT for a run of inserts into the same table (fewer statements for the server to parse)."""
+    names = ", ".join(quote_ident(c.name) for c in relation.columns)
+    width = range(len(relation.columns))
+    values = ", ".join("(" + ", ".join(_literal(relation, r.new, i) for i in width) + ")" for r in rows)
+    return f"INSERT INTO {table.qualified} ({names}) VALUES {values}"
+
+
+INSERT_RUN = 1000  # rows per multi-row INSERT
+
+
+def _keyed(relation: Relation, kind: str | None) -> bool:
+    """Whether rows are matched by key columns (prepared statements), not by whole rows."""
+    return kind != "O" and any(c.key for c in relation.columns)
+
+
 def transaction_script(
-    txn: Transaction, tables: Mapping[tuple[str, str], TargetTable], *, origin_lsn: int | None = None
+    txn: Transaction,
+    tables: Mapping[tuple[str, str], TargetTable],
+    *,
+    origin_lsn: int | None = None,
+    prepared: Prepared | None = None,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
     `tables` maps (schema, name) to the target's table; `origin_lsn` is what the origin records
-    (default: the transaction's end LSN, the position to resume from).
+    (default: the transaction's end LSN, the position to resume from); with `prepared`, keyed updates
+    and deletes run as prepared statements of the session (PREPARE emitted on first use).
     """
     when = pg_us_to_datetime(txn.commit_time).isoformat()
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
@@ -153,7 +251,14 @@ def transaction_script(
         f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')",
     ]
     relations = dict(txn.relations)
+    run: list[Insert] = []
+    run_rel: Relation | None = None
     for change in txn.changes:
+        if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
+                        and len(run) < INSERT_RUN):
+            assert run_rel is not None
+            out.append(_insert_rows(run_rel, _table(run_rel, tables), run))
+            run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
             continue
@@ -163,13 +268,23 @@ def transaction_script(
             out.append(_truncate(change, relations, tables))
             continue
         relation = relations[change.relid]
-        table = _table(relation, tables)
         if isinstance(change, Insert):
-            out.append(_insert(relation, table, change))
-        elif isinstance(change, Update):
-            out.append(_update(relation, table, change))
+            run_rel = relation
+            run.append(change)
+            continue
+        table = _table(relation, tables)
+        if isinstance(change, Update):
+            if prepared is not None and _keyed(relation, change.old_kind):
+                out.append(_prepared_update(relation, table, change, prepared, out))
+            else:
+                out.append(_update(relation, table, change))
+        elif prepared is not None and _keyed(relation, change.old_kind):
+            out.append(_prepared_delete(relation, table, change, prepared, out))
         else:
             out.append(_delete(relation, table, change))
+    if run:
+        assert run_rel is not None
+        out.append(_insert_rows(run_rel, _table(run_rel, tables), run))
     out.append("COMMIT")
     return ";\n".join(out) + ";"
 

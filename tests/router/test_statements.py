@@ -77,3 +77,28 @@ def test_binary_values_are_refused() -> None:
 def test_quoting() -> None:
     assert quote_ident('a"b') == '"a""b"'
     assert quote_literal("it's \\ fine") == "'it''s \\ fine'"
+
+
+def test_runs_of_inserts_become_one_statement() -> None:
+    rows = [Insert(7, TupleData(b"tnn", (str(i).encode(), None, None))) for i in range(3)]
+    script = transaction_script(txn(*rows), TABLES)
+    assert script.count("INSERT INTO") == 1
+    assert "VALUES ('0', NULL, NULL), ('1', NULL, NULL), ('2', NULL, NULL)" in script
+
+
+def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> None:
+    from router.statements import Prepared
+
+    prepared = Prepared()
+    up = Update(7, TupleData(b"ttu", (b"1", b"x", UNCHANGED_TOAST)))
+    first = transaction_script(txn(up, Delete(7, TupleData(b"tnn", (b"1", None, None)), "K")), TABLES,
+                               prepared=prepared)
+    assert (
+        'PREPARE pgmesh_1 AS UPDATE "public"."Odd Name" SET "id" = $1, "note" = $2 WHERE "id" = $3'
+    ) in first
+    assert "EXECUTE pgmesh_1('1', 'x', '1')" in first
+    assert 'PREPARE pgmesh_2 AS DELETE FROM "public"."Odd Name" WHERE "id" = $1' in first
+    second = transaction_script(txn(up), TABLES, prepared=prepared)
+    assert "PREPARE" not in second and "EXECUTE pgmesh_1" in second
+    full = transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), TABLES, prepared=prepared)
+    assert "PREPARE" not in full and "ctid" in full  # whole-row matches stay plain SQL
