@@ -10,7 +10,7 @@ names a relation it knows. It does no I/O and bounds nothing: the caller watches
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -38,6 +38,8 @@ __all__ = ["Change", "Transaction", "TransactionAssembler"]
 
 Change = Insert | Update | Delete | Truncate | Message | Relation | Type
 _ROW_CHANGES: Final = (Insert, Update, Delete, Truncate, Message)
+_ROWS: Final = (Insert, Update, Delete)
+_ROW_TYPES: Final = frozenset(_ROWS)  # `feed` handles these itself
 
 
 class Transaction(msgspec.Struct, frozen=True, gc=False):
@@ -47,6 +49,8 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     that arrived inside the transaction, in stream order. `relations` maps every relation id the
     changes use to its description as of its first use here; a consumer that walks `changes` and
     replaces its entry on each inline Relation always holds the description each change was sent with.
+    `row_count` is the number of Insert / Update / Delete changes: the assembler counts them as they
+    arrive; a Transaction built by hand without it (-1) counts its `changes` when constructed.
     """
 
     xid: int
@@ -59,16 +63,21 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     origin_lsn: int | None = None
     streamed: bool = False
     nbytes: int = 0
+    row_count: int = -1
 
-    @property
-    def row_count(self) -> int:
-        return sum(1 for c in self.changes if isinstance(c, (Insert, Update, Delete)))
+    def __post_init__(self) -> None:
+        if self.row_count < 0:
+            msgspec.structs.force_setattr(self, "row_count", _count_rows(self.changes))
+
+
+def _count_rows(changes: list[Change]) -> int:
+    return sum(1 for c in changes if isinstance(c, _ROWS))
 
 
 class _Builder:
     """A transaction being received."""
 
-    __slots__ = ("changes", "final_lsn", "nbytes", "origin", "origin_lsn", "relations", "xid")
+    __slots__ = ("changes", "final_lsn", "nbytes", "origin", "origin_lsn", "others", "relations", "xid")
 
     def __init__(self, xid: int, final_lsn: int | None = None) -> None:
         self.xid = xid
@@ -78,11 +87,13 @@ class _Builder:
         self.origin: str | None = None
         self.origin_lsn: int | None = None
         self.nbytes = 0
+        # Changes that are not Insert / Update / Delete (rare), so the row count is len(changes) - others.
+        self.others = 0
 
     def finish(self, commit_lsn: int, end_lsn: int, commit_time: int, streamed: bool) -> Transaction:
         return Transaction(
             self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
-            self.origin, self.origin_lsn, streamed, self.nbytes,
+            self.origin, self.origin_lsn, streamed, self.nbytes, len(self.changes) - self.others,
         )
 
 
@@ -100,16 +111,14 @@ class TransactionAssembler:
         self._streams: dict[int, _Builder] = {}
         self._in_stream: _Builder | None = None
         self.buffered_bytes = 0
-        self._handlers: dict[type, Callable[[PgOutputMessage, int | None, int], Output]] = {
+        # Every other message: dispatch on the exact type; each handler takes the type it is registered for.
+        self._handlers: dict[type, Callable[[Any, int | None, int], Output]] = {
             Begin: self._begin,
             Commit: self._commit,
             Origin: self._origin,
             Relation: self._schema,
             Type: self._schema,
-            Insert: self._change,
-            Update: self._change,
-            Delete: self._change,
-            Truncate: self._change,
+            Truncate: self._truncate,
             Message: self._message,
             StreamStart: self._stream_start,
             StreamStop: self._stream_stop,
@@ -132,7 +141,20 @@ class TransactionAssembler:
 
     def feed(self, message: PgOutputMessage, lsn: int | None = None, size: int = 0) -> Output:
         """Take one message (`size`: its payload length, for memory accounting)."""
-        return self._handlers[type(message)](message, lsn, size)
+        if type(message) not in _ROW_TYPES:
+            return self._handlers[type(message)](message, lsn, size)
+        # Insert / Update / Delete, nearly every message: handled here, without the handler call.
+        builder = self._in_stream or self._current
+        if builder is None:
+            raise WrongState("row change outside any transaction", lsn=lsn, tag=_tag(message))
+        relid = message.relid  # type: ignore[union-attr]  # one of the _ROW_TYPES
+        known = builder.relations
+        if relid not in known:
+            known[relid] = self.relations.get(relid, lsn=lsn, tag=_tag(message))
+        builder.changes.append(message)  # type: ignore[arg-type]  # Change includes the _ROW_TYPES
+        builder.nbytes += size
+        self.buffered_bytes += size
+        return None
 
     def _open(self, lsn: int | None, tag: str) -> _Builder:
         builder = self._in_stream or self._current
@@ -140,15 +162,13 @@ class TransactionAssembler:
             raise WrongState("change outside any transaction", lsn=lsn, tag=tag)
         return builder
 
-    def _begin(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, Begin)
+    def _begin(self, message: Begin, lsn: int | None, size: int) -> Output:
         if self._current is not None or self._in_stream is not None:
             raise WrongState("Begin while another transaction is open", lsn=lsn, tag="B")
         self._current = _Builder(message.xid, message.final_lsn)
         return None
 
-    def _commit(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, Commit)
+    def _commit(self, message: Commit, lsn: int | None, size: int) -> Output:
         builder = self._current
         if builder is None or self._in_stream is not None:
             raise WrongState("Commit without Begin", lsn=lsn, tag="C")
@@ -161,55 +181,48 @@ class TransactionAssembler:
         self.buffered_bytes -= builder.nbytes
         return builder.finish(message.commit_lsn, message.end_lsn, message.commit_time, False)
 
-    def _origin(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, Origin)
+    def _origin(self, message: Origin, lsn: int | None, size: int) -> Output:
         builder = self._open(lsn, "O")
         builder.origin = message.name
         builder.origin_lsn = message.commit_lsn
         return None
 
-    def _schema(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+    def _schema(self, message: Relation | Type, lsn: int | None, size: int) -> Output:
         if isinstance(message, Relation):
             self.relations.put(message)
         else:
-            assert isinstance(message, Type)
             self.relations.put_type(message)
         builder = self._in_stream or self._current
         if builder is not None:
             builder.changes.append(message)
+            builder.others += 1
         return None
 
-    def _change(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+    def _truncate(self, message: Truncate, lsn: int | None, size: int) -> Output:
         builder = self._in_stream or self._current
-        tag = str(message.__struct_config__.tag)
         if builder is None:
-            raise WrongState("row change outside any transaction", lsn=lsn, tag=tag)
-        if isinstance(message, Truncate):
-            relids: tuple[int, ...] = message.relids
-        else:
-            assert isinstance(message, (Insert, Update, Delete))
-            relids = (message.relid,)
+            raise WrongState("row change outside any transaction", lsn=lsn, tag="T")
         known = builder.relations
-        for relid in relids:
+        for relid in message.relids:
             if relid not in known:
-                known[relid] = self.relations.get(relid, lsn=lsn, tag=tag)
+                known[relid] = self.relations.get(relid, lsn=lsn, tag="T")
         builder.changes.append(message)
+        builder.others += 1
         builder.nbytes += size
         self.buffered_bytes += size
         return None
 
-    def _message(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, Message)
+    def _message(self, message: Message, lsn: int | None, size: int) -> Output:
         if not message.transactional:
             return message
         builder = self._open(lsn, "M")
         builder.changes.append(message)
+        builder.others += 1
         builder.nbytes += size
         self.buffered_bytes += size
         return None
 
-    def _stream_start(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, StreamStart)
+    def _stream_start(self, message: StreamStart, lsn: int | None, size: int) -> Output:
         if self._in_stream is not None or self._current is not None:
             raise WrongState("Stream Start while a transaction or stream block is open", lsn=lsn, tag="S")
         builder = self._streams.get(message.xid)
@@ -222,7 +235,7 @@ class TransactionAssembler:
         self._in_stream = builder
         return None
 
-    def _stream_stop(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
+    def _stream_stop(self, message: StreamStop, lsn: int | None, size: int) -> Output:
         if self._in_stream is None:
             raise WrongState("Stream Stop outside a stream block", lsn=lsn, tag="E")
         self._in_stream = None
@@ -236,15 +249,13 @@ class TransactionAssembler:
             raise WrongState(f"streamed xid {xid} was never started", lsn=lsn, tag=tag)
         return builder
 
-    def _stream_commit(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, StreamCommit)
+    def _stream_commit(self, message: StreamCommit, lsn: int | None, size: int) -> Output:
         builder = self._closed_stream(message.xid, lsn, "c")
         del self._streams[message.xid]
         self.buffered_bytes -= builder.nbytes
         return builder.finish(message.commit_lsn, message.end_lsn, message.commit_time, True)
 
-    def _stream_abort(self, message: PgOutputMessage, lsn: int | None, size: int) -> Output:
-        assert isinstance(message, StreamAbort)
+    def _stream_abort(self, message: StreamAbort, lsn: int | None, size: int) -> Output:
         builder = self._closed_stream(message.xid, lsn, "A")
         if message.subxid == message.xid:
             del self._streams[message.xid]
@@ -258,4 +269,10 @@ class TransactionAssembler:
                 continue
             kept.append(change)
         builder.changes = kept
+        builder.others = len(kept) - _count_rows(kept)
         return None
+
+
+def _tag(message: PgOutputMessage) -> str:
+    """A message's pgoutput tag letter (for errors)."""
+    return str(message.__struct_config__.tag)

@@ -435,7 +435,8 @@ class ReplicationSource:
         loop.add_reader(fd, _wake, ready)
         self._reading = (fd, ready)
         try:
-            await asyncio.wait_for(ready, limit)
+            async with asyncio.timeout(limit):  # not wait_for: on 3.11 it can swallow a cancel
+                await ready
         finally:
             self._reading = None
             loop.remove_reader(fd)
@@ -447,7 +448,8 @@ class ReplicationSource:
             ready: asyncio.Future[None] = loop.create_future()
             loop.add_writer(fd, _wake, ready)
             try:
-                await asyncio.wait_for(ready, self.options.receive_timeout)
+                async with asyncio.timeout(self.options.receive_timeout):
+                    await ready
             finally:
                 loop.remove_writer(fd)
 
@@ -477,7 +479,8 @@ class ReplicationSource:
         while self._streaming:
             self._confirm_event.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._confirm_event.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._confirm_event.wait()
             silent = 0.0 if self._starved_since is None else loop.time() - self._starved_since
             if silent > timeout:
                 logger.warning("node %s: nothing received for %.0f s, reconnecting", self.node, silent)
@@ -507,10 +510,12 @@ class ReplicationSource:
         """Everything already received; [] when none; None when the COPY stream ended."""
         out: list[memoryview] = []
         pgconn.consume_input()
-        while len(out) < _BATCH:
-            n, data = pgconn.get_copy_data(1)
+        get_copy_data = pgconn.get_copy_data
+        append = out.append
+        for _ in range(_BATCH):
+            n, data = get_copy_data(1)
             if n > 0:
-                out.append(data)
+                append(data)
             elif n == 0:
                 break
             elif n == -1:
@@ -558,19 +563,21 @@ class ReplicationSource:
                         raise ConnectionLost(f"replication socket closed: {exc}", node=self.node) from exc
                     continue
                 self._starved_since = None
+                self.bytes_received += sum(map(len, batch))
                 frames: list[memoryview] = []
+                append = frames.append
                 reply = False
                 for data in batch:
-                    self.bytes_received += len(data)
                     tag = data[0]
                     if tag == _XLOG_TAG:
-                        frames.append(data)
+                        append(data)
                     elif tag == _KEEPALIVE_TAG:
                         # Everything sent before this keepalive must be assembled and handed out before
                         # its WAL end may count as the idle position: yield the frames first.
                         if frames:
                             yield frames
                             frames = []
+                            append = frames.append
                         reply = self._keepalive(data) or reply
                     else:
                         parse_copy_data(data)  # raises the right ProtocolError
@@ -658,29 +665,33 @@ class ReplicationSource:
         decode = self._decoder.decode
         feed = self._assembler.feed
         wal_start_of = _WAL_START.unpack_from
+        received = self._received
         done: list[Transaction | Message] = []
-        for data in batch:
-            # One copy per frame: 'w' + WAL start, WAL end, send time, then the payload, decoded in place.
-            buf = bytes(data)
-            try:
-                wal_start = wal_start_of(buf, 1)[0]
-            except struct.error:  # shorter than its header: decode() reports it as truncated
-                wal_start = int.from_bytes(buf[1:9], "big")
-            if wal_start > self._received:
-                self._received = wal_start
-            out = feed(decode(buf, wal_start, _XLOG_PAYLOAD), wal_start, len(buf) - _XLOG_PAYLOAD)
-            if out is None:
-                continue
-            if isinstance(out, Transaction):
-                if out.commit_lsn < self._skip_before:
-                    continue  # resent after a reconnect: already handed out
-                self._skip_before = out.end_lsn
-                self._delivered_high = max(self._delivered_high, out.end_lsn)
-                self.transactions_out += 1
-            else:
-                if out.lsn < self._skip_before:
+        try:
+            for data in batch:
+                # One copy per frame ('w', WAL start, WAL end, send time, payload); decoded in place.
+                buf = bytes(data)
+                try:
+                    wal_start = wal_start_of(buf, 1)[0]
+                except struct.error:  # shorter than its header: decode() reports it as truncated
+                    wal_start = int.from_bytes(buf[1:9], "big")
+                if wal_start > received:
+                    received = wal_start
+                out = feed(decode(buf, wal_start, _XLOG_PAYLOAD), wal_start, len(buf) - _XLOG_PAYLOAD)
+                if out is None:
                     continue
-                self._skip_before = out.lsn + 1
-                self._delivered_high = max(self._delivered_high, self._skip_before)
-            done.append(out)
+                if isinstance(out, Transaction):
+                    if out.commit_lsn < self._skip_before:
+                        continue  # resent after a reconnect: already handed out
+                    self._skip_before = out.end_lsn
+                    self._delivered_high = max(self._delivered_high, out.end_lsn)
+                    self.transactions_out += 1
+                else:
+                    if out.lsn < self._skip_before:
+                        continue
+                    self._skip_before = out.lsn + 1
+                    self._delivered_high = max(self._delivered_high, self._skip_before)
+                done.append(out)
+        finally:
+            self._received = received  # also when a frame does not decode: it was received
         return done
