@@ -126,6 +126,11 @@ class TransactionAssembler:
             StreamAbort: self._stream_abort,
         }
 
+    def in_echo(self) -> bool:
+        """Whether the open transaction carries a replication origin (its rows may go unread)."""
+        builder = self._in_stream or self._current
+        return builder is not None and builder.origin is not None
+
     @property
     def idle(self) -> bool:
         """True when no transaction is partly received."""

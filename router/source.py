@@ -58,6 +58,7 @@ _XLOG_TAG: Final = 0x77  # 'w'
 _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
 _WAL_START: Final = struct.Struct(">Q")  # after the 'w' of an XLogData body
+_ROW_TAGS: Final = frozenset(b"IUD")
 _XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 
@@ -74,6 +75,7 @@ class SourceOptions(msgspec.Struct, frozen=True):
     backoff_max: float = 10.0
     connect_timeout: float = 10.0
     advance_when_idle: bool = True
+    skip_echo_rows: bool = False  # do not decode the rows of transactions that carry an origin
     application_name: str = "pgmesh"
 
 
@@ -195,6 +197,7 @@ class ReplicationSource:
         self.reconnects = 0
         self.bytes_received = 0
         self.transactions_out = 0
+        self.echo_rows_skipped = 0
         self.status_updates_sent = 0
 
     # ---------------------------------------------------------------- positions
@@ -666,6 +669,8 @@ class ReplicationSource:
         feed = self._assembler.feed
         wal_start_of = _WAL_START.unpack_from
         received = self._received
+        skip_echoes = self.options.skip_echo_rows
+        echo = self._assembler.in_echo
         done: list[Transaction | Message] = []
         try:
             for data in batch:
@@ -677,6 +682,9 @@ class ReplicationSource:
                     wal_start = int.from_bytes(buf[1:9], "big")
                 if wal_start > received:
                     received = wal_start
+                if skip_echoes and len(buf) > _XLOG_PAYLOAD and buf[_XLOG_PAYLOAD] in _ROW_TAGS and echo():
+                    self.echo_rows_skipped += 1
+                    continue  # a row of an echo: nobody will look at it
                 out = feed(decode(buf, wal_start, _XLOG_PAYLOAD), wal_start, len(buf) - _XLOG_PAYLOAD)
                 if out is None:
                     continue

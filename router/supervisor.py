@@ -137,7 +137,7 @@ class Router:
         self._exported: dict[tuple[str, str], tuple[int, int, int, int, int]] = {}
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
-            application_name=f"pgmesh_{config.cluster.name}",
+            application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
         )
         self._on_applied_hook = on_applied
         self.targets = {n.name: _Target(config, n) for n in config.nodes}
