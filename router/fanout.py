@@ -58,7 +58,7 @@ class SourcePump:
             async for item in items:
                 if self._reattach:
                     for link in self._reattach:
-                        link.reattach()
+                        link.reattach(self.progress.seen)
                     self._reattach = []
                 if isinstance(item, Message):
                     continue  # non-transactional logical messages carry nothing to apply (yet)

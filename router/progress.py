@@ -66,11 +66,16 @@ class LinkProgress:
         self.receiving = False
         self.missed_until = max(self.missed_until or 0, seen)
 
-    def reattach(self) -> None:
-        """The source re-reads from at most `applied`: hand it transactions again from there."""
+    def reattach(self, seen: int) -> None:
+        """The source re-reads from at most `applied`: hand it transactions again from there.
+
+        It missed everything the source passed while it was detached: it is whole again only once the
+        re-read reaches `seen`, the source's position now.
+        """
         self.receiving = True
         self.enqueued = self.applied
-        if self.missed_until is not None and self.applied >= self.missed_until:
+        self.missed_until = max(self.missed_until or 0, seen)
+        if self.applied >= self.missed_until:
             self.missed_until = None
 
     def passed(self, end_lsn: int) -> None:

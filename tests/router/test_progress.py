@@ -48,14 +48,21 @@ def test_detached_link_holds_the_slot_until_it_has_re_read() -> None:
     b.on_flushed(150)
     assert not c.wants(200) and b.wants(200)
     assert source.confirmable() == 100 and source.rewind_position() == 100
-    c.reattach()
-    assert c.receiving and c.enqueued == 100 and c.missed_until == 150
+    source.on_seen(500)  # the source went on while c was detached
+    c.reattach(source.seen)
+    assert c.receiving and c.enqueued == 100 and c.missed_until == 500
     assert source.confirmable() == 100  # still missing 100..150
     c.enqueued = 150
-    source.on_seen(150)  # the re-read passed the point where it was detached
-    assert c.missed_until is None
+    source.on_seen(150)  # the re-read passed the point where it was detached: not enough
     c.on_flushed(150)
-    assert source.confirmable() == 150
+    assert c.missed_until == 500 and source.confirmable() == 150  # c is durable to 150, no further
+    b.enqueued = 500
+    b.on_flushed(500)
+    c.enqueued = 500
+    source.on_seen(500)  # the re-read reached where the source was at re-attach time
+    assert c.missed_until is None
+    c.on_flushed(500)
+    assert source.confirmable() == 500
 
 
 def test_target_that_lost_unflushed_commits_re_reads() -> None:
