@@ -149,16 +149,29 @@ class Router:
 
     # ------------------------------------------------------------ building
 
-    async def _load_state(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], str | None]]:
-        """Flushed origin positions and paused links, read from every node (all must answer)."""
+    async def _load_state(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], str | None], set[str]]:
+        """Flushed origin positions, paused links, and the nodes that could not be reached.
+
+        A node that is down does not stop the others: the links into it start detached (position
+        unknown, so they hold their sources' slots) and catch up when it answers again.
+        """
         flushed: dict[tuple[str, str], int] = {}
         paused: dict[tuple[str, str], str | None] = {}
+        down: set[str] = set()
         for name, target in self.targets.items():
             try:
                 progress = await target.origin_progress()
                 held = await target.paused_sources()
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
+            except psycopg.OperationalError as exc:
+                logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
+                               name, describe(exc))
+                target.error = describe(exc)
+                down.add(name)
+                continue
             except psycopg.Error as exc:
                 raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
             for source in self.config.node_names:
@@ -172,9 +185,13 @@ class Router:
                 flushed[(source, name)] = progress[source]
                 if source in held:
                     paused[(source, name)] = held[source]
-        return flushed, paused
+        if len(down) == len(self.targets):
+            raise ConfigError("no node is reachable; check the DSNs and that the servers are up")
+        return flushed, paused, down
 
-    def _build(self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None]) -> None:
+    def _build(
+        self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
+    ) -> None:
         queue_max = self.config.replication.queue_max_transactions
         for source_node in self.config.nodes:
             links: list[LinkProgress] = []
@@ -183,7 +200,9 @@ class Router:
                 if target_node is source_node:
                     continue
                 key = (source_node.name, target_node.name)
-                link = LinkProgress(source_node.name, target_node.name, flushed[key])
+                link = LinkProgress(source_node.name, target_node.name, flushed.get(key, 0))
+                if target_node.name in down:
+                    link.detach(0)  # its position is unknown until the node answers
                 queue = LinkQueue(queue_max)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
                                   on_applied=self._on_applied_hook, clock=self.clock)
@@ -204,8 +223,8 @@ class Router:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set; then shut down in order."""
-        flushed, paused = await self._load_state()
-        self._build(flushed, paused)
+        flushed, paused, down = await self._load_state()
+        self._build(flushed, paused, down)
         self.running = True
         if self._admin_enabled:
             host, port = self.config.admin_host_port

@@ -135,3 +135,19 @@ async def test_locks_and_deadlocks_on_target_are_retried(pg_nodes: Any) -> None:
             assert router.appliers[("a", "b")].retries > retries_before
     rows = await fetch(b.dsn(), "SELECT id, v, note FROM kv ORDER BY id")
     assert rows == [(1, 1, None), (2, 1, None)]
+
+
+async def test_router_starts_while_a_node_is_down(pg_nodes: Any) -> None:
+    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    config = await setup_mesh(nodes, SCHEMA)
+    a, b, c = nodes
+    await writes(c, 3_000_000, 20)  # written before the router ever ran
+    await asyncio.to_thread(c.stop, "immediate")
+    async with running_router(config) as router:
+        await asyncio.gather(writes(a, 1_000_000, 50), writes(b, 2_000_000, 50))
+        await wait_converged([a, b], TABLES)  # a and b do not wait for c
+        assert router.progress["a"].confirmable() == 0  # nothing confirmed past what c may need
+        await asyncio.to_thread(c.start)
+        await wait_converged(nodes, TABLES, 120)
+    (count,) = await fetch(a.dsn(), "SELECT count(*) FROM log")
+    assert count[0] == 25 + 25 + 10
