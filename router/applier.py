@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import json
 import logging
 import random
 import time
@@ -31,9 +32,10 @@ import psycopg.conninfo
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router.config import Config, NodeConfig
+from router.conflict_apply import CarefulApplier
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
-from router.statements import ApplyError, Prepared, TargetTable, transaction_script
+from router.statements import ApplyError, Prepared, TargetTable, quote_ident, transaction_script
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 
@@ -49,17 +51,32 @@ SET session_replication_role = replica;
 SET synchronous_commit = off;
 SET standard_conforming_strings = on;
 SET lock_timeout = '10s';
+SET TimeZone = 'UTC';
+SET DateStyle = 'ISO, YMD';
+SET IntervalStyle = 'postgres';
+SET extra_float_digits = 3;
 """
 
+# Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
+# and the other unique keys (plain column lists, not partial, not on expressions).
 _TABLES_QUERY = """
-SELECT n.nspname, c.relname, array_agg(a.attname::text ORDER BY a.attnum)
+SELECT n.nspname, c.relname,
+  (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod)) ORDER BY a.attnum)
+     FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
+  (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
+       SELECT jsonb_agg(a.attname ORDER BY k.ord)
+       FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
+     FROM pg_catalog.pg_index i
+     WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text
 FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
 WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
   AND n.nspname NOT LIKE 'pg\\_%'
-GROUP BY n.nspname, c.relname
 """
+
+# SQLSTATEs of a conflict met by the fast path: a guard fired, or a key is already there.
+_CONFLICT_STATES = frozenset({"PGM01", "PGM02", "23505"})
 
 
 class LinkState(enum.Enum):
@@ -157,9 +174,12 @@ class Applier:
         on_applied: Callable[[Applier, Transaction], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self.config = config
         self.source = source
         self.target = target
         self.origin = config.origin_name(source)
+        self._source_origin: int | None = None
+        self._careful = CarefulApplier(config, source, target.name, {})
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
@@ -180,6 +200,7 @@ class Applier:
         self.skipped = 0
         self.applied_transactions = 0
         self.applied_rows = 0
+        self.conflicts = 0
 
     @property
     def name(self) -> str:
@@ -272,6 +293,7 @@ class Applier:
             self.queue.clear()
             self._held = []
         await self._load_tables()
+        await self._load_origins()
         self.state = LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING
         self.last_error = None
         logger.info("link %s: connected, target has everything up to %s", self.name,
@@ -279,8 +301,30 @@ class Applier:
 
     async def _load_tables(self) -> None:
         assert self._conn is not None
-        rows = await self._conn.fetch(_TABLES_QUERY)
-        self._tables = {(r[0], r[1]): TargetTable(r[0], r[1], frozenset(r[2])) for r in rows}
+        tables = {}
+        for schema, name, columns_json, keys_json in await self._conn.fetch(_TABLES_QUERY):
+            types = {col: kind for col, kind in json.loads(columns_json or "[]")}
+            keys = json.loads(keys_json or "[]")
+            pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
+            replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
+            uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
+            table = TargetTable(schema, name, frozenset(types), types, pk, uniques)
+            # the columns pgmesh's tombstone trigger keys deletions by (router.conflict_catalog)
+            table.tombstone_key = pk or replident or tuple(types)
+            tables[(schema, name)] = table
+        self._tables = tables
+
+    async def _load_origins(self) -> None:
+        """This source's origin id here, and every pgmesh origin's node (for conflict versions)."""
+        assert self._conn is not None
+        prefix = self.config.origin_name("")
+        rows = await self._conn.fetch(
+            "SELECT roident, roname FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, $1)",
+            prefix,
+        )
+        nodes = {int(r["roident"]): str(r["roname"])[len(prefix):] for r in rows}
+        self._source_origin = next((ident for ident, node in nodes.items() if node == self.source), None)
+        self._careful.origin_nodes = nodes
 
     async def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
@@ -304,7 +348,7 @@ class Applier:
             self.skipped += len(self._held) - len(fresh)
             self._held = fresh
             if fresh:
-                await self._delay(fresh[0])
+                await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
                 await self._apply_batch(fresh)
             self._held = []
             self.state = LinkState.CATCHING_UP if len(self.queue) > 1000 else LinkState.STREAMING
@@ -319,8 +363,9 @@ class Applier:
         self._held.extend(self.queue.take(room))
 
     async def _delay(self, txn: Transaction) -> None:
-        if self.apply_delay <= 0:
-            return
+        """Hold `txn` until its commit time plus the apply delay; never apply a commit time that is still
+        in the future here (clock skew), so a local write after it always commits later (docs/conflicts.md).
+        """
         due = pg_us_to_datetime(txn.commit_time).timestamp() + self.apply_delay
         wait = due - self._clock()
         if wait > 0:
@@ -329,7 +374,9 @@ class Applier:
     def _script(self, txn: Transaction) -> str:
         mark = self._prepared.mark()
         try:
-            return transaction_script(txn, self._tables, prepared=self._prepared)
+            return transaction_script(
+                txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin
+            )
         except ApplyError:
             self._prepared.forget_since(mark)  # its PREPAREs are never sent
             raise
@@ -357,14 +404,55 @@ class Applier:
         scripts = await self._scripts(batch)
         try:
             await self._conn.execute("\n".join(scripts))
+        except asyncpg.PostgresError as exc:
+            await self._after_failure()
+            if exc.sqlstate not in _CONFLICT_STATES or not self._held or self._conn is None:
+                raise
+            # Statements after the failing one never ran, their PREPAREs with them: start afresh.
+            await self._forget_prepared()
+            await self._apply_carefully(self._held[0])  # the transaction that met a conflict
+            self._held = self._held[1:]
         except BaseException:
             await self._after_failure()
             raise
-        for txn in batch[: len(scripts)]:
-            self._applied(txn)
-        self._held = batch[len(scripts):]
+        else:
+            for txn in batch[: len(scripts)]:
+                self._applied(txn)
+            self._held = batch[len(scripts):]
         if self._held:
             await self._apply_batch(self._held)
+
+    async def _forget_prepared(self) -> None:
+        """Drop pgmesh's prepared statements of this session (not asyncpg's own) and start afresh."""
+        assert self._conn is not None
+        names = await self._conn.fetch(
+            "SELECT name FROM pg_catalog.pg_prepared_statements WHERE starts_with(name, 'pgmesh_')"
+        )
+        for row in names:
+            await self._conn.execute(f"DEALLOCATE {quote_ident(row['name'])}")
+        self._prepared = Prepared()
+
+    def conflict_counts(self) -> dict[tuple[str, str], int]:
+        """(table, conflict type) -> conflicts decided on this link since start."""
+        return dict(self._careful.counts)
+
+    async def _apply_carefully(self, txn: Transaction) -> None:
+        """Row by row, with conflict detection and resolution, in its own target transaction.
+
+        A local session may insert the same key between our read and our write (a unique violation):
+        the whole transaction is read and decided again, now seeing that row.
+        """
+        assert self._conn is not None
+        for attempt in range(1, 6):
+            try:
+                records = await self._careful.apply(self._conn, txn, self._tables)
+                break
+            except asyncpg.UniqueViolationError:
+                if attempt == 5:
+                    raise
+                self.retries += 1
+        self.conflicts += len(records)
+        self._applied(txn)
 
     async def _after_failure(self) -> None:
         """Roll back the failed transaction; learn which of the batch's transactions committed before it."""

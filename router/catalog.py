@@ -2,12 +2,15 @@
 
 Owns the pre-flight checks of `pgmesh init` (server version, the settings logical replication and
 commit timestamps need, free slots and WAL senders, the role's privileges, and that every replicated
-table exists on every node with the same columns and a key), and the objects pgmesh keeps on each node:
-the `pgmesh` schema with its `links` table, the publication, the logical slot and one replication origin
-per other node. Installing is idempotent; `uninstall` removes all of it from one node.
+table exists on every node with the same columns and a key, and that tables with delta columns can
+have them), and the objects pgmesh keeps on each node: the `pgmesh` schema with its `links` table, the
+publication, the logical slot, one replication origin per other node, and (through
+`router.conflict_catalog`) the conflict history, tombstones, their trigger and the applier's guards.
+Installing is idempotent; `uninstall` removes all of it from one node.
 
 Must not: stream or apply changes, decide retry policy (that is `router.errors.decide`), create or alter
-user tables, or ever put a DSN or a password into a message (psycopg errors go through `describe`).
+user tables (beyond the tombstone trigger), or ever put a DSN or a password into a message (psycopg
+errors go through `describe`).
 Identifiers are always quoted with `psycopg.sql.Identifier`.
 """
 
@@ -23,6 +26,7 @@ import psycopg
 from psycopg import sql
 
 from router.config import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
+from router.conflict_catalog import install_conflict_catalog
 from router.errors import ConfigError, PgmeshError, SlotError, describe
 
 __all__ = [
@@ -55,6 +59,8 @@ _SETTINGS: Final = (
     "output_plugin_libraries",
 )
 _RESTART: Final = "in postgresql.conf (or ALTER SYSTEM SET) and restart the server"
+# Types a delta column may have (format_type names, without a typmod).
+_DELTA_TYPES: Final = frozenset({"smallint", "integer", "bigint", "numeric", "real", "double precision"})
 
 # Ordinary and partitioned tables outside the system schemas. Partitions are left out: a partitioned
 # table stands for its partitions (the publication publishes via the partition root).
@@ -403,6 +409,45 @@ def _table_checks(facts: Mapping[str, NodeFacts]) -> list[Check]:
     return checks
 
 
+def _delta_problems(
+    table: TableName, facts: TableFacts | None, columns: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Why `table` on one node cannot have these delta columns, each with its fix (empty when it can)."""
+    if facts is None:
+        return [("is not a replicated table on this node", f"create {_qualified(table)} here")]
+    found: list[tuple[str, str]] = []
+    if facts.replident != "f":
+        fix = f"ALTER TABLE {_sql_name(table)} REPLICA IDENTITY FULL"
+        found.append(("is not REPLICA IDENTITY FULL (delta columns need the old row)", fix))
+    numeric = "int2/int4/int8/numeric/float4/float8"
+    for column in columns:
+        type_ = facts.columns.get(column)
+        if type_ is None:
+            found.append((f"has no column {column}", f"add {column} ({numeric})"))
+        elif type_.partition("(")[0] not in _DELTA_TYPES:
+            found.append((f"column {column} is {type_}, not a numeric type", f"make {column} {numeric}"))
+    return found
+
+
+def _delta_checks(config: Config, facts: Mapping[str, NodeFacts]) -> list[Check]:
+    """Every [[tables]] entry with delta_columns, on every node: REPLICA IDENTITY FULL, numeric columns."""
+    checks: list[Check] = []
+    entries = [e for e in config.tables if e.delta_columns]
+    for name, node in facts.items():
+        for entry in entries:
+            table = entry.qualified
+            columns = ", ".join(entry.delta_columns)
+            found = _delta_problems(table, node.tables.get(table), entry.delta_columns)
+            if not found:
+                detail = f"delta columns {columns}: numeric, REPLICA IDENTITY FULL"
+                checks.append(Check(name, "delta_columns", True, detail, _qualified(table)))
+                continue
+            detail = f"delta columns {columns}: " + "; ".join(problem for problem, _ in found)
+            hint = "; ".join(fix for _, fix in found) + "; or drop delta_columns from the config"
+            checks.append(Check(name, "delta_columns", False, detail, _qualified(table), hint))
+    return checks
+
+
 async def check_cluster(config: Config) -> InitReport:
     """Read every node concurrently and check it; a node that cannot be reached is a failed check."""
     results = await asyncio.gather(*(_probe(config, node) for node in config.nodes))
@@ -415,7 +460,8 @@ async def check_cluster(config: Config) -> InitReport:
             facts[node.name] = result
             checks.extend(_node_checks(node.name, result, config))
     order = {name: i for i, name in enumerate(config.node_names)}
-    checks = sorted(checks + _table_checks(facts), key=lambda c: order[c.node])
+    checks += _table_checks(facts) + _delta_checks(config, facts)
+    checks = sorted(checks, key=lambda c: order[c.node])
     tables = sorted({t for f in facts.values() for t in f.tables})
     report = InitReport(checks, tables, config.cluster.name)
     logger.info("init checks for cluster %s: %d problem(s)", config.cluster.name, len(report.problems))
@@ -537,6 +583,7 @@ async def _install_node(config: Config, node: NodeConfig, tables: Sequence[Table
                 done = await _ensure_schema(conn)
                 done += await _ensure_links(conn, config, node.name)
                 done += await _ensure_publication(conn, config, tables)
+                done += await install_conflict_catalog(conn, tables)
             # A logical slot cannot be created in a transaction that has written anything.
             done += await _ensure_slot(conn, config, node.name)
             done += await _ensure_origins(conn, config, node.name)
@@ -552,7 +599,7 @@ async def _install_node(config: Config, node: NodeConfig, tables: Sequence[Table
     return [
         f"node {node.name}: already installed, nothing changed (schema {PGMESH_SCHEMA}, {others} links,"
         f" publication {config.publication_name} with {len(tables)} tables, slot {config.slot_name},"
-        f" {others} origins)"
+        f" {others} origins, conflict history, tombstone triggers on {len(tables)} tables)"
     ]
 
 

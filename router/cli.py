@@ -68,6 +68,12 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     return _run(cmd_resume(_config(args), args.target))
 
 
+def _cmd_conflicts(args: argparse.Namespace) -> int:
+    from router.control import cmd_conflicts
+
+    return _run(cmd_conflicts(_config(args), since=args.since, as_json=args.json, limit=args.limit))
+
+
 def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     command: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
     command.add_argument("--config", required=True, metavar="PATH", help="the cluster's config.toml")
@@ -89,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_cmd_status)
+    conflicts = _with_config(sub, "conflicts", "the conflicts every node recorded, newest last")
+    conflicts.add_argument("--since", metavar="WHEN", help="ISO timestamp, or an age: 10m, 2h, 1d")
+    conflicts.add_argument("--json", action="store_true", help="one JSON object per line")
+    conflicts.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (default 100)")
+    conflicts.set_defaults(func=_cmd_conflicts)
     for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
         command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
         command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")

@@ -1,8 +1,10 @@
 """`config.toml`: the cluster's configuration, decoded and validated with msgspec.
 
 Owns the file format, its defaults, and the names pgmesh derives from it (slot, publication and origin
-names). A wrong key, type or value is one `ConfigError` line naming the key and its line in the file.
-The config is passed to whoever needs it; nothing here is global, and nothing here connects anywhere.
+names), and which conflict policy applies to a (table, conflict type). A wrong key, type or value is one
+`ConfigError` line naming the key and its line in the file. The config is passed to whoever needs it;
+nothing here is global, nothing here connects anywhere, and a custom resolver ("module:function") is
+only named here, never imported (the applier loads it).
 """
 
 from __future__ import annotations
@@ -15,21 +17,30 @@ from typing import Final
 
 import msgspec
 
+from router.conflicts import ConflictType, Policy, Resolver
 from router.errors import ConfigError
 
 __all__ = [
     "AdminSection",
     "ClusterSection",
     "Config",
+    "ConflictSection",
     "NodeConfig",
     "ReplicationSection",
+    "TableSection",
     "load_config",
     "parse_config",
+    "split_table_name",
 ]
 
 NAME_RE: Final = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 PGMESH_SCHEMA: Final = "pgmesh"
 SYSTEM_SCHEMAS: Final = frozenset({"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA})
+DEFAULT_SCHEMA: Final = "public"
+# Resolver names a config may use; "custom" is spelled as the function itself ("module:function").
+RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
+CONFLICT_TYPES: Final = tuple(t.value for t in ConflictType)
+_CUSTOM_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,11 +66,36 @@ class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:8787"
 
 
+class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[conflicts]`: the cluster-wide resolver, and per conflict type overrides in `[conflicts.types]`."""
+
+    resolver: str = Resolver.LAST_UPDATE_WINS.value
+    node_priority: list[str] = msgspec.field(default_factory=list)  # first listed wins
+    window_ms: int = 0  # node_priority: versions within one window are ordered by rank
+    types: dict[str, str] = msgspec.field(default_factory=dict)  # conflict type -> resolver
+
+
+class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `[[tables]]` entry: a table's own resolver, per-type overrides and delta columns."""
+
+    name: str  # schema.table; a bare name means schema public
+    resolver: str | None = None
+    delta_columns: list[str] = msgspec.field(default_factory=list)
+    types: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def qualified(self) -> tuple[str, str]:
+        """(schema, table) of `name`."""
+        return split_table_name(self.name)
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterSection
     nodes: list[NodeConfig]
     replication: ReplicationSection = msgspec.field(default_factory=ReplicationSection)
     admin: AdminSection = msgspec.field(default_factory=AdminSection)
+    conflicts: ConflictSection = msgspec.field(default_factory=ConflictSection)
+    tables: list[TableSection] = msgspec.field(default_factory=list)
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property
@@ -100,6 +136,43 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         host, _, port = self.admin.listen.rpartition(":")
         return host or "127.0.0.1", int(port)
 
+    def table(self, schema: str, table: str) -> TableSection | None:
+        """The `[[tables]]` entry for `schema.table`, if there is one."""
+        for entry in self.tables:
+            if entry.qualified == (schema, table):
+                return entry
+        return None
+
+    def policy(self, schema: str, table: str, conflict: str) -> Policy:
+        """The resolver for one conflict type on one table.
+
+        Precedence: the table's `[tables.types]` entry, the table's `resolver`, `[conflicts.types]`,
+        then `[conflicts] resolver`. node_priority and window_ms always come from `[conflicts]`.
+        """
+        kind = ConflictType(conflict).value
+        entry = self.table(schema, table)
+        name = self.conflicts.types.get(kind, self.conflicts.resolver)
+        if entry is not None:
+            name = entry.types.get(kind, entry.resolver or name)
+        custom = name if ":" in name else None
+        return Policy(
+            resolver=Resolver.CUSTOM if custom else Resolver(name),
+            node_priority=tuple(self.conflicts.node_priority),
+            window_us=self.conflicts.window_ms * 1000,
+            custom=custom,
+        )
+
+    def delta_columns(self, schema: str, table: str) -> tuple[str, ...]:
+        """The table's delta columns (changes add up instead of overwriting); () for none."""
+        entry = self.table(schema, table)
+        return tuple(entry.delta_columns) if entry is not None else ()
+
+
+def split_table_name(name: str) -> tuple[str, str]:
+    """`"schema.table"` -> (schema, table); a bare `"table"` means schema public."""
+    schema, sep, table = name.partition(".")
+    return (schema, table) if sep else (DEFAULT_SCHEMA, name)
+
 
 def _match(pattern: str, qualified: str) -> bool:
     if "." not in pattern:
@@ -107,35 +180,54 @@ def _match(pattern: str, qualified: str) -> bool:
     return fnmatch.fnmatchcase(qualified, pattern)
 
 
+_HEADER_RE: Final = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]")
+
+
+def _headers(lines: list[str]) -> list[tuple[int, bool, tuple[str, ...]]]:
+    """Every table header: (line index, is an [[array]] header, its dotted path)."""
+    found = []
+    for i, line in enumerate(lines):
+        match = _HEADER_RE.match(line)
+        if match:
+            path = tuple(part.strip().strip("\"'") for part in match.group(2).split("."))
+            found.append((i, match.group(1) == "[[", path))
+    return found
+
+
 def _line_of(text: str, path: str) -> int | None:
-    """Best effort: the line that sets the key a msgspec path names (`$.nodes[1].name`, `$.admin.listen`)."""
-    segments = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?", path)
+    """Best effort: the line that sets the key a msgspec path names (`$.nodes[1].name`, `$.admin.listen`,
+    `$.tables[0].types.delete_missing`), else the header of the innermost table found."""
+    segments = re.findall(r"([A-Za-z0-9_-]+)(?:\[(\d+)\])?", path.removeprefix("$"))
     if not segments:
         return None
     lines = text.splitlines()
-    start = 0
+    headers = _headers(lines)
+
+    def header(prefix: tuple[str, ...], index: str, after: int) -> int | None:
+        if index:  # the (index+1)-th [[prefix]] table
+            arrays = [i for i, array, p in headers if array and p == prefix]
+            return arrays[int(index)] if int(index) < len(arrays) else None
+        return next((i for i, _array, p in headers if i >= after and p == prefix), None)
+
+    start: int = 0
+    found: int | None = None
+    prefix: tuple[str, ...] = ()
     for key, index in segments[:-1]:
-        if index:  # the (index+1)-th [[key]] table
-            header = re.compile(rf"^\s*\[\[\s*{re.escape(key)}\s*\]\]")
-            headers = [i for i, line in enumerate(lines) if header.match(line)]
-            if int(index) < len(headers):
-                start = headers[int(index)]
-        else:
-            for i in range(start, len(lines)):
-                if re.match(rf"^\s*\[\s*{re.escape(key)}\s*\]", lines[i]):
-                    start = i
-                    break
+        prefix += (key,)
+        hit = header(prefix, index, start)
+        if hit is not None:
+            start = found = hit
     last, last_index = segments[-1]
-    if last_index:  # the path names a whole [[key]] table: its header line
-        header = re.compile(rf"^\s*\[\[\s*{re.escape(last)}\s*\]\]")
-        headers = [i for i, line in enumerate(lines) if header.match(line)]
-        if int(last_index) < len(headers):
-            return headers[int(last_index)] + 1
-    wanted = re.compile(rf"^\s*(\[\[?\s*)?{re.escape(last)}\b")
-    for i in range(start, len(lines)):
+    hit = header((*prefix, last), last_index, start)
+    if hit is not None:
+        return hit + 1
+    # The key inside its table: from the table's header to the next header (top level: to the first).
+    end = next((i for i, _array, _p in headers if i > (-1 if found is None else found)), len(lines))
+    wanted = re.compile(rf"^\s*[\"']?{re.escape(last)}[\"']?\s*=")
+    for i in range(start, end):
         if wanted.match(lines[i]):
             return i + 1
-    return None
+    return None if found is None else found + 1
 
 
 def _validate(config: Config) -> None:
@@ -167,6 +259,81 @@ def _validate(config: Config) -> None:
     _host, sep, port = config.admin.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise bad(f"{config.admin.listen!r} is not HOST:PORT", "admin.listen")
+    _validate_conflicts(config)
+    _validate_tables(config)
+
+
+def _check_resolver(value: str, key: str) -> None:
+    if value in RESOLVER_NAMES or (":" in value and _CUSTOM_RE.match(value)):
+        return
+    if ":" in value:
+        raise ConfigError(f"{key}: custom resolver {value!r}: expected 'module:function'")
+    raise ConfigError(
+        f"{key}: unknown resolver {value!r}; use one of {', '.join(RESOLVER_NAMES)} or 'module:function'"
+    )
+
+
+def _check_types(types: dict[str, str], key: str) -> None:
+    for conflict, value in types.items():
+        if conflict not in CONFLICT_TYPES:
+            known = ", ".join(CONFLICT_TYPES)
+            raise ConfigError(f"{key}.{conflict}: unknown conflict type {conflict!r}; use one of {known}")
+        _check_resolver(value, f"{key}.{conflict}")
+
+
+def _resolvers_in_effect(config: Config) -> list[tuple[str, str]]:
+    """Every (key, resolver) the config sets, in file order."""
+    section = config.conflicts
+    found = [("conflicts.resolver", section.resolver)]
+    found += [(f"conflicts.types.{t}", v) for t, v in section.types.items()]
+    for i, entry in enumerate(config.tables):
+        if entry.resolver is not None:
+            found.append((f"tables[{i}].resolver", entry.resolver))
+        found += [(f"tables[{i}].types.{t}", v) for t, v in entry.types.items()]
+    return found
+
+
+def _validate_conflicts(config: Config) -> None:
+    section = config.conflicts
+    _check_resolver(section.resolver, "conflicts.resolver")
+    _check_types(section.types, "conflicts.types")
+    if section.window_ms < 0:
+        raise ConfigError("conflicts.window_ms: must be >= 0")
+    nodes = set(config.node_names)
+    seen: set[str] = set()
+    for name in section.node_priority:
+        if name not in nodes:
+            known = ", ".join(config.node_names)
+            raise ConfigError(f"conflicts.node_priority: {name!r} is not a configured node (nodes: {known})")
+        if name in seen:
+            raise ConfigError(f"conflicts.node_priority: {name!r} is listed twice")
+        seen.add(name)
+
+
+def _validate_tables(config: Config) -> None:
+    seen: dict[tuple[str, str], int] = {}
+    for i, entry in enumerate(config.tables):
+        key = f"tables[{i}]"
+        schema, table = entry.qualified
+        if not schema or not table or "." in table:
+            raise ConfigError(f"{key}.name: {entry.name!r} is not schema.table (or a bare table name)")
+        qualified = f"{schema}.{table}"
+        if (schema, table) in seen:
+            first = seen[(schema, table)]
+            raise ConfigError(f"{key}.name: table {qualified} is listed twice (also tables[{first}])")
+        seen[(schema, table)] = i
+        if not config.replicates(schema, table):
+            raise ConfigError(f"{key}.name: {qualified} is not replicated (see [replication] tables/exclude)")
+        if entry.resolver is not None:
+            _check_resolver(entry.resolver, f"{key}.resolver")
+        _check_types(entry.types, f"{key}.types")
+        columns = entry.delta_columns
+        if any(not c for c in columns) or len(set(columns)) != len(columns):
+            raise ConfigError(f"{key}.delta_columns: column names must be non-empty and distinct")
+    if not config.conflicts.node_priority:
+        for key, value in _resolvers_in_effect(config):
+            if value == Resolver.NODE_PRIORITY:
+                raise ConfigError(f'{key}: node_priority needs [conflicts] node_priority = ["node", ...]')
 
 
 def parse_config(text: str, *, source: str = "config.toml") -> Config:

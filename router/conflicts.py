@@ -41,6 +41,7 @@ _UNKNOWN_TIME: Final = -(1 << 62)  # older than any real commit time
 
 class ConflictType(enum.StrEnum):
     INSERT_EXISTS = "insert_exists"  # the key (primary or another unique key) is already there
+    INSERT_DELETED = "insert_deleted"  # no row, but a tombstone says the key was deleted recently
     UPDATE_ORIGIN_DIFFERS = "update_origin_differs"  # the local row was last written by another node
     UPDATE_MISSING = "update_missing"  # no local row, no record of a deletion
     UPDATE_DELETED = "update_deleted"  # no local row: it was deleted recently (a tombstone says when)

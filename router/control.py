@@ -1,19 +1,23 @@
-"""The operator's commands: init, run, status, pause, resume.
+"""The operator's commands: init, run, status, pause, resume, conflicts.
 
 Each talks to a running router through its admin listener when there is one, and to the nodes when
 there is not: `status` then reads the origins' progress and the slots (state "down: router not
 running"), and `pause` / `resume` record the link's state in `pgmesh.links` on the target, which the
-router reads when it starts. Rendering for the terminal lives here too; the CLI only parses arguments.
+router reads when it starts. `conflicts` always reads `pgmesh.conflict_history` from the nodes.
+Rendering for the terminal lives here too; the CLI only parses arguments.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
+import re
 import signal
 import sys
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any, Final, TextIO
 
 import msgspec
 import psycopg
@@ -21,10 +25,22 @@ import psycopg
 from router.admin import admin_request
 from router.catalog import init_cluster
 from router.config import Config
-from router.errors import ConfigError, describe
+from router.errors import ConfigError, PgmeshError, describe
 from router.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
-__all__ = ["cmd_init", "cmd_pause", "cmd_resume", "cmd_run", "cmd_status", "render_status"]
+__all__ = [
+    "ConflictRow",
+    "cmd_conflicts",
+    "cmd_init",
+    "cmd_pause",
+    "cmd_resume",
+    "cmd_run",
+    "cmd_status",
+    "parse_since",
+    "read_conflicts",
+    "render_conflicts",
+    "render_status",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +207,131 @@ async def cmd_pause(config: Config, target: str | None, out: TextIO = sys.stdout
 async def cmd_resume(config: Config, target: str | None, out: TextIO = sys.stdout) -> int:
     return await _pause_resume(config, target, False, out)
 
+
+# ---------------------------------------------------------------------------------------------------------
+# conflicts: what every node recorded in pgmesh.conflict_history
+
+_AGE_RE: Final = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
+_AGE_UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_HISTORY_SQL: Final = """
+SELECT id, at, source, table_name, key, conflict_type, resolution, resolver, reason, local_origin,
+       local_commit_time, remote_origin, remote_commit_time, remote_lsn::text, local_row, remote_row
+FROM pgmesh.conflict_history
+WHERE at >= coalesce(%(since)s::timestamptz, '-infinity')
+ORDER BY at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+class ConflictRow(msgspec.Struct, frozen=True):
+    """One row of `pgmesh.conflict_history`, with the node that decided it (and recorded it)."""
+
+    node: str
+    id: int
+    at: dt.datetime
+    source: str
+    table_name: str
+    key: str
+    conflict_type: str
+    resolution: str
+    resolver: str
+    reason: str | None
+    local_origin: str | None
+    local_commit_time: dt.datetime | None
+    remote_origin: str
+    remote_commit_time: dt.datetime
+    remote_lsn: str | None
+    local_row: Any
+    remote_row: Any
+
+
+def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
+    """`--since`: an ISO timestamp (without a zone: local time) or an age such as 30s, 10m, 2h, 1d, 1w."""
+    now = now or dt.datetime.now(dt.UTC)
+    match = _AGE_RE.match(text)
+    if match:
+        return now - dt.timedelta(**{_AGE_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise PgmeshError(
+            f"--since {text!r} is neither an ISO timestamp nor an age",
+            hint="use e.g. 2024-05-01T10:00:00+00:00, or 10m, 2h, 1d",
+        ) from None
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+async def _node_conflicts(
+    node: str, dsn: str, since: dt.datetime | None, limit: int
+) -> list[ConflictRow] | str:
+    """The node's newest `limit` conflicts since `since`, or why they could not be read."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, connect_timeout=5)
+    except psycopg.Error as exc:
+        return f"down ({describe(exc)})"
+    try:
+        async with conn:
+            cur = await conn.execute(_HISTORY_SQL, {"since": since, "limit": limit})
+            return [ConflictRow(node, *row) for row in await cur.fetchall()]
+    except psycopg.errors.UndefinedTable:
+        return "has no pgmesh.conflict_history (run `pgmesh init`)"
+    except psycopg.Error as exc:
+        return f"could not be read ({describe(exc)})"
+
+
+async def read_conflicts(
+    config: Config, *, since: dt.datetime | None = None, limit: int = 100
+) -> tuple[list[ConflictRow], list[str]]:
+    """The newest `limit` conflicts over all nodes, oldest first; and one line per node not read."""
+    results = await asyncio.gather(
+        *(_node_conflicts(node.name, node.dsn, since, limit) for node in config.nodes)
+    )
+    rows: list[ConflictRow] = []
+    problems: list[str] = []
+    for node, result in zip(config.nodes, results, strict=True):
+        if isinstance(result, str):
+            problems.append(f"node {node.name}: {result}")
+        else:
+            rows.extend(result)
+    rows.sort(key=lambda r: (r.at, r.node, r.id))
+    return rows[-limit:], problems
+
+
+def _utc(when: dt.datetime) -> str:
+    return when.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def render_conflicts(rows: Sequence[ConflictRow]) -> str:
+    """A table, newest last: time (UTC), the node that decided, source, table, key, type, resolution."""
+    if not rows:
+        return "no conflicts recorded"
+    header = ("time (UTC)", "node", "source", "table", "key", "type", "resolution")
+    cells = [header] + [
+        (_utc(r.at), r.node, r.source, r.table_name, r.key, r.conflict_type, r.resolution) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+async def cmd_conflicts(
+    config: Config,
+    *,
+    since: str | None = None,
+    as_json: bool = False,
+    limit: int = 100,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Print the conflicts every node recorded (JSON lines with --json); 1 when a node could not be read."""
+    if limit < 1:
+        raise PgmeshError(f"--limit {limit}: must be at least 1")
+    rows, problems = await read_conflicts(config, since=parse_since(since) if since else None, limit=limit)
+    for line in problems:
+        print(line, file=err if as_json else out)
+    if as_json:
+        for row in rows:
+            print(msgspec.json.encode(row).decode(), file=out)
+    else:
+        print(render_conflicts(rows), file=out)
+    return 1 if problems else 0

@@ -54,13 +54,27 @@ def quote_literal(value: str) -> str:
 
 
 class TargetTable:
-    """What the target has for one replicated table: its qualified name and its column names."""
+    """What the target has for one replicated table: names, column types, primary and unique keys."""
 
-    __slots__ = ("columns", "qualified")
+    __slots__ = ("columns", "name", "pk", "qualified", "tombstone_key", "types", "uniques")
 
-    def __init__(self, schema: str, name: str, columns: frozenset[str]) -> None:
+    def __init__(
+        self,
+        schema: str,
+        name: str,
+        columns: frozenset[str],
+        types: Mapping[str, str] | None = None,
+        pk: tuple[str, ...] = (),
+        uniques: tuple[tuple[str, ...], ...] = (),
+    ) -> None:
+        self.name = f"{schema}.{name}"  # as pgmesh.tombstones and pgmesh.conflict_history name it
         self.qualified = f"{quote_ident(schema)}.{quote_ident(name)}"
         self.columns = columns
+        self.types = dict(types or {})
+        self.pk = pk
+        self.uniques = uniques
+        # the columns the tombstone trigger keys deletions by: the primary key, else every column
+        self.tombstone_key = pk or tuple(self.types) or tuple(sorted(columns))
 
 
 def _literal(relation: Relation, row: TupleData, i: int) -> str:
@@ -123,6 +137,22 @@ def _where(
     return _identity(relation, old if old is not None else new, full=False)
 
 
+def _guard(statement: str, origin: str | None, wanted: int = 1) -> str:
+    """Wrap a DML statement (which must end in `WHERE ...`) so that a conflict raises instead of passing.
+
+    The row must have been last written by the source (`pgmesh.expect_origin`, PGM01) and exactly
+    `wanted` rows must be touched (`pgmesh.expect_rows`, PGM02): anything else is a conflict, handled by
+    the applier's careful path. `origin` is SQL for the source's origin id (a literal or a parameter);
+    without one the statement is returned as is.
+    """
+    if origin is None:
+        return statement
+    return (
+        f"WITH pgmesh_w AS ({statement} AND pgmesh.expect_origin(xmin, {origin}) RETURNING 1)"
+        f" SELECT pgmesh.expect_rows(count(*), {wanted}) FROM pgmesh_w"
+    )
+
+
 def _update(relation: Relation, table: TargetTable, change: Update) -> str:
     sets = [
         f"{quote_ident(c.name)} = {_literal(relation, change.new, i)}"
@@ -182,7 +212,12 @@ def _execute(name: str, literals: list[str]) -> str:
 
 
 def _prepared_update(
-    relation: Relation, table: TargetTable, change: Update, prepared: Prepared, out: list[str]
+    relation: Relation,
+    table: TargetTable,
+    change: Update,
+    prepared: Prepared,
+    out: list[str],
+    origin: int | None = None,
 ) -> str:
     new = change.new
     row_key = change.old if change.old is not None else new
@@ -193,34 +228,64 @@ def _prepared_update(
     def build() -> str:
         assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
         where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, len(sets) + 1))
-        return f"UPDATE {table.qualified} SET {assignments} WHERE {where}"
+        statement = f"UPDATE {table.qualified} SET {assignments} WHERE {where}"
+        return _guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
 
     mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
-    name = prepared.name(relation, "U", mask, build, out)
+    name = prepared.name(relation, "U" if origin is None else "UG", mask, build, out)
     literals = [_literal(relation, new, i) for i in sets] + [_literal(relation, row_key, i) for i in keys]
+    if origin is not None:
+        literals.append(f"'{origin}'")
     return _execute(name, literals)
 
 
 def _prepared_delete(
-    relation: Relation, table: TargetTable, change: Delete, prepared: Prepared, out: list[str]
+    relation: Relation,
+    table: TargetTable,
+    change: Delete,
+    prepared: Prepared,
+    out: list[str],
+    origin: int | None = None,
 ) -> str:
     cols = relation.columns
     keys = [i for i, c in enumerate(cols) if c.key]
 
     def build() -> str:
         where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, 1))
-        return f"DELETE FROM {table.qualified} WHERE {where}"
+        statement = f"DELETE FROM {table.qualified} WHERE {where}"
+        return _guard(statement, None if origin is None else f"${len(keys) + 1}")
 
-    name = prepared.name(relation, "D", b"", build, out)
-    return _execute(name, [_literal(relation, change.old, i) for i in keys])
+    name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
+    literals = [_literal(relation, change.old, i) for i in keys]
+    if origin is not None:
+        literals.append(f"'{origin}'")
+    return _execute(name, literals)
 
 
-def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert]) -> str:
-    """One INSERT for a run of inserts into the same table (fewer statements for the server to parse)."""
+def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert], guarded: bool = False) -> str:
+    """One INSERT for a run of inserts into the same table (fewer statements for the server to parse).
+
+    Guarded, a row whose key has a tombstone is not inserted and the statement raises PGM02 (a
+    conflict: insert against a recent delete); an existing key raises unique_violation.
+    """
     names = ", ".join(quote_ident(c.name) for c in relation.columns)
     width = range(len(relation.columns))
     values = ", ".join("(" + ", ".join(_literal(relation, r.new, i) for i in width) + ")" for r in rows)
-    return f"INSERT INTO {table.qualified} ({names}) VALUES {values}"
+    if not guarded or not table.types:
+        return f"INSERT INTO {table.qualified} ({names}) VALUES {values}"
+    aliases = ", ".join(f"c{i}" for i in width)
+    position = {c.name: i for i, c in enumerate(relation.columns)}
+    picks = ", ".join(f"v.c{i}::{table.types.get(c.name, 'text')}" for i, c in enumerate(relation.columns))
+    key = ", ".join(f"v.c{position[k]}::{table.types[k]}::text" for k in table.tombstone_key if k in position)
+    where = (
+        f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name = {quote_literal(table.name)}"
+        f" AND t.key = ARRAY[{key}]::text[])"
+    )
+    statement = (
+        f"INSERT INTO {table.qualified} ({names}) SELECT {picks} FROM (VALUES {values}) AS v({aliases})"
+        f" WHERE {where} RETURNING 1"
+    )
+    return f"WITH pgmesh_w AS ({statement}) SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
 
 
 INSERT_RUN = 1000  # rows per multi-row INSERT
@@ -237,12 +302,15 @@ def transaction_script(
     *,
     origin_lsn: int | None = None,
     prepared: Prepared | None = None,
+    guard_origin: int | None = None,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
     `tables` maps (schema, name) to the target's table; `origin_lsn` is what the origin records
     (default: the transaction's end LSN, the position to resume from); with `prepared`, keyed updates
-    and deletes run as prepared statements of the session (PREPARE emitted on first use).
+    and deletes run as prepared statements of the session (PREPARE emitted on first use). With
+    `guard_origin` (the source's replication origin id on the target) every change raises instead of
+    applying when it meets a conflict (see `_guard`): the applier then takes the careful path.
     """
     when = pg_us_to_datetime(txn.commit_time).isoformat()
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
@@ -250,6 +318,8 @@ def transaction_script(
         "BEGIN",
         f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')",
     ]
+    origin_sql = None if guard_origin is None else f"'{guard_origin}'"
+    guarded = guard_origin is not None
     relations = dict(txn.relations)
     run: list[Insert] = []
     run_rel: Relation | None = None
@@ -257,7 +327,7 @@ def transaction_script(
         if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
                         and len(run) < INSERT_RUN):
             assert run_rel is not None
-            out.append(_insert_rows(run_rel, _table(run_rel, tables), run))
+            out.append(_insert_rows(run_rel, _table(run_rel, tables), run, guarded))
             run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
@@ -273,18 +343,21 @@ def transaction_script(
             run.append(change)
             continue
         table = _table(relation, tables)
+        keyed = prepared is not None and _keyed(relation, change.old_kind)
         if isinstance(change, Update):
-            if prepared is not None and _keyed(relation, change.old_kind):
-                out.append(_prepared_update(relation, table, change, prepared, out))
+            if keyed:
+                assert prepared is not None
+                out.append(_prepared_update(relation, table, change, prepared, out, guard_origin))
             else:
-                out.append(_update(relation, table, change))
-        elif prepared is not None and _keyed(relation, change.old_kind):
-            out.append(_prepared_delete(relation, table, change, prepared, out))
+                out.append(_guard(_update(relation, table, change), origin_sql))
+        elif keyed:
+            assert prepared is not None
+            out.append(_prepared_delete(relation, table, change, prepared, out, guard_origin))
         else:
-            out.append(_delete(relation, table, change))
+            out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
         assert run_rel is not None
-        out.append(_insert_rows(run_rel, _table(run_rel, tables), run))
+        out.append(_insert_rows(run_rel, _table(run_rel, tables), run, guarded))
     out.append("COMMIT")
     return ";\n".join(out) + ";"
 

@@ -347,6 +347,11 @@ class Router:
             m.lag_seconds.labels(**labels).set(link.lag_seconds)
             m.queue_transactions.labels(**labels).set(link.queued)
             m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
+        for (source, target), applier in self.appliers.items():
+            for (table, kind), count in applier.conflict_counts().items():
+                child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
+                if count > child.get():
+                    child.inc(count - child.get())
         for node, pump in self.pumps.items():
             for family, new in ((m.echo_transactions_total, pump.echoes),
                                 (m.source_received_bytes_total, pump.source.bytes_received),

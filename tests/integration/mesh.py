@@ -18,12 +18,15 @@ from router.supervisor import Router
 NODE_SETTINGS = {"deadlock_timeout": "100ms", "wal_sender_timeout": "10s"}
 
 
-def config_text(nodes: Sequence[Any], cluster: str = "t", replication: str = "", admin_port: int = 0) -> str:
+def config_text(
+    nodes: Sequence[Any], cluster: str = "t", replication: str = "", admin_port: int = 0, extra: str = ""
+) -> str:
     lines = [f'[cluster]\nname = "{cluster}"\n']
     for node in nodes:
         lines.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
     lines.append(f"[replication]\nstatus_interval_ms = 100\n{replication}\n")
     lines.append(f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
+    lines.append(extra)
     return "\n".join(lines)
 
 

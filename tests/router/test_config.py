@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import Config, load_config, parse_config
+from router.config import Config, ConflictSection, TableSection, load_config, parse_config
+from router.conflicts import ConflictType, Policy, Resolver
 from router.errors import ConfigError
 
 MINIMAL = """\
@@ -174,3 +175,184 @@ def test_errors_name_the_source_file() -> None:
 def test_errors_never_echo_a_dsn() -> None:
     text = MINIMAL.replace('dsn = "host=10.0.0.2 dbname=app"', 'dsn = "host=x password=s3cret"\nport = 1')
     assert "s3cret" not in error_of(text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# [conflicts] and [[tables]]
+
+CONFLICTS = (
+    MINIMAL
+    + """
+[conflicts]
+resolver = "last_update_wins"
+node_priority = ["b", "a"]
+window_ms = 250
+
+[conflicts.types]
+update_missing = "keep_local"
+delete_origin_differs = "first_update_wins"
+
+[[tables]]
+name = "public.inventory"
+resolver = "node_priority"
+delta_columns = ["quantity", "reserved"]
+
+[tables.types]
+delete_missing = "error"
+
+[[tables]]
+name = "orders"
+resolver = "shop.rules:orders_resolver"
+
+[[tables]]
+name = "sales.events"
+
+[tables.types]
+insert_exists = "apply_remote"
+"""
+)
+
+
+def test_conflict_sections_default_to_last_update_wins_everywhere() -> None:
+    config = parse_config(MINIMAL)
+    assert config.conflicts == ConflictSection()
+    assert config.conflicts.resolver == "last_update_wins"
+    assert config.conflicts.node_priority == [] and config.conflicts.window_ms == 0
+    assert config.conflicts.types == {}
+    assert config.tables == []
+    for kind in ConflictType:
+        assert config.policy("public", "anything", kind) == Policy(Resolver.LAST_UPDATE_WINS)
+    assert config.delta_columns("public", "anything") == ()
+
+
+def test_conflict_sections_decode() -> None:
+    config = parse_config(CONFLICTS)
+    assert config.conflicts.node_priority == ["b", "a"]
+    assert config.conflicts.window_ms == 250
+    assert config.conflicts.types == {
+        "update_missing": "keep_local",
+        "delete_origin_differs": "first_update_wins",
+    }
+    assert config.tables[0] == TableSection(
+        "public.inventory", "node_priority", ["quantity", "reserved"], {"delete_missing": "error"}
+    )
+    assert config.tables[1] == TableSection("orders", "shop.rules:orders_resolver")
+    assert config.tables[2].types == {"insert_exists": "apply_remote"} and config.tables[2].resolver is None
+    assert [t.qualified for t in config.tables] == [
+        ("public", "inventory"),
+        ("public", "orders"),
+        ("sales", "events"),
+    ]
+    assert config.table("public", "orders") is config.tables[1]
+    assert config.table("sales", "orders") is None
+    assert config.delta_columns("public", "inventory") == ("quantity", "reserved")
+    assert config.delta_columns("public", "orders") == ()
+
+
+def resolver_of(config: Config, table: str, kind: ConflictType) -> str:
+    schema, name = table.split(".")
+    policy = config.policy(schema, name, kind)
+    return policy.custom or policy.resolver.value
+
+
+@pytest.mark.parametrize(
+    ("table", "kind", "expected"),
+    [
+        # table.types[kind] > table.resolver
+        ("public.inventory", ConflictType.DELETE_MISSING, "error"),
+        # table.resolver > conflicts.types[kind] > conflicts.resolver
+        ("public.inventory", ConflictType.UPDATE_MISSING, "node_priority"),
+        ("public.inventory", ConflictType.INSERT_EXISTS, "node_priority"),
+        ("public.orders", ConflictType.UPDATE_MISSING, "shop.rules:orders_resolver"),
+        # no table resolver: table.types[kind] > conflicts.types[kind] > conflicts.resolver
+        ("sales.events", ConflictType.INSERT_EXISTS, "apply_remote"),
+        ("sales.events", ConflictType.UPDATE_MISSING, "keep_local"),
+        ("sales.events", ConflictType.UPDATE_ORIGIN_DIFFERS, "last_update_wins"),
+        # a table without an entry: the cluster's rules
+        ("public.other", ConflictType.DELETE_ORIGIN_DIFFERS, "first_update_wins"),
+        ("public.other", ConflictType.DELETE_MISSING, "last_update_wins"),
+        ("inventory.inventory", ConflictType.DELETE_MISSING, "last_update_wins"),  # another schema
+    ],
+)
+def test_policy_precedence(table: str, kind: ConflictType, expected: str) -> None:
+    assert resolver_of(parse_config(CONFLICTS), table, kind) == expected
+
+
+def test_policy_carries_priority_window_and_custom_function() -> None:
+    config = parse_config(CONFLICTS)
+    assert config.policy("public", "inventory", "update_origin_differs") == Policy(
+        Resolver.NODE_PRIORITY, ("b", "a"), 250_000
+    )
+    custom = config.policy("public", "orders", ConflictType.UPDATE_ORIGIN_DIFFERS)
+    assert custom == Policy(Resolver.CUSTOM, ("b", "a"), 250_000, "shop.rules:orders_resolver")
+    with pytest.raises(ValueError):
+        config.policy("public", "orders", "no_such_conflict")
+
+
+def test_custom_resolvers_are_not_imported_at_config_time() -> None:
+    config = parse_config(MINIMAL + '\n[conflicts]\nresolver = "no_such_package.rules:pick"\n')
+    assert config.policy("public", "t", "insert_exists").custom == "no_such_package.rules:pick"
+
+
+def test_node_priority_only_needed_when_some_resolver_uses_it() -> None:
+    parse_config(MINIMAL + '\n[[tables]]\nname = "t"\nresolver = "keep_local"\n')
+    message = error_of(MINIMAL + '\n[[tables]]\nname = "t"\nresolver = "node_priority"\n')
+    assert message.startswith("config.toml:14: tables[0].resolver: node_priority needs"), message
+
+
+def test_the_conflict_module_does_not_import_the_config() -> None:
+    source = (Path(__file__).parents[2] / "router" / "conflicts.py").read_text()
+    assert "router.config" not in source
+
+
+def conflicts(body: str, section: str = "conflicts") -> str:
+    """MINIMAL with a [section] (line 12) whose keys start on line 13."""
+    return MINIMAL + f"\n[{section}]\n{body}"
+
+
+def tables(*entries: str) -> str:
+    """MINIMAL with one [[tables]] block per entry (the first header on line 12)."""
+    return MINIMAL + "".join(f"\n[[tables]]\n{entry}" for entry in entries)
+
+
+TYPES = tables('name = "inventory"\n', 'name = "orders"\n[tables.types]\n')  # types keys from line 17
+NOT_REPLICATED = MINIMAL + '\n[replication]\nexclude = ["t"]\n\n[[tables]]\nname = "t"\n'
+BAD_CONFLICTS = [
+    ("unknown resolver", conflicts('resolver = "lww"\n'), "conflicts.resolver: unknown resolver 'lww'", 13),
+    ("custom is spelled as a function", conflicts('resolver = "custom"\n'), "conflicts.resolver", 13),
+    ("bad custom", conflicts('window_ms = 1\nresolver = "rules:"\n'), "expected 'module:function'", 14),
+    ("unknown key", conflicts("window = 5\n"), "unknown key 'window' in [conflicts]", 13),
+    ("negative window", conflicts("window_ms = -1\n"), "conflicts.window_ms: must be >= 0", 13),
+    ("wrong window type", conflicts('window_ms = "1s"\n'), "conflicts.window_ms", 13),
+    ("unknown priority node", conflicts('node_priority = ["a", "z"]\n'), "'z' is not a configured node", 13),
+    ("priority node twice", conflicts('node_priority = ["a", "a"]\n'), "'a' is listed twice", 13),
+    ("priority needed", conflicts('resolver = "node_priority"\n'), "node_priority needs", 13),
+    (
+        "unknown conflict type",
+        conflicts('update_missing = "error"\nupdate_gone = "error"\n', "conflicts.types"),
+        "conflicts.types.update_gone: unknown conflict type",
+        14,
+    ),
+    ("bad type resolver", conflicts('delete_missing = "x"\n', "conflicts.types"), "types.delete_missing", 13),
+    ("type resolver not text", conflicts("delete_missing = 1\n", "conflicts.types"), "conflicts.types", 12),
+    ("table without name", tables('resolver = "error"\n'), "tables[0]: Object missing required field", 12),
+    ("unknown table key", TYPES.replace('"orders"\n', '"orders"\ncolour = 1\n'), "'colour' in [tables[", 17),
+    ("table twice", tables('name = "t"\n', 'name = "public.t"\n'), "tables[1].name: table public.t", 16),
+    ("bad table name", tables('name = "a.b.c"\n'), "tables[0].name: 'a.b.c' is not schema.table", 13),
+    ("table not replicated", NOT_REPLICATED, "tables[0].name: public.t is not replicated", 16),
+    ("table resolver", TYPES.replace('"orders"\n', '"orders"\nresolver = "new"\n'), "tables[1].resolver", 17),
+    ("table type", TYPES + 'delete_missing = "error"\nupsert = "x"\n', "tables[1].types.upsert: unknown", 19),
+    ("table type resolver", TYPES + 'delete_missing = "nope"\n', "tables[1].types.delete_missing: un", 18),
+    ("table type priority", TYPES + 'delete_missing = "node_priority"\n', "node_priority needs", 18),
+    ("delta column twice", tables('name = "t"\ndelta_columns = ["q", "q"]\n'), "tables[0].delta_columns", 14),
+    ("delta columns not a list", tables('name = "t"\ndelta_columns = "q"\n'), "[0].delta_columns", 14),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "names", "line"), [c[1:] for c in BAD_CONFLICTS], ids=[c[0] for c in BAD_CONFLICTS]
+)
+def test_bad_conflict_config_is_one_line_naming_key_and_line(text: str, names: str, line: int) -> None:
+    message = error_of(text)
+    assert names in message, message
+    assert message.startswith(f"config.toml:{line}: "), message

@@ -24,6 +24,7 @@ from router.errors import ConfigError
 A, K, R = Outcome.APPLY_REMOTE, Outcome.KEEP_LOCAL, Outcome.ERROR
 WITH_LOCAL = [
     ConflictType.INSERT_EXISTS,
+    ConflictType.INSERT_DELETED,
     ConflictType.UPDATE_ORIGIN_DIFFERS,
     ConflictType.UPDATE_DELETED,
     ConflictType.DELETE_ORIGIN_DIFFERS,

@@ -1,0 +1,85 @@
+"""Property: random concurrent schedules on three nodes, links paused and resumed at random, converge."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.config import Config
+from router.localnodes import LocalNode, create_nodes
+from tests.integration.mesh import NODE_SETTINGS, running_router, setup_mesh, wait_converged
+
+SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
+NODES = ["a", "b", "c"]
+LINKS = [(s, t) for s in NODES for t in NODES if s != t]
+
+write = st.tuples(
+    st.just("write"),
+    st.sampled_from(NODES),
+    st.integers(1, 8),
+    st.sampled_from(["insert", "update", "delete", "tag"]),
+    st.integers(0, 99),
+)
+toggle = st.tuples(st.sampled_from(["pause", "resume"]), st.sampled_from(LINKS))
+schedule = st.lists(st.one_of(write, write, toggle), min_size=5, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[tuple[list[LocalNode], Config]]:
+    nodes = create_nodes(NODES, settings=NODE_SETTINGS)
+    try:
+        config = asyncio.run(setup_mesh(nodes, SCHEMA))
+        yield nodes, config
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+async def run_write(conns: dict[str, Any], node: str, key: int, op: str, value: int) -> None:
+    conn = conns[node]
+    if op == "insert":
+        await conn.execute("INSERT INTO reg VALUES (%s, %s, NULL) ON CONFLICT (id) DO NOTHING", [key, value])
+    elif op == "update":
+        await conn.execute("UPDATE reg SET v = %s WHERE id = %s", [value, key])
+    elif op == "delete":
+        await conn.execute("DELETE FROM reg WHERE id = %s", [key])
+    else:  # a shared unique tag from different ids: secondary-key conflicts
+        await conn.execute(
+            "UPDATE reg SET tag = %s WHERE id = %s AND NOT EXISTS (SELECT 1 FROM reg WHERE tag = %s)",
+            [f"t{value % 3}", key, f"t{value % 3}"],
+        )
+
+
+async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ...]]) -> None:
+    conns = {n.name: await psycopg.AsyncConnection.connect(n.dsn(), autocommit=True) for n in nodes}
+    try:
+        async with running_router(config) as router:
+            for step in steps:
+                if step[0] == "write":
+                    await run_write(conns, *step[1:])
+                elif step[0] == "pause":
+                    router.appliers[step[1]].pause()
+                else:
+                    router.appliers[step[1]].resume()
+            for applier in router.appliers.values():
+                applier.resume()
+            await wait_converged(nodes, ["reg"], 120)
+            assert all(applier.last_error is None for applier in router.appliers.values())
+    finally:
+        for conn in conns.values():
+            await conn.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=schedule)
+def test_random_schedules_converge(
+    mesh: tuple[list[LocalNode], Config], steps: list[tuple[Any, ...]]
+) -> None:
+    nodes, config = mesh
+    asyncio.run(play(nodes, config, steps))
