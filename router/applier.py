@@ -35,7 +35,7 @@ from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
-from router.statements import ApplyError, Prepared, TargetTable, quote_ident, transaction_script
+from router.statements import ApplyError, Prepared, TargetTable, transaction_script
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 
@@ -371,45 +371,47 @@ class Applier:
         if wait > 0:
             await asyncio.sleep(wait)
 
-    def _script(self, txn: Transaction) -> str:
+    def _script(self, txn: Transaction, prelude: list[str]) -> str:
         mark = self._prepared.mark()
+        size = len(prelude)
         try:
             return transaction_script(
-                txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin
+                txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude
             )
         except ApplyError:
             self._prepared.forget_since(mark)  # its PREPAREs are never sent
+            del prelude[size:]
             raise
 
-    async def _scripts(self, batch: list[Transaction]) -> list[str]:
-        """The batch's scripts; a transaction that does not fit the target's schema ends the batch."""
+    async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
+        """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
+        schema ends the batch."""
+        prelude: list[str] = []
         scripts: list[str] = []
         size = 0
         for i, txn in enumerate(batch):
             try:
-                script = self._script(txn)
+                script = self._script(txn, prelude)
             except ApplyError:
                 if i:
                     break  # apply what comes before it first
                 await self._load_tables()  # the target's schema may have changed since we looked
-                script = self._script(txn)
+                script = self._script(txn, prelude)
             scripts.append(script)
             size += len(script)
             if size >= BATCH_BYTES:
                 break
-        return scripts
+        return prelude, scripts
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
-        scripts = await self._scripts(batch)
+        prelude, scripts = await self._scripts(batch)
         try:
-            await self._conn.execute("\n".join(scripts))
+            await self._conn.execute("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
         except asyncpg.PostgresError as exc:
             await self._after_failure()
             if exc.sqlstate not in _CONFLICT_STATES or not self._held or self._conn is None:
                 raise
-            # Statements after the failing one never ran, their PREPAREs with them: start afresh.
-            await self._forget_prepared()
             await self._apply_carefully(self._held[0])  # the transaction that met a conflict
             self._held = self._held[1:]
         except BaseException:
@@ -421,16 +423,6 @@ class Applier:
             self._held = batch[len(scripts):]
         if self._held:
             await self._apply_batch(self._held)
-
-    async def _forget_prepared(self) -> None:
-        """Drop pgmesh's prepared statements of this session (not asyncpg's own) and start afresh."""
-        assert self._conn is not None
-        names = await self._conn.fetch(
-            "SELECT name FROM pg_catalog.pg_prepared_statements WHERE starts_with(name, 'pgmesh_')"
-        )
-        for row in names:
-            await self._conn.execute(f"DEALLOCATE {quote_ident(row['name'])}")
-        self._prepared = Prepared()
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start."""

@@ -303,6 +303,7 @@ def transaction_script(
     origin_lsn: int | None = None,
     prepared: Prepared | None = None,
     guard_origin: int | None = None,
+    prelude: list[str] | None = None,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
@@ -311,7 +312,10 @@ def transaction_script(
     and deletes run as prepared statements of the session (PREPARE emitted on first use). With
     `guard_origin` (the source's replication origin id on the target) every change raises instead of
     applying when it meets a conflict (see `_guard`): the applier then takes the careful path.
+    New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
+    transaction that fails cannot take a prepared statement down with it), else inline.
     """
+    prepares = prelude if prelude is not None else None
     when = pg_us_to_datetime(txn.commit_time).isoformat()
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
     out = [
@@ -347,12 +351,14 @@ def transaction_script(
         if isinstance(change, Update):
             if keyed:
                 assert prepared is not None
-                out.append(_prepared_update(relation, table, change, prepared, out, guard_origin))
+                sink = out if prepares is None else prepares
+                out.append(_prepared_update(relation, table, change, prepared, sink, guard_origin))
             else:
                 out.append(_guard(_update(relation, table, change), origin_sql))
         elif keyed:
             assert prepared is not None
-            out.append(_prepared_delete(relation, table, change, prepared, out, guard_origin))
+            sink = out if prepares is None else prepares
+            out.append(_prepared_delete(relation, table, change, prepared, sink, guard_origin))
         else:
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
