@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import psycopg.conninfo
 
-from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
@@ -119,6 +119,11 @@ class LinkQueue:
             self._room.set()
         return txn
 
+    def push_front(self, txn: Transaction) -> None:
+        """Put back a transaction taken too early (may exceed maxlen briefly; the fan-out sees full)."""
+        self._items.appendleft(txn)
+        self._nonempty.set()
+
     def take(self, limit: int) -> list[Transaction]:
         """Up to `limit` queued transactions, without waiting."""
         out: list[Transaction] = []
@@ -189,6 +194,9 @@ class Applier:
         self._tables: dict[tuple[str, str], TargetTable] = {}
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
         self._prepared = Prepared()
+        # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
+        # doubled after a clean batch, up to BATCH_TRANSACTIONS.
+        self._batch_limit = BATCH_TRANSACTIONS
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
@@ -325,6 +333,15 @@ class Applier:
         nodes = {int(r["roident"]): str(r["roname"])[len(prefix):] for r in rows}
         self._source_origin = next((ident for ident, node in nodes.items() if node == self.source), None)
         self._careful.origin_nodes = nodes
+        installed = await self._conn.fetchval(
+            "SELECT CASE WHEN to_regclass('pgmesh.node_info') IS NOT NULL THEN"
+            " (SELECT value FROM pgmesh.node_info WHERE key = 'installed_at') END"
+        )
+        if installed:  # rows older than this are every node's common start: no conflict (expect_origin)
+            await self._conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed)
+            self._careful.installed_at = datetime_to_pg_us(
+                await self._conn.fetchval("SELECT $1::text::timestamptz", installed)
+            )
 
     async def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
@@ -355,7 +372,7 @@ class Applier:
 
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
-        room = BATCH_TRANSACTIONS - len(self._held)
+        room = self._batch_limit - len(self._held)
         if room <= 0 or not len(self.queue):
             return
         if self.apply_delay > 0:
@@ -414,6 +431,10 @@ class Applier:
                 raise
             await self._apply_carefully(self._held[0])  # the transaction that met a conflict
             self._held = self._held[1:]
+            self._batch_limit = max(1, self._batch_limit // 4)
+            for txn in reversed(self._held[self._batch_limit :]):
+                self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
+            self._held = self._held[: self._batch_limit]
         except BaseException:
             await self._after_failure()
             raise
@@ -421,6 +442,7 @@ class Applier:
             for txn in batch[: len(scripts)]:
                 self._applied(txn)
             self._held = batch[len(scripts):]
+            self._batch_limit = min(BATCH_TRANSACTIONS, self._batch_limit * 2)
         if self._held:
             await self._apply_batch(self._held)
 

@@ -115,6 +115,7 @@ class CarefulApplier:
         self.target = target
         self.origin_nodes = dict(origin_nodes)  # roident -> node name (0: the target itself)
         self.counts: dict[tuple[str, str], int] = {}  # (table, conflict type) -> conflicts decided
+        self.installed_at: int | None = None  # pgmesh's installation here (µs), see pgmesh.expect_origin
 
     def _node(self, roident: int | None) -> str:
         if roident is None or roident == 0:
@@ -180,8 +181,16 @@ class CarefulApplier:
         if row is None:
             return None
         version = self._version(row["ts"], row["origin"])
-        mine = bool(row["ours"]) or version.node == self.source
+        mine = bool(row["ours"]) or version.node == self.source or self._before_pgmesh(row["origin"], version)
         return _Local(json.loads(row["row"]), version, mine, row["ctid"])
+
+    def _before_pgmesh(self, roident: int | None, version: Version) -> bool:
+        """A row every node started with (unknown commit time, or older than pgmesh here): no conflict."""
+        if roident not in (None, 0):
+            return False
+        if version.commit_time is None:
+            return True
+        return self.installed_at is not None and version.commit_time < self.installed_at
 
     async def _by_key(
         self, conn: Any, relation: Relation, table: TargetTable, data: TupleData

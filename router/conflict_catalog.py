@@ -75,6 +75,15 @@ _TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = (
         ),
     ),
     (
+        # When pgmesh was installed here: rows committed before it (and rows whose commit time is
+        # unknown) are the common starting point of every node, so a change to them is no conflict.
+        "node_info",
+        (
+            sql.SQL("CREATE TABLE {schema}.node_info (key text PRIMARY KEY, value text NOT NULL)"),
+            sql.SQL("INSERT INTO {schema}.node_info VALUES ('installed_at', clock_timestamp()::text)"),
+        ),
+    ),
+    (
         "tombstones",
         (
             sql.SQL("""CREATE TABLE {schema}.tombstones (
@@ -133,6 +142,16 @@ BEGIN
   -- conflict. Rows written in a subtransaction (a savepoint) are not recognised.
   IF origin IS NULL AND row_xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id_if_assigned()) THEN
     RETURN true;
+  END IF;
+  -- A row from before pgmesh (commit time unknown, or older than pgmesh's installation here, which the
+  -- applier sets as pgmesh.installed_at): the common starting point of every node, no conflict.
+  IF origin IS NULL OR origin = 0 THEN
+    IF pg_catalog.pg_xact_commit_timestamp(row_xmin) IS NULL
+       OR pg_catalog.pg_xact_commit_timestamp(row_xmin) < coalesce(
+            nullif(pg_catalog.current_setting('pgmesh.installed_at', true), ''), '-infinity')::timestamptz
+    THEN
+      RETURN true;
+    END IF;
   END IF;
   RAISE EXCEPTION 'pgmesh: conflict, row last written by another origin' USING ERRCODE = 'PGM01',
     DETAIL = pg_catalog.format('row xmin %s: origin %s, committed at %s; expected origin %s', row_xmin,
