@@ -431,7 +431,7 @@ class Applier:
                 raise
             await self._apply_carefully(self._held[0])  # the transaction that met a conflict
             self._held = self._held[1:]
-            self._batch_limit = max(1, self._batch_limit // 4)
+            self._batch_limit = max(16, self._batch_limit // 2)
             for txn in reversed(self._held[self._batch_limit :]):
                 self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
             self._held = self._held[: self._batch_limit]
