@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import psycopg
@@ -16,6 +15,7 @@ from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide
 from router.source import ReplicationSource, SourceOptions
+from tests.integration.mesh import wait_for
 
 SCHEMA = """
 CREATE TABLE t (id int PRIMARY KEY, v text);
@@ -23,20 +23,6 @@ CREATE PUBLICATION pub FOR ALL TABLES;
 """
 
 FAST = SourceOptions(status_interval=0.2, backoff_initial=0.05, backoff_max=0.5, receive_timeout=10)
-
-
-async def wait_for(check: Callable[[], Awaitable[bool] | bool], what: str, limit: float = 30.0) -> None:
-    """Poll a condition (plain or async) until it holds (never a fixed sleep)."""
-    deadline = time.monotonic() + limit
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def execute(dsn: str, *statements: str, params: Any = None) -> None:
