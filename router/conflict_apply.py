@@ -162,12 +162,28 @@ class CarefulApplier:
         remote: Version,
         records: list[ConflictRecord],
     ) -> None:
+        # Appliers of other sources may decide the same key at the same time, also when no row exists
+        # (row locks cannot serialize that): one advisory lock per (table, key), held to commit.
         if isinstance(change, Insert):
+            await self._lock(conn, table, _row(relation, change.new))
             await self._insert(conn, txn, relation, table, change, remote, records)
         elif isinstance(change, Update):
+            keys = [_row(relation, change.new)]
+            if change.old is not None:
+                keys.append(_row(relation, change.old))
+            for values in keys:
+                await self._lock(conn, table, values)
             await self._update(conn, txn, relation, table, change, remote, records)
         else:
+            await self._lock(conn, table, _row(relation, change.old))
             await self._delete(conn, txn, relation, table, change, remote, records)
+
+    async def _lock(self, conn: Any, table: TargetTable, values: Row) -> None:
+        key = self._key_sql(table, values)
+        await conn.execute(
+            f"SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || array_to_string({key}, ','), 0))",
+            table.name,
+        )
 
     # ---------------------------------------------------------------- reading what is there
 
