@@ -37,11 +37,11 @@ from router.conflicts import ConflictType, Decision, Outcome, Version, resolve
 from router.statements import (
     ApplyError,
     TargetTable,
-    _identity,
-    _table,
-    _truncate,
+    identity_match,
     quote_ident,
     quote_literal,
+    target_table,
+    truncate_statement,
 )
 
 __all__ = ["CarefulApplier", "ConflictRecord"]
@@ -140,12 +140,12 @@ class CarefulApplier:
                 if isinstance(change, Relation):
                     relations[change.relid] = change
                 elif isinstance(change, Truncate):
-                    await conn.execute(_truncate(change, relations, tables))
+                    await conn.execute(truncate_statement(change, relations, tables))
                 elif isinstance(change, (Type, Message)):
                     continue
                 else:
                     relation = relations[change.relid]
-                    table = _table(relation, tables)
+                    table = target_table(relation, tables)
                     await self._change(conn, txn, relation, table, change, remote, records)
         for record in records:
             key = (record.table, record.conflict.value)
@@ -216,7 +216,7 @@ class CarefulApplier:
             values = _row(relation, data)
             if all(values.get(k) is not None for k in table.pk):
                 return await self._local(conn, table, self._pk_where(table, values))
-        return await self._local(conn, table, _identity(relation, data, full=True))
+        return await self._local(conn, table, identity_match(relation, data, full=True))
 
     def _key_sql(self, table: TargetTable, values: Row) -> str:
         parts = [f"({_lit(values.get(k))}::{table.types.get(k, 'text')})::text" for k in table.tombstone_key]

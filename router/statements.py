@@ -34,7 +34,17 @@ from protocol.messages import (
 from protocol.transactions import Transaction
 from router.errors import PgmeshError
 
-__all__ = ["ApplyError", "Prepared", "TargetTable", "quote_ident", "quote_literal", "transaction_script"]
+__all__ = [
+    "ApplyError",
+    "Prepared",
+    "TargetTable",
+    "identity_match",
+    "quote_ident",
+    "quote_literal",
+    "target_table",
+    "transaction_script",
+    "truncate_statement",
+]
 
 # Types without a btree equality operator: compared through their text form in identity matches.
 _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
@@ -100,7 +110,7 @@ def _check_columns(relation: Relation, table: TargetTable) -> None:
         )
 
 
-def _identity(relation: Relation, row: TupleData, *, full: bool) -> str:
+def identity_match(relation: Relation, row: TupleData, *, full: bool) -> str:
     """WHERE clause matching the row by its key columns, or by every column under REPLICA IDENTITY FULL."""
     parts = []
     for i, column in enumerate(relation.columns):
@@ -132,9 +142,9 @@ def _where(
 ) -> str:
     if kind == "O" and old is not None:
         # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
-        match = _identity(relation, old, full=True)
+        match = identity_match(relation, old, full=True)
         return f"ctid = (SELECT ctid FROM {table.qualified} WHERE {match} LIMIT 1)"
-    return _identity(relation, old if old is not None else new, full=False)
+    return identity_match(relation, old if old is not None else new, full=False)
 
 
 def _guard(statement: str, origin: str | None, wanted: int = 1) -> str:
@@ -331,7 +341,7 @@ def transaction_script(
         if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
                         and len(run) < INSERT_RUN):
             assert run_rel is not None
-            out.append(_insert_rows(run_rel, _table(run_rel, tables), run, guarded))
+            out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded))
             run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
@@ -339,14 +349,14 @@ def transaction_script(
         if isinstance(change, (Type, Message)):
             continue
         if isinstance(change, Truncate):
-            out.append(_truncate(change, relations, tables))
+            out.append(truncate_statement(change, relations, tables))
             continue
         relation = relations[change.relid]
         if isinstance(change, Insert):
             run_rel = relation
             run.append(change)
             continue
-        table = _table(relation, tables)
+        table = target_table(relation, tables)
         keyed = prepared is not None and _keyed(relation, change.old_kind)
         if isinstance(change, Update):
             if keyed:
@@ -363,12 +373,12 @@ def transaction_script(
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
         assert run_rel is not None
-        out.append(_insert_rows(run_rel, _table(run_rel, tables), run, guarded))
+        out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded))
     out.append("COMMIT")
     return ";\n".join(out) + ";"
 
 
-def _table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
+def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
     table = tables.get((relation.schema, relation.name))
     if table is None:
         raise ApplyError(
@@ -380,10 +390,10 @@ def _table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) ->
     return table
 
 
-def _truncate(
+def truncate_statement(
     change: Truncate, relations: Mapping[int, Relation], tables: Mapping[tuple[str, str], TargetTable]
 ) -> str:
-    names = ", ".join(_table(relations[r], tables).qualified for r in change.relids)
+    names = ", ".join(target_table(relations[r], tables).qualified for r in change.relids)
     restart = " RESTART IDENTITY" if change.restart_identity else ""
     cascade = " CASCADE" if change.cascade else ""
     return f"TRUNCATE {names}{restart}{cascade}"
