@@ -291,11 +291,21 @@ def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert], gua
         f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name = {quote_literal(table.name)}"
         f" AND t.key = ARRAY[{key}]::text[])"
     )
+    # The careful path's lock per (table, key), taken in a statement of its own so that the insert's
+    # tombstone check runs on a snapshot taken after the lock: an applier of another source deciding
+    # the same key (possibly absent here) finishes first, and this insert then sees what it did.
+    lock = (
+        f"SELECT count(pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+        f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string(ARRAY[{key}]::text[], ','), 0)))"
+        f" FROM (VALUES {values}) AS v({aliases})"
+    )
     statement = (
         f"INSERT INTO {table.qualified} ({names}) SELECT {picks} FROM (VALUES {values}) AS v({aliases})"
         f" WHERE {where} RETURNING 1"
     )
-    return f"WITH pgmesh_w AS ({statement}) SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
+    return (
+        f"{lock};\nWITH pgmesh_w AS ({statement}) SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
+    )
 
 
 INSERT_RUN = 1000  # rows per multi-row INSERT

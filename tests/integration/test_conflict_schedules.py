@@ -80,11 +80,6 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
             await conn.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, issue 4 open: two appliers deciding the same absent key on one target do not "
-    "serialize (see tests/integration/test_conflicts.py RACE)",
-)
 @settings(
     max_examples=25,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],

@@ -46,14 +46,6 @@ async def chaos(node: Any, seed: int, ops: int) -> None:
                 )
 
 
-RACE = pytest.mark.xfail(
-    strict=False,
-    reason="known race, issue 4 open: two appliers (different sources) deciding the same absent key on one "
-    "target do not serialize (e.g. a delete_missing tombstone next to a concurrent resurrecting update); "
-    "fix: an advisory lock per (table, key) in the careful path and the guarded insert",
-)
-
-
 async def dump_differences(nodes: list[Any], router: Any) -> None:
     """On a failure: the rows that differ, with their versions and conflict history, and the links."""
     query = (
@@ -74,9 +66,7 @@ async def dump_differences(nodes: list[Any], router: Any) -> None:
         print(link)
 
 
-@pytest.mark.parametrize(
-    "resolver", [pytest.param("last_update_wins", marks=RACE), pytest.param("node_priority", marks=RACE)]
-)
+@pytest.mark.parametrize("resolver", ["last_update_wins", "node_priority"])
 async def test_conflicting_writes_on_three_nodes_converge(pg_nodes: Any, resolver: str) -> None:
     nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
     extra = f'[conflicts]\nresolver = "{resolver}"\nnode_priority = ["b", "a", "c"]\n'
