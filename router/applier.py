@@ -30,12 +30,21 @@ import asyncpg
 import psycopg.conninfo
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.messages import Message
 from protocol.transactions import Transaction
 from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
+from router.ddl import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl, reconcile
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
-from router.statements import ApplyError, Prepared, TargetTable, transaction_script
+from router.statements import (
+    ApplyError,
+    Prepared,
+    SchemaMismatch,
+    TargetTable,
+    quote_ident,
+    transaction_script,
+)
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 
@@ -43,6 +52,9 @@ __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
 # BEGIN, origin setup and COMMIT), so every row keeps its source commit time; only the trips are shared.
 BATCH_TRANSACTIONS = 256
 BATCH_BYTES = 4 << 20
+# How long a link waits for a table or column its rows name to appear on the target (DDL from a third
+# node still on its way) before it pauses.
+SCHEMA_WAIT_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +67,12 @@ SET TimeZone = 'UTC';
 SET DateStyle = 'ISO, YMD';
 SET IntervalStyle = 'postgres';
 SET extra_float_digits = 3;
+"""
+
+# Columns renamed or dropped by DDL on the target, oldest first (router.ddl).
+_DRIFT_QUERY = """
+SELECT table_name, old_name, new_name FROM pgmesh.column_changes
+WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
 """
 
 # Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
@@ -77,6 +95,8 @@ WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_s
 
 # SQLSTATEs of a conflict met by the fast path: a guard fired, or a key is already there.
 _CONFLICT_STATES = frozenset({"PGM01", "PGM02", "23505"})
+# The target's tables changed under us (DDL run there): undefined column / table, datatype mismatch.
+_SCHEMA_STATES = frozenset({"42703", "42P01", "42804"})
 
 
 class LinkState(enum.Enum):
@@ -192,6 +212,10 @@ class Applier:
         self._on_applied = on_applied
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], TargetTable] = {}
+        self._schema_wait_since: float | None = None  # since when a missing table / column is awaited
+        self.schema_wait = SCHEMA_WAIT_S
+        self._reloaded_for = -1  # the transaction that last made us re-read the target's tables
+        self._drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
         self._prepared = Prepared()
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
@@ -209,6 +233,7 @@ class Applier:
         self.applied_transactions = 0
         self.applied_rows = 0
         self.conflicts = 0
+        self.ddl_applied = 0
 
     @property
     def name(self) -> str:
@@ -270,6 +295,16 @@ class Applier:
     def _classify(self, exc: Exception) -> Action:
         if isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc):
             return Action.RETRY
+        if isinstance(exc, SchemaMismatch):
+            # Rows of a node that already ran another node's DDL can arrive before that DDL does:
+            # wait a while for it, then pause naming the table and column.
+            now = time.monotonic()
+            if self._schema_wait_since is None:
+                self._schema_wait_since = now
+            if now - self._schema_wait_since < self.schema_wait:
+                return Action.RETRY
+            self._schema_wait_since = None
+            return Action.PAUSE
         return decide(exc)
 
     def _hold(self, exc: Exception) -> None:
@@ -321,6 +356,10 @@ class Applier:
             table.tombstone_key = pk or replident or tuple(types)
             tables[(schema, name)] = table
         self._tables = tables
+        drift: dict[str, dict[str, str | None]] = {}
+        for table_name, old, new in await self._conn.fetch(_DRIFT_QUERY):
+            drift.setdefault(table_name, {})[old] = new
+        self._drift = drift
 
     async def _load_origins(self) -> None:
         """This source's origin id here, and every pgmesh origin's node (for conflict versions)."""
@@ -398,7 +437,19 @@ class Applier:
         except ApplyError:
             self._prepared.forget_since(mark)  # its PREPAREs are never sent
             del prelude[size:]
-            raise
+            fitted = self._fit(txn)
+            if fitted is txn:
+                raise
+        return transaction_script(
+            fitted, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude
+        )
+
+    def _fit(self, txn: Transaction) -> Transaction:
+        """`txn` with rows sent before a replicated rename or drop fitted to the target (router.ddl)."""
+        if not self._drift:
+            return txn
+        columns = {key: table.columns for key, table in self._tables.items()}
+        return reconcile(txn, columns, self._drift) or txn
 
     async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
         """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
@@ -407,6 +458,8 @@ class Applier:
         scripts: list[str] = []
         size = 0
         for i, txn in enumerate(batch):
+            if has_ddl(txn):
+                break  # applied on its own, statement by statement (_apply_batch)
             try:
                 script = self._script(txn, prelude)
             except ApplyError:
@@ -422,11 +475,28 @@ class Applier:
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
+        if has_ddl(batch[0]):
+            try:
+                await self._apply_carefully(batch[0])
+            except BaseException:
+                await self._after_failure()
+                await self._reload_tables()
+                raise
+            self._held = batch[1:]
+            if self._held:
+                await self._apply_batch(self._held)
+            return
         prelude, scripts = await self._scripts(batch)
         try:
             await self._conn.execute("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
         except asyncpg.PostgresError as exc:
             await self._after_failure()
+            if exc.sqlstate in _SCHEMA_STATES and self._held and self._held[0].end_lsn != self._reloaded_for:
+                # DDL run on the target itself since the tables were read: read them again, once
+                self._reloaded_for = self._held[0].end_lsn
+                await self._reload_tables()
+                await self._apply_batch(self._held)
+                return
             if exc.sqlstate not in _CONFLICT_STATES or not self._held or self._conn is None:
                 raise
             await self._apply_carefully(self._held[0])  # the transaction that met a conflict
@@ -457,16 +527,63 @@ class Applier:
         the whole transaction is read and decided again, now seeing that row.
         """
         assert self._conn is not None
+        ddl = has_ddl(txn)
+        reloaded = False
         for attempt in range(1, 6):
             try:
-                records = await self._careful.apply(self._conn, txn, self._tables)
+                records = await self._careful.apply(
+                    self._conn, self._fit(txn), self._tables, self._run_ddl if ddl else None
+                )
                 break
             except asyncpg.UniqueViolationError:
                 if attempt == 5:
                     raise
                 self.retries += 1
+            except asyncpg.PostgresError as exc:
+                if exc.sqlstate not in _SCHEMA_STATES or reloaded:
+                    raise
+                reloaded = True  # DDL run on the target itself since the tables were read
+                await self._reload_tables()
         self.conflicts += len(records)
+        if ddl:
+            self.ddl_applied += 1
+            await self._reload_tables()
         self._applied(txn)
+
+    async def _reload_tables(self) -> None:
+        """What the target has now, after DDL (applied or rolled back). Prepared statements stay: they
+        are keyed by the source's relation description, and a changed relation is a new one."""
+        if self._conn is None or self._conn.is_closed():
+            return
+        await self._load_tables()
+
+    async def _run_ddl(self, conn: Any, message: Message) -> dict[tuple[str, str], TargetTable] | None:
+        """One captured DDL command, inside the target transaction, as its user under its search_path."""
+        if message.prefix != DDL_PREFIX:
+            return None
+        command = ddl_command(message)
+        path = await conn.fetchval("SELECT current_setting('search_path')")
+        await conn.execute("SELECT set_config('search_path', $1, true)", command.search_path)
+        me = await conn.fetchval("SELECT current_user")
+        try:
+            if command.role != me:
+                await conn.execute(f"SET LOCAL ROLE {quote_ident(command.role)}")
+            await conn.execute(command.sql)
+            if command.role != me:
+                await conn.execute(f"SET LOCAL ROLE {quote_ident(me)}")
+        except asyncpg.PostgresError as exc:
+            raise ApplyError(
+                f"replicated DDL failed: {describe(exc)}; the command ({command.tag}):"
+                f" {describe_command(command)}",
+                lsn=message.lsn,
+                sqlstate=exc.sqlstate,
+                hint="make the command possible here (for example create the missing role or object),"
+                " then `pgmesh resume`",
+            ) from None
+        await conn.execute("SELECT set_config('search_path', $1, true)", path)
+        logger.info("link %s: applied %s from %s", self.name, command.tag, self.source)
+        await self._load_tables()
+        return self._tables
 
     async def _after_failure(self) -> None:
         """Roll back the failed transaction; learn which of the batch's transactions committed before it."""
@@ -485,6 +602,7 @@ class Applier:
             self._held = [t for t in self._held if t.end_lsn > done]
 
     def _applied(self, txn: Transaction) -> None:
+        self._schema_wait_since = None
         self.progress.on_applied(txn.end_lsn)
         self.last_commit_time = txn.commit_time
         self.applied_transactions += 1

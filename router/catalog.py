@@ -27,6 +27,7 @@ from psycopg import sql
 
 from router.config import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflict_catalog import install_conflict_catalog
+from router.ddl import install_ddl_capture
 from router.errors import ConfigError, PgmeshError, SlotError, describe
 
 __all__ = [
@@ -580,10 +581,12 @@ async def _install_node(config: Config, node: NodeConfig, tables: Sequence[Table
     try:
         async with await _connect(node) as conn:
             async with conn.transaction():
+                await conn.execute("SET LOCAL pgmesh.ddl_local = on")  # pgmesh's own DDL is not replicated
                 done = await _ensure_schema(conn)
                 done += await _ensure_links(conn, config, node.name)
                 done += await _ensure_publication(conn, config, tables)
                 done += await install_conflict_catalog(conn, tables)
+                done += await install_ddl_capture(conn, config, tables)
             # A logical slot cannot be created in a transaction that has written anything.
             done += await _ensure_slot(conn, config, node.name)
             done += await _ensure_origins(conn, config, node.name)
@@ -621,6 +624,9 @@ async def install(config: Config, report: InitReport) -> list[str]:
             lines.extend(result)
     if failures:
         raise PgmeshError("install did not finish: " + "; ".join(failures))
+    from router.sequences import install_sequences  # node ids and snowflake functions, once all are in
+
+    lines += await install_sequences(config)
     for line in lines:
         logger.info("%s", line)
     return lines
@@ -691,6 +697,9 @@ async def uninstall(config: Config, node: str) -> list[str]:
     try:
         async with await _connect(target) as conn:
             done = await _drop_slot(conn, config, node)
+            await conn.execute("SET pgmesh.ddl_local = on")  # removing pgmesh is not replicated
+            for name in ("pgmesh_ddl_capture", "pgmesh_ddl_refuse", "pgmesh_ddl_dropped"):
+                await conn.execute(sql.SQL("DROP EVENT TRIGGER IF EXISTS {}").format(sql.Identifier(name)))
             done += await _drop_origins(conn, config)
             done += await _drop_publication_and_schema(conn, config)
     except psycopg.Error as exc:

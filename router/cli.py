@@ -68,10 +68,30 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     return _run(cmd_resume(_config(args), args.target))
 
 
+def _cmd_sequences(args: argparse.Namespace) -> int:
+    from router.control import cmd_sequences
+
+    return _run(
+        cmd_sequences(
+            _config(args),
+            args.action,
+            mode=getattr(args, "mode", None),
+            tables=getattr(args, "tables", ()),
+            as_json=getattr(args, "json", False),
+        )
+    )
+
+
 def _cmd_conflicts(args: argparse.Namespace) -> int:
     from router.control import cmd_conflicts
 
     return _run(cmd_conflicts(_config(args), since=args.since, as_json=args.json, limit=args.limit))
+
+
+def _cmd_ddl(args: argparse.Namespace) -> int:
+    from router.ddl import cmd_ddl
+
+    return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
 
 
 def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -95,11 +115,27 @@ def _parser() -> argparse.ArgumentParser:
     status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_cmd_status)
+    sequences = _with_config(sub, "sequences", "ids no two nodes hand out: show or convert sequences")
+    actions = sequences.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("status", help="per node: each sequence-backed column and its mode")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    convert = actions.add_parser("convert", help="make the columns snowflake or step/offset on every node")
+    convert.add_argument("--mode", choices=("snowflake", "step"), help="default: [sequences] mode")
+    convert.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
+    sequences.set_defaults(func=_cmd_sequences)
     conflicts = _with_config(sub, "conflicts", "the conflicts every node recorded, newest last")
     conflicts.add_argument("--since", metavar="WHEN", help="ISO timestamp, or an age: 10m, 2h, 1d")
     conflicts.add_argument("--json", action="store_true", help="one JSON object per line")
     conflicts.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (default 100)")
     conflicts.set_defaults(func=_cmd_conflicts)
+    ddl = _with_config(sub, "ddl", "run a DDL statement on one node; pgmesh replays it on every other node")
+    ddl.add_argument("sql", metavar="SQL", help="the statement")
+    ddl.add_argument("--node", metavar="NODE", help="where to run it (default: the first node)")
+    ddl.add_argument("--wait", action="store_true",
+                     help="replication barrier: first wait until every link has caught up, then until"
+                     " the statement reached every node (needs `pgmesh run`)")
+    ddl.add_argument("--timeout", type=float, default=300.0, metavar="S", help="barrier limit (default 300)")
+    ddl.set_defaults(func=_cmd_ddl)
     for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
         command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
         command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -125,8 +125,18 @@ class CarefulApplier:
     def _version(self, commit_time: datetime | None, roident: int | None) -> Version:
         return Version(None if commit_time is None else datetime_to_pg_us(commit_time), self._node(roident))
 
-    async def apply(self, conn: Any, txn: Transaction, tables: Tables) -> list[ConflictRecord]:
-        """Apply `txn` in its own target transaction (committed here); return the conflicts decided."""
+    async def apply(
+        self,
+        conn: Any,
+        txn: Transaction,
+        tables: Tables,
+        on_message: Callable[[Any, Message], Awaitable[Tables | None]] | None = None,
+    ) -> list[ConflictRecord]:
+        """Apply `txn` in its own target transaction (committed here); return the conflicts decided.
+
+        `on_message` runs each transactional logical message in place (replicated DDL) and returns the
+        target's tables as they are afterwards (or None: unchanged).
+        """
         records: list[ConflictRecord] = []
         remote = Version(txn.commit_time, self.source)
         async with conn.transaction():
@@ -141,7 +151,10 @@ class CarefulApplier:
                     relations[change.relid] = change
                 elif isinstance(change, Truncate):
                     await conn.execute(truncate_statement(change, relations, tables))
-                elif isinstance(change, (Type, Message)):
+                elif isinstance(change, Message):
+                    if on_message is not None:
+                        tables = await on_message(conn, change) or tables
+                elif isinstance(change, Type):
                     continue
                 else:
                     relation = relations[change.relid]

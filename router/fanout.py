@@ -19,6 +19,7 @@ from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.applier import LinkQueue
+from router.ddl import has_ddl
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
 
@@ -72,7 +73,7 @@ class SourcePump:
             self.echoes += 1
             if self._on_echo is not None:
                 self._on_echo(txn)
-        elif not any(isinstance(c, _DATA_CHANGES) for c in txn.changes):
+        elif not any(isinstance(c, _DATA_CHANGES) for c in txn.changes) and not has_ddl(txn):
             pass  # nothing a target needs (a transactional message, a schema description only)
         else:
             self.transactions += 1

@@ -37,6 +37,7 @@ from router.errors import PgmeshError
 __all__ = [
     "ApplyError",
     "Prepared",
+    "SchemaMismatch",
     "TargetTable",
     "identity_match",
     "quote_ident",
@@ -52,6 +53,10 @@ _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  
 
 class ApplyError(PgmeshError):
     """A change that cannot be applied as is (schema mismatch, missing column, binary value)."""
+
+
+class SchemaMismatch(ApplyError):
+    """The target lacks a table or column the change names (possibly DDL still on its way here)."""
 
 
 def quote_ident(name: str) -> str:
@@ -103,7 +108,7 @@ def _literal(relation: Relation, row: TupleData, i: int) -> str:
 def _check_columns(relation: Relation, table: TargetTable) -> None:
     missing = [c.name for c in relation.columns if c.name not in table.columns]
     if missing:
-        raise ApplyError(
+        raise SchemaMismatch(
             f"the target has no column {', '.join(missing)}",
             relation=f"{relation.schema}.{relation.name}",
             hint="add the column on the target (or drop it on the source), then `pgmesh resume`",
@@ -391,7 +396,7 @@ def transaction_script(
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
     table = tables.get((relation.schema, relation.name))
     if table is None:
-        raise ApplyError(
+        raise SchemaMismatch(
             "the target has no such table",
             relation=f"{relation.schema}.{relation.name}",
             hint="create it on the target with the same columns, then `pgmesh resume`",
