@@ -27,6 +27,7 @@ __all__ = [
     "ConflictSection",
     "NodeConfig",
     "ReplicationSection",
+    "SequencesSection",
     "TableSection",
     "load_config",
     "parse_config",
@@ -40,6 +41,7 @@ DEFAULT_SCHEMA: Final = "public"
 # Resolver names a config may use; "custom" is spelled as the function itself ("module:function").
 RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
 CONFLICT_TYPES: Final = tuple(t.value for t in ConflictType)
+SEQUENCE_MODES: Final = ("snowflake", "step")
 _CUSTOM_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -60,10 +62,19 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     apply_delay_ms: int = 0
     queue_max_transactions: int = 10_000
     status_interval_ms: int = 1_000
+    replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
+    new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
 
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:8787"
+
+
+class SequencesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[sequences]`: how `pgmesh sequences convert` makes ids unique across nodes (docs/sequences.md)."""
+
+    mode: str = "snowflake"  # "snowflake" (bigint ids: time, node id, counter) or "step"
+    step: int = 100  # step mode: each node's values are node_id mod step, so step > every node id
 
 
 class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -96,6 +107,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin: AdminSection = msgspec.field(default_factory=AdminSection)
     conflicts: ConflictSection = msgspec.field(default_factory=ConflictSection)
     tables: list[TableSection] = msgspec.field(default_factory=list)
+    sequences: SequencesSection = msgspec.field(default_factory=SequencesSection)
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property
@@ -256,11 +268,14 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 10", "replication.status_interval_ms")
     if not rep.tables:
         raise bad("must list at least one pattern", "replication.tables")
+    if rep.new_table_without_key not in ("warn", "refuse"):
+        raise bad(f"{rep.new_table_without_key!r} is not warn or refuse", "replication.new_table_without_key")
     _host, sep, port = config.admin.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise bad(f"{config.admin.listen!r} is not HOST:PORT", "admin.listen")
     _validate_conflicts(config)
     _validate_tables(config)
+    _validate_sequences(config)
 
 
 def _check_resolver(value: str, key: str) -> None:
@@ -334,6 +349,20 @@ def _validate_tables(config: Config) -> None:
         for key, value in _resolvers_in_effect(config):
             if value == Resolver.NODE_PRIORITY:
                 raise ConfigError(f'{key}: node_priority needs [conflicts] node_priority = ["node", ...]')
+
+
+def _validate_sequences(config: Config) -> None:
+    section = config.sequences
+    if section.mode not in SEQUENCE_MODES:
+        raise ConfigError(f"sequences.mode: {section.mode!r} is not one of {', '.join(SEQUENCE_MODES)}")
+    # Node ids are 0..n-1 for a cluster that never lost a node; `pgmesh sequences convert` checks the
+    # ids actually assigned.
+    least = max(2, len(config.nodes))
+    if section.step < least:
+        raise ConfigError(
+            f"sequences.step: {section.step} is too small; it must be greater than every node id"
+            f" (at least {least} for {len(config.nodes)} nodes)"
+        )
 
 
 def parse_config(text: str, *, source: str = "config.toml") -> Config:

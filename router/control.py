@@ -1,9 +1,10 @@
-"""The operator's commands: init, run, status, pause, resume, conflicts.
+"""The operator's commands: init, run, status, pause, resume, conflicts, sequences.
 
 Each talks to a running router through its admin listener when there is one, and to the nodes when
 there is not: `status` then reads the origins' progress and the slots (state "down: router not
 running"), and `pause` / `resume` record the link's state in `pgmesh.links` on the target, which the
 router reads when it starts. `conflicts` always reads `pgmesh.conflict_history` from the nodes.
+`sequences` shows (`router.sequences`) or converts (`router.sequence_convert`) sequence-backed columns.
 Rendering for the terminal lives here too; the CLI only parses arguments.
 """
 
@@ -22,10 +23,12 @@ from typing import Any, Final, TextIO
 import msgspec
 import psycopg
 
+from router import sequences
 from router.admin import admin_request
 from router.catalog import init_cluster
 from router.config import Config
 from router.errors import ConfigError, PgmeshError, describe
+from router.sequence_convert import convert_sequences
 from router.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "cmd_pause",
     "cmd_resume",
     "cmd_run",
+    "cmd_sequences",
     "cmd_status",
     "parse_since",
     "read_conflicts",
@@ -335,3 +339,30 @@ async def cmd_conflicts(
     else:
         print(render_conflicts(rows), file=out)
     return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sequences: status and convert of the replicated tables' sequence-backed columns
+
+
+async def cmd_sequences(
+    config: Config,
+    action: str,
+    *,
+    mode: str | None = None,
+    tables: Sequence[str] = (),
+    as_json: bool = False,
+    out: TextIO | None = None,
+) -> int:
+    """`pgmesh sequences status|convert`; status returns 1 when a node was not read or modes differ."""
+    out = out or sys.stdout
+    if action == "status":
+        nodes = await sequences.read_status(config)
+        if as_json:
+            print(msgspec.json.encode(sequences.status_json(nodes)).decode(), file=out)
+        else:
+            print(sequences.render_status(nodes), file=out)
+        return 1 if any(n.error for n in nodes) or sequences.disagreements(nodes) else 0
+    for line in await convert_sequences(config, mode, tables):
+        print(line, file=out)
+    return 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -160,7 +159,8 @@ BEGIN
   END LOOP;
   DELETE FROM {schema}.known_columns WHERE relid = rel;
   INSERT INTO {schema}.known_columns
-  SELECT rel, a.attnum, a.attname FROM pg_attribute a WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
+  SELECT rel, a.attnum, a.attname FROM pg_attribute a
+   WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
 
   SELECT array_agg(a.attname::text ORDER BY k.ord) INTO key
     FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
@@ -183,20 +183,25 @@ BEGIN
     IF published THEN
       RAISE EXCEPTION 'pgmesh: table % is replicated and would lose its key', qualified
         USING ERRCODE = '0A000',
-              HINT = 'keep a primary key (or replica identity); to stop replicating it, exclude it in config.toml and run pgmesh init';
+              HINT = 'keep a primary key (or replica identity); to stop replicating it, '
+                     'exclude it in config.toml and run pgmesh init';
     ELSIF {schema}.ddl_setting('new_table_without_key') = 'refuse' THEN
-      RAISE EXCEPTION 'pgmesh: table % has no primary key, replica identity index or REPLICA IDENTITY FULL', qualified
+      RAISE EXCEPTION 'pgmesh: table % has no primary key, replica identity index or REPLICA IDENTITY FULL',
+        qualified
         USING ERRCODE = '0A000',
-              HINT = 'create it with a primary key (pgmesh cannot replicate its updates and deletes without one), or exclude it in config.toml';
+              HINT = 'create it with a primary key (pgmesh cannot replicate its updates and deletes '
+                     'without one), or exclude it in config.toml';
     END IF;
-    RAISE WARNING 'pgmesh: table % has no primary key: it stays local (not replicated) until it gets one', qualified;
+    RAISE WARNING 'pgmesh: table % has no primary key: it stays local (not replicated) until it gets one',
+      qualified;
     RETURN;
   END IF;
   IF NOT published THEN
     EXECUTE format('ALTER PUBLICATION %I ADD TABLE %I.%I', pub, nsp, tab);
   END IF;
   EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
-  EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW EXECUTE FUNCTION {schema}.tombstone(%s)',
+  EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW '
+                 'EXECUTE FUNCTION {schema}.tombstone(%s)',
                  nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
   EXECUTE format('ALTER TABLE %I.%I ENABLE ALWAYS TRIGGER pgmesh_tombstone', nsp, tab);
 END
@@ -218,7 +223,8 @@ BEGIN
   PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'off', true);
   FOR cmd IN SELECT * FROM pg_catalog.pg_event_trigger_ddl_commands() LOOP
     CONTINUE WHEN cmd.in_extension OR cmd.schema_name IS NOT NULL
-      AND (cmd.schema_name = 'pgmesh' OR cmd.schema_name LIKE 'pg\_temp%' OR cmd.schema_name LIKE 'pg\_toast%');
+      AND (cmd.schema_name = 'pgmesh' OR cmd.schema_name LIKE 'pg\_temp%'
+           OR cmd.schema_name LIKE 'pg\_toast%');
     CONTINUE WHEN cmd.object_type IN ('publication', 'publication relation', 'publication namespace',
                                       'subscription', 'event trigger');
     replicated := true;
@@ -250,7 +256,8 @@ BEGIN
   END IF;
   IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger_dropped_objects() d
               WHERE d.original AND NOT d.is_temporary
-                AND coalesce(d.schema_name, '') <> 'pgmesh' AND coalesce(d.schema_name, '') NOT LIKE 'pg\_toast%'
+                AND coalesce(d.schema_name, '') <> 'pgmesh'
+                AND coalesce(d.schema_name, '') NOT LIKE 'pg\_toast%'
                 AND d.object_type NOT IN ('publication', 'publication relation', 'publication namespace',
                                           'subscription', 'event trigger')) THEN
     PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'on', true);
@@ -269,22 +276,24 @@ BEGIN
     RETURN;
   END IF;
   IF tg_tag IN ('CREATE INDEX', 'DROP INDEX') AND q ~* '\mconcurrently\M' THEN
-    RAISE EXCEPTION 'pgmesh: % CONCURRENTLY is not replicated (the other nodes replay DDL inside a transaction)', tg_tag
+    RAISE EXCEPTION 'pgmesh: % CONCURRENTLY is not replicated (the other nodes replay DDL inside a '
+                    'transaction)', tg_tag
       USING ERRCODE = '0A000',
             HINT = 'run it without CONCURRENTLY, or run it on every node with SET pgmesh.ddl_local = on';
   END IF;
-  IF q ~* '(^|;)\s*(begin|start\s+transaction|commit|end|rollback|abort|savepoint|release|prepare\s+transaction)\M' THEN
+  IF q ~* ('(^|;)\s*(begin|start\s+transaction|commit|end|rollback|abort|savepoint|release'
+           '|prepare\s+transaction)\M') THEN
     RAISE EXCEPTION 'pgmesh: DDL sent in one query string with transaction control is not replicated'
       USING ERRCODE = '0A000', HINT = 'send BEGIN, each DDL statement and COMMIT as separate statements';
   END IF;
 END
 $body$;
-""".split("\n-- next\n"))
+""".split("\n-- next\n"))  # noqa: SIM905 (one SQL text, read as such)
 
 _EVENT_TRIGGERS: Final = (
-    ("pgmesh_ddl_capture", "ddl_command_end", "ddl_capture", ""),
-    ("pgmesh_ddl_refuse", "ddl_command_start", "ddl_refuse", ""),
-    ("pgmesh_ddl_dropped", "sql_drop", "ddl_dropped", ""),
+    ("pgmesh_ddl_capture", "ddl_command_end", "ddl_capture"),
+    ("pgmesh_ddl_refuse", "ddl_command_start", "ddl_refuse"),
+    ("pgmesh_ddl_dropped", "sql_drop", "ddl_dropped"),
 )
 
 
@@ -306,25 +315,26 @@ async def install_ddl_capture(conn: Conn, config: Config, tables: Sequence[tuple
     for key, value in settings.items():
         await conn.execute(
             sql.SQL(
-                "INSERT INTO {}.node_info VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+                "INSERT INTO {}.node_info VALUES (%s, %s)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
             ).format(schema),
             [key, value],
         )
-    for function in _FUNCTIONS:
-        await conn.execute(function.format(schema=schema))
+    for definition in _FUNCTIONS:
+        await conn.execute(definition.format(schema=schema))
     cur = await conn.execute("SELECT evtname FROM pg_event_trigger WHERE evtname LIKE 'pgmesh\\_%%'")
     have = {r[0] for r in await cur.fetchall()}
-    for name, event, function, _ in _EVENT_TRIGGERS:
-        if name in have:
+    for trigger, event, function in _EVENT_TRIGGERS:
+        if trigger in have:
             continue
         await conn.execute(
             sql.SQL("CREATE EVENT TRIGGER {} ON {} EXECUTE FUNCTION {}.{}()").format(
-                sql.Identifier(name), sql.SQL(event), schema, sql.Identifier(function)
+                sql.Identifier(trigger), sql.SQL(event), schema, sql.Identifier(function)
             )
         )
         # also under session_replication_role = replica (the router's sessions): new tables join there
-        await conn.execute(sql.SQL("ALTER EVENT TRIGGER {} ENABLE ALWAYS").format(sql.Identifier(name)))
-        done.append(f"created event trigger {name} ({event})")
+        await conn.execute(sql.SQL("ALTER EVENT TRIGGER {} ENABLE ALWAYS").format(sql.Identifier(trigger)))
+        done.append(f"created event trigger {trigger} ({event})")
     await conn.execute(
         sql.SQL(
             "INSERT INTO {schema}.known_columns"
@@ -353,7 +363,9 @@ def _follow(changes: Mapping[str, str | None], name: str) -> str | None:
     return current
 
 
-def reconcile(txn: Transaction, columns: Mapping[tuple[str, str], frozenset[str]], drift: Drift) -> Transaction | None:
+def reconcile(
+    txn: Transaction, columns: Mapping[tuple[str, str], frozenset[str]], drift: Drift
+) -> Transaction | None:
     """`txn` with its rows fitted to the target's columns where DDL explains the difference.
 
     A column the target lacks that pgmesh saw renamed here is sent under its new name; one it saw
@@ -405,13 +417,12 @@ def reconcile(txn: Transaction, columns: Mapping[tuple[str, str], frozenset[str]
             current[change.relid] = result
             changed = changed or result[1] is not None
             changes.append(result[0])
-        elif isinstance(change, (Insert, Update, Delete)) and current.get(change.relid, (None, None))[1] is not None:
-            kept = current[change.relid][1]
-            assert kept is not None
+        elif isinstance(change, (Insert, Update, Delete)) and (kept := _kept(current, change.relid)):
             if isinstance(change, Insert):
                 changes.append(msgspec.structs.replace(change, new=cut(change.new, kept)))
             elif isinstance(change, Update):
-                changes.append(msgspec.structs.replace(change, new=cut(change.new, kept), old=cut(change.old, kept)))
+                new, old = cut(change.new, kept), cut(change.old, kept)
+                changes.append(msgspec.structs.replace(change, new=new, old=old))
             else:
                 changes.append(msgspec.structs.replace(change, old=cut(change.old, kept)))
         else:
@@ -419,6 +430,11 @@ def reconcile(txn: Transaction, columns: Mapping[tuple[str, str], frozenset[str]
     if not changed:
         return None
     return msgspec.structs.replace(txn, changes=changes, relations=relations)
+
+
+def _kept(current: Mapping[int, tuple[Relation, list[int] | None]], relid: int) -> list[int] | None:
+    entry = current.get(relid)
+    return None if entry is None else entry[1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -450,12 +466,15 @@ async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
         while pending:
             for name in list(pending):
                 cur = await conns[name].execute(
-                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = %s",
+                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots"
+                    " WHERE slot_name = %s",
                     [config.slot_name],
                 )
                 row = await cur.fetchone()
                 if row is None:
-                    raise PgmeshError(f"slot {config.slot_name} is missing", node=name, hint="run pgmesh init")
+                    raise PgmeshError(
+                        f"slot {config.slot_name} is missing", node=name, hint="run pgmesh init"
+                    )
                 if row[0] is not None and int(row[0]) >= pending[name]:
                     del pending[name]
             if not pending:
@@ -486,9 +505,11 @@ async def cmd_ddl(
         print("barrier: every link has caught up")
     async with await _connect(target) as conn:
         try:
-            await conn.execute(statement)  # type: ignore[arg-type]  # the operator's own SQL
+            await conn.execute(statement.encode())  # the operator's own SQL, as given
         except psycopg.Error as exc:
-            raise PgmeshError(f"the statement failed: {describe(exc)}", node=target.name, sqlstate=exc.sqlstate) from None
+            raise PgmeshError(
+                f"the statement failed: {describe(exc)}", node=target.name, sqlstate=exc.sqlstate
+            ) from None
     print(f"node {target.name}: done")
     if wait:
         await barrier(config, limit)
@@ -500,5 +521,3 @@ def describe_command(command: DdlCommand, limit: int = 200) -> str:
     text = " ".join(command.sql.split())
     return json.dumps(text if len(text) <= limit else text[:limit] + "...")
 
-
-_SPACE_RE: Final = re.compile(r"\s+")

@@ -308,9 +308,8 @@ def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert], gua
         f"INSERT INTO {table.qualified} ({names}) SELECT {picks} FROM (VALUES {values}) AS v({aliases})"
         f" WHERE {where} RETURNING 1"
     )
-    return (
-        f"{lock};\nWITH pgmesh_w AS ({statement}) SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
-    )
+    check = f"SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
+    return f"{lock};\nWITH pgmesh_w AS ({statement}) {check}"
 
 
 INSERT_RUN = 1000  # rows per multi-row INSERT
