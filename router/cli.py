@@ -94,6 +94,18 @@ def _cmd_ddl(args: argparse.Namespace) -> int:
     return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
 
 
+def _cmd_join(args: argparse.Namespace) -> int:
+    from router.membership import cmd_join
+
+    return _run(cmd_join(_config(args), args.node, donor=args.donor, force=args.force))
+
+
+def _cmd_part(args: argparse.Namespace) -> int:
+    from router.membership import cmd_part
+
+    return _run(cmd_part(_config(args), args.node, clean=args.clean))
+
+
 def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     command: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
     command.add_argument("--config", required=True, metavar="PATH", help="the cluster's config.toml")
@@ -136,6 +148,15 @@ def _parser() -> argparse.ArgumentParser:
                      " the statement reached every node (needs `pgmesh run`)")
     ddl.add_argument("--timeout", type=float, default=300.0, metavar="S", help="barrier limit (default 300)")
     ddl.set_defaults(func=_cmd_ddl)
+    join = _with_config(sub, "join", "copy a donor into a new (empty) node listed in the config")
+    join.add_argument("node", metavar="NODE", help="the new node, as named in the config")
+    join.add_argument("--from", dest="donor", metavar="DONOR", help="the node to copy (default: first other)")
+    join.add_argument("--force", action="store_true", help="drop the new node's schemas if it holds tables")
+    join.set_defaults(func=_cmd_join)
+    part = _with_config(sub, "part", "the cluster forgets a node; its database stays usable on its own")
+    part.add_argument("node", metavar="NODE", help="the node to part")
+    part.add_argument("--clean", action="store_true", help="also remove pgmesh's objects from that node")
+    part.set_defaults(func=_cmd_part)
     for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
         command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
         command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")

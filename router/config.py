@@ -100,6 +100,14 @@ class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return split_table_name(self.name)
 
 
+class SyncSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[sync]`: the initial copy of `pgmesh join` (a PySpark batch)."""
+
+    spark_master: str = "local[*]"  # any Spark master URL; local[*] needs no Spark cluster
+    partitions_per_table: int = 0  # 0: from each table's size
+    spark_conf: dict[str, str] = msgspec.field(default_factory=dict)  # e.g. "spark.driver.memory" = "2g"
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterSection
     nodes: list[NodeConfig]
@@ -108,6 +116,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conflicts: ConflictSection = msgspec.field(default_factory=ConflictSection)
     tables: list[TableSection] = msgspec.field(default_factory=list)
     sequences: SequencesSection = msgspec.field(default_factory=SequencesSection)
+    sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property

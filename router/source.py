@@ -114,6 +114,14 @@ class ExportedSnapshot:
         self.exported_name = exported_name
         self._holder = holder
 
+    async def lock(self, tables: list[tuple[str, str]]) -> None:
+        """ACCESS SHARE locks on `tables` in the holder's transaction: DDL that would rewrite them (and
+        hide rows from the snapshot) waits until `close()`."""
+        for schema, table in tables:
+            await self._holder.execute(
+                sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, table))
+            )
+
     async def close(self) -> None:
         with contextlib.suppress(psycopg.Error):
             await self._holder.execute("ROLLBACK")
