@@ -223,7 +223,7 @@ BEGIN
   PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'off', true);
   FOR cmd IN SELECT * FROM pg_catalog.pg_event_trigger_ddl_commands() LOOP
     CONTINUE WHEN cmd.in_extension OR cmd.schema_name IS NOT NULL
-      AND (cmd.schema_name = 'pgmesh' OR cmd.schema_name LIKE 'pg\_temp%'
+      AND (cmd.schema_name IN ('pgmesh', 'pgmesh_join') OR cmd.schema_name LIKE 'pg\_temp%'
            OR cmd.schema_name LIKE 'pg\_toast%');
     CONTINUE WHEN cmd.object_type IN ('publication', 'publication relation', 'publication namespace',
                                       'subscription', 'event trigger');
@@ -256,7 +256,7 @@ BEGIN
   END IF;
   IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger_dropped_objects() d
               WHERE d.original AND NOT d.is_temporary
-                AND coalesce(d.schema_name, '') <> 'pgmesh'
+                AND coalesce(d.schema_name, '') NOT IN ('pgmesh', 'pgmesh_join')
                 AND coalesce(d.schema_name, '') NOT LIKE 'pg\_toast%'
                 AND d.object_type NOT IN ('publication', 'publication relation', 'publication namespace',
                                           'subscription', 'event trigger')) THEN
