@@ -37,7 +37,9 @@ __all__ = [
 NAME_RE: Final = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 PGMESH_SCHEMA: Final = "pgmesh"
 JOIN_SCHEMA: Final = "pgmesh_join"  # the marker of a join in progress on the new node (router.membership)
-SYSTEM_SCHEMAS: Final = frozenset({"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, JOIN_SCHEMA})
+SYSTEM_SCHEMAS: Final = frozenset(
+    {"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, JOIN_SCHEMA}
+)
 DEFAULT_SCHEMA: Final = "public"
 # Resolver names a config may use; "custom" is spelled as the function itself ("module:function").
 RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
