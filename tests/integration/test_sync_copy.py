@@ -1,0 +1,248 @@
+"""The initial copy (`router.sync.copy.copy_snapshot`) between two real PostgreSQL nodes, on local Spark.
+
+The donor holds a 200k-row table of mixed types (text, numeric, timestamptz, jsonb, bytea, an array,
+NULLs), a partitioned table with two partitions and an empty table. A connection exports a snapshot and
+stays open; then the donor changes (inserts, updates, deletes): none of that may reach the target. The
+target gets the pre-data schema from `pg_dump --snapshot`, the copy, then the post-data schema; its rows
+must be exactly the snapshot's (count and md5 of the ordered rows, the donor's read under the snapshot).
+One Spark session is shared by the whole module (`reuse_spark`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from router.errors import PgmeshError
+from router.localnodes import find_pg_bindir
+from router.sync.copy import CopyProgress, CopyReport, CopyTable, copy_snapshot, reuse_spark
+
+MASTER = "local[2]"
+PASSWORD = "s3cret-pw"
+MIXED_ROWS = 200_000
+
+SCHEMA = """
+CREATE SCHEMA app;
+CREATE TABLE app.mixed (
+    id bigint PRIMARY KEY,
+    label text,
+    amount numeric(14, 4),
+    at timestamptz NOT NULL,
+    doc jsonb,
+    raw bytea,
+    tags int[],
+    ratio float8,
+    flag boolean,
+    note varchar(40) DEFAULT 'none'
+);
+CREATE TABLE app.events (
+    id bigint NOT NULL,
+    day date NOT NULL,
+    payload text,
+    PRIMARY KEY (id, day)
+) PARTITION BY RANGE (day);
+CREATE TABLE app.events_2024 PARTITION OF app.events FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');
+CREATE TABLE app.events_2025 PARTITION OF app.events FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+CREATE TABLE app.empty (id int PRIMARY KEY, v text);
+CREATE TABLE app.child (id int PRIMARY KEY, mixed_id bigint REFERENCES app.mixed (id));
+"""
+FILL = f"""
+INSERT INTO app.mixed (id, label, amount, at, doc, raw, tags, ratio, flag, note)
+SELECT g,
+       CASE WHEN g % 10 = 0 THEN NULL ELSE repeat(md5(g::text), 1 + g % 3) || ' é ✓' END,
+       CASE WHEN g % 13 = 0 THEN NULL ELSE (g * 1.2345)::numeric(14, 4) END,
+       timestamptz '2024-01-01 00:00:00+00' + g * interval '1 minute 7 seconds',
+       CASE WHEN g % 17 = 0 THEN NULL
+            ELSE jsonb_build_object('g', g, 'odd', g % 2 = 1, 'list', jsonb_build_array(g, 'x')) END,
+       CASE WHEN g % 19 = 0 THEN NULL ELSE decode(md5(g::text), 'hex') END,
+       CASE WHEN g % 23 = 0 THEN NULL ELSE ARRAY[g, g % 7, -g] END,
+       CASE WHEN g % 29 = 0 THEN 'NaN'::float8 ELSE g / 7.0 END,
+       CASE WHEN g % 31 = 0 THEN NULL ELSE g % 2 = 0 END,
+       CASE WHEN g % 37 = 0 THEN NULL ELSE 'n' || g END
+FROM generate_series(1, {MIXED_ROWS}) g;
+INSERT INTO app.events SELECT g, date '2024-06-01' + (g % 400), 'event ' || g
+FROM generate_series(1, 20000) g;
+INSERT INTO app.child SELECT g, g FROM generate_series(1, 1000) g;
+"""
+# After the snapshot: none of this may be copied.
+CHANGES = """
+INSERT INTO app.mixed (id, label, at) SELECT g, 'late', now() FROM generate_series(1000001, 1005000) g;
+UPDATE app.mixed SET label = 'changed', amount = -1 WHERE id % 7 = 0;
+DELETE FROM app.mixed WHERE id % 11 = 0 AND id > 1000;
+INSERT INTO app.events SELECT g, date '2025-03-01', 'late' FROM generate_series(100001, 101000) g;
+DELETE FROM app.events WHERE id % 5 = 0;
+INSERT INTO app.empty VALUES (1, 'late');
+"""
+TABLES = ["app.mixed", "app.events", "app.empty", "app.child"]
+FINGERPRINT = "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {} t"
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[None]:
+    """One Spark session (and JVM) for every test of this module."""
+    with reuse_spark():
+        yield
+
+
+def run_tool(argv: Sequence[str], *, stdin: bytes | None = None) -> bytes:
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    done = subprocess.run(list(argv), input=stdin, capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    return done.stdout
+
+
+def schema_section(donor_dsn: str, target_dsn: str, snapshot: str, section: str) -> None:
+    """`pg_dump --schema-only --section=SECTION --snapshot=SNAPSHOT donor | psql target`."""
+    bindir = find_pg_bindir()
+    dump = run_tool([str(bindir / "pg_dump"), "--schema-only", f"--section={section}",
+                     f"--snapshot={snapshot}", "--no-publications", "--no-subscriptions", "-d", donor_dsn])
+    run_tool([str(bindir / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", target_dsn], stdin=dump)
+
+
+def fingerprints(conn: psycopg.Connection[Any], tables: Sequence[str]) -> dict[str, tuple[int, str]]:
+    out = {}
+    for table in tables:
+        row = conn.execute(FINGERPRINT.format(table)).fetchone()
+        assert row is not None
+        out[table] = (int(row[0]), str(row[1]))
+    return out
+
+
+def copy_tables(conn: psycopg.Connection[Any]) -> list[CopyTable]:
+    tables = []
+    for name in TABLES:
+        schema, table = name.split(".")
+        row = conn.execute(
+            "SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute"
+            " WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+            [name],
+        ).fetchone()
+        assert row is not None
+        tables.append(CopyTable(schema, table, tuple(row[0])))
+    return tables
+
+
+class Exported:
+    """A donor connection holding an exported snapshot open, and what that snapshot shows."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn)
+        self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        row = self.conn.execute("SELECT pg_export_snapshot()").fetchone()
+        assert row is not None
+        self.name = str(row[0])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def prepared_pair(pg_nodes: Any) -> tuple[Any, Any, Exported, list[CopyTable]]:
+    donor, target = pg_nodes(2, names=["donor", "target"], password=PASSWORD)
+    with psycopg.connect(donor.dsn(), autocommit=True) as conn:
+        conn.execute(SCHEMA)
+        conn.execute(FILL)
+        conn.execute("ALTER TABLE app.mixed DROP COLUMN note")  # a dropped column in the heap
+        conn.execute("VACUUM ANALYZE")
+        tables = copy_tables(conn)
+    exported = Exported(donor.dsn())
+    with psycopg.connect(donor.dsn(), autocommit=True) as conn:
+        conn.execute(CHANGES)
+    schema_section(donor.dsn(), target.dsn(), exported.name, "pre-data")
+    return donor, target, exported, tables
+
+
+def check_copied(donor: Any, target: Any, exported: Exported, report: CopyReport) -> None:
+    expected = fingerprints(exported.conn, TABLES)
+    with psycopg.connect(target.dsn(), autocommit=True) as conn:
+        got = fingerprints(conn, TABLES)
+    assert got == expected
+    assert expected["app.mixed"][0] == MIXED_ROWS
+    assert expected["app.empty"][0] == 0
+    with psycopg.connect(donor.dsn(), autocommit=True) as conn:
+        now = fingerprints(conn, TABLES)
+    assert now["app.mixed"] != expected["app.mixed"]  # the donor did change after the snapshot
+    assert {f"{t.schema}.{t.name}": t.rows for t in report.tables} == {k: v[0] for k, v in expected.items()}
+    assert report.rows == sum(v[0] for v in expected.values())
+
+
+def test_copy_snapshot_copies_exactly_the_snapshot(pg_nodes: Any, spark: None) -> None:
+    donor, target, exported, tables = prepared_pair(pg_nodes)
+    seen: list[CopyProgress] = []
+    try:
+        report = copy_snapshot(donor.dsn(), target.dsn(), exported.name, tables, spark_master=MASTER,
+                               partitions_per_table=4, progress=seen.append)
+        schema_section(donor.dsn(), target.dsn(), exported.name, "post-data")
+        check_copied(donor, target, exported, report)
+    finally:
+        exported.close()
+    by_name = {t.name: t for t in report.tables}
+    assert by_name["mixed"].tasks == 4
+    assert by_name["events"].tasks == 8  # 4 per leaf partition
+    assert by_name["empty"].tasks == 1  # no block to split
+    assert report.tasks == sum(t.tasks for t in report.tables)
+    assert report.retries == 0
+    assert by_name["mixed"].bytes > 10_000_000 and report.bytes == sum(t.bytes for t in report.tables)
+    final = seen[-1]
+    assert final.final and sum(1 for p in seen if p.final) == 1
+    assert (final.tables_done, final.tables_total) == (4, 4)
+    assert (final.tasks_done, final.tasks_total) == (report.tasks, report.tasks)
+    assert (final.rows, final.bytes) == (report.rows, report.bytes)
+    with psycopg.connect(target.dsn(), autocommit=True) as conn:  # post-data built the keys and the FK
+        keys = conn.execute("SELECT count(*) FROM pg_constraint WHERE contype IN ('p', 'f')"
+                            " AND connamespace = 'app'::regnamespace").fetchone()
+    assert keys is not None and keys[0] >= 5
+
+
+def test_failed_task_is_retried_without_duplicates(pg_nodes: Any, spark: None, tmp_path: Path) -> None:
+    donor, target, exported, tables = prepared_pair(pg_nodes)
+    marker = tmp_path / "failed-once"
+    try:
+        report = copy_snapshot(donor.dsn(), target.dsn(), exported.name, tables, spark_master=MASTER,
+                               partitions_per_table=3, _fail_once_marker=str(marker))
+        assert marker.exists()  # one attempt did fail, after its COPY into the target
+        assert report.retries == 1
+        check_copied(donor, target, exported, report)
+        # The primary keys go on only now: they would fail on a duplicated row.
+        schema_section(donor.dsn(), target.dsn(), exported.name, "post-data")
+    finally:
+        exported.close()
+
+
+def test_errors_name_the_role_table_and_sqlstate_but_no_dsn(pg_nodes: Any, spark: None) -> None:
+    donor, target = pg_nodes(2, names=["donor", "target"], password=PASSWORD)
+    with psycopg.connect(donor.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(1, 10) g")
+    table = [CopyTable("public", "t", ("id", "v"))]
+    exported = Exported(donor.dsn())
+    try:
+        # The target has no such table: every attempt fails there, then the job.
+        with pytest.raises(PgmeshError) as info:
+            copy_snapshot(donor.dsn(), target.dsn(), exported.name, table, spark_master=MASTER)
+        error = info.value
+        assert (error.node, error.relation, error.sqlstate) == ("target", "public.t", "42P01")
+        assert PASSWORD not in str(error) and "password" not in str(error)
+
+        # A table missing on the donor fails while planning, before any task.
+        with pytest.raises(PgmeshError) as info:
+            copy_snapshot(donor.dsn(), target.dsn(), exported.name, [CopyTable("public", "nope", ("id",))],
+                          spark_master=MASTER)
+        assert (info.value.node, info.value.relation) == ("donor", "public.nope")
+
+        # Listing a table twice would copy its rows twice.
+        with pytest.raises(PgmeshError, match="twice"):
+            copy_snapshot(donor.dsn(), target.dsn(), exported.name, table * 2, spark_master=MASTER)
+    finally:
+        exported.close()
+
+    # Once the exporting transaction has ended the snapshot cannot be imported: say what to do.
+    with pytest.raises(PgmeshError) as info:
+        copy_snapshot(donor.dsn(), target.dsn(), exported.name, table, spark_master=MASTER)
+    assert info.value.node == "donor" and info.value.sqlstate == "22023"
+    assert "keep the connection that exported it" in str(info.value)
+    assert PASSWORD not in str(info.value)
