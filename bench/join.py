@@ -80,6 +80,7 @@ METHODS = ("native", "pg_dump", "pgmesh total", "pgmesh no-start", "copy job")
 class Run:
     seconds: dict[str, float] = field(default_factory=dict)
     details: dict[str, float] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
 
 
 def clean_env() -> dict[str, str]:
@@ -228,10 +229,29 @@ def table(rows: int, size: int, runs: Sequence[Run], tasks: int) -> list[str]:
             f"{method:<18}{min(values):>9.2f}{median:>10.2f}{size / 2**20 / median:>9.1f}"
             f"{rows / median:>12,.0f}{native / median:>10.2f}x"
         )
+    lines.append(break_even(size, runs))
     keys = list(runs[0].details)
     parts = ", ".join(f"{k} {statistics.median(r.details[k] for r in runs):.2f}" for k in keys)
     lines.append(f"pgmesh phases (medians): {parts}")
     return lines
+
+
+def break_even(size: int, runs: Sequence[Run]) -> str:
+    """Where pgmesh total would match native, extrapolating both medians linearly in table size."""
+    native = statistics.median(r.seconds["native"] for r in runs) / size
+    no_start = statistics.median(r.seconds["pgmesh no-start"] for r in runs) / size
+    start = statistics.median(r.details["spark start s"] for r in runs)
+    if no_start >= native:
+        return "without Spark start-up pgmesh is not faster than native here: no break-even size"
+    at = start / (native - no_start)
+    return (f"break-even (linear extrapolation of the medians): pgmesh total = native at about"
+            f" {at / 2**30:.1f} GiB of table; Spark start-up {start:.1f} s")
+
+
+def describe_run(number: int, run: Run) -> str:
+    timings = ", ".join(f"{k} {v:.2f} s" for k, v in run.seconds.items())
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in run.details.items())
+    return f"run {number} (order {', '.join(run.order)}): {timings} ({phases})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"also write the table to {RESULTS}")
     args = parser.parse_args(argv)
 
+    load_before = os.getloadavg()
     donor = create_nodes(["donor"], settings=NODE_SETTINGS)[0]
     try:
         print(f"loading {args.rows:,} rows into the donor ...", file=sys.stderr)
@@ -255,20 +276,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for number in range(args.runs):
             run = Run()
             order = list(RUNNERS)
-            order = order[number % len(order):] + order[:number % len(order)]
-            for method in order:
+            run.order = order[number % len(order):] + order[:number % len(order)]
+            for method in run.order:
                 target = create_nodes([f"target-{method.replace('_', '-')}"], settings=NODE_SETTINGS)[0]
                 try:
                     RUNNERS[method](donor, target, run, args.tasks)
                     check_copy(donor, target, args.rows, method)
                 finally:
                     target.destroy()
-            print(f"run {number}: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.seconds.items())
-                  + " (" + ", ".join(f"{k} {v:.2f}" for k, v in run.details.items()) + ")", file=sys.stderr)
             runs.append(run)
+            print(describe_run(number, run), file=sys.stderr)
     finally:
         donor.destroy()
 
+    load_after = os.getloadavg()
     settings = ", ".join(f"{k}={v}" for k, v in NODE_SETTINGS.items())
     header = [
         f"pgmesh join bench: initial copy of 1 table, {args.rows:,} rows, {size / 2**20:.1f} MB"
@@ -277,8 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         details,
         f"node settings (all nodes): {settings}; plus router.localnodes defaults (fsync=off,"
         " full_page_writes=off, wal_level=logical)",
+        f"load average (1, 5, 15 min) before: {', '.join(f'{v:.2f}' for v in load_before)};"
+        f" after: {', '.join(f'{v:.2f}' for v in load_after)} (other work shares this machine)",
     ]
     body = table(args.rows, size, runs, args.tasks)
+    body += [describe_run(number, run) for number, run in enumerate(runs)]
     notes = [
         "vs native = native median seconds / this median seconds (higher is better).",
         "native copies text-format COPY through one walsender into a table that already has its primary",

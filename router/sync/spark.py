@@ -44,6 +44,9 @@ LOCAL_CONF: Final[Mapping[str, str]] = {
     "spark.driver.bindAddress": "127.0.0.1",
 }
 LOG_LEVEL: Final = "ERROR"
+# The driver JVM only schedules (rows never pass through it): the client compiler and the serial
+# collector start it about a third faster on a small machine (measured: 16-24 s -> 11-13 s, 2 busy cores).
+DRIVER_JAVA_OPTIONS: Final = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # Spark's default log4j profile logs WARN and up to the console from the JVM's first second (hostname,
 # native-hadoop library...): this one logs errors only. Written to a file once per process.
 LOG4J2_PROPERTIES: Final = """\
@@ -186,7 +189,8 @@ def _start(master: str, conf: Mapping[str, str]) -> Any:
     python_path = os.pathsep.join(p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     builder = SparkSession.builder.master(master).config("spark.executorEnv.PYTHONPATH", python_path)
     if "spark.driver.extraJavaOptions" not in conf:
-        builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_log4j2()}")
+        options = f"-Dlog4j2.configurationFile={_log4j2()} {DRIVER_JAVA_OPTIONS}"
+        builder = builder.config("spark.driver.extraJavaOptions", options)
     for name, value in conf.items():
         builder = builder.config(name, value)
     logger.info("starting Spark (master %s)", master)
