@@ -177,7 +177,11 @@ def stop_spark() -> None:
 
 
 def _start(master: str, conf: Mapping[str, str]) -> Any:
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise PgmeshError(f"pyspark cannot be imported ({exc})",
+                          hint="install pgmesh with its sync extra: pip install 'pgmesh[sync]'") from None
 
     # The context reads these from the environment: local workers must run this interpreter (this venv,
     # with psycopg and the router package), not whatever `python3` is on PATH.
@@ -194,7 +198,12 @@ def _start(master: str, conf: Mapping[str, str]) -> Any:
     for name, value in conf.items():
         builder = builder.config(name, value)
     logger.info("starting Spark (master %s)", master)
-    session = builder.getOrCreate()
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise PgmeshError(f"Spark did not start (master {master}): {first[:300]}",
+                          hint="Spark needs Java 17+ (java on PATH or JAVA_HOME)") from None
     session.sparkContext.setLogLevel(LOG_LEVEL)
     return session
 
