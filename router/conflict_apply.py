@@ -35,11 +35,13 @@ from protocol.transactions import Transaction
 from router.config import Config
 from router.conflicts import ConflictType, Decision, Outcome, Version, resolve
 from router.statements import (
+    KEY_LOCKS_MAX,
     ApplyError,
     TargetTable,
     identity_match,
     quote_ident,
     quote_literal,
+    table_lock,
     target_table,
     truncate_statement,
 )
@@ -116,6 +118,8 @@ class CarefulApplier:
         self.origin_nodes = dict(origin_nodes)  # roident -> node name (0: the target itself)
         self.counts: dict[tuple[str, str], int] = {}  # (table, conflict type) -> conflicts decided
         self.installed_at: int | None = None  # pgmesh's installation here (µs), see pgmesh.expect_origin
+        self._coarse = False  # the transaction being applied locks whole tables (it is big)
+        self._locked: set[str] = set()  # tables locked by it
 
     def _node(self, roident: int | None) -> str:
         if roident is None or roident == 0:
@@ -139,6 +143,8 @@ class CarefulApplier:
         """
         records: list[ConflictRecord] = []
         remote = Version(txn.commit_time, self.source)
+        self._coarse = txn.row_count > KEY_LOCKS_MAX
+        self._locked = set()
         async with conn.transaction():
             await conn.execute(
                 "SELECT pg_catalog.pg_replication_origin_xact_setup($1::text::pg_lsn, $2)",
@@ -192,6 +198,14 @@ class CarefulApplier:
             await self._delete(conn, txn, relation, table, change, remote, records)
 
     async def _lock(self, conn: Any, table: TargetTable, values: Row) -> None:
+        if self._coarse:  # a big transaction: each table once, exclusively (statements.KEY_LOCKS_MAX)
+            if table.name not in self._locked:
+                self._locked.add(table.name)
+                await conn.execute(table_lock(table, exclusive=True))
+            return
+        if table.name not in self._locked:
+            self._locked.add(table.name)
+            await conn.execute(table_lock(table, exclusive=False))
         key = self._key_sql(table, values)
         await conn.execute(
             f"SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || array_to_string({key}, ','), 0))",
@@ -361,6 +375,39 @@ class CarefulApplier:
             new = dict(decision.row) if decision.row is not None else new
         await self._write_row(conn, table, new, None)
 
+    async def _unique_clash(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        new: Row,
+        remote: Version,
+        records: list[ConflictRecord],
+        own: str,
+    ) -> bool:
+        """Another row holds a secondary unique value the remote row brings (insert_exists on that key).
+
+        Decided like an insert meeting it: when the remote version wins, the other row goes; when it
+        loses, the row the change would write goes (`own`), exactly as where the change came from the
+        other row's later arrival deletes it. True when the remote row may be written.
+        """
+        for unique in table.uniques:
+            if any(new.get(c) is None for c in unique) or set(unique) <= set(table.pk):
+                continue
+            where = " AND ".join(f"{quote_ident(c)} = {_lit(new[c])}" for c in unique)
+            other = await self._local(conn, table, f"({where}) AND NOT ({own})")
+            if other is None:
+                continue
+            decision = await self._decide(
+                conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
+            )
+            if decision.outcome is Outcome.KEEP_LOCAL:
+                await conn.execute(f"DELETE FROM {table.qualified} WHERE {own}")
+                return False
+            await conn.execute(f"DELETE FROM {table.qualified} WHERE {other.where}")
+        return True
+
     async def _overwrite(
         self, conn: Any, table: TargetTable, decision: Decision, new: Row, where: str
     ) -> None:
@@ -383,11 +430,15 @@ class CarefulApplier:
         key_row = change.old if change.old is not None else change.new
         local = await self._by_key(conn, relation, table, key_row)
         deltas = self.config.delta_columns(relation.schema, relation.name)
-        if local is not None and local.mine:
-            await self._overwrite(conn, table, _APPLY, new, local.where)
-            return
         if local is None:
             await self._update_missing(conn, txn, relation, table, change, new, remote, records)
+            return
+        if table.uniques and not await self._unique_clash(
+            conn, txn, relation, table, new, remote, records, local.where
+        ):
+            return
+        if local.mine:
+            await self._overwrite(conn, table, _APPLY, new, local.where)
             return
         decision = await self._decide(
             conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records

@@ -42,6 +42,7 @@ __all__ = [
     "identity_match",
     "quote_ident",
     "quote_literal",
+    "table_lock",
     "target_table",
     "transaction_script",
     "truncate_statement",
@@ -277,7 +278,21 @@ def _prepared_delete(
     return _execute(name, literals)
 
 
-def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert], guarded: bool = False) -> str:
+# A transaction with more row changes than this locks whole tables, not keys: advisory locks held to
+# commit fill the server's lock table (max_locks_per_transaction x max_connections) otherwise.
+KEY_LOCKS_MAX: Final = 64
+
+
+def table_lock(table: TargetTable, *, exclusive: bool) -> str:
+    """The advisory lock on a whole table that decisions on its keys share (router.conflict_apply)."""
+    mode = "" if exclusive else "_shared"
+    name = quote_literal(table.name)
+    return f"SELECT pg_catalog.pg_advisory_xact_lock{mode}(pg_catalog.hashtext({name}), 0)"
+
+
+def _insert_rows(
+    relation: Relation, table: TargetTable, rows: list[Insert], guarded: bool = False, coarse: bool = False
+) -> str:
     """One INSERT for a run of inserts into the same table (fewer statements for the server to parse).
 
     Guarded, a row whose key has a tombstone is not inserted and the statement raises PGM02 (a
@@ -299,11 +314,16 @@ def _insert_rows(relation: Relation, table: TargetTable, rows: list[Insert], gua
     # The careful path's lock per (table, key), taken in a statement of its own so that the insert's
     # tombstone check runs on a snapshot taken after the lock: an applier of another source deciding
     # the same key (possibly absent here) finishes first, and this insert then sees what it did.
-    lock = (
-        f"SELECT count(pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
-        f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string(ARRAY[{key}]::text[], ','), 0)))"
-        f" FROM (VALUES {values}) AS v({aliases})"
-    )
+    if coarse:  # a big transaction: the whole table, once
+        lock = table_lock(table, exclusive=True)
+    else:
+        lock = (
+            f"{table_lock(table, exclusive=False)};\n"
+            f"SELECT count(pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+            f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string(ARRAY[{key}]::text[], ','),"
+            " 0)))"
+            f" FROM (VALUES {values}) AS v({aliases})"
+        )
     statement = (
         f"INSERT INTO {table.qualified} ({names}) SELECT {picks} FROM (VALUES {values}) AS v({aliases})"
         f" WHERE {where} RETURNING 1"
@@ -348,6 +368,7 @@ def transaction_script(
     ]
     origin_sql = None if guard_origin is None else f"'{guard_origin}'"
     guarded = guard_origin is not None
+    coarse = txn.row_count > KEY_LOCKS_MAX
     relations = dict(txn.relations)
     run: list[Insert] = []
     run_rel: Relation | None = None
@@ -355,7 +376,7 @@ def transaction_script(
         if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
                         and len(run) < INSERT_RUN):
             assert run_rel is not None
-            out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded))
+            out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded, coarse))
             run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
@@ -387,7 +408,7 @@ def transaction_script(
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
         assert run_rel is not None
-        out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded))
+        out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded, coarse))
     out.append("COMMIT")
     return ";\n".join(out) + ";"
 

@@ -138,3 +138,39 @@ async def test_a_join_stopped_midway_is_retried_and_refusals_are_clear(pg_nodes:
     with pytest.raises(PgmeshError, match="holds user tables"):  # a joined (non-empty) node
         await join_node(config, "c")
     await execute(b.dsn(), "SELECT 1")
+
+
+async def test_a_join_killed_with_sigkill_mid_copy_is_retried(pg_nodes: Any, tmp_path: Any) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.integration.mesh import config_text
+
+    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    a, _, c = nodes
+    await setup_mesh(nodes[:2], "CREATE TABLE t (id int PRIMARY KEY, v text);")
+    await execute(a.dsn(), "INSERT INTO t SELECT g, repeat('v', 200) FROM generate_series(1, 400000) g")
+    path = tmp_path / "config.toml"
+    path.write_text(config_text(nodes) + '\n[sync]\nspark_master = "local[2]"\npartitions_per_table = 4\n')
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router", "join", "c", "--config", str(path)],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        copying = "SELECT count(*) > 0 FROM pg_stat_activity WHERE query ILIKE 'COPY %FROM STDIN%'"
+        await wait_for(lambda: _has(c.dsn(), copying, [(True,)]), "the copy to run", 120)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the join, its Spark JVM and workers, as a container kill
+        process.wait()
+    config = make_config(nodes)
+    report = await join_node(config, "c")  # the retry: no --force needed, nothing left half-done
+    assert report.rows == 400_000
+    async with running_router(config):
+        await execute(c.dsn(), "INSERT INTO t VALUES (0, 'from c')")
+        await wait_converged(nodes, ["t"])
+
+
+async def _has(dsn: str, query: str, expected: Any) -> bool:
+    return await fetch(dsn, query) == expected
