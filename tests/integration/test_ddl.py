@@ -174,11 +174,12 @@ async def test_unexplained_missing_column_pauses_the_link_naming_table_and_colum
     config = await setup_mesh(nodes, "CREATE TABLE t (id int PRIMARY KEY, v text, w int);")
     a, b = nodes
     async with running_router(config) as router:
+        link = router.appliers[("a", "b")]
+        link.schema_wait = 1.0  # (default 60 s: DDL from a third node may still be on its way)
+        await wait_for(lambda: link.state.name == "STREAMING", "the link to connect")
         await execute(b.dsn(), "SET pgmesh.ddl_local = on; ALTER TABLE t DROP COLUMN w")  # behind pgmesh
         await execute(b.dsn(), "DELETE FROM pgmesh.column_changes")  # ... and without its record
         await execute(a.dsn(), "INSERT INTO t VALUES (1, 'one', 1)")
-        link = router.appliers[("a", "b")]
-        link.schema_wait = 1.0  # (default 60 s: DDL from a third node may still be on its way)
         await wait_for(lambda: link.state.name == "ERROR", "the link to pause")
         assert "public.t" in link.last_error and "no column w" in link.last_error, link.last_error
         await execute(b.dsn(), "SET pgmesh.ddl_local = on; ALTER TABLE t ADD COLUMN w int")
