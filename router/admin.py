@@ -1,7 +1,8 @@
 """The admin listener: a minimal HTTP/1.1 server owned by the router, and the client the CLI uses.
 
 Owns: the admin socket, request parsing under a size limit and a timeout, the routes
-(`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause`, `POST /resume`) and how callback results
+(`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause`, `POST /resume`, and `POST /hold` /
+`POST /release` for a join while the router runs) and how callback results
 and errors become responses; `admin_request`, the matching client.
 Must not: know how the router pauses a link or what status holds (it calls the callbacks it was given),
 keep a connection open after a response (every response says `Connection: close`), let one bad
@@ -259,6 +260,8 @@ class AdminServer:
         pause: Callable[[str | None], Awaitable[object]],
         resume: Callable[[str | None], Awaitable[object]],
         health: Callable[[], tuple[bool, str]],
+        hold: Callable[[str | None], Awaitable[object]] | None = None,
+        release: Callable[[str | None], Awaitable[object]] | None = None,
         read_timeout: float = READ_TIMEOUT,
         max_clients: int = MAX_CLIENTS,
     ) -> None:
@@ -280,6 +283,9 @@ class AdminServer:
             "/pause": ("POST", self._post_pause),
             "/resume": ("POST", self._post_resume),
         }
+        if hold is not None and release is not None:  # a router that can stop streaming for a join
+            self._routes["/hold"] = ("POST", _calling(hold, "hold"))
+            self._routes["/release"] = ("POST", _calling(release, "release"))
 
     @property
     def host(self) -> str:
@@ -419,6 +425,14 @@ class AdminServer:
         target = _target_of(request)
         logger.info("admin: resume requested for %s", target or "every link")
         return _json(200, await self._resume(target))
+
+
+def _calling(callback: Callable[[str | None], Awaitable[object]], what: str) -> _Handler:
+    async def handle(request: _Request) -> _Response:
+        logger.info("admin: %s requested", what)
+        return _json(200, await callback(None))
+
+    return handle
 
 
 async def _send(writer: asyncio.StreamWriter, response: _Response) -> None:

@@ -47,7 +47,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from router.control import cmd_run
 
-    return _run(cmd_run(_config(args)))
+    return _run(cmd_run(_config(args), reload=lambda: _config(args)))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

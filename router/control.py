@@ -17,7 +17,7 @@ import logging
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TextIO
 
 import msgspec
@@ -61,13 +61,14 @@ async def cmd_init(config: Config, out: TextIO = sys.stdout) -> int:
     return 0 if report.ok else 1
 
 
-async def cmd_run(config: Config) -> int:
+async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """The router until SIGTERM / SIGINT; `reload` re-reads the config after a hold (`pgmesh join`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    router = Router(config)
+    router = Router(config, reload=reload)
     await router.run(stop)
     return 0
 

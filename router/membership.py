@@ -54,6 +54,7 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
+from router.admin import admin_request
 from router.catalog import check_cluster, install, replicated_tables, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
@@ -159,6 +160,34 @@ async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]
     return busy
 
 
+async def _admin(config: Config, method: str, path: str) -> tuple[int, bytes] | None:
+    host, port = config.admin_host_port
+    try:
+        return await admin_request(host, port, method, path, timeout=150.0)
+    except OSError:
+        return None
+
+
+async def _hold_router(config: Config, members: dict[str, Conn], busy: list[str]) -> bool:
+    """Ask the running router to stop streaming for the join (writes go on); True once it has."""
+    answer = await _admin(config, "POST", "/hold")
+    if answer is None or answer[0] != 200:
+        raise PgmeshError(
+            f"the router is streaming from {', '.join(busy)} and its admin listener"
+            f" ({config.admin.listen}) does not take a hold",
+            hint="stop `pgmesh run` first (writes may go on), run the join, then start `pgmesh run`"
+            " again with the new node in the config",
+        )
+    deadline = time.monotonic() + 60
+    while await _router_streaming(members, config):
+        if time.monotonic() > deadline:
+            await _admin(config, "POST", "/release")
+            raise PgmeshError("the router held, but its slots stayed active for 60 s")
+        await asyncio.sleep(0.1)
+    logger.info("the router holds for the join: replication waits, writes go on")
+    return True
+
+
 async def _user_tables(conn: Conn) -> int:
     return int(await _one(
         conn,
@@ -207,6 +236,7 @@ async def join_node(
         raise ConfigError("a node cannot be its own donor")
     conns: dict[str, Conn] = {}
     unreachable: list[str] = []
+    held = False
     for node in config.nodes:
         try:
             conns[node.name] = await _connect(node)
@@ -218,13 +248,10 @@ async def join_node(
                 f"every node must be reachable during a join; cannot reach {', '.join(unreachable)}",
                 hint="start the node (or fix its dsn), then run join again",
             )
-        busy = await _router_streaming({n.name: conns[n.name] for n in others}, config)
+        members = {n.name: conns[n.name] for n in others}
+        busy = await _router_streaming(members, config)
         if busy:
-            raise PgmeshError(
-                f"the router is streaming from {', '.join(busy)}",
-                hint="stop `pgmesh run` first (writes may go on), run the join, then start `pgmesh run`"
-                " again with the new node in the config",
-            )
+            held = await _hold_router(config, members, busy)
         for node in others:
             if await _one(conns[node.name], "SELECT to_regclass('pgmesh.links')") is None:
                 raise PgmeshError(
@@ -263,6 +290,8 @@ async def join_node(
     finally:
         for conn in conns.values():
             await conn.close()
+        if held:  # the router re-reads the config and streams to and from the new node
+            await _admin(config, "POST", "/release")
     positions, snapshot_lsn, copied = report
     return JoinReport(
         node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,

@@ -128,6 +128,7 @@ class Router:
         on_applied: Callable[[Applier, Transaction], None] | None = None,
         metrics: Metrics | None = None,
         admin: bool = True,
+        reload: Callable[[], Config] | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -146,6 +147,13 @@ class Router:
         self.progress: dict[str, SourceProgress] = {}
         self.running = False
         self.started = asyncio.Event()
+        # A hold (`pgmesh join` with the router running): stop streaming, keep the admin listener,
+        # then re-read the config and start again on release.
+        self._reload = reload
+        self._hold = asyncio.Event()
+        self._held = asyncio.Event()
+        self._release = asyncio.Event()
+        self.not_members: set[str] = set()  # nodes in the config without pgmesh yet (a join to come)
 
     # ------------------------------------------------------------ building
 
@@ -160,7 +168,25 @@ class Router:
         flushed: dict[tuple[str, str], int] = {}
         paused: dict[tuple[str, str], str | None] = {}
         down: set[str] = set()
+        self.not_members = set()
         for name, target in self.targets.items():
+            try:
+                await target.origin_progress()
+            except psycopg.errors.UndefinedTable:
+                self.not_members.add(name)  # listed, not installed: a node still to be joined
+                await target.close()
+                target.conn = None
+            except psycopg.Error:
+                pass  # reported below
+        if self.not_members:
+            if len(self.not_members) == len(self.targets) or len(self.targets) - len(self.not_members) < 2:
+                missing = ", ".join(sorted(self.not_members))
+                raise ConfigError(f"pgmesh is not installed on {missing}; run `pgmesh init`")
+            logger.warning("pgmesh is not installed on %s: left out until `pgmesh join` (or init) adds it",
+                           ", ".join(sorted(self.not_members)))
+        for name, target in self.targets.items():
+            if name in self.not_members:
+                continue
             try:
                 progress = await target.origin_progress()
                 held = await target.paused_sources()
@@ -175,7 +201,7 @@ class Router:
             except psycopg.Error as exc:
                 raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
             for source in self.config.node_names:
-                if source == name:
+                if source == name or source in self.not_members:
                     continue
                 if source not in progress:
                     raise ConfigError(
@@ -185,7 +211,7 @@ class Router:
                 flushed[(source, name)] = progress[source]
                 if source in held:
                     paused[(source, name)] = held[source]
-        if len(down) == len(self.targets):
+        if len(down) == len(self.targets) - len(self.not_members):
             raise ConfigError("no node is reachable; check the DSNs and that the servers are up")
         return flushed, paused, down
 
@@ -193,10 +219,11 @@ class Router:
         self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
     ) -> None:
         queue_max = self.config.replication.queue_max_transactions
-        for source_node in self.config.nodes:
+        members = [n for n in self.config.nodes if n.name not in self.not_members]
+        for source_node in members:
             links: list[LinkProgress] = []
             queues: dict[str, LinkQueue] = {}
-            for target_node in self.config.nodes:
+            for target_node in members:
                 if target_node is source_node:
                     continue
                 key = (source_node.name, target_node.name)
@@ -222,36 +249,86 @@ class Router:
     # ------------------------------------------------------------ running
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until `stop` is set; then shut down in order."""
-        flushed, paused, down = await self._load_state()
-        self._build(flushed, paused, down)
-        self.running = True
-        if self._admin_enabled:
-            host, port = self.config.admin_host_port
-            self.admin = AdminServer(host, port, metrics=self.metrics, status=self.status, pause=self.pause,
-                                     resume=self.resume, health=self.health)
-            await self.admin.start()
-        logger.info("cluster %s: router running with %d nodes and %d links",
-                    self.config.cluster.name, len(self.pumps), len(self.appliers))
+        """Run until `stop` is set; then shut down in order. A hold stops streaming until release."""
         try:
-            async with asyncio.TaskGroup() as group:
-                applier_tasks = [
-                    group.create_task(a.run(), name=f"apply {a.name}") for a in self.appliers.values()
-                ]
-                pump_tasks = [
-                    group.create_task(self._pump_forever(p), name=f"source {p.node}")
-                    for p in self.pumps.values()
-                ]
-                ticker = group.create_task(self._tick_forever(), name="progress")
-                self.started.set()
-                await stop.wait()
-                await self._shutdown(pump_tasks, applier_tasks, ticker)
+            while True:
+                flushed, paused, down = await self._load_state()
+                self._build(flushed, paused, down)
+                self.running = True
+                if self._admin_enabled and self.admin is None:
+                    host, port = self.config.admin_host_port
+                    self.admin = AdminServer(
+                        host, port, metrics=self.metrics, status=self.status, pause=self.pause,
+                        resume=self.resume, health=self.health, hold=self.hold, release=self.release,
+                    )
+                    await self.admin.start()
+                logger.info("cluster %s: router running with %d nodes and %d links",
+                            self.config.cluster.name, len(self.pumps), len(self.appliers))
+                await self._stream(stop)
+                self.running = False
+                if stop.is_set() or not await self._wait_release(stop):
+                    break
         finally:
             self.running = False
             if self.admin is not None:
                 await self.admin.close()
             for target in self.targets.values():
                 await target.close()
+
+    async def _stream(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as group:
+            applier_tasks = [
+                group.create_task(a.run(), name=f"apply {a.name}") for a in self.appliers.values()
+            ]
+            pump_tasks = [
+                group.create_task(self._pump_forever(p), name=f"source {p.node}")
+                for p in self.pumps.values()
+            ]
+            ticker = group.create_task(self._tick_forever(), name="progress")
+            self.started.set()
+            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waits:
+                    waiter.cancel()
+            await self._shutdown(pump_tasks, applier_tasks, ticker)
+
+    async def _wait_release(self, stop: asyncio.Event) -> bool:
+        """Held: slots released, admin still up. On release, re-read the config and rebuild."""
+        logger.warning("cluster %s: held (replication waits; writes go on) until released",
+                       self.config.cluster.name)
+        self._hold.clear()
+        self._held.set()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._release.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        self._held.clear()
+        self._release.clear()
+        if stop.is_set():
+            return False
+        for target in self.targets.values():
+            await target.close()
+        if self._reload is not None:
+            self.config = self._reload()
+        self.targets = {n.name: _Target(self.config, n) for n in self.config.nodes}
+        self.appliers, self.pumps, self.progress, self._exported = {}, {}, {}, {}
+        logger.info("cluster %s: released; starting again", self.config.cluster.name)
+        return True
+
+    async def hold(self, _target: str | None = None) -> list[str]:
+        """Stop streaming (every slot is left idle and confirmed to what the targets flushed)."""
+        if not self._held.is_set():
+            self._hold.set()
+            await asyncio.wait_for(self._held.wait(), 120)
+        return ["held"]
+
+    async def release(self, _target: str | None = None) -> list[str]:
+        self._release.set()
+        return ["released"]
 
     async def _shutdown(self, pumps: list[asyncio.Task[None]], appliers: list[asyncio.Task[None]],
                         ticker: asyncio.Task[None]) -> None:
@@ -300,6 +377,8 @@ class Router:
     async def tick(self, *, rewind: bool = True) -> None:
         """Read flushed positions, confirm sources, re-attach detached links."""
         for name, target in self.targets.items():
+            if name in self.not_members:
+                continue
             try:
                 positions = await target.origin_progress()
                 target.error = None

@@ -21,6 +21,7 @@ from tests.integration.mesh import (
     wait_converged,
     wait_for,
 )
+from tests.integration.test_cli import free_port
 
 BIG_ROWS = 1_000_000
 SCHEMA = """
@@ -59,27 +60,31 @@ async def test_join_a_fourth_node_under_writes_then_part_it(pg_nodes: Any) -> No
     a, b, c, d = nodes
     for node in nodes[:3]:  # the same starting rows everywhere (before pgmesh: no conflicts)
         await execute(node.dsn(), SCHEMA, SEED)
-    three = await setup_mesh(nodes[:3], "SELECT 1")
-    four = make_config(nodes)
+    port = free_port()  # the join finds the running router through its admin listener
+    three = await setup_mesh(nodes[:3], "SELECT 1", admin_port=port)
+    four = make_config(nodes, admin_port=port)  # config.toml after d was added to it
     stop = asyncio.Event()
     writers = [asyncio.create_task(writer(n, (i + 1) * 1_000_000, stop, i)) for i, n in enumerate(nodes[:3])]
     try:
-        async with running_router(three) as router:
+        async with running_router(three, reload=lambda: four) as router:
             await wait_for(lambda: all(p.transactions > 50 for p in router.pumps.values()), "writes flowing")
-        # the router is stopped; writes go on everywhere while d joins; b changes a table mid-copy
-        join = asyncio.create_task(join_node(four, "d", donor="a"))
-        await asyncio.sleep(0)
-        await execute(b.dsn(), "ALTER TABLE acct ADD COLUMN note text DEFAULT 'n'")
-        report = await join
-        assert report.rows >= BIG_ROWS and report.positions.keys() == {"a", "b", "c"}
-        async with running_router(four) as router:
+            # d joins while the router runs: it holds (replication waits, writes go on everywhere) and
+            # b changes a table mid-join
+            join = asyncio.create_task(join_node(four, "d", donor="a"))
+            await wait_for(lambda: not router.running or join.done(), "the router to hold")
+            await execute(b.dsn(), "ALTER TABLE acct ADD COLUMN note text DEFAULT 'n'")
+            report = await join
+            assert report.rows >= BIG_ROWS and report.positions.keys() == {"a", "b", "c"}
+            # released: the router re-read the config and streams to and from d
+            await wait_for(lambda: router.running and ("d", "a") in router.appliers, "the router with d")
             writers.append(asyncio.create_task(writer(d, 4_000_000, stop, 3)))
-            from_d = router.appliers[("d", "a")]
-            await wait_for(lambda: from_d.applied_transactions > 20, "d's writes flowing")
+            await wait_for(lambda: router.appliers[("d", "a")].applied_transactions > 20, "d's writes")
             stop.set()
             written = await asyncio.gather(*writers)
             await wait_converged(nodes, TABLES, 240)
             assert all(applier.last_error is None for applier in router.appliers.values())
+            links = {(link.source, link.target): link.state for link in router.status().links}
+            assert len(links) == 12 and set(links.values()) == {"streaming"}, links
     finally:
         stop.set()
         await asyncio.gather(*writers, return_exceptions=True)
