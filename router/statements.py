@@ -332,7 +332,63 @@ def _insert_rows(
     return f"{lock};\nWITH pgmesh_w AS ({statement}) {check}"
 
 
+def _prepared_insert(
+    relation: Relation, table: TargetTable, change: Insert, prepared: Prepared, out: list[str]
+) -> str:
+    """A single guarded insert as two prepared statements: the locks (the table shared, the key
+    exclusive), then the insert unless a tombstone holds the key. Planned once per relation: a
+    text INSERT ... SELECT with the tombstone check costs the server far more to parse and plan."""
+    cols = relation.columns
+    position = {c.name: i for i, c in enumerate(cols)}
+    key = [k for k in table.tombstone_key if k in position]
+
+    def key_array(first: int) -> str:
+        parts = [f"${first + n}::{table.types[k]}::text" for n, k in enumerate(key)]
+        return f"ARRAY[{', '.join(parts)}]::text[]"
+
+    def build_lock() -> str:
+        name = quote_literal(table.name)
+        return (
+            f"SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
+            f" pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+            f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string({key_array(1)}, ','), 0))"
+        )
+
+    def build_insert() -> str:
+        names = ", ".join(quote_ident(c.name) for c in cols)
+        picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
+        keys = ", ".join(f"${position[k] + 1}::{table.types[k]}::text" for k in key)
+        return (
+            f"WITH pgmesh_w AS (INSERT INTO {table.qualified} ({names}) SELECT {picks}"
+            f" WHERE NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name ="
+            f" {quote_literal(table.name)} AND t.key = ARRAY[{keys}]::text[]) RETURNING 1)"
+            " SELECT pgmesh.expect_rows(count(*), 1) FROM pgmesh_w"
+        )
+
+    lock = prepared.name(relation, "IL", b"", build_lock, out)
+    insert = prepared.name(relation, "IG", b"", build_insert, out)
+    values = [_literal(relation, change.new, i) for i in range(len(cols))]
+    return f"{_execute(lock, [values[position[k]] for k in key])};\n{_execute(insert, values)}"
+
+
 INSERT_RUN = 1000  # rows per multi-row INSERT
+
+
+def _run_statement(
+    relation: Relation,
+    table: TargetTable,
+    run: list[Insert],
+    guarded: bool,
+    coarse: bool,
+    prepared: Prepared | None,
+    sink: list[str],
+) -> str:
+    """A run of inserts: one guarded row through prepared statements, anything else as one INSERT."""
+    if guarded and not coarse and prepared is not None and len(run) == 1 and table.types and all(
+        k in table.types for k in table.tombstone_key
+    ):
+        return _prepared_insert(relation, table, run[0], prepared, sink)
+    return _insert_rows(relation, table, run, guarded, coarse)
 
 
 def _keyed(relation: Relation, kind: str | None) -> bool:
@@ -376,7 +432,8 @@ def transaction_script(
         if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
                         and len(run) < INSERT_RUN):
             assert run_rel is not None
-            out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded, coarse))
+            out.append(_run_statement(run_rel, target_table(run_rel, tables), run, guarded, coarse,
+                                      prepared, out if prepares is None else prepares))
             run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
@@ -408,7 +465,8 @@ def transaction_script(
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
         assert run_rel is not None
-        out.append(_insert_rows(run_rel, target_table(run_rel, tables), run, guarded, coarse))
+        out.append(_run_statement(run_rel, target_table(run_rel, tables), run, guarded, coarse,
+                                  prepared, out if prepares is None else prepares))
     out.append("COMMIT")
     return ";\n".join(out) + ";"
 
