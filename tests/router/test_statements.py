@@ -102,3 +102,25 @@ def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> N
     assert "PREPARE" not in second and "EXECUTE pgmesh_1" in second
     full = transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), TABLES, prepared=prepared)
     assert "PREPARE" not in full and "ctid" in full  # whole-row matches stay plain SQL
+
+
+def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() -> None:
+    from router.statements import KEY_LOCKS_MAX, Prepared
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    prepared = Prepared()
+    prelude: list[str] = []
+    one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
+    script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert len(prelude) == 2  # the locks, then the insert unless a tombstone holds the key
+    assert "pg_advisory_xact_lock_shared" in prelude[0] and "hashtextextended" in prelude[0]
+    assert "NOT EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
+    assert "EXECUTE pgmesh_1('1');\nEXECUTE pgmesh_2('1', 'it''s', NULL)" in script
+    again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert len(prelude) == 2 and "EXECUTE pgmesh_2" in again  # planned once per relation
+    many = [Insert(7, TupleData(b"ttn", (str(i).encode(), b"x", None))) for i in range(KEY_LOCKS_MAX + 1)]
+    big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
+    assert "hashtextextended" not in big and big.count("INSERT INTO") == 1
