@@ -323,7 +323,9 @@ class CarefulApplier:
         if where is None:
             cols = ", ".join(quote_ident(k) for k in names)
             vals = ", ".join(_lit(row[k]) for k in names)
-            await conn.execute(f"INSERT INTO {table.qualified} ({cols}) VALUES ({vals})")
+            await conn.execute(
+                f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
+            )
         else:
             sets = ", ".join(f"{quote_ident(k)} = {_lit(row[k])}" for k in names)
             await conn.execute(f"UPDATE {table.qualified} SET {sets} WHERE {where}")

@@ -48,6 +48,10 @@ __all__ = [
     "truncate_statement",
 ]
 
+# The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
+# worker applies them); harmless for tables without identity columns.
+_OVERRIDING: Final = "OVERRIDING SYSTEM VALUE"
+
 # Types without a btree equality operator: compared through their text form in identity matches.
 _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
 
@@ -140,7 +144,7 @@ def identity_match(relation: Relation, row: TupleData, *, full: bool) -> str:
 def _insert(relation: Relation, table: TargetTable, change: Insert) -> str:
     names = ", ".join(quote_ident(c.name) for c in relation.columns)
     values = ", ".join(_literal(relation, change.new, i) for i in range(len(relation.columns)))
-    return f"INSERT INTO {table.qualified} ({names}) VALUES ({values})"
+    return f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} VALUES ({values})"
 
 
 def _where(
@@ -302,7 +306,7 @@ def _insert_rows(
     width = range(len(relation.columns))
     values = ", ".join("(" + ", ".join(_literal(relation, r.new, i) for i in width) + ")" for r in rows)
     if not guarded or not table.types:
-        return f"INSERT INTO {table.qualified} ({names}) VALUES {values}"
+        return f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} VALUES {values}"
     aliases = ", ".join(f"c{i}" for i in width)
     position = {c.name: i for i, c in enumerate(relation.columns)}
     picks = ", ".join(f"v.c{i}::{table.types.get(c.name, 'text')}" for i, c in enumerate(relation.columns))
@@ -325,7 +329,8 @@ def _insert_rows(
             f" FROM (VALUES {values}) AS v({aliases})"
         )
     statement = (
-        f"INSERT INTO {table.qualified} ({names}) SELECT {picks} FROM (VALUES {values}) AS v({aliases})"
+        f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
+        f" FROM (VALUES {values}) AS v({aliases})"
         f" WHERE {where} RETURNING 1"
     )
     check = f"SELECT pgmesh.expect_rows(count(*), {len(rows)}) FROM pgmesh_w"
@@ -359,7 +364,7 @@ def _prepared_insert(
         picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
         keys = ", ".join(f"${position[k] + 1}::{table.types[k]}::text" for k in key)
         return (
-            f"WITH pgmesh_w AS (INSERT INTO {table.qualified} ({names}) SELECT {picks}"
+            f"WITH pgmesh_w AS (INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
             f" WHERE NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name ="
             f" {quote_literal(table.name)} AND t.key = ARRAY[{keys}]::text[]) RETURNING 1)"
             " SELECT pgmesh.expect_rows(count(*), 1) FROM pgmesh_w"

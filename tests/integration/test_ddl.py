@@ -123,13 +123,15 @@ async def test_truncate_on_one_node_empties_every_node(pg_nodes: Any) -> None:
         CREATE TABLE parent (id int PRIMARY KEY, v text);
         CREATE TABLE child (id int PRIMARY KEY, parent int REFERENCES parent (id));
         CREATE TABLE counter (id serial PRIMARY KEY, v text);
+        CREATE TABLE ident (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text);
     """)
     async with running_router(config):
         await execute(nodes[0].dsn(), "INSERT INTO parent SELECT g, 'p' FROM generate_series(1, 100) g")
         await wait_converged(nodes, ["parent"])
         await execute(nodes[1].dsn(), "INSERT INTO child SELECT g, g FROM generate_series(1, 100) g")
         await execute(nodes[2].dsn(), "INSERT INTO counter (v) SELECT 'x' FROM generate_series(1, 10)")
-        await wait_converged(nodes, ["parent", "child", "counter"])
+        await execute(nodes[2].dsn(), "INSERT INTO ident (v) VALUES ('always')")  # OVERRIDING SYSTEM VALUE
+        await wait_converged(nodes, ["parent", "child", "counter", "ident"])
         await execute(nodes[2].dsn(), "TRUNCATE parent CASCADE")
         await execute(nodes[1].dsn(), "TRUNCATE counter RESTART IDENTITY")
         await everywhere(nodes, "SELECT (SELECT count(*) FROM parent) + (SELECT count(*) FROM child)"

@@ -33,7 +33,8 @@ def test_script_is_one_transaction_with_origin_setup() -> None:
         "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01T00:00:00+00:00')"
     )
     assert lines[2] == (
-        'INSERT INTO "public"."Odd Name" ("id", "note", "doc") VALUES (\'1\', NULL, \'{"k": "it\'\'s"}\')'
+        'INSERT INTO "public"."Odd Name" ("id", "note", "doc") OVERRIDING SYSTEM VALUE'
+        ' VALUES (\'1\', NULL, \'{"k": "it\'\'s"}\')'
     )
     assert lines[-1] == "COMMIT;"
 
