@@ -39,6 +39,7 @@ from router.statements import (
     ApplyError,
     TargetTable,
     identity_match,
+    key_lock,
     quote_ident,
     quote_literal,
     table_lock,
@@ -206,11 +207,7 @@ class CarefulApplier:
         if table.name not in self._locked:
             self._locked.add(table.name)
             await conn.execute(table_lock(table, exclusive=False))
-        key = self._key_sql(table, values)
-        await conn.execute(
-            f"SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || array_to_string({key}, ','), 0))",
-            table.name,
-        )
+        await conn.execute(f"SELECT {key_lock(table, self._key_sql(table, values))}")
 
     # ---------------------------------------------------------------- reading what is there
 

@@ -73,10 +73,11 @@ async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) ->
     return 0
 
 
-async def _admin(config: Config, method: str, path: str) -> tuple[int, bytes] | None:
+async def admin(config: Config, method: str, path: str, limit: float = 5.0) -> tuple[int, bytes] | None:
+    """One request to the running router's admin listener; None when no router listens."""
     host, port = config.admin_host_port
     try:
-        return await admin_request(host, port, method, path, timeout=5.0)
+        return await admin_request(host, port, method, path, timeout=limit)
     except OSError:
         return None
 
@@ -129,7 +130,7 @@ async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, no
 
 
 async def fetch_status(config: Config) -> StatusReport:
-    reply = await _admin(config, "GET", "/status")
+    reply = await admin(config, "GET", "/status")
     if reply is not None and reply[0] == 200:
         return msgspec.json.decode(reply[1], type=StatusReport)
     return await offline_status(config)
@@ -192,7 +193,7 @@ async def _pause_resume(config: Config, target: str | None, paused: bool, out: T
         config.node(target)  # a clear error for an unknown node
     verb = "pause" if paused else "resume"
     query = f"/{verb}" + (f"?target={target}" if target else "")
-    reply = await _admin(config, "POST", query)
+    reply = await admin(config, "POST", query)
     if reply is not None and reply[0] == 200:
         links = msgspec.json.decode(reply[1])
         print(f"{verb}d: {', '.join(links) if links else 'nothing'}", file=out)

@@ -77,6 +77,8 @@ class DdlCommand(msgspec.Struct, frozen=True):
 
 
 def has_ddl(txn: Transaction) -> bool:
+    if len(txn.changes) == txn.row_count:
+        return False  # rows only (the common case, checked once per transaction on the apply path)
     return any(isinstance(c, Message) and c.prefix == DDL_PREFIX for c in txn.changes)
 
 

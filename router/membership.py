@@ -54,9 +54,9 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
-from router.admin import admin_request
 from router.catalog import check_cluster, install, replicated_tables, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.control import admin
 from router.errors import ConfigError, PgmeshError, describe
 from router.source import ReplicationSource, SourceOptions
 
@@ -160,17 +160,9 @@ async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]
     return busy
 
 
-async def _admin(config: Config, method: str, path: str) -> tuple[int, bytes] | None:
-    host, port = config.admin_host_port
-    try:
-        return await admin_request(host, port, method, path, timeout=150.0)
-    except OSError:
-        return None
-
-
 async def _hold_router(config: Config, members: dict[str, Conn], busy: list[str]) -> bool:
     """Ask the running router to stop streaming for the join (writes go on); True once it has."""
-    answer = await _admin(config, "POST", "/hold")
+    answer = await admin(config, "POST", "/hold", limit=150.0)
     if answer is None or answer[0] != 200:
         raise PgmeshError(
             f"the router is streaming from {', '.join(busy)} and its admin listener"
@@ -181,7 +173,7 @@ async def _hold_router(config: Config, members: dict[str, Conn], busy: list[str]
     deadline = time.monotonic() + 60
     while await _router_streaming(members, config):
         if time.monotonic() > deadline:
-            await _admin(config, "POST", "/release")
+            await admin(config, "POST", "/release")
             raise PgmeshError("the router held, but its slots stayed active for 60 s")
         await asyncio.sleep(0.1)
     logger.info("the router holds for the join: replication waits, writes go on")
@@ -291,7 +283,7 @@ async def join_node(
         for conn in conns.values():
             await conn.close()
         if held:  # the router re-reads the config and streams to and from the new node
-            await _admin(config, "POST", "/release")
+            await admin(config, "POST", "/release")
     positions, snapshot_lsn, copied = report
     return JoinReport(
         node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,

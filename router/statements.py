@@ -40,6 +40,7 @@ __all__ = [
     "SchemaMismatch",
     "TargetTable",
     "identity_match",
+    "key_lock",
     "quote_ident",
     "quote_literal",
     "table_lock",
@@ -139,12 +140,6 @@ def identity_match(relation: Relation, row: TupleData, *, full: bool) -> str:
     if not parts:
         raise ApplyError("change without any key value", relation=f"{relation.schema}.{relation.name}")
     return " AND ".join(parts)
-
-
-def _insert(relation: Relation, table: TargetTable, change: Insert) -> str:
-    names = ", ".join(quote_ident(c.name) for c in relation.columns)
-    values = ", ".join(_literal(relation, change.new, i) for i in range(len(relation.columns)))
-    return f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} VALUES ({values})"
 
 
 def _where(
@@ -287,6 +282,16 @@ def _prepared_delete(
 KEY_LOCKS_MAX: Final = 64
 
 
+def key_lock(table: TargetTable, key_array: str) -> str:
+    """The advisory lock on one key of `table` (`key_array`: SQL for its key as text[]). Every path
+    that decides a key takes exactly this lock (router.conflict_apply, the guarded inserts here)."""
+    name = quote_literal(table.name + ":")
+    return (
+        f"pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+        f"{name} || pg_catalog.array_to_string({key_array}, ','), 0))"
+    )
+
+
 def table_lock(table: TargetTable, *, exclusive: bool) -> str:
     """The advisory lock on a whole table that decisions on its keys share (router.conflict_apply)."""
     mode = "" if exclusive else "_shared"
@@ -323,10 +328,7 @@ def _insert_rows(
     else:
         lock = (
             f"{table_lock(table, exclusive=False)};\n"
-            f"SELECT count(pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
-            f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string(ARRAY[{key}]::text[], ','),"
-            " 0)))"
-            f" FROM (VALUES {values}) AS v({aliases})"
+            f"SELECT count({key_lock(table, f'ARRAY[{key}]::text[]')}) FROM (VALUES {values}) AS v({aliases})"
         )
     statement = (
         f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
@@ -355,8 +357,7 @@ def _prepared_insert(
         name = quote_literal(table.name)
         return (
             f"SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
-            f" pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
-            f"{quote_literal(table.name + ':')} || pg_catalog.array_to_string({key_array(1)}, ','), 0))"
+            f" {key_lock(table, key_array(1))}"
         )
 
     def build_insert() -> str:
