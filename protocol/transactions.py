@@ -4,11 +4,20 @@ Fed the decoded messages of one replication stream in order, it hands out a `Tra
 its Commit (or, for a proto_version 2 streamed transaction, its Stream Commit) arrives, and a
 non-transactional logical message as soon as it arrives. Aborted streamed transactions and aborted
 subtransactions of them are dropped here. It keeps the relation cache, so every row change it accepts
-names a relation it knows. It does no I/O and bounds nothing: the caller watches `buffered_bytes`.
+names a relation it knows.
+
+Memory: with `spill_bytes` set, a transaction whose buffered payload grows past it is handed out in
+pieces: `feed` returns a `Spill` (the changes taken out of the transaction, in stream order) for the
+caller to put somewhere, and the final `Transaction` says how many changes went that way (`spilled`)
+before its in-memory tail. A streamed transaction that had spilled and is then aborted comes out as
+`SpillDropped`. It does no I/O itself: where spilled changes go, and how they are read back, is the
+caller's business (the router's `router/spool.py`).
 """
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -34,7 +43,7 @@ from protocol.messages import (
 )
 from protocol.relations import RelationCache
 
-__all__ = ["Change", "Transaction", "TransactionAssembler"]
+__all__ = ["Change", "Spill", "SpillDropped", "Transaction", "TransactionAssembler"]
 
 Change = Insert | Update | Delete | Truncate | Message | Relation | Type
 _ROW_CHANGES: Final = (Insert, Update, Delete, Truncate, Message)
@@ -51,6 +60,13 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     replaces its entry on each inline Relation always holds the description each change was sent with.
     `row_count` is the number of Insert / Update / Delete changes: the assembler counts them as they
     arrive; a Transaction built by hand without it (-1) counts its `changes` when constructed.
+
+    A transaction that outgrew the assembler's `spill_bytes` was handed out in `Spill` pieces first:
+    its first `spilled` changes are wherever the caller put them (`spill`: the caller's handle, never
+    looked at here), `changes` is only the tail still in memory and `nbytes` only the tail's size;
+    `row_count` still counts every row. Changes of the subtransactions in `aborted_subxids` (aborted
+    after part of the transaction had spilled) must be dropped from the spilled part when reading it
+    back; the tail is already without them.
     """
 
     xid: int
@@ -64,10 +80,31 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     streamed: bool = False
     nbytes: int = 0
     row_count: int = -1
+    spilled: int = 0
+    aborted_subxids: tuple[int, ...] = ()
+    spill: Any = None
 
     def __post_init__(self) -> None:
         if self.row_count < 0:
             msgspec.structs.force_setattr(self, "row_count", _count_rows(self.changes))
+
+
+class Spill(msgspec.Struct, frozen=True, gc=False):
+    """Changes taken out of open transaction `xid` (top-level xid), in stream order, to keep elsewhere.
+
+    Successive Spills of one transaction continue each other; its `Transaction` comes later with the
+    rest. `nbytes`: the payload bytes these changes arrived in.
+    """
+
+    xid: int
+    changes: list[Change]
+    nbytes: int = 0
+
+
+class SpillDropped(msgspec.Struct, frozen=True, gc=False):
+    """Streamed transaction `xid`, part of which was spilled, was aborted: its spilled changes are void."""
+
+    xid: int
 
 
 def _count_rows(changes: list[Change]) -> int:
@@ -77,11 +114,14 @@ def _count_rows(changes: list[Change]) -> int:
 class _Builder:
     """A transaction being received."""
 
-    __slots__ = ("changes", "final_lsn", "nbytes", "origin", "origin_lsn", "others", "relations", "xid")
+    __slots__ = (
+        "aborted", "changes", "final_lsn", "nbytes", "origin", "origin_lsn", "others", "relations",
+        "rows_by_xid", "rows_spilled", "spilled", "xid",
+    )
 
     def __init__(self, xid: int, final_lsn: int | None = None) -> None:
         self.xid = xid
-        self.final_lsn = final_lsn
+        self.final_lsn = final_lsn  # None: a streamed transaction
         self.changes: list[Change] = []
         self.relations: dict[int, Relation] = {}
         self.origin: str | None = None
@@ -89,23 +129,55 @@ class _Builder:
         self.nbytes = 0
         # Changes that are not Insert / Update / Delete (rare), so the row count is len(changes) - others.
         self.others = 0
+        # What was handed out in Spills: how many changes, how many of them rows, and (streamed only,
+        # for aborts of subtransactions) the rows per xid; the subxids aborted after a spill.
+        self.spilled = 0
+        self.rows_spilled = 0
+        self.rows_by_xid: Counter[int | None] = Counter()
+        self.aborted: list[int] = []
+
+    def spill(self) -> Spill:
+        changes = self.changes
+        rows = len(changes) - self.others
+        if self.final_lsn is None:  # streamed: a subtransaction may still be aborted
+            self.rows_by_xid.update(c.xid for c in changes if type(c) in _ROW_TYPES)
+        out = Spill(self.xid, changes, self.nbytes)
+        self.changes = []
+        self.others = 0
+        self.nbytes = 0
+        self.spilled += len(changes)
+        self.rows_spilled += rows
+        return out
 
     def finish(self, commit_lsn: int, end_lsn: int, commit_time: int, streamed: bool) -> Transaction:
+        rows = self.rows_spilled + len(self.changes) - self.others
+        if not self.spilled:
+            return Transaction(
+                self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
+                self.origin, self.origin_lsn, streamed, self.nbytes, rows,
+            )
         return Transaction(
             self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
-            self.origin, self.origin_lsn, streamed, self.nbytes, len(self.changes) - self.others,
+            self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled, tuple(self.aborted),
         )
 
 
-Output = Transaction | Message | None
+Output = Transaction | Message | Spill | SpillDropped | None
 
 
 class TransactionAssembler:
     """Feed it every decoded message with its WAL position; it returns what is complete."""
 
-    __slots__ = ("_current", "_handlers", "_in_stream", "_streams", "buffered_bytes", "relations")
+    __slots__ = (
+        "_current", "_handlers", "_in_stream", "_spill_at", "_streams", "buffered_bytes", "relations",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, spill_bytes: int | None = None) -> None:
+        """`spill_bytes`: the most payload bytes one open transaction keeps before a `Spill` (None: no
+        bound; everything stays in memory until its commit)."""
+        if spill_bytes is not None and spill_bytes < 0:
+            raise ValueError(f"spill_bytes must be >= 0 or None, not {spill_bytes}")
+        self._spill_at = sys.maxsize if spill_bytes is None else spill_bytes
         self.relations = RelationCache()
         self._current: _Builder | None = None
         self._streams: dict[int, _Builder] = {}
@@ -137,7 +209,8 @@ class TransactionAssembler:
         return self._current is None and not self._streams
 
     def reset(self) -> None:
-        """Drop partial transactions and relations (the server resends all of them after a reconnect)."""
+        """Drop partial transactions (spilled parts included: they are void) and relations (the server
+        resends all of them after a reconnect)."""
         self.relations.clear()
         self._current = None
         self._streams.clear()
@@ -159,7 +232,13 @@ class TransactionAssembler:
         builder.changes.append(message)  # type: ignore[arg-type]  # Change includes the _ROW_TYPES
         builder.nbytes += size
         self.buffered_bytes += size
+        if builder.nbytes > self._spill_at:
+            return self._spill(builder)
         return None
+
+    def _spill(self, builder: _Builder) -> Spill:
+        self.buffered_bytes -= builder.nbytes
+        return builder.spill()
 
     def _open(self, lsn: int | None, tag: str) -> _Builder:
         builder = self._in_stream or self._current
@@ -215,7 +294,7 @@ class TransactionAssembler:
         builder.others += 1
         builder.nbytes += size
         self.buffered_bytes += size
-        return None
+        return self._spill(builder) if builder.nbytes > self._spill_at else None
 
     def _message(self, message: Message, lsn: int | None, size: int) -> Output:
         if not message.transactional:
@@ -225,7 +304,7 @@ class TransactionAssembler:
         builder.others += 1
         builder.nbytes += size
         self.buffered_bytes += size
-        return None
+        return self._spill(builder) if builder.nbytes > self._spill_at else None
 
     def _stream_start(self, message: StreamStart, lsn: int | None, size: int) -> Output:
         if self._in_stream is not None or self._current is not None:
@@ -265,9 +344,12 @@ class TransactionAssembler:
         if message.subxid == message.xid:
             del self._streams[message.xid]
             self.buffered_bytes -= builder.nbytes
-            return None
+            return SpillDropped(message.xid) if builder.spilled else None
         if message.subxid == 0:
             raise MalformedMessage("stream abort of subtransaction 0", lsn=lsn, tag="A")
+        if builder.spilled:
+            builder.aborted.append(message.subxid)
+            builder.rows_spilled -= builder.rows_by_xid.pop(message.subxid, 0)
         kept: list[Change] = []
         for change in builder.changes:
             if isinstance(change, _ROW_CHANGES) and change.xid == message.subxid:

@@ -1,0 +1,219 @@
+"""The assembler's memory bound: a transaction over `spill_bytes` comes out in `Spill` pieces.
+
+Fed the streams captured from a real PostgreSQL 15 (plain and proto_version 2 streamed transactions,
+an aborted streamed transaction, a streamed one with a subtransaction rolled back), the spilled pieces
+plus the in-memory tail must be exactly the transaction assembled without a bound.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import defaultdict
+
+import pytest
+
+from protocol.messages import (
+    Begin,
+    Column,
+    Commit,
+    Delete,
+    Insert,
+    Message,
+    Relation,
+    StreamAbort,
+    StreamCommit,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    Update,
+)
+from protocol.transactions import Change, Spill, SpillDropped, Transaction, TransactionAssembler
+from tests.protocol.captured import CAPTURES, assembled, load, messages
+
+BOUNDS = (0, 1, 200, 1_000, 5_000, 20_000, 100_000)
+_ROW_CHANGES = (Insert, Update, Delete, Truncate, Message)
+
+
+def reassemble(capture: str, bound: int | None) -> tuple[list[Transaction | Message], dict[int, list[Spill]],
+                                                       list[SpillDropped]]:
+    """Feed a capture with a bound: what comes out, the Spills by xid, the SpillDropped."""
+    asm = TransactionAssembler(bound)
+    largest = max(len(f.payload) for f in load(capture).frames)
+    out: list[Transaction | Message] = []
+    spills: dict[int, list[Spill]] = defaultdict(list)
+    dropped: list[SpillDropped] = []
+    for frame, message in zip(load(capture).frames, messages(capture), strict=True):
+        done = asm.feed(message, frame.wal_start, len(frame.payload))
+        if isinstance(done, Spill):
+            assert bound is not None and done.nbytes <= bound + largest  # never more than one message over
+            spills[done.xid].append(done)
+        elif isinstance(done, SpillDropped):
+            dropped.append(done)
+        elif done is not None:
+            out.append(done)
+        held = [b.nbytes for b in (asm._current, *asm._streams.values()) if b is not None]
+        assert asm.buffered_bytes == sum(held)
+        assert bound is None or all(n <= bound for n in held)  # each open transaction within the bound
+    assert asm.idle
+    return out, spills, dropped
+
+
+def whole(txn: Transaction, spills: list[Spill]) -> list[Change]:
+    """What a reader of the spilled part and the tail sees."""
+    aborted = set(txn.aborted_subxids)
+    spilled = [c for s in spills for c in s.changes]
+    assert len(spilled) == txn.spilled
+    kept = [c for c in spilled if not (isinstance(c, _ROW_CHANGES) and c.xid in aborted)]
+    return kept + txn.changes
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_without_a_bound_nothing_changes(capture: str) -> None:
+    out, spills, dropped = reassemble(capture, None)
+    assert out == list(assembled(capture))
+    assert not spills and not dropped
+    assert all(t.spilled == 0 and t.aborted_subxids == () and t.spill is None
+               for t in out if isinstance(t, Transaction))
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: int) -> None:
+    reference = list(assembled(capture))
+    out, spills, dropped = reassemble(capture, bound)
+    assert len(out) == len(reference)
+    spilled_any = False
+    for got, want in zip(out, reference, strict=True):
+        if isinstance(want, Message):
+            assert got == want
+            continue
+        assert isinstance(got, Transaction)
+        pieces = spills.pop(got.xid, [])
+        spilled_any = spilled_any or bool(pieces)
+        assert got.spilled == sum(len(s.changes) for s in pieces)
+        assert whole(got, pieces) == want.changes
+        assert got.row_count == want.row_count  # every row, spilled or not
+        assert got.nbytes + sum(s.nbytes for s in pieces) == want.nbytes
+        assert got.relations == want.relations
+        assert (got.xid, got.commit_lsn, got.end_lsn, got.commit_time, got.origin, got.origin_lsn,
+                got.streamed) == (want.xid, want.commit_lsn, want.end_lsn, want.commit_time, want.origin,
+                                  want.origin_lsn, want.streamed)
+    if bound <= 1_000:
+        assert spilled_any
+    # What remains spilled belongs to aborted streamed transactions, each announced once.
+    assert sorted(spills) == sorted(d.xid for d in dropped)
+
+
+@pytest.mark.parametrize("capture", ["text_v2_stream", "binary_v2_stream"])
+def test_streamed_transactions_spill_and_a_subtransaction_aborted_after_a_spill(capture: str) -> None:
+    out, spills, dropped = reassemble(capture, 1_000)
+    streamed = [t for t in out if isinstance(t, Transaction) and t.streamed]
+    assert streamed and all(t.spilled for t in streamed)
+    with_abort = [t for t in streamed if t.aborted_subxids]
+    assert len(with_abort) == 1  # ROLLBACK TO SAVEPOINT inside a streamed transaction
+    txn = with_abort[0]
+    spilled = [c for s in spills[txn.xid] for c in s.changes]
+    dead = [c for c in spilled if isinstance(c, Insert) and c.xid in txn.aborted_subxids]
+    assert dead  # rows of the aborted subtransaction did reach a Spill: the reader must drop them
+    assert all(c.new.values[1] == b"rolled-back" for c in dead)
+    assert not any(isinstance(c, Insert) and c.xid in txn.aborted_subxids for c in txn.changes)
+    assert txn.row_count == len([c for c in whole(txn, spills[txn.xid]) if isinstance(c, Insert)])
+    assert len(dropped) == 1  # the streamed transaction rolled back whole
+
+
+# ------------------------------------------------------------------------------------ by hand
+
+REL = Relation(16384, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25, -1, False)))
+
+
+def row(i: int, xid: int | None = None) -> Insert:
+    return Insert(REL.relid, TupleData(b"bt", (struct.pack(">i", i), f"v{i}".encode())), xid)
+
+
+def test_plain_transaction_spills_past_the_bound_and_keeps_its_tail() -> None:
+    asm = TransactionAssembler(spill_bytes=25)
+    asm.feed(Begin(0x500, 1, 7))
+    assert asm.feed(REL, 0x100, 30) is None  # schema messages do not count
+    outs = [asm.feed(row(i), 0x101 + i, 10) for i in range(8)]
+    spills = [o for o in outs if isinstance(o, Spill)]
+    assert [len(s.changes) for s in spills] == [4, 3]  # REL + 3 rows (30 bytes > 25), then 3 rows
+    assert spills[0].changes[0] == REL and spills[0].nbytes == 30
+    assert asm.buffered_bytes == 20  # the two rows after the last spill
+    txn = asm.feed(Commit(0, 0x500, 0x510, 2))
+    assert isinstance(txn, Transaction)
+    assert txn.spilled == 7 and txn.changes == [row(6), row(7)]
+    assert txn.row_count == 8 and txn.nbytes == 20 and txn.relations == {REL.relid: REL}
+    assert asm.buffered_bytes == 0 and asm.idle
+
+
+def test_streamed_subtransaction_abort_after_a_spill() -> None:
+    asm = TransactionAssembler(spill_bytes=45)
+    asm.feed(StreamStart(9, True))
+    asm.feed(REL)
+    outs = [asm.feed(row(i, 9), None, 10) for i in range(2)]
+    outs += [asm.feed(row(i, 11), None, 10) for i in range(2, 6)]  # subtransaction 11
+    asm.feed(StreamStop())
+    (spill,) = [o for o in outs if isinstance(o, Spill)]
+    assert [c.xid for c in spill.changes[1:]] == [9, 9, 11, 11, 11]  # row 5 stays in memory
+    asm.feed(StreamStart(9, False))
+    asm.feed(row(6, 9), None, 10)
+    asm.feed(StreamStop())
+    assert asm.feed(StreamAbort(9, 11)) is None
+    asm.feed(StreamStart(9, False))
+    asm.feed(row(7, 12), None, 10)
+    asm.feed(StreamStop())
+    txn = asm.feed(StreamCommit(9, 0, 0x900, 0x910, 5))
+    assert isinstance(txn, Transaction) and txn.streamed
+    assert txn.aborted_subxids == (11,)
+    assert txn.changes == [row(6, 9), row(7, 12)]  # 5 (subtransaction 11) gone from memory
+    assert txn.spilled == 6
+    assert txn.row_count == 4  # 0, 1, 6, 7: the spilled rows of 11 no longer count
+
+
+def test_streamed_transaction_aborted_after_a_spill_is_dropped() -> None:
+    asm = TransactionAssembler(spill_bytes=15)
+    asm.feed(StreamStart(3, True))
+    asm.feed(REL)
+    assert isinstance(asm.feed(row(1, 3), None, 10), Spill) is False
+    assert isinstance(asm.feed(row(2, 3), None, 10), Spill)
+    asm.feed(row(3, 3), None, 10)
+    asm.feed(StreamStop())
+    assert asm.buffered_bytes == 10
+    assert asm.feed(StreamAbort(3, 3)) == SpillDropped(3)
+    assert asm.buffered_bytes == 0 and asm.idle
+    # Never spilled: the abort says nothing, as without a bound.
+    asm.feed(StreamStart(4, True))
+    asm.feed(row(1, 4), None, 10)
+    asm.feed(StreamStop())
+    assert asm.feed(StreamAbort(4, 4)) is None
+
+
+def test_truncate_and_messages_count_toward_the_bound() -> None:
+    asm = TransactionAssembler(spill_bytes=50)
+    asm.feed(Begin(0x10, 1, 2))
+    asm.feed(REL)
+    assert asm.feed(Message(True, 0x5, "p", b"x" * 40), None, 40) is None
+    spill = asm.feed(Truncate((REL.relid,), False, False), None, 20)
+    assert isinstance(spill, Spill) and len(spill.changes) == 3
+    txn = asm.feed(Commit(0, 0x10, 0x20, 3))
+    assert isinstance(txn, Transaction) and txn.changes == [] and txn.spilled == 3 and txn.row_count == 0
+
+
+def test_reset_forgets_partly_spilled_transactions() -> None:
+    asm = TransactionAssembler(spill_bytes=5)
+    asm.feed(Begin(0x10, 1, 2))
+    asm.feed(REL)
+    assert isinstance(asm.feed(row(1), None, 10), Spill)
+    asm.reset()
+    assert asm.idle and asm.buffered_bytes == 0
+
+
+def test_negative_bound_is_refused() -> None:
+    with pytest.raises(ValueError):
+        TransactionAssembler(-1)
+
+
+def test_hand_built_transaction_defaults() -> None:
+    txn = Transaction(1, 2, 3, 4, [row(1)], {REL.relid: REL})
+    assert (txn.spilled, txn.aborted_subxids, txn.spill, txn.row_count) == (0, (), None, 1)
