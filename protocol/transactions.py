@@ -230,9 +230,9 @@ class TransactionAssembler:
         if relid not in known:
             known[relid] = self.relations.get(relid, lsn=lsn, tag=_tag(message))
         builder.changes.append(message)  # type: ignore[arg-type]  # Change includes the _ROW_TYPES
-        builder.nbytes += size
+        held = builder.nbytes = builder.nbytes + size
         self.buffered_bytes += size
-        if builder.nbytes > self._spill_at:
+        if held > self._spill_at:
             return self._spill(builder)
         return None
 

@@ -67,6 +67,8 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     status_interval_ms: int = 1_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
+    spill_mb: int = 64  # per open transaction: MB kept in memory before the rest spills to disk (0: never)
+    spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
 
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -278,6 +280,8 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 1", "replication.queue_max_transactions")
     if rep.status_interval_ms < 10:
         raise bad("must be >= 10", "replication.status_interval_ms")
+    if rep.spill_mb < 0:
+        raise bad("must be >= 0 (0: never spill to disk)", "replication.spill_mb")
     if not rep.tables:
         raise bad("must list at least one pattern", "replication.tables")
     if rep.new_table_without_key not in ("warn", "refuse"):

@@ -6,7 +6,9 @@ applied here by pgmesh (or another replicator): it is an echo and goes nowhere. 
 full is detached when other links can still take more (a slow or dead target must not stall the
 others); when every link is full, the pump waits (backpressure reaches the walsender). A detached link
 gets everything it missed later by re-reading the source from its applied position; links that already
-have those transactions skip them. Owns no database connection and no clock.
+have those transactions skip them. A transaction that spilled to disk carries a `SpillFile`: each link
+it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
+Owns no database connection and no clock.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from router.applier import LinkQueue
 from router.ddl import has_ddl
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
+from router.spool import materialize, release
 
 __all__ = ["SourcePump"]
 
@@ -40,11 +43,15 @@ class SourcePump:
         queues: dict[str, LinkQueue],
         *,
         on_echo: Callable[[Transaction], None] | None = None,
+        materialize_spilled: bool = True,
     ) -> None:
+        """`materialize_spilled`: load a spilled transaction back whole before any link sees it, for an
+        applier that reads only `txn.changes` (pass False once it reads `router.spool.iter_chunks`)."""
         self.source = source
         self.progress = progress
         self.queues = queues  # target node -> queue
         self._on_echo = on_echo
+        self.materialize_spilled = materialize_spilled
         self._reattach: list[LinkProgress] = []
         self.echoes = 0
         self.transactions = 0
@@ -69,34 +76,55 @@ class SourcePump:
             await items.aclose()
 
     async def _dispatch(self, txn: Transaction) -> None:
+        if txn.spill is not None and self.materialize_spilled:
+            whole = materialize(txn)
+            txn.spill.discard()
+            txn = whole
+        spill = txn.spill
+        if spill is not None:
+            spill.acquire()  # the pump's own reference while it hands the transaction out
+        try:
+            await self._dispatch_to_links(txn)
+        finally:
+            if spill is not None:
+                spill.release()  # the last one when no link took it: the file goes
+        self.progress.on_seen(txn.end_lsn)
+
+    async def _dispatch_to_links(self, txn: Transaction) -> None:
         if txn.origin is not None:
             self.echoes += 1
             if self._on_echo is not None:
                 self._on_echo(txn)
-        elif not any(isinstance(c, _DATA_CHANGES) for c in txn.changes) and not has_ddl(txn):
+        elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
             pass  # nothing a target needs (a transactional message, a schema description only)
         else:
             self.transactions += 1
             for link in self.progress.links:
                 if link.wants(txn.end_lsn):
-                    await self._hand(link, txn)
-        self.progress.on_seen(txn.end_lsn)
+                    if txn.spill is not None:
+                        txn.spill.acquire()  # this link's applier releases it
+                    if not await self._hand(link, txn):
+                        release(txn)
 
-    async def _hand(self, link: LinkProgress, txn: Transaction) -> None:
+    async def _hand(self, link: LinkProgress, txn: Transaction) -> bool:
+        """Queue `txn` for `link`; False when it was not queued (the link detached or no longer wants it)."""
         queue = self.queues[link.target]
         while not queue.offer(txn):
             if self._others_want_and_can_take(link, txn):
                 link.detach(self.progress.seen)
+                for dropped in queue.take(len(queue)):
+                    release(dropped)
                 queue.clear()
                 logger.warning(
                     "link %s -> %s: queue full at %s; detached, it will re-read from %s",
                     link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),
                 )
-                return
+                return False
             await queue.wait_room()  # every link is behind: let backpressure reach the source
             if not link.wants(txn.end_lsn):
-                return
+                return False
         link.enqueued = txn.end_lsn
+        return True
 
     def _others_want_and_can_take(self, link: LinkProgress, txn: Transaction) -> bool:
         """Would waiting for this link hold back another link that needs this transaction now?

@@ -5,6 +5,8 @@ IDENTIFY_SYSTEM, creates / drops / inspects the node's logical slot (optionally 
 snapshot that outlives the slot's creation), and streams pgoutput with START_REPLICATION. The stream is
 read with `pgconn.get_copy_data` driven by the event loop (no threads), decoded once by `protocol/` and
 handed out as whole committed transactions (and non-transactional logical messages) in commit order.
+A transaction bigger than `SourceOptions.spill_bytes` is written to a `router.spool.Spool` as it
+arrives and handed out with its spilled part on disk (`Transaction.spill`).
 
 What it guarantees its caller:
 - Pull-based backpressure: nothing is read from the socket while the caller is not asking for more, yet
@@ -39,8 +41,9 @@ from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.messages import Message
 from protocol.pgoutput import Decoder
 from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
-from protocol.transactions import Transaction, TransactionAssembler
+from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
+from router.spool import Spool
 
 __all__ = [
     "ExportedSnapshot",
@@ -77,6 +80,7 @@ class SourceOptions(msgspec.Struct, frozen=True):
     advance_when_idle: bool = True
     skip_echo_rows: bool = False  # do not decode the rows of transactions that carry an origin
     application_name: str = "pgmesh"
+    spill_bytes: int = 0  # an open transaction's payload kept in memory before the rest spills (0: never)
 
 
 class SystemInfo(msgspec.Struct, frozen=True):
@@ -174,7 +178,10 @@ class ReplicationSource:
         options: SourceOptions | None = None,
         start_lsn: int = 0,
         clock: Callable[[], float] = time.time,
+        spool: Spool | None = None,
     ) -> None:
+        """`spool`: where transactions over `options.spill_bytes` go (shared by a router's sources);
+        without one, the source makes its own when it has a bound."""
         self.node = node
         self._dsn = dsn
         self.slot = _check_slot_name(slot, node)
@@ -184,7 +191,9 @@ class ReplicationSource:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._streaming = False
         self._decoder = Decoder()
-        self._assembler = TransactionAssembler()
+        spill = self.options.spill_bytes
+        self._assembler = TransactionAssembler(spill if spill > 0 else None)
+        self.spool = spool if spool is not None or spill <= 0 else Spool(cluster=node)
         # Everything whose WAL record starts before this position has been handed out.
         self._skip_before = start_lsn
         self._delivered_high = start_lsn  # the highest position ever handed out (rewinds go below it)
@@ -207,6 +216,9 @@ class ReplicationSource:
         self.transactions_out = 0
         self.echo_rows_skipped = 0
         self.status_updates_sent = 0
+        self.spills = 0  # Spill pieces written to the spool
+        self.spilled_changes = 0
+        self.spill_peak_bytes = 0  # the most payload one transaction held in memory before it spilled
 
     # ---------------------------------------------------------------- positions
 
@@ -662,17 +674,30 @@ class ReplicationSource:
             self._skip_before, self._rewind_to = self._rewind_to, None
         self._decoder.reset()
         self._assembler.reset()
-        async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
-            async for batch in batches:
-                for out in self._assemble(batch):
+        try:
+            async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
+                async for batch in batches:
+                    done = self._assemble(batch)
+                    sent = 0
+                    try:
+                        for out in done:
+                            if self._rewind_to is not None:
+                                raise ConnectionLost("rewinding", node=self.node, lsn=self._rewind_to)
+                            sent += 1
+                            yield out
+                    finally:
+                        _discard_spills(done[sent:])  # never handed out (read again, or nobody asks)
                     if self._rewind_to is not None:
                         raise ConnectionLost("rewinding", node=self.node, lsn=self._rewind_to)
-                    yield out
-                if self._rewind_to is not None:
-                    raise ConnectionLost("rewinding", node=self.node, lsn=self._rewind_to)
+        finally:
+            if self.spool is not None:  # the server sends the unfinished transactions again, whole
+                self.spool.discard_open(self.node)
 
     def _assemble(self, batch: list[memoryview]) -> list[Transaction | Message]:
-        """Decode a batch of XLogData bodies; return what completed and was not handed out before."""
+        """Decode a batch of XLogData bodies; return what completed and was not handed out before.
+
+        When a frame fails, nothing of the batch counts as handed out (a retry reads it all again).
+        """
         decode = self._decoder.decode
         feed = self._assembler.feed
         wal_start_of = _WAL_START.unpack_from
@@ -680,6 +705,7 @@ class ReplicationSource:
         skip_echoes = self.options.skip_echo_rows
         echo = self._assembler.in_echo
         done: list[Transaction | Message] = []
+        handed = (self._skip_before, self._delivered_high, self.transactions_out)
         try:
             for data in batch:
                 # One copy per frame ('w', WAL start, WAL end, send time, payload); decoded in place.
@@ -697,17 +723,59 @@ class ReplicationSource:
                 if out is None:
                     continue
                 if isinstance(out, Transaction):
+                    if out.spilled:
+                        out = self._spilled(out)
                     if out.commit_lsn < self._skip_before:
+                        _discard_spills([out])
                         continue  # resent after a reconnect: already handed out
                     self._skip_before = out.end_lsn
                     self._delivered_high = max(self._delivered_high, out.end_lsn)
                     self.transactions_out += 1
-                else:
+                elif isinstance(out, Message):
                     if out.lsn < self._skip_before:
                         continue
                     self._skip_before = out.lsn + 1
                     self._delivered_high = max(self._delivered_high, self._skip_before)
+                else:
+                    self._spill(out, wal_start)
+                    continue
                 done.append(out)
+        except BaseException:
+            self._skip_before, self._delivered_high, self.transactions_out = handed
+            _discard_spills(done)
+            raise
         finally:
             self._received = received  # also when a frame does not decode: it was received
         return done
+
+    def _spill(self, out: Spill | SpillDropped, lsn: int) -> None:
+        """Part of an open transaction goes to the spool; or an aborted one's file goes away."""
+        assert self.spool is not None  # the assembler spills only with a bound, and then there is one
+        if isinstance(out, SpillDropped):
+            self.spool.drop(self.node, out.xid)
+            return
+        try:
+            self.spool.write(self.node, out)
+        except OSError as exc:
+            raise ConnectionLost(
+                f"cannot spill transaction {out.xid} to {self.spool.path}: {exc}; retrying from its start",
+                node=self.node, lsn=lsn,
+            ) from exc
+        self.spills += 1
+        self.spilled_changes += len(out.changes)
+        self.spill_peak_bytes = max(self.spill_peak_bytes, out.nbytes)
+
+    def _spilled(self, txn: Transaction) -> Transaction:
+        """A transaction that spilled, with its closed spill file attached."""
+        handle = self.spool.finish(self.node, txn.xid) if self.spool is not None else None
+        if handle is None:
+            raise SourceError(f"transaction {txn.xid} spilled but its spill file is missing", node=self.node,
+                              lsn=txn.commit_lsn)
+        return msgspec.structs.replace(txn, spill=handle)
+
+
+def _discard_spills(items: list[Transaction | Message]) -> None:
+    """Delete the spill files of transactions that will not be handed out after all."""
+    for item in items:
+        if isinstance(item, Transaction) and item.spill is not None:
+            item.spill.discard()

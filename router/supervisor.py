@@ -31,6 +31,7 @@ from router.fanout import SourcePump
 from router.metrics import Metrics
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource, SourceOptions
+from router.spool import Spool
 
 __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
@@ -139,7 +140,9 @@ class Router:
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
+            spill_bytes=config.replication.spill_mb << 20,
         )
+        self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self._on_applied_hook = on_applied
         self.targets = {n.name: _Target(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
@@ -242,6 +245,7 @@ class Router:
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
                 options=self.source_options, start_lsn=progress.start_position(), clock=self.clock,
+                spool=self.spool,
             )
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues)
@@ -265,11 +269,13 @@ class Router:
                 logger.info("cluster %s: router running with %d nodes and %d links",
                             self.config.cluster.name, len(self.pumps), len(self.appliers))
                 await self._stream(stop)
+                self.spool.close()  # what was still queued is read again from the slots
                 self.running = False
                 if stop.is_set() or not await self._wait_release(stop):
                     break
         finally:
             self.running = False
+            self.spool.close()
             if self.admin is not None:
                 await self.admin.close()
             for target in self.targets.values():
