@@ -19,31 +19,36 @@ import asyncio
 import collections
 import contextlib
 import enum
+import io
 import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import asyncpg
+import msgspec
 import psycopg.conninfo
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
-from protocol.messages import Message
-from protocol.transactions import Transaction
+from protocol.messages import Message, Relation
+from protocol.transactions import Change, Transaction
 from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
 from router.ddl import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl, reconcile
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
 from router.statements import (
+    KEY_LOCKS_MAX,
     ApplyError,
+    CopyRun,
     Prepared,
     SchemaMismatch,
     TargetTable,
     quote_ident,
     transaction_script,
+    transaction_segments,
 )
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
@@ -168,6 +173,27 @@ class LinkQueue:
         return self._items[0].commit_time if self._items else None
 
 
+def _large(txn: Transaction) -> bool:
+    """Applied alone, in parts, with COPY for runs of inserts (Applier._apply_large)."""
+    return txn.row_count > KEY_LOCKS_MAX or bool(getattr(txn, "spilled", 0))
+
+
+LARGE_PART_CHANGES = 50_000  # changes of a large transaction turned into SQL / COPY at once
+
+
+def _parts(txn: Transaction) -> Iterator[list[Change]]:
+    """The transaction's changes in parts of at most LARGE_PART_CHANGES (read back from the spool
+    when it spilled to disk)."""
+    if getattr(txn, "spilled", 0):
+        from router.spool import iter_chunks  # only transactions that spilled need it
+
+        yield from iter_chunks(txn, max_changes=LARGE_PART_CHANGES)
+        return
+    changes = txn.changes
+    for i in range(0, max(len(changes), 1), LARGE_PART_CHANGES):
+        yield changes[i : i + LARGE_PART_CHANGES]
+
+
 def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
     """libpq keyword/URI DSN -> asyncpg.connect keyword arguments."""
     params = psycopg.conninfo.conninfo_to_dict(dsn)
@@ -234,6 +260,8 @@ class Applier:
         self.applied_rows = 0
         self.conflicts = 0
         self.ddl_applied = 0
+        self.copied_transactions = 0  # large transactions applied in parts (COPY where possible)
+        self.copied_rows = 0
 
     @property
     def name(self) -> str:
@@ -458,8 +486,8 @@ class Applier:
         scripts: list[str] = []
         size = 0
         for i, txn in enumerate(batch):
-            if has_ddl(txn):
-                break  # applied on its own, statement by statement (_apply_batch)
+            if has_ddl(txn) or _large(txn):
+                break  # applied on its own (_apply_batch)
             try:
                 script = self._script(txn, prelude)
             except ApplyError:
@@ -486,9 +514,14 @@ class Applier:
             if self._held:
                 await self._apply_batch(self._held)
             return
-        prelude, scripts = await self._scripts(batch)
         try:
-            await self._conn.execute("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
+            if _large(batch[0]):
+                await self._apply_large(batch[0])
+                done = 1
+            else:
+                prelude, scripts = await self._scripts(batch)
+                await self._conn.execute("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
+                done = len(scripts)
         except asyncpg.PostgresError as exc:
             await self._after_failure()
             if exc.sqlstate in _SCHEMA_STATES and self._held and self._held[0].end_lsn != self._reloaded_for:
@@ -509,12 +542,87 @@ class Applier:
             await self._after_failure()
             raise
         else:
-            for txn in batch[: len(scripts)]:
+            for txn in batch[:done]:
                 self._applied(txn)
-            self._held = batch[len(scripts):]
+            self._held = batch[done:]
             self._batch_limit = min(BATCH_TRANSACTIONS, self._batch_limit * 2)
         if self._held:
             await self._apply_batch(self._held)
+
+    async def _apply_large(self, txn: Transaction) -> None:
+        """A transaction with more row changes than KEY_LOCKS_MAX, alone: its runs of inserts go in by
+        COPY where no conflict can hide from it (router.statements.CopyRun); a transaction spilled to
+        disk is read back part by part, all in one target transaction."""
+        conn = self._conn
+        assert conn is not None
+        relations = dict(txn.relations)
+        tombstones: dict[str, bool] = {}
+        parts = _parts(txn)
+        first = True
+        part: list[Change] | None = next(parts)
+        while part is not None:
+            following: list[Change] | None = next(parts, None)
+            prelude: list[str] = []
+            piece = msgspec.structs.replace(txn, changes=part, relations=relations)
+            mark = self._prepared.mark()
+            try:
+                segments = self._segments(piece, prelude, relations, first, following is None)
+            except ApplyError:
+                if not first:
+                    raise
+                await self._load_tables()  # the target's schema may have changed since we looked
+                segments = self._segments(piece, prelude, relations, first, following is None)
+            try:
+                if prelude:
+                    await conn.execute("".join(f"{p};\n" for p in prelude))
+                for segment in segments:
+                    if isinstance(segment, str):
+                        await conn.execute(segment)
+                    else:
+                        await self._copy(conn, segment, tombstones)
+            except BaseException:
+                self._prepared.forget_since(mark)
+                raise
+            first = False
+            part = following
+        self.copied_transactions += 1
+
+    def _segments(
+        self, txn: Transaction, prelude: list[str], relations: dict[int, Relation], begin: bool, commit: bool
+    ) -> list[str | CopyRun]:
+        def build(t: Transaction) -> list[str | CopyRun]:
+            return transaction_segments(
+                t, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude,
+                relations=relations, begin=begin, commit=commit,
+            )
+
+        saved = dict(relations)
+        try:
+            return build(txn)
+        except ApplyError:
+            fitted = self._fit(txn)
+            if fitted is txn:
+                raise
+            relations.clear()
+            relations.update(saved)
+            return build(fitted)
+
+    async def _copy(self, conn: asyncpg.Connection, run: CopyRun, tombstones: dict[str, bool]) -> None:
+        """One run of inserts by COPY, or by guarded INSERTs when the table has tombstones (a row
+        deleted recently may be among them: decided as a conflict)."""
+        if run.check_tombstones:
+            name = run.table.name
+            if name not in tombstones:
+                tombstones[name] = bool(await conn.fetchval(
+                    "SELECT EXISTS (SELECT 1 FROM pgmesh.tombstones WHERE table_name = $1)", name
+                ))
+            if tombstones[name]:
+                await conn.execute(run.fallback())
+                return
+        schema, table = run.schema_and_name
+        await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=io.BytesIO(run.data()),
+                                 format="text")
+        self.copied_rows += len(run.rows)
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start."""

@@ -21,6 +21,7 @@ from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.messages import (
     KIND_BINARY,
     KIND_NULL,
+    KIND_TEXT,
     KIND_UNCHANGED,
     Delete,
     Insert,
@@ -35,7 +36,9 @@ from protocol.transactions import Transaction
 from router.errors import PgmeshError
 
 __all__ = [
+    "COPY_MIN_ROWS",
     "ApplyError",
+    "CopyRun",
     "Prepared",
     "SchemaMismatch",
     "TargetTable",
@@ -46,6 +49,7 @@ __all__ = [
     "table_lock",
     "target_table",
     "transaction_script",
+    "transaction_segments",
     "truncate_statement",
 ]
 
@@ -378,6 +382,100 @@ def _prepared_insert(
 
 
 INSERT_RUN = 1000  # rows per multi-row INSERT
+# A run of at least this many inserts into one table, in a transaction that locks whole tables (more
+# than KEY_LOCKS_MAX row changes), goes in as COPY when the target may take it (see `CopyRun`).
+COPY_MIN_ROWS: Final = 200
+COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
+
+
+class CopyRun:
+    """A run of inserts into one table to load with COPY ... FROM STDIN (text format).
+
+    COPY cannot check tombstones: the applier loads it only when the table has none (checked after the
+    transaction took the table's exclusive lock, so no decider of another source can add one), and
+    otherwise runs `fallback()`, the guarded INSERT. An existing key still fails the COPY with a
+    unique violation, which sends the transaction to the careful path like any other conflict.
+    """
+
+    __slots__ = ("check_tombstones", "coarse", "relation", "rows", "table")
+
+    def __init__(
+        self, relation: Relation, table: TargetTable, rows: list[Insert], check_tombstones: bool, coarse: bool
+    ) -> None:
+        self.relation = relation
+        self.table = table
+        self.rows = rows
+        self.check_tombstones = check_tombstones
+        self.coarse = coarse
+
+    @property
+    def schema_and_name(self) -> tuple[str, str]:
+        return self.relation.schema, self.relation.name
+
+    @property
+    def columns(self) -> list[str]:
+        return [c.name for c in self.relation.columns]
+
+    def data(self) -> bytes:
+        return copy_text(self.relation, self.rows)
+
+    def fallback(self) -> str:
+        """The same rows as guarded INSERT statements (the table has tombstones)."""
+        rows, relation, table = self.rows, self.relation, self.table
+        return ";\n".join(
+            _insert_rows(relation, table, rows[i : i + INSERT_RUN], self.check_tombstones, self.coarse)
+            for i in range(0, len(rows), INSERT_RUN)
+        )
+
+
+def _copy_escape(value: bytes) -> bytes:
+    return (
+        value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+    )
+
+
+def copy_text(relation: Relation, rows: list[Insert]) -> bytes:
+    """COPY text-format lines for `rows` (pgoutput's text values are the types' output, which COPY's
+    input functions read back). Fast path: join everything, then check in C that no value needed
+    escaping; otherwise escape value by value."""
+    width = len(relation.columns)
+    plain = bytes([KIND_TEXT]) * width
+    lines: list[bytes] = []
+    append = lines.append
+    join = b"\t".join
+    nulls = 0  # each written as \N: the only backslashes when no value needs escaping
+    for row in rows:
+        new = row.new
+        if new.kinds == plain:
+            append(join(new.values))  # type: ignore[arg-type]  # all bytes: every kind is text
+        else:
+            nulls += new.kinds.count(KIND_NULL)
+            append(_copy_line(relation, new))
+    data = b"\n".join(lines) + b"\n"
+    if (
+        data.count(b"\t") == len(rows) * (width - 1)
+        and data.count(b"\n") == len(rows)
+        and data.count(b"\\") == nulls
+        and b"\r" not in data
+    ):
+        return data
+    return b"".join(_copy_line(relation, row.new, escape=True) + b"\n" for row in rows)
+
+
+def _copy_line(relation: Relation, new: TupleData, *, escape: bool = False) -> bytes:
+    cells: list[bytes] = []
+    for i, kind in enumerate(new.kinds):
+        value = new.values[i]
+        if kind == KIND_NULL:
+            cells.append(b"\\N")
+        elif kind == KIND_TEXT and isinstance(value, bytes):
+            cells.append(_copy_escape(value) if escape else value)
+        else:
+            raise ApplyError(
+                f"column {relation.columns[i].name} arrived as {chr(kind)!r}, expected text",
+                relation=f"{relation.schema}.{relation.name}",
+            )
+    return b"\t".join(cells)
 
 
 def _run_statement(
@@ -421,25 +519,70 @@ def transaction_script(
     New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
     transaction that fails cannot take a prepared statement down with it), else inline.
     """
+    (script,) = transaction_segments(
+        txn, tables, origin_lsn=origin_lsn, prepared=prepared, guard_origin=guard_origin, prelude=prelude,
+        copy=False,
+    )
+    assert isinstance(script, str)
+    return script
+
+
+def transaction_segments(
+    txn: Transaction,
+    tables: Mapping[tuple[str, str], TargetTable],
+    *,
+    origin_lsn: int | None = None,
+    prepared: Prepared | None = None,
+    guard_origin: int | None = None,
+    prelude: list[str] | None = None,
+    copy: bool = True,
+    relations: dict[int, Relation] | None = None,
+    begin: bool = True,
+    commit: bool = True,
+) -> list[str | CopyRun]:
+    """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
+    order, the first opening the transaction and the last committing it. With `copy` False (or no
+    run long enough) it is one script.
+
+    A transaction too big to hold at once is cut into parts by the caller: `begin` / `commit` say
+    whether this part opens / commits the target transaction, and `relations` (updated in place by
+    inline Relation messages) carries the relation descriptions from one part to the next.
+    """
     prepares = prelude if prelude is not None else None
-    when = pg_us_to_datetime(txn.commit_time).isoformat()
-    lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
-    out = [
-        "BEGIN",
-        f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')",
-    ]
+    out: list[str] = []
+    if begin:
+        when = pg_us_to_datetime(txn.commit_time).isoformat()
+        lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
+        out += ["BEGIN", f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')"]
+    segments: list[str | CopyRun] = []
     origin_sql = None if guard_origin is None else f"'{guard_origin}'"
     guarded = guard_origin is not None
     coarse = txn.row_count > KEY_LOCKS_MAX
-    relations = dict(txn.relations)
+    copy = copy and (coarse or not guarded)
+    if relations is None:
+        relations = dict(txn.relations)
     run: list[Insert] = []
     run_rel: Relation | None = None
+
+    def flush_run() -> None:
+        assert run_rel is not None
+        table = target_table(run_rel, tables)
+        if copy and len(run) >= COPY_MIN_ROWS:
+            if guarded:
+                out.append(table_lock(table, exclusive=True))
+            if out:
+                segments.append(";\n".join(out) + ";")
+                out.clear()
+            for i in range(0, len(run), COPY_RUN):
+                segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
+            return
+        out.append(_run_statement(run_rel, table, run, guarded, coarse, prepared,
+                                  out if prepares is None else prepares))
+
     for change in txn.changes:
         if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
-                        and len(run) < INSERT_RUN):
-            assert run_rel is not None
-            out.append(_run_statement(run_rel, target_table(run_rel, tables), run, guarded, coarse,
-                                      prepared, out if prepares is None else prepares))
+                        and (copy or len(run) < INSERT_RUN)):
+            flush_run()
             run = []
         if isinstance(change, Relation):
             relations[change.relid] = change
@@ -470,11 +613,12 @@ def transaction_script(
         else:
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
-        assert run_rel is not None
-        out.append(_run_statement(run_rel, target_table(run_rel, tables), run, guarded, coarse,
-                                  prepared, out if prepares is None else prepares))
-    out.append("COMMIT")
-    return ";\n".join(out) + ";"
+        flush_run()
+    if commit:
+        out.append("COMMIT")
+    if out:
+        segments.append(";\n".join(out) + ";")
+    return segments
 
 
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
