@@ -24,6 +24,7 @@ import json
 import logging
 import random
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
 from router.ddl import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl, reconcile
 from router.errors import Action, PgmeshError, decide, describe
+from router.parallel import plan_lanes
 from router.progress import LinkProgress
 from router.statements import (
     KEY_LOCKS_MAX,
@@ -47,6 +49,7 @@ from router.statements import (
     SchemaMismatch,
     TargetTable,
     quote_ident,
+    quote_literal,
     transaction_script,
     transaction_segments,
 )
@@ -173,6 +176,19 @@ class LinkQueue:
         return self._items[0].commit_time if self._items else None
 
 
+_NOT_COMMITTED = "pgmesh: the transaction before this one did not commit; "
+
+
+class _Lane:
+    """One session of a link's parallel apply, with its own prepared statements."""
+
+    __slots__ = ("conn", "prepared")
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+        self.prepared = Prepared()
+
+
 def _large(txn: Transaction) -> bool:
     """Applied alone, in parts, with COPY for runs of inserts (Applier._apply_large)."""
     return txn.row_count > KEY_LOCKS_MAX or bool(getattr(txn, "spilled", 0))
@@ -262,6 +278,17 @@ class Applier:
         self.ddl_applied = 0
         self.copied_transactions = 0  # large transactions applied in parts (COPY where possible)
         self.copied_rows = 0
+        # Parallel apply (router.parallel): sessions besides the main one; the main session holds the
+        # source's replication origin except while lanes run (then each takes it just to commit).
+        self.lanes = max(1, config.replication.apply_lanes)
+        self._extra: list[_Lane] = []
+        self._origin_held = False
+        self._installed_at: str | None = None
+        self._lane_key = zlib.crc32(self.origin.encode()) & 0x7FFFFFFF
+        self._seq = 0
+        self._sequential_next = False
+        self.parallel_batches = 0
+        self.parallel_transactions = 0
 
     @property
     def name(self) -> str:
@@ -355,6 +382,7 @@ class Applier:
         self._prepared = Prepared()  # a new session has no prepared statements
         await self._conn.execute(_SESSION_SETUP)
         await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
+        self._origin_held = True
         row = await self._conn.fetchval(
             "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
         )
@@ -404,6 +432,7 @@ class Applier:
             "SELECT CASE WHEN to_regclass('pgmesh.node_info') IS NOT NULL THEN"
             " (SELECT value FROM pgmesh.node_info WHERE key = 'installed_at') END"
         )
+        self._installed_at = installed
         if installed:  # rows older than this are every node's common start: no conflict (expect_origin)
             await self._conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed)
             self._careful.installed_at = datetime_to_pg_us(
@@ -411,7 +440,12 @@ class Applier:
             )
 
     async def _disconnect(self) -> None:
+        conns = [lane.conn for lane in self._extra]
+        self._extra = []
+        for extra in conns:
+            extra.terminate()
         conn, self._conn = self._conn, None
+        self._origin_held = False
         if conn is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5)
@@ -503,6 +537,19 @@ class Applier:
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
+        if self.lanes > 1 and len(batch) > 1 and not self._sequential_next and not _large(batch[0]):
+            try:
+                done = await self._apply_parallel(batch)
+            except BaseException:
+                await self._after_failure()
+                raise
+            if done:
+                self._held = batch[done:]
+                if self._held:
+                    await self._apply_batch(self._held)
+                return
+        self._sequential_next = False
+        await self._hold_origin()
         if has_ddl(batch[0]):
             try:
                 await self._apply_carefully(batch[0])
@@ -620,9 +667,132 @@ class Applier:
                 await conn.execute(run.fallback())
                 return
         schema, table = run.schema_and_name
-        await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=io.BytesIO(run.data()),
-                                 format="text")
+        data = io.BytesIO(run.data())
+        await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=data, format="text")
         self.copied_rows += len(run.rows)
+
+    # ------------------------------------------------------------ parallel apply
+
+    async def _hold_origin(self) -> None:
+        """The main session takes the source's origin back after lanes ran."""
+        if not self._origin_held and self._conn is not None:
+            await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
+            self._origin_held = True
+
+    async def _lanes(self) -> list[_Lane]:
+        """Lane 0 is the main session; the others are opened on first use."""
+        assert self._conn is not None
+        while len(self._extra) < self.lanes - 1:
+            conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
+            try:
+                await conn.execute(_SESSION_SETUP)
+                if self._installed_at:
+                    await conn.execute(
+                        "SELECT set_config('pgmesh.installed_at', $1, false)", self._installed_at
+                    )
+            except BaseException:
+                conn.terminate()
+                raise
+            self._extra.append(_Lane(conn))
+        main = _Lane(self._conn)
+        main.prepared = self._prepared
+        return [main, *self._extra]
+
+    async def _apply_parallel(self, batch: list[Transaction]) -> int:
+        """Run the batch's first transactions on several sessions at once, committed in source order;
+        return how many are applied (0: none ran, the caller applies the batch one by one).
+
+        Each transaction i holds a session advisory lock s_i from before any lane starts until just
+        after its COMMIT. A transaction whose predecessor runs in another lane waits for s_(i-1), then
+        checks that the origin's progress reached the predecessor's end (a lane that died releases its
+        locks without committing: its successors must not commit either). Every lane takes the origin
+        just to commit and gives it back at once (PostgreSQL 15: one session per origin at a time).
+        """
+        lanes_of = plan_lanes(batch, self._tables, self.lanes)
+        if len(set(lanes_of)) < 2:
+            return 0
+        lanes = await self._lanes()
+        key, origin = self._lane_key, quote_literal(self.origin)
+        preludes: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
+        scripts: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
+        seqs: list[int] = []
+        txns: list[Transaction] = []
+        for i, (txn, lane) in enumerate(zip(batch, lanes_of, strict=False)):
+            seq = (self._seq + i) % 0x7FFFFFFF
+            before = [f"SELECT pg_catalog.pg_replication_origin_session_setup({origin})"]
+            if i and lanes_of[i - 1] != lane:
+                before.insert(0, f"SELECT pg_catalog.pg_advisory_xact_lock_shared({key}, {seqs[-1]})")
+                before.append(
+                    f"SELECT CASE WHEN pg_catalog.pg_replication_origin_progress({origin}, false)"
+                    f" >= '{format_lsn(txns[-1].end_lsn)}'::pg_lsn THEN 0 ELSE ('{_NOT_COMMITTED}'"
+                    " || pg_catalog.now())::int END"
+                )
+            after = (f"SELECT pg_catalog.pg_replication_origin_session_reset();\n"
+                     f"SELECT pg_catalog.pg_advisory_unlock({key}, {seq})")
+            try:
+                (script,) = transaction_segments(
+                    self._fit(txn), self._tables, prepared=lanes[lane].prepared,
+                    guard_origin=self._source_origin, prelude=preludes[lane], copy=False,
+                    at_commit=(";\n".join(before), after),
+                )
+            except ApplyError:
+                break  # the one-by-one path deals with it
+            assert isinstance(script, str)
+            scripts[lane].append(script)
+            seqs.append(seq)
+            txns.append(txn)
+        used = {lane for lane, lane_scripts in scripts.items() if lane_scripts}
+        if len(used) < 2:
+            return 0
+        self._seq += len(txns)
+        # Every lane's locks are held before any lane starts.
+        reset = "SELECT pg_catalog.pg_replication_origin_session_reset();\n" if self._origin_held else ""
+        self._origin_held = False
+        locks = {lane: [s for s, on in zip(seqs, lanes_of, strict=False) if on == lane] for lane in used}
+        await asyncio.gather(*(
+            lanes[lane].conn.execute(
+                (reset if lane == 0 else "")
+                + "SELECT " + ", ".join(f"pg_catalog.pg_advisory_lock({key}, {s})" for s in locks[lane])
+            )
+            for lane in used
+        ))
+        results = await asyncio.gather(*(
+            self._run_lane(lanes[lane].conn, "".join(f"{p};\n" for p in preludes[lane])
+                           + "\n".join(scripts[lane]))
+            for lane in used
+        ))
+        await self._hold_origin()
+        assert self._conn is not None
+        row = await self._conn.fetchval(
+            "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
+        )
+        done = parse_lsn(row) if row else 0
+        applied = [txn for txn in txns if txn.end_lsn <= done]
+        for txn in applied:
+            self._applied(txn)
+        self.parallel_batches += 1
+        self.parallel_transactions += len(applied)
+        if any(exc is not None for exc in results):
+            self._sequential_next = True  # the transaction that failed goes the careful way, alone
+        return len(applied)
+
+    async def _run_lane(self, conn: asyncpg.Connection, script: str) -> asyncpg.PostgresError | None:
+        """One lane's script; on an error, roll back and free the origin and every lock it holds (its
+        successors then see that it did not commit, and stop)."""
+        try:
+            await conn.execute(script)
+        except asyncpg.PostgresError as exc:
+            with contextlib.suppress(asyncpg.PostgresError):
+                await conn.execute("ROLLBACK")
+            await conn.execute(
+                "SELECT pg_catalog.pg_replication_origin_session_reset()"
+                " WHERE pg_catalog.pg_replication_origin_session_is_setup();\n"
+                "SELECT pg_catalog.pg_advisory_unlock_all()"
+            )
+            if _NOT_COMMITTED not in str(exc):
+                logger.debug("link %s: a lane stopped: %s", self.name, describe(exc))
+            return exc
+        return None
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start."""

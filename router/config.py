@@ -64,6 +64,8 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     exclude: list[str] = msgspec.field(default_factory=list)
     apply_delay_ms: int = 0
     queue_max_transactions: int = 10_000
+    # Sessions per link applying independent transactions at once, committed in source order.
+    apply_lanes: int = 1
     status_interval_ms: int = 1_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
@@ -276,6 +278,8 @@ def _validate(config: Config) -> None:
     rep = config.replication
     if rep.apply_delay_ms < 0:
         raise bad("must be >= 0", "replication.apply_delay_ms")
+    if not 1 <= rep.apply_lanes <= 16:
+        raise bad("must be between 1 and 16", "replication.apply_lanes")
     if rep.queue_max_transactions < 1:
         raise bad("must be >= 1", "replication.queue_max_transactions")
     if rep.status_interval_ms < 10:
