@@ -529,6 +529,7 @@ def machine_facts() -> dict[str, Any]:
     model = memory = "unknown"
     with contextlib.suppress(OSError, IndexError):
         model = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":", 1)[1].splitlines()[0]
+        model = model.strip()
     with contextlib.suppress(OSError, IndexError, ValueError):
         kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
         memory = f"{kb / 1024 / 1024:.1f} GiB"
@@ -698,7 +699,7 @@ def write_plots(doc: dict[str, Any], outdir: Path) -> list[str]:
         for i, target in enumerate(first["targets"]):
             label = system if len(first["targets"]) == 1 else f"{system} a->{target}"
             ax.plot([p[0] for p in first["series"]], [p[1][i] for p in first["series"]], label=label,
-                    linewidth=0.8)
+                    linewidth=0.8, marker=".", markersize=3)
             plotted = True
     if plotted:
         ax.set_yscale("log")
@@ -783,6 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     results: list[Measurement] = []
     failures: list[Failure] = []
+    spent: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pgmesh-bench-suite-") as tmp:
         scripts = Path(tmp)
         (scripts / "insert.sql").write_text(INSERT_SCRIPT)
@@ -790,11 +792,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in range(args.runs):
             for name in systems if run % 2 == 0 else systems[::-1]:
                 print(f"run {run}: {name} ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr)
+                took = time.perf_counter()
                 done, failed = run_once(name, sizes, run, workloads, scripts, timeout)
+                spent.append({"system": name, "run": run, "seconds": round(time.perf_counter() - took, 1)})
                 results.extend(done)
                 failures.extend(failed)
     wall = time.perf_counter() - began
     doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall)
+    doc["system_seconds"] = spent
     out: Path = args.out
     outdir = out.parent / "results"
     outdir.mkdir(parents=True, exist_ok=True)

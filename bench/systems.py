@@ -216,19 +216,25 @@ class Bucardo(SuiteSystem):
         return self.logdir / "log.bucardo"
 
     async def bucardo(self, *args: str, limit: float = 120.0) -> str:
-        """Run the bucardo CLI against the control database; raise with its output on failure."""
+        """Run the bucardo CLI against the control database; raise with its output on failure.
+
+        Output goes to a file, not a pipe: `bucardo start` leaves a daemon holding its stdout.
+        """
         argv = [BUCARDO, "--no-bucardorc", "--quiet", "--dbhost", self.ctl.host,
                 "--dbport", str(self.ctl.port), "--dbuser", "bucardo", "--dbname", "bucardo", *args]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=_client_env(),
-            cwd=self.workdir, start_new_session=True,
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), limit)
-        except TimeoutError:
-            proc.kill()
-            raise RuntimeError(f"bucardo {' '.join(args)}: no answer within {limit:.0f} s") from None
-        text = out.decode(errors="replace")
+        with tempfile.TemporaryFile(dir=self.workdir) as out:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, env=_client_env(),
+                cwd=self.workdir, start_new_session=True,
+            )
+            try:
+                await asyncio.wait_for(proc.wait(), limit)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                raise RuntimeError(f"bucardo {' '.join(args)}: no answer within {limit:.0f} s") from None
+            out.seek(0)
+            text = out.read().decode(errors="replace")
         if proc.returncode != 0:
             raise RuntimeError(f"bucardo {' '.join(args)} exited {proc.returncode}: {text.strip()[-1500:]}")
         return text
