@@ -51,6 +51,7 @@ __all__ = [
     "transaction_script",
     "transaction_segments",
     "truncate_statement",
+    "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -539,6 +540,7 @@ def transaction_segments(
     relations: dict[int, Relation] | None = None,
     begin: bool = True,
     commit: bool = True,
+    at_commit: tuple[str, str] | None = None,
 ) -> list[str | CopyRun]:
     """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
     order, the first opening the transaction and the last committing it. With `copy` False (or no
@@ -547,13 +549,18 @@ def transaction_segments(
     A transaction too big to hold at once is cut into parts by the caller: `begin` / `commit` say
     whether this part opens / commits the target transaction, and `relations` (updated in place by
     inline Relation messages) carries the relation descriptions from one part to the next.
+
+    `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
+    replication origin only to commit (router.applier's lanes): the origin's `xact_setup` then goes
+    just before COMMIT, after the first of the two.
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
+    setup = xact_setup_sql(txn, origin_lsn)
     if begin:
-        when = pg_us_to_datetime(txn.commit_time).isoformat()
-        lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
-        out += ["BEGIN", f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')"]
+        out.append("BEGIN")
+        if at_commit is None:
+            out.append(setup)
     segments: list[str | CopyRun] = []
     origin_sql = None if guard_origin is None else f"'{guard_origin}'"
     guarded = guard_origin is not None
@@ -615,10 +622,20 @@ def transaction_segments(
     if run:
         flush_run()
     if commit:
-        out.append("COMMIT")
+        if at_commit is None:
+            out.append("COMMIT")
+        else:
+            out += [at_commit[0], setup, "COMMIT", at_commit[1]]
     if out:
         segments.append(";\n".join(out) + ";")
     return segments
+
+
+def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None) -> str:
+    """The origin's position and commit time for the target transaction applying `txn`."""
+    when = pg_us_to_datetime(txn.commit_time).isoformat()
+    lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
+    return f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')"
 
 
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
