@@ -20,6 +20,7 @@ import collections
 import contextlib
 import enum
 import io
+import itertools
 import json
 import logging
 import random
@@ -41,6 +42,7 @@ from router.ddl import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl
 from router.errors import Action, PgmeshError, decide, describe
 from router.parallel import plan_lanes
 from router.progress import LinkProgress
+from router.spool import iter_chunks, materialize, release
 from router.statements import (
     KEY_LOCKS_MAX,
     ApplyError,
@@ -169,6 +171,8 @@ class LinkQueue:
         return len(self._items) >= self.maxlen
 
     def clear(self) -> None:
+        for txn in self._items:
+            release(txn)  # a transaction spilled to disk: this link no longer needs its file
         self._items.clear()
         self._room.set()
 
@@ -191,7 +195,7 @@ class _Lane:
 
 def _large(txn: Transaction) -> bool:
     """Applied alone, in parts, with COPY for runs of inserts (Applier._apply_large)."""
-    return txn.row_count > KEY_LOCKS_MAX or bool(getattr(txn, "spilled", 0))
+    return txn.row_count > KEY_LOCKS_MAX or txn.spilled > 0
 
 
 LARGE_PART_CHANGES = 50_000  # changes of a large transaction turned into SQL / COPY at once
@@ -200,14 +204,7 @@ LARGE_PART_CHANGES = 50_000  # changes of a large transaction turned into SQL / 
 def _parts(txn: Transaction) -> Iterator[list[Change]]:
     """The transaction's changes in parts of at most LARGE_PART_CHANGES (read back from the spool
     when it spilled to disk)."""
-    if getattr(txn, "spilled", 0):
-        from router.spool import iter_chunks  # only transactions that spilled need it
-
-        yield from iter_chunks(txn, max_changes=LARGE_PART_CHANGES)
-        return
-    changes = txn.changes
-    for i in range(0, max(len(changes), 1), LARGE_PART_CHANGES):
-        yield changes[i : i + LARGE_PART_CHANGES]
+    yield from iter_chunks(txn, max_changes=LARGE_PART_CHANGES)
 
 
 def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
@@ -390,6 +387,8 @@ class Applier:
             logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
                            self.name, format_lsn(self.progress.applied))
             self.queue.clear()
+            for txn in self._held:
+                release(txn)
             self._held = []
         await self._load_tables()
         await self._load_origins()
@@ -463,6 +462,9 @@ class Applier:
             await self._resumed.wait()  # paused while it waited for the queue
             self._take_more()
             fresh = [t for t in self._held if t.end_lsn > self.progress.applied]
+            for txn in self._held:
+                if txn.end_lsn <= self.progress.applied:
+                    release(txn)
             self.skipped += len(self._held) - len(fresh)
             self._held = fresh
             if fresh:
@@ -708,7 +710,8 @@ class Applier:
         locks without committing: its successors must not commit either). Every lane takes the origin
         just to commit and gives it back at once (PostgreSQL 15: one session per origin at a time).
         """
-        lanes_of = plan_lanes(batch, self._tables, self.lanes)
+        small = list(itertools.takewhile(lambda t: not _large(t), batch))
+        lanes_of = plan_lanes(small, self._tables, self.lanes)
         if len(set(lanes_of)) < 2:
             return 0
         lanes = await self._lanes()
@@ -805,12 +808,13 @@ class Applier:
         the whole transaction is read and decided again, now seeing that row.
         """
         assert self._conn is not None
-        ddl = has_ddl(txn)
+        whole = materialize(txn)  # a transaction spilled to disk is read back whole, for this path only
+        ddl = has_ddl(whole)
         reloaded = False
         for attempt in range(1, 6):
             try:
                 records = await self._careful.apply(
-                    self._conn, self._fit(txn), self._tables, self._run_ddl if ddl else None
+                    self._conn, self._fit(whole), self._tables, self._run_ddl if ddl else None
                 )
                 break
             except asyncpg.UniqueViolationError:
@@ -880,6 +884,7 @@ class Applier:
             self._held = [t for t in self._held if t.end_lsn > done]
 
     def _applied(self, txn: Transaction) -> None:
+        release(txn)
         self._schema_wait_since = None
         self.progress.on_applied(txn.end_lsn)
         self.last_commit_time = txn.commit_time

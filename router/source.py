@@ -530,17 +530,24 @@ class ReplicationSource:
                 conn.pgconn.finish()
 
     def _read_available(self, pgconn: pq.abc.PGconn) -> list[memoryview] | None:
-        """Everything already received; [] when none; None when the COPY stream ended."""
+        """Up to _BATCH messages already received; [] when none; None when the COPY stream ended.
+
+        The socket is read only once libpq's buffer holds no whole message (libpq grows that buffer to
+        hold whatever was read and never shrinks it).
+        """
         out: list[memoryview] = []
-        pgconn.consume_input()
         get_copy_data = pgconn.get_copy_data
         append = out.append
+        consumed = False
         for _ in range(_BATCH):
             n, data = get_copy_data(1)
             if n > 0:
                 append(data)
             elif n == 0:
-                break
+                if consumed or out:
+                    break
+                pgconn.consume_input()
+                consumed = True
             elif n == -1:
                 return out or None
             else:
