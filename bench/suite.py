@@ -12,14 +12,16 @@ Workloads, in this order, sizes at --scale S:
   visibility  replication running and idle; one transaction on a inserts 1,000,000*S rows and, last, a
               marker row; seconds from its commit being acknowledged until every target shows the
               marker (lower is better).
-  lag         pgbench TPC-B at 300 tx/s for 20*S s (at least 3 s) with a probe row every 50 ms;
+  lag         pgbench TPC-B at 300 tx/s for 15*S s (at least 3 s) with a probe row every 50 ms;
               lag = probe visible on the target - probe committed on a. p50 / p99 ms, and the series.
-  multimaster pgbench on every node at once (a and b; pgmesh3 also c), 10000*S transactions per node,
+  multimaster pgbench on every node at once (a and b; pgmesh3 also c), 5000*S transactions per node,
               each an UPDATE of one key plus an INSERT into a log table; 10% of them update one of 100
               keys shared by all nodes, the rest a key of the node's own. Timed from the start until
               every node holds the same rows (count + md5 of the sorted rows). tx/s over all nodes, and
               the conflicts the system reports. Only pgmesh2, pgmesh3 and bucardo (the others are
               one-way: n/a); the ratio column compares to pgmesh2.
+
+Bucardo skips bulk and visibility unless --include-slow (a 1M-row transaction takes it minutes).
 
 Targets are polled by the watcher process (bench/systems.py). A failure in one (system, workload, run)
 is recorded in the report and the suite goes on. Output: --out (default bench/RESULTS.md) and, beside
@@ -37,10 +39,8 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +63,16 @@ from bench.apply import (
     run_async,
     server_cpu_seconds,
 )
-from bench.systems import SETTINGS, SYSTEMS, SuiteSystem, Watcher, origin_positions
+from bench.systems import (
+    SETTINGS,
+    SYSTEMS,
+    SuiteSystem,
+    Watcher,
+    describe_failure,
+    machine_facts,
+    origin_positions,
+    plan_workloads,
+)
 from router.localnodes import DEFAULT_SETTINGS, create_nodes, find_pg_bindir
 from tests.integration.mesh import execute
 
@@ -76,10 +85,10 @@ INSERT_CLIENTS = 4
 VISIBILITY_ROWS_PER_SCALE = 1_000_000
 LAG_RATE = 300
 LAG_CLIENTS = 2
-LAG_SECONDS_PER_SCALE = 20.0
+LAG_SECONDS_PER_SCALE = 15.0
 LAG_MIN_SECONDS = 3
 PROBE_START_DELAY_S = 0.5
-MM_TXNS_PER_SCALE = 10_000  # per node
+MM_TXNS_PER_SCALE = 5_000  # per node
 MM_CLIENTS = 2  # per node
 MM_SHARED_KEYS = 100
 MM_PRIVATE_KEYS = 10_000
@@ -90,6 +99,8 @@ CONVERGE_POLL_S = 0.1
 WORKLOAD_TIMEOUT_S = 900.0
 LOWER_IS_BETTER = ("p50 ms", "p99 ms", "visible s")
 INFO_ONLY = ("conflicts",)
+PRIMARY = {"tpcb": "tx/s", "bulk": "rows/s", "inserts": "tx/s", "visibility": "visible s", "lag": "p50 ms",
+           "multimaster": "tx/s"}
 
 SUITE_SCHEMA = """
 CREATE TABLE bench_ins (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now());
@@ -172,10 +183,6 @@ class Context:
     run: int
     scripts: Path
     timeout: float
-
-
-class NotApplicable(Exception):
-    """The system cannot run this workload (reported as n/a, not as an error)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,8 +329,6 @@ async def run_lag(ctx: Context) -> Measurement:
 
 async def run_multimaster(ctx: Context) -> Measurement:
     s = ctx.system
-    if not s.multimaster:
-        raise NotApplicable(f"{s.name} replicates one way only")
     await start_caught_up(ctx, marker=8)
     conflicts_before = s.conflicts() or 0
     script = ctx.scripts / "multimaster.sql"
@@ -364,18 +369,6 @@ RUNNERS: dict[str, Callable[[Context], Coroutine[Any, Any, Measurement]]] = {
 # Running
 
 
-def _describe_error(exc: BaseException, system: SuiteSystem | None) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    if isinstance(exc, TimeoutError) and not str(exc):
-        text = "TimeoutError: the workload did not finish within its time limit"
-    if system is not None:
-        for node in system.nodes:
-            errors = [ln for ln in node.log_tail(300).splitlines() if " ERROR: " in ln or " FATAL: " in ln]
-            if errors:
-                text += f" | last error in {node.name}'s log: {errors[-1][:300]}"
-    return text[:1500]
-
-
 def _show(m: Measurement) -> str:
     shown = ", ".join(f"{k} {v:,.2f}" for k, v in m.values.items())
     return f"run {m.run}: {m.system:<9} {m.workload:<11} {shown}"
@@ -407,7 +400,7 @@ async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, w
     try:
         await _prepare(system)
     except Exception as exc:
-        error = f"setup: {_describe_error(exc, system)}"
+        error = f"setup: {describe_failure(exc, system)}"
         print(f"run {run}: {name}: {error}", file=sys.stderr)
         with contextlib.suppress(Exception):
             await system.close()
@@ -421,10 +414,8 @@ async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, w
             try:
                 ctx = Context(system, watcher, sizes, run, scripts, limit)
                 measurement = await asyncio.wait_for(RUNNERS[workload](ctx), limit + 60)
-            except NotApplicable:
-                continue
             except Exception as exc:
-                failures.append(Failure(name, workload, run, _describe_error(exc, system)))
+                failures.append(Failure(name, workload, run, describe_failure(exc, system)))
                 print(f"run {run}: {name} {workload} FAILED: {failures[-1].error}", file=sys.stderr)
                 watcher, stuck = await _recover(system, watcher)
                 if stuck:
@@ -518,37 +509,11 @@ def link_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # Report: suite.json, RESULTS.md, plots
 
 
-def _command_output(*argv: str) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def machine_facts() -> dict[str, Any]:
-    model = memory = "unknown"
-    with contextlib.suppress(OSError, IndexError):
-        model = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":", 1)[1].splitlines()[0]
-        model = model.strip()
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        memory = f"{kb / 1024 / 1024:.1f} GiB"
-    dpkg = ("dpkg-query", "-W", "-f", "${Version}")
-    return {
-        "cpus": os.cpu_count(), "cpu_model": model, "memory": memory, "platform": platform.platform(),
-        "python": platform.python_version(),
-        "postgres": _command_output(str(find_pg_bindir() / "postgres"), "--version"),
-        "pglogical": _command_output(*dpkg, "postgresql-15-pglogical"),
-        "bucardo": _command_output(*dpkg, "bucardo"),
-        "loop": "uvloop (pgmesh's router runs in the bench process)",
-    }
-
-
 def build_doc(args: argparse.Namespace, command: str, sizes: SuiteSizes, systems: Sequence[str],
               workloads: Sequence[str], results: Sequence[Measurement], failures: Sequence[Failure],
-              wall_s: float) -> dict[str, Any]:
+              wall_s: float, **extra: Any) -> dict[str, Any]:
     rows = summary(results, systems)
-    return {
+    return {**extra,
         "bench": "suite", "command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "wall_s": wall_s, "runs": args.runs, "sizes": asdict(sizes), "workload_sizes": sizes.describe(),
         "systems": list(systems), "workloads": list(workloads), "machine": machine_facts(),
@@ -593,9 +558,8 @@ def results_table(doc: dict[str, Any]) -> list[str]:
             ratio += " (of pgmesh2)"
         low, mid = _fmt(row["min"], row["metric"]), _fmt(row["median"], row["metric"])
         lines.append(f"| {row['system']} | {row['workload']} | {row['metric']} | {low} | {mid} | {ratio} |")
-    if "multimaster" in doc["workloads"]:
-        lines += [f"| {system} | multimaster | tx/s | n/a | n/a | one-way only |"
-                  for system in doc["systems"] if not SYSTEMS[system].multimaster]
+    lines += [f"| {n['system']} | {n['workload']} | {PRIMARY[n['workload']]} | n/a | n/a | {n['reason']} |"
+              for n in doc["not_run"]]
     return lines
 
 
@@ -672,7 +636,7 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         "",
         "## Notes",
         "",
-        *[f"- {system}: {(SYSTEMS[system].__doc__ or '').split(chr(10) * 2)[0]}".replace("\n", " ")
+        *[f"- {system}: " + " ".join((SYSTEMS[system].__doc__ or "").split("\n\n")[0].split())
           for system in doc["systems"]],
         "",
     ]
@@ -763,6 +727,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"run only this workload ({', '.join(WORKLOADS)}); repeatable")
     parser.add_argument("--out", type=Path, default=Path("bench/RESULTS.md"),
                         help="the report; suite.json and the plots go to results/ beside it")
+    parser.add_argument("--include-slow", action="store_true",
+                        help="also run what a system skips by default for cost (bucardo: bulk, visibility)")
     parser.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # from `python -m bench --all`
     args = parser.parse_args(argv)
     if args.scale <= 0 or args.runs < 1:
@@ -780,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.access(find_pg_bindir() / "pgbench", os.X_OK):
         print(f"pgbench not found in {find_pg_bindir()}", file=sys.stderr)
         return 2
+    planned, not_run = plan_workloads(systems, workloads, args.include_slow)
     timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
     began = time.perf_counter()
     results: list[Measurement] = []
@@ -793,13 +760,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in systems if run % 2 == 0 else systems[::-1]:
                 print(f"run {run}: {name} ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr)
                 took = time.perf_counter()
-                done, failed = run_once(name, sizes, run, workloads, scripts, timeout)
+                done, failed = run_once(name, sizes, run, planned[name], scripts, timeout)
                 spent.append({"system": name, "run": run, "seconds": round(time.perf_counter() - took, 1)})
                 results.extend(done)
                 failures.extend(failed)
     wall = time.perf_counter() - began
-    doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall)
-    doc["system_seconds"] = spent
+    doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall, not_run=not_run,
+                    system_seconds=spent)
     out: Path = args.out
     outdir = out.parent / "results"
     outdir.mkdir(parents=True, exist_ok=True)

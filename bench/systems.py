@@ -4,9 +4,11 @@ Owns: one class per system (native, pgmesh2, pgmesh3, pglogical, bucardo), each 
 nodes and exposing what the suite needs beyond `bench.apply.System`: the nodes to create (`node_names`),
 the replicated nodes (`data_nodes`, source `a` first), the targets of a's changes (`targets`), the
 replication origin that tracks a on each target (`origins`, '' when the system has none), whether it can
-take writes on every node at once (`multimaster`), its conflict count, and `close()`. Also the watcher: a
-helper process that polls every target (markers, lag probes, a big commit's visibility, convergence) so
-the polling never takes turns on pgmesh's event loop or GIL.
+take writes on every node at once (`multimaster`), the workloads it skips (`unsupported`, `slow`), its
+conflict count, and `close()`; which workloads each system runs, how a failure is described (with the
+nodes' last logged error) and the machine and versions under test. Also the watcher: a helper process
+that polls every target (markers, lag probes, a big commit's visibility, convergence) so the polling
+never takes turns on pgmesh's event loop or GIL.
 
 Must not: time or report anything (that is `bench.suite`), touch nodes it did not create, or change
 `bench.apply`'s behaviour. Every system starts stopped after `setup()`; `start()`/`stop()` switch
@@ -20,21 +22,23 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import platform
 import re
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 
 from bench import apply
 from bench.apply import EXTRA_SCHEMA, _client_env, execute, fetch
 from protocol.lsn import parse_lsn
-from router.localnodes import LocalNode
+from router.localnodes import LocalNode, find_pg_bindir
 from tests.integration.mesh import setup_mesh
 
 # Identical server settings for every system's nodes (on top of router.localnodes.DEFAULT_SETTINGS).
@@ -49,6 +53,10 @@ class SuiteSystem(apply.System):
 
     node_names: tuple[str, ...] = ("a", "b")
     multimaster = False
+    # Workloads the suite does not run on this system, with the reason (shown as n/a in the report);
+    # `slow` ones run with --include-slow.
+    unsupported: ClassVar[dict[str, str]] = {"multimaster": "one-way replication only"}
+    slow: ClassVar[dict[str, str]] = {}
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
         super().__init__(nodes[0], nodes[1])
@@ -75,16 +83,21 @@ class SuiteSystem(apply.System):
 
 
 class Native(SuiteSystem, apply.Native):
-    """CREATE SUBSCRIPTION (bench.apply.Native)."""
+    """CREATE PUBLICATION FOR ALL TABLES on a, CREATE SUBSCRIPTION on b (bench.apply.Native); started and
+    stopped with ALTER SUBSCRIPTION ENABLE / DISABLE."""
 
     name = "native"
 
 
 class Pgmesh2(SuiteSystem, apply.Pgmesh):
-    """A two-node pgmesh mesh a <-> b, the router run in this process (bench.apply.Pgmesh)."""
+    """A two-node pgmesh mesh a <-> b (bench.apply.Pgmesh): the router runs inside the bench process on
+    uvloop (its CPU is `bench_cpu_s` in suite.json); every node's walsender also decodes what pgmesh
+    applies there (to filter echoes), on the same cores. Started and stopped by starting and stopping the
+    router. Conflicts: those decided on every link."""
 
     name = "pgmesh2"
     multimaster = True
+    unsupported: ClassVar[dict[str, str]] = {}
 
     def applied(self) -> dict[str, int]:
         counts = super().applied()
@@ -100,7 +113,8 @@ class Pgmesh2(SuiteSystem, apply.Pgmesh):
 
 
 class Pgmesh3(Pgmesh2):
-    """A three-node pgmesh mesh a, b, c (six links); a's changes go to b and to c."""
+    """A three-node pgmesh mesh a, b, c (six links, one router in the bench process); a's changes go to b
+    and to c, each link reported on its own."""
 
     name = "pgmesh3"
     node_names = ("a", "b", "c")
@@ -122,7 +136,8 @@ class Pgmesh3(Pgmesh2):
 
 
 class Pglogical(SuiteSystem):
-    """pglogical 2: provider node a, subscriber node b, the default replication set (all public tables)."""
+    """pglogical 2: provider a, subscriber b, replication set `default` (all public tables), no initial
+    copy; started and stopped with pglogical.alter_subscription_enable / disable."""
 
     name = "pglogical"
 
@@ -184,17 +199,23 @@ class Pglogical(SuiteSystem):
 
 
 class Bucardo(SuiteSystem):
-    """Bucardo 5: one sync over every table of a and b, both sources (multi-master), bucardo_latest.
-
-    Its own database lives on a third cluster `ctl` (same settings). The daemon runs for the whole
-    system's life; `stop()`/`start()` pause and resume the sync (its triggers keep recording changes in
-    the delta tables meanwhile, so a backlog is the same as for the others). Conflicts: the sum of the
-    daemon's "Conflicts for <table>: N" log lines.
+    """Bucardo 5 with default settings: one sync over every table, a and b both sources, conflict_strategy
+    bucardo_latest; its database on a third cluster `ctl` (same settings). Trigger-based: each sync run
+    copies the rows' final state (not transaction by transaction), so its tx/s means "transactions made
+    on a, replicated per second". Started and stopped by `bucardo resume` / `pause` (the triggers keep
+    recording meanwhile); a resume restarts the sync's controller (1-2 s, inside the backlog's time, as
+    native's includes starting its apply worker). Conflicts: its "Conflicts for <table>: N" log lines.
     """
 
     name = "bucardo"
     node_names = ("a", "b", "ctl")
     multimaster = True
+    unsupported: ClassVar[dict[str, str]] = {}
+    slow: ClassVar[dict[str, str]] = {
+        w: "skipped by default for cost: Bucardo moves a 1M-row transaction at ~9k rows/s (2-3 min per"
+           " run at scale 1); run with --include-slow"
+        for w in ("bulk", "visibility")
+    }
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
         super().__init__(nodes)
@@ -344,6 +365,59 @@ SYSTEMS: dict[str, type[SuiteSystem]] = {
     "pgmesh2": Pgmesh2,
     "pgmesh3": Pgmesh3,
 }
+
+
+def plan_workloads(systems: Sequence[str], workloads: Sequence[str], include_slow: bool
+                   ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
+    """The workloads each system runs, and the (system, workload, reason) it does not."""
+    planned: dict[str, list[str]] = {}
+    not_run: list[dict[str, str]] = []
+    for name in systems:
+        kind = SYSTEMS[name]
+        skip = {**kind.unsupported, **({} if include_slow else kind.slow)}
+        planned[name] = [w for w in workloads if w not in skip]
+        not_run += [{"system": name, "workload": w, "reason": skip[w]} for w in workloads if w in skip]
+    return planned, not_run
+
+
+def describe_failure(exc: BaseException, system: SuiteSystem | None) -> str:
+    """What went wrong, for the report: the exception and the last error in each node's server log."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, TimeoutError) and not str(exc):
+        text = "TimeoutError: the workload did not finish within its time limit"
+    if system is not None:
+        for node in system.nodes:
+            errors = [ln for ln in node.log_tail(300).splitlines() if " ERROR: " in ln or " FATAL: " in ln]
+            if errors:
+                text += f" | last error in {node.name}'s log: {errors[-1][:300]}"
+    return text[:1500]
+
+
+def _command_output(*argv: str) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine and the versions of the systems under test, for the report."""
+    model = memory = "unknown"
+    with contextlib.suppress(OSError, IndexError):
+        model = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":", 1)[1].splitlines()[0]
+        model = model.strip()
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        memory = f"{kb / 1024 / 1024:.1f} GiB"
+    dpkg = ("dpkg-query", "-W", "-f", "${Version}")
+    return {
+        "cpus": os.cpu_count(), "cpu_model": model, "memory": memory, "platform": platform.platform(),
+        "python": platform.python_version(),
+        "postgres": _command_output(str(find_pg_bindir() / "postgres"), "--version"),
+        "pglogical": _command_output(*dpkg, "postgresql-15-pglogical"),
+        "bucardo": _command_output(*dpkg, "bucardo"),
+        "loop": "uvloop (pgmesh's router runs in the bench process)",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
