@@ -69,7 +69,10 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     status_interval_ms: int = 1_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
-    spill_mb: int = 64  # per open transaction: MB kept in memory before the rest spills to disk (0: never)
+    # Per open transaction: MB of change payload (as received) kept in memory before the rest spills to
+    # disk; 0: never. The decoded changes take several times that in the router (about 9x for rows of
+    # a few narrow columns).
+    spill_mb: int = 64
     spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
 
 
