@@ -44,6 +44,7 @@ from protocol.messages import Delete, Insert, Message, Relation, TupleData, Upda
 from protocol.transactions import Transaction
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.spool import SpillFile
 
 __all__ = [
     "DDL_PREFIX",
@@ -77,6 +78,9 @@ class DdlCommand(msgspec.Struct, frozen=True):
 
 
 def has_ddl(txn: Transaction) -> bool:
+    spill = txn.spill
+    if isinstance(spill, SpillFile) and DDL_PREFIX in spill.message_prefixes:
+        return True  # in the part of the transaction spilled to disk
     if len(txn.changes) == txn.row_count:
         return False  # rows only (the common case, checked once per transaction on the apply path)
     return any(isinstance(c, Message) and c.prefix == DDL_PREFIX for c in txn.changes)

@@ -24,7 +24,7 @@ from router.applier import LinkQueue
 from router.ddl import has_ddl
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
-from router.spool import materialize, release
+from router.spool import release
 
 __all__ = ["SourcePump"]
 
@@ -43,15 +43,11 @@ class SourcePump:
         queues: dict[str, LinkQueue],
         *,
         on_echo: Callable[[Transaction], None] | None = None,
-        materialize_spilled: bool = True,
     ) -> None:
-        """`materialize_spilled`: load a spilled transaction back whole before any link sees it, for an
-        applier that reads only `txn.changes` (pass False once it reads `router.spool.iter_chunks`)."""
         self.source = source
         self.progress = progress
         self.queues = queues  # target node -> queue
         self._on_echo = on_echo
-        self.materialize_spilled = materialize_spilled
         self._reattach: list[LinkProgress] = []
         self.echoes = 0
         self.transactions = 0
@@ -76,10 +72,6 @@ class SourcePump:
             await items.aclose()
 
     async def _dispatch(self, txn: Transaction) -> None:
-        if txn.spill is not None and self.materialize_spilled:
-            whole = materialize(txn)
-            txn.spill.discard()
-            txn = whole
         spill = txn.spill
         if spill is not None:
             spill.acquire()  # the pump's own reference while it hands the transaction out
@@ -112,9 +104,7 @@ class SourcePump:
         while not queue.offer(txn):
             if self._others_want_and_can_take(link, txn):
                 link.detach(self.progress.seen)
-                for dropped in queue.take(len(queue)):
-                    release(dropped)
-                queue.clear()
+                queue.clear()  # releases the spill files of what it held
                 logger.warning(
                     "link %s -> %s: queue full at %s; detached, it will re-read from %s",
                     link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),

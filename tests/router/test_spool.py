@@ -31,6 +31,7 @@ from protocol.messages import (
 )
 from protocol.transactions import Change, Spill, Transaction, TransactionAssembler
 from router.applier import LinkQueue
+from router.ddl import DDL_PREFIX, has_ddl
 from router.errors import PgmeshError
 from router.fanout import SourcePump
 from router.progress import LinkProgress, SourceProgress
@@ -239,16 +240,16 @@ def test_damaged_files_are_reported(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ fan-out
 
 
-def pump_with(spool: Spool, *, materialize_spilled: bool, queue_max: int = 10) -> SourcePump:
+def pump_with(spool: Spool, *, queue_max: int = 10) -> SourcePump:
     links = [LinkProgress("n1", "n2"), LinkProgress("n1", "n3")]
     source = ReplicationSource("n1", "dbname=unused", "slot", ["pub"], spool=spool)
     queues = {"n2": LinkQueue(queue_max), "n3": LinkQueue(queue_max)}
-    return SourcePump(source, SourceProgress("n1", links), queues, materialize_spilled=materialize_spilled)
+    return SourcePump(source, SourceProgress("n1", links), queues)
 
 
 async def test_fanout_holds_one_reference_per_link(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    pump = pump_with(spool, materialize_spilled=False)
+    pump = pump_with(spool)
     txn, _ = spilled_transaction(spool, "n1", 1000)
     handle = txn.spill
     assert isinstance(handle, SpillFile)
@@ -263,7 +264,7 @@ async def test_fanout_holds_one_reference_per_link(tmp_path: Path) -> None:
 
 async def test_fanout_deletes_what_nobody_takes(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    pump = pump_with(spool, materialize_spilled=False)
+    pump = pump_with(spool)
     txn, _ = spilled_transaction(spool, "n1", 1000)
     echo = msgspec.structs.replace(txn, origin="pgmesh_n2")
     await pump._dispatch(echo)
@@ -273,7 +274,7 @@ async def test_fanout_deletes_what_nobody_takes(tmp_path: Path) -> None:
 
 async def test_fanout_releases_what_a_detached_link_loses(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    pump = pump_with(spool, materialize_spilled=False, queue_max=1)
+    pump = pump_with(spool, queue_max=1)
     first, _ = spilled_transaction(spool, "n1", 1000)
     await pump._dispatch(first)
     assert isinstance(first.spill, SpillFile) and first.spill.refs == 2
@@ -287,12 +288,14 @@ async def test_fanout_releases_what_a_detached_link_loses(tmp_path: Path) -> Non
     assert isinstance(second.spill, SpillFile) and second.spill.refs == 1  # only n3 holds it
 
 
-async def test_fanout_materializes_for_an_applier_that_reads_only_changes(tmp_path: Path) -> None:
+def test_ddl_in_the_spilled_part_is_seen(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    pump = pump_with(spool, materialize_spilled=True)
-    txn, want = spilled_transaction(spool, "n1", 1000)
-    await pump._dispatch(txn)
-    assert isinstance(txn.spill, SpillFile) and txn.spill.deleted and spool.files == 0
-    for queue in pump.queues.values():
-        queued = await queue.get()
-        assert queued.spilled == 0 and queued.spill is None and queued.changes == want
+    ddl = Message(True, 0x10, DDL_PREFIX, b'{"sql": "ALTER TABLE t ADD c int"}', None)
+    spool.write("n1", Spill(5, [REL, ddl, insert(1)], 30))
+    txn = Transaction(5, 1, 2, 3, [insert(2)], {REL.relid: REL}, row_count=2, spilled=3,
+                      spill=spool.finish("n1", 5))
+    assert has_ddl(txn) and has_ddl(materialize(txn))
+    spool.write("n1", Spill(6, [REL, insert(1)], 20))
+    rows = Transaction(6, 1, 2, 3, [insert(2)], {REL.relid: REL}, row_count=2, spilled=2,
+                       spill=spool.finish("n1", 6))
+    assert not has_ddl(rows)
