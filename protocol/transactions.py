@@ -133,13 +133,15 @@ class _Builder:
         # for aborts of subtransactions) the rows per xid; the subxids aborted after a spill.
         self.spilled = 0
         self.rows_spilled = 0
-        self.rows_by_xid: Counter[int | None] = Counter()
-        self.aborted: list[int] = []
+        self.rows_by_xid: Counter[int | None] | None = None
+        self.aborted: list[int] | None = None
 
     def spill(self) -> Spill:
         changes = self.changes
         rows = len(changes) - self.others
         if self.final_lsn is None:  # streamed: a subtransaction may still be aborted
+            if self.rows_by_xid is None:
+                self.rows_by_xid = Counter()
             self.rows_by_xid.update(c.xid for c in changes if type(c) in _ROW_TYPES)
         out = Spill(self.xid, changes, self.nbytes)
         self.changes = []
@@ -158,7 +160,8 @@ class _Builder:
             )
         return Transaction(
             self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
-            self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled, tuple(self.aborted),
+            self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled,
+            tuple(self.aborted or ()),
         )
 
 
@@ -348,8 +351,9 @@ class TransactionAssembler:
         if message.subxid == 0:
             raise MalformedMessage("stream abort of subtransaction 0", lsn=lsn, tag="A")
         if builder.spilled:
-            builder.aborted.append(message.subxid)
-            builder.rows_spilled -= builder.rows_by_xid.pop(message.subxid, 0)
+            builder.aborted = [*(builder.aborted or ()), message.subxid]
+            if builder.rows_by_xid is not None:
+                builder.rows_spilled -= builder.rows_by_xid.pop(message.subxid, 0)
         kept: list[Change] = []
         for change in builder.changes:
             if isinstance(change, _ROW_CHANGES) and change.xid == message.subxid:
