@@ -413,7 +413,10 @@ async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, w
         for i, workload in enumerate(workloads):
             try:
                 ctx = Context(system, watcher, sizes, run, scripts, limit)
+                began = time.perf_counter()
+                await system.settle()
                 measurement = await asyncio.wait_for(RUNNERS[workload](ctx), limit + 60)
+                measurement.details["wall_s"] = time.perf_counter() - began  # generating included
             except Exception as exc:
                 failures.append(Failure(name, workload, run, describe_failure(exc, system)))
                 print(f"run {run}: {name} {workload} FAILED: {failures[-1].error}", file=sys.stderr)
@@ -532,6 +535,12 @@ def _fmt(value: float, metric: str) -> str:
     return f"{value:,.0f}"
 
 
+def _ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.3f}x"
+
+
 def system_status(doc: dict[str, Any]) -> dict[str, str]:
     """One line per system: ok, not run (with the reason) or partly failed."""
     out = {}
@@ -553,7 +562,7 @@ def system_status(doc: dict[str, Any]) -> dict[str, str]:
 def results_table(doc: dict[str, Any]) -> list[str]:
     lines = ["| system | workload | metric | min | median | ratio to native |", "|---|---|---|--:|--:|--:|"]
     for row in doc["summary"]:
-        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
+        ratio = _ratio(row["ratio"])
         if ratio and row["workload"] == "multimaster":
             ratio += " (of pgmesh2)"
         low, mid = _fmt(row["min"], row["metric"]), _fmt(row["median"], row["metric"])
@@ -611,7 +620,7 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
                   "|---|---|---:|---:|---:|---|"]
         for r in doc["links"]:
             lines.append(f"| {r['workload']} | {r['metric']} | {_fmt(r['pgmesh2'], r['metric'])}"
-                         f" | {_fmt(r['median'], r['metric'])} | {r['vs_pgmesh2']:.2f}x"
+                         f" | {_fmt(r['median'], r['metric'])} | {_ratio(r['vs_pgmesh2'])}"
                          f" | {'yes' if r['within_20pct'] else 'no'} |")
         lines.append("")
     lines += ["## Systems", ""]
