@@ -72,7 +72,7 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # Per open transaction: MB of change payload (as received) kept in memory before the rest spills to
     # disk; 0: never. The decoded changes take several times that in the router (about 9x for rows of
     # a few narrow columns).
-    spill_mb: int = 64
+    spill_mb: int = 8  # payload bytes; decoded rows take about 9x that in memory
     spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
 
 
