@@ -50,7 +50,7 @@ def test_minimal_file_decodes_with_defaults() -> None:
     assert config.replication.apply_delay_ms == 0
     assert config.replication.queue_max_transactions == 10_000
     assert config.replication.status_interval_ms == 1_000
-    assert config.replication.spill_mb == 64 and config.replication.spool_dir == ""
+    assert config.replication.spill_mb == 8 and config.replication.spool_dir == ""
     assert config.admin.listen == "127.0.0.1:8787"
     assert config.admin_host_port == ("127.0.0.1", 8787)
 
