@@ -279,8 +279,8 @@ class Bucardo(SuiteSystem):
         await self.bucardo("add", "all", "tables", f"db={self.a.name}", "relgroup=g")
         dbs = f"dbs={self.a.name}:source,{self.b.name}:source"
         await self.bucardo("add", "sync", BUCARDO_SYNC, "relgroup=g", dbs, "conflict_strategy=bucardo_latest")
+        self._daemon = True  # from here on close() stops it, even when `start` itself fails
         await self.bucardo("start", "--piddir", str(self.piddir), "--log-destination", str(self.logdir))
-        self._daemon = True
         await self._wait_for_file(self.piddir / f"bucardo.kid.sync.{BUCARDO_SYNC}.pid", present=True)
         self.running = True
         await self.stop()
