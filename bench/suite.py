@@ -734,7 +734,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"run only this system ({', '.join(SYSTEM_ORDER)}); repeatable")
     parser.add_argument("--only-workload", action="append", choices=WORKLOADS, metavar="WORKLOAD",
                         help=f"run only this workload ({', '.join(WORKLOADS)}); repeatable")
-    parser.add_argument("--out", type=Path, default=Path("bench/RESULTS.md"),
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "RESULTS.md",
                         help="the report; suite.json and the plots go to results/ beside it")
     parser.add_argument("--include-slow", action="store_true",
                         help="also run what a system skips by default for cost (bucardo: bulk, visibility)")
