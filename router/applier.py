@@ -154,6 +154,10 @@ class LinkQueue:
         self._items.appendleft(txn)
         self._nonempty.set()
 
+    def peek(self, limit: int) -> Iterator[Transaction]:
+        """The first `limit` queued transactions, left in the queue."""
+        return itertools.islice(self._items, limit)
+
     def take(self, limit: int) -> list[Transaction]:
         """Up to `limit` queued transactions, without waiting."""
         out: list[Transaction] = []
@@ -257,6 +261,9 @@ class Applier:
         self._drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
         self._prepared = Prepared()
+        # Scripts built while the previous batch ran on the target, by id(): see _build_ahead.
+        self._ahead: dict[int, tuple[Transaction, str]] = {}
+        self.scripts_ahead = 0  # scripts built ahead and then sent (for the bench)
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
         # doubled after a clean batch, up to BATCH_TRANSACTIONS.
         self._batch_limit = BATCH_TRANSACTIONS
@@ -377,6 +384,7 @@ class Applier:
     async def _connect(self) -> None:
         self._conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
         self._prepared = Prepared()  # a new session has no prepared statements
+        self._ahead = {}
         await self._conn.execute(_SESSION_SETUP)
         await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self._origin_held = True
@@ -411,6 +419,7 @@ class Applier:
             table.tombstone_key = pk or replident or tuple(types)
             tables[(schema, name)] = table
         self._tables = tables
+        self._ahead = {}  # built for the tables as they were
         drift: dict[str, dict[str, str | None]] = {}
         for table_name, old, new in await self._conn.fetch(_DRIFT_QUERY):
             drift.setdefault(table_name, {})[old] = new
@@ -492,6 +501,10 @@ class Applier:
             await asyncio.sleep(wait)
 
     def _script(self, txn: Transaction, prelude: list[str]) -> str:
+        ahead = self._ahead.pop(id(txn), None)
+        if ahead is not None and ahead[0] is txn:
+            self.scripts_ahead += 1
+            return ahead[1]
         mark = self._prepared.mark()
         size = len(prelude)
         try:
@@ -535,7 +548,54 @@ class Applier:
             size += len(script)
             if size >= BATCH_BYTES:
                 break
+        self._ahead = {}
         return prelude, scripts
+
+    def _build_ahead(self) -> None:
+        """While a batch runs on the target, build the scripts of the transactions queued behind it.
+
+        Building is the router's share of a small transaction's cost; done here, it overlaps the
+        target's work instead of following it (TPC-B: ~15% of the time was spent building while the
+        target waited). Only scripts that need no new prepared statement are kept, so throwing the
+        cache away (a reconnect, the tables read again, a conflict) never leaves a PREPARE unsent;
+        `_script` takes a cached script only for the very transaction object it was built from.
+        """
+        self._ahead = {}
+        if self.apply_delay > 0 or self.lanes > 1:
+            return
+        mark = self._prepared.mark()
+        size = 0
+        try:
+            for txn in self.queue.peek(self._batch_limit):
+                if has_ddl(txn) or _large(txn):
+                    break
+                prelude: list[str] = []
+                script = transaction_script(
+                    txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin,
+                    prelude=prelude,
+                )
+                if prelude:  # a new prepared statement: left to the batch that sends it
+                    self._prepared.forget_since(mark)
+                    break
+                self._ahead[id(txn)] = (txn, script)
+                size += len(script)
+                if size >= BATCH_BYTES:
+                    break
+        except ApplyError:
+            self._prepared.forget_since(mark)  # built the normal way, which handles it
+
+    async def _send(self, text: str) -> None:
+        """Run one batch's SQL on the target, building the next batch's scripts meanwhile."""
+        assert self._conn is not None
+        task = asyncio.ensure_future(self._conn.execute(text))
+        try:
+            await asyncio.sleep(0)  # the task sends the query
+            if not task.done():
+                self._build_ahead()
+            await task
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
@@ -569,7 +629,7 @@ class Applier:
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
-                await self._conn.execute("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
+                await self._send("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
                 done = len(scripts)
         except asyncpg.PostgresError as exc:
             await self._after_failure()
