@@ -1,0 +1,176 @@
+"""Target-side cost of one TPC-B transaction as pgmesh's applier sends it, by guard variant.
+
+Where the applier's time goes on the target: one node b after `pgmesh init` (pgbench tables at scale 1,
+`pgbench_history` with a key), one session set up as the applier's (`session_replication_role = replica`,
+the source's replication origin), and batches of 250 TPC-B transactions sent as one simple query each,
+as the applier batches them. Each variant gets the same number of batches, interleaved, with fresh random
+keys; the figure is target wall time per transaction (the query's round trip / 250), min and median.
+
+  pgmesh      what `router.statements` emits today (checked against a capture of a real run): per
+              transaction BEGIN, the origin's xact_setup, three guarded UPDATEs (a data-modifying CTE
+              calling `pgmesh.expect_origin` per row and `pgmesh.expect_rows` on the count), the
+              insert's lock statement and the guarded INSERT (tombstone probe), COMMIT: 8 statements.
+  fused       the same checks with the four changes in one prepared statement (one CTE per change, one
+              `expect_rows` on the sum): 5 statements. Valid only when no two changes touch the same key.
+  cte_only    the CTEs and `expect_rows`, no origin check, plain INSERT.
+  unguarded   plain prepared UPDATEs and INSERT, no conflict detection at all: the floor of this way of
+              applying (what the guards cost is pgmesh minus this).
+
+    .venv/bin/python -m bench.guards                 # 8 batches per variant
+    .venv/bin/python -m bench.guards --batches 4 --variant pgmesh --variant unguarded
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import asyncpg
+
+from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
+from router.applier import _SESSION_SETUP, asyncpg_connect_args
+from router.localnodes import LocalNode, create_nodes
+
+PER_BATCH = 250
+FILLER = " " * 84
+WHEN = "2026-01-01 00:00:00"
+
+_UPDATES = (
+    ("pgbench_accounts", "aid = $1, bid = $2, abalance = $3, filler = $4", "aid = $5", 6),
+    ("pgbench_tellers", "tid = $1, bid = $2, tbalance = $3, filler = $4", "tid = $5", 6),
+    ("pgbench_branches", "bid = $1, bbalance = $2, filler = $3", "bid = $4", 5),
+)
+_LOCK = ("SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('public.pgbench_history'), 0),"
+         " pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended('public.pgbench_history:' ||"
+         " pg_catalog.array_to_string(ARRAY[$1::bigint::text]::text[], ','), 0))")
+_HISTORY = "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime, filler, hid) OVERRIDING SYSTEM VALUE"
+_PICKS = ("$1::integer, $2::integer, $3::integer, $4::integer, $5::timestamp without time zone,"
+          " $6::character(22), $7::bigint")
+_NO_TOMBSTONE = ("NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name = 'public.pgbench_history'"
+                 " AND t.key = ARRAY[$7::bigint::text]::text[])")
+
+
+def _prepares(variant: str) -> list[str]:
+    out: list[str] = []
+    if variant == "fused":
+        out.append(f"PREPARE fused_lock AS {_LOCK}")
+        shifted = _PICKS
+        for n in range(7, 0, -1):
+            shifted = shifted.replace(f"${n}:", f"${n + 15}:")
+        ctes = [
+            "u1 AS (UPDATE pgbench_accounts SET aid = $1, bid = $2, abalance = $3, filler = $4"
+            " WHERE aid = $5 AND pgmesh.expect_origin(xmin, $6) RETURNING 1)",
+            "u2 AS (UPDATE pgbench_tellers SET tid = $7, bid = $8, tbalance = $9, filler = $10"
+            " WHERE tid = $11 AND pgmesh.expect_origin(xmin, $6) RETURNING 1)",
+            "u3 AS (UPDATE pgbench_branches SET bid = $12, bbalance = $13, filler = $14"
+            " WHERE bid = $15 AND pgmesh.expect_origin(xmin, $6) RETURNING 1)",
+            f"i1 AS ({_HISTORY} SELECT {shifted} WHERE {_NO_TOMBSTONE.replace('$7', '$22')} RETURNING 1)",
+        ]
+        total = " + ".join(f"(SELECT count(*) FROM {c})" for c in ("u1", "u2", "u3", "i1"))
+        out.append(f"PREPARE fused AS WITH {', '.join(ctes)} SELECT pgmesh.expect_rows({total}, 4)")
+        return out
+    for i, (table, sets, where, origin) in enumerate(_UPDATES, 1):
+        update = f"UPDATE {table} SET {sets} WHERE {where}"
+        if variant == "pgmesh":
+            body = (f"WITH w AS ({update} AND pgmesh.expect_origin(xmin, ${origin}) RETURNING 1)"
+                    " SELECT pgmesh.expect_rows(count(*), 1) FROM w")
+        elif variant == "cte_only":
+            body = (f"WITH w AS ({update} AND ${origin}::oid IS NOT NULL RETURNING 1)"
+                    " SELECT pgmesh.expect_rows(count(*), 1) FROM w")
+        else:
+            body = f"{update} AND ${origin}::oid IS NOT NULL"
+        out.append(f"PREPARE {variant}_{i} AS {body}")
+    if variant == "pgmesh":
+        out.append(f"PREPARE pgmesh_lock AS {_LOCK}")
+        out.append(f"PREPARE pgmesh_insert AS WITH w AS ({_HISTORY} SELECT {_PICKS} WHERE {_NO_TOMBSTONE}"
+                   " RETURNING 1) SELECT pgmesh.expect_rows(count(*), 1) FROM w")
+    else:
+        out.append(f"PREPARE {variant}_insert AS {_HISTORY} VALUES ($1, $2, $3, $4, $5, $6, $7)")
+    return out
+
+
+def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str:
+    out: list[str] = []
+    for hid in range(first_hid, first_hid + PER_BATCH):
+        aid, tid, delta = rng.randint(1, 100_000), rng.randint(1, 10), rng.randint(-5000, 5000)
+        out.append("BEGIN")
+        out.append(f"SELECT pg_catalog.pg_replication_origin_xact_setup('0/{hid:X}', '{WHEN}+00')")
+        history = f"'{tid}', '1', '{aid}', '{delta}', '{WHEN}', NULL, '{hid}'"
+        if variant == "fused":
+            out.append(f"EXECUTE fused_lock('{hid}')")
+            out.append(f"EXECUTE fused('{aid}', '1', '{delta}', '{FILLER}', '{aid}', '{origin}',"
+                       f" '{tid}', '1', '{delta}', NULL, '{tid}', '1', '{delta}', NULL, '1', {history})")
+        else:
+            out.append(f"EXECUTE {variant}_1('{aid}', '1', '{delta}', '{FILLER}', '{aid}', '{origin}')")
+            out.append(f"EXECUTE {variant}_2('{tid}', '1', '{delta}', NULL, '{tid}', '{origin}')")
+            out.append(f"EXECUTE {variant}_3('1', '{delta}', NULL, '1', '{origin}')")
+            if variant == "pgmesh":
+                out.append(f"EXECUTE pgmesh_lock('{hid}')")
+            out.append(f"EXECUTE {variant}_insert({history})")
+        out.append("COMMIT")
+    return ";\n".join(out) + ";"
+
+
+async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int) -> dict[str, list[float]]:
+    for node in nodes:
+        await prepare_node(node)
+    system = Pgmesh(nodes[0], nodes[1])
+    await system.setup()
+    conn = await asyncpg.connect(**asyncpg_connect_args(nodes[1].dsn()))
+    try:
+        await conn.execute(_SESSION_SETUP)
+        # rows from before this point are every node's common start (what the applier sets, too)
+        await conn.execute("SELECT set_config('pgmesh.installed_at', now()::text, false)")
+        origin = await conn.fetchval(
+            "SELECT roident FROM pg_catalog.pg_replication_origin WHERE roname = $1", system.origin)
+        await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", system.origin)
+        for variant in variants:
+            await conn.execute(";\n".join(_prepares(variant)))
+        rng = random.Random(7)
+        hid = 1
+        out: dict[str, list[float]] = {v: [] for v in variants}
+        await conn.execute(_batch(variants[0], hid, origin, rng))  # warm-up (generic plans)
+        hid += PER_BATCH
+        for _ in range(batches):
+            for variant in variants:
+                script = _batch(variant, hid, origin, rng)
+                hid += PER_BATCH
+                began = time.perf_counter()
+                await conn.execute(script)
+                out[variant].append((time.perf_counter() - began) / PER_BATCH * 1e6)
+        return out
+    finally:
+        await conn.close()
+
+
+VARIANTS = ("pgmesh", "fused", "cte_only", "unguarded")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.guards", description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=8, help="batches of 250 transactions per variant")
+    parser.add_argument("--variant", action="append", choices=VARIANTS, help="repeatable (default: all)")
+    args = parser.parse_args(argv)
+    variants = args.variant or list(VARIANTS)
+    nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
+    try:
+        results = run_async(lambda: measure(nodes, variants, args.batches))
+    finally:
+        for node in nodes:
+            node.destroy()
+    base = statistics.median(results[variants[0]])
+    print(f"target µs per TPC-B transaction ({args.batches} batches of {PER_BATCH} per variant)")
+    print("| variant | min | median | vs " + variants[0] + " |")
+    print("|---|--:|--:|--:|")
+    for variant, values in results.items():
+        median = statistics.median(values)
+        print(f"| {variant} | {min(values):.0f} | {median:.0f} | {median / base:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
