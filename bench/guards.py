@@ -12,6 +12,8 @@ keys; the figure is target wall time per transaction (the query's round trip / 2
               insert's lock statement and the guarded INSERT (tombstone probe), COMMIT: 8 statements.
   fused       the same checks with the four changes in one prepared statement (one CTE per change, one
               `expect_rows` on the sum): 5 statements. Valid only when no two changes touch the same key.
+  updates     the UPDATEs guarded as pgmesh does, the INSERT plain (no lock, no tombstone probe): what
+              the insert's guard costs is pgmesh minus this.
   cte_only    the CTEs and `expect_rows`, no origin check, plain INSERT.
   unguarded   plain prepared UPDATEs and INSERT, no conflict detection at all: the floor of this way of
               applying (what the guards cost is pgmesh minus this).
@@ -75,7 +77,7 @@ def _prepares(variant: str) -> list[str]:
         return out
     for i, (table, sets, where, origin) in enumerate(_UPDATES, 1):
         update = f"UPDATE {table} SET {sets} WHERE {where}"
-        if variant == "pgmesh":
+        if variant in ("pgmesh", "updates"):
             body = (f"WITH w AS ({update} AND pgmesh.expect_origin(xmin, ${origin}) RETURNING 1)"
                     " SELECT pgmesh.expect_rows(count(*), 1) FROM w")
         elif variant == "cte_only":
@@ -147,7 +149,7 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
         await conn.close()
 
 
-VARIANTS = ("pgmesh", "fused", "cte_only", "unguarded")
+VARIANTS = ("pgmesh", "fused", "updates", "cte_only", "unguarded")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

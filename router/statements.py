@@ -14,7 +14,7 @@ Must not: connect, retry, decide conflicts, or know which node it runs for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
@@ -82,7 +82,7 @@ def quote_literal(value: str) -> str:
 class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
-    __slots__ = ("columns", "name", "pk", "qualified", "tombstone_key", "types", "uniques")
+    __slots__ = ("_fits", "columns", "name", "pk", "qualified", "tombstone_key", "types", "uniques")
 
     def __init__(
         self,
@@ -99,6 +99,9 @@ class TargetTable:
         self.types = dict(types or {})
         self.pk = pk
         self.uniques = uniques
+        # Relation descriptions already checked against this table, by id() (each kept alive here so
+        # that its id stays its own): the check runs once per relation version, not once per row.
+        self._fits: dict[int, Relation] = {}
         # the columns the tombstone trigger keys deletions by: the primary key, else every column
         self.tombstone_key = pk or tuple(self.types) or tuple(sorted(columns))
 
@@ -114,6 +117,23 @@ def _literal(relation: Relation, row: TupleData, i: int) -> str:
             relation=f"{relation.schema}.{relation.name}",
         )
     return quote_literal(value.decode())
+
+
+def _literals(relation: Relation, row: TupleData, columns: Sequence[int]) -> list[str]:
+    """`_literal` of each of `columns`, the common kinds inline (the applier's hottest loop)."""
+    kinds = row.kinds
+    values = row.values
+    out: list[str] = []
+    for i in columns:
+        kind = kinds[i]
+        value = values[i]
+        if kind == KIND_TEXT and isinstance(value, bytes):
+            out.append("'" + value.decode().replace("'", "''") + "'")
+        elif kind == KIND_NULL:
+            out.append("NULL")
+        else:
+            out.append(_literal(relation, row, i))
+    return out
 
 
 def _check_columns(relation: Relation, table: TargetTable) -> None:
@@ -196,10 +216,14 @@ class Prepared:
     Names never repeat within a session; `forget_since(mark)` drops names whose PREPARE was never sent.
     """
 
-    __slots__ = ("_counter", "_names", "_order", "_relations")
+    __slots__ = ("_counter", "_names", "_order", "_relations", "insert_plans", "plans")
 
     def __init__(self) -> None:
         self._names: dict[tuple[int, str, bytes], str] = {}
+        # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
+        # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
+        self.plans: dict[tuple[int, str, bytes], tuple[str, list[int], list[int]]] = {}
+        self.insert_plans: dict[int, tuple[str, str, list[int]]] = {}  # id(relation) -> lock, insert, key
         self._order: list[tuple[int, str, bytes]] = []
         self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
         self._counter = 0
@@ -222,6 +246,9 @@ class Prepared:
         return len(self._order)
 
     def forget_since(self, mark: int) -> None:
+        if mark < len(self._order):
+            self.plans.clear()  # some may name a statement forgotten here
+            self.insert_plans.clear()
         for key in self._order[mark:]:
             del self._names[key]
         del self._order[mark:]
@@ -242,6 +269,14 @@ def _prepared_update(
     new = change.new
     row_key = change.old if change.old is not None else new
     cols = relation.columns
+    shape = "U" if origin is None else "UG"
+    plan = prepared.plans.get((id(relation), shape, new.kinds))
+    if plan is not None:
+        name, sets, keys = plan
+        literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
+        if origin is not None:
+            literals.append(f"'{origin}'")
+        return _execute(name, literals)
     sets = [i for i in range(len(cols)) if new.kinds[i] != KIND_UNCHANGED]
     keys = [i for i, c in enumerate(cols) if c.key]
 
@@ -252,8 +287,9 @@ def _prepared_update(
         return _guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
 
     mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
-    name = prepared.name(relation, "U" if origin is None else "UG", mask, build, out)
-    literals = [_literal(relation, new, i) for i in sets] + [_literal(relation, row_key, i) for i in keys]
+    name = prepared.name(relation, shape, mask, build, out)
+    prepared.plans[(id(relation), shape, new.kinds)] = (name, sets, keys)
+    literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
     if origin is not None:
         literals.append(f"'{origin}'")
     return _execute(name, literals)
@@ -276,7 +312,7 @@ def _prepared_delete(
         return _guard(statement, None if origin is None else f"${len(keys) + 1}")
 
     name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
-    literals = [_literal(relation, change.old, i) for i in keys]
+    literals = _literals(relation, change.old, keys)
     if origin is not None:
         literals.append(f"'{origin}'")
     return _execute(name, literals)
@@ -351,6 +387,11 @@ def _prepared_insert(
     exclusive), then the insert unless a tombstone holds the key. Planned once per relation: a
     text INSERT ... SELECT with the tombstone check costs the server far more to parse and plan."""
     cols = relation.columns
+    plan = prepared.insert_plans.get(id(relation))
+    if plan is not None:
+        lock, insert, key_columns = plan
+        values = _literals(relation, change.new, range(len(cols)))
+        return f"{_execute(lock, [values[i] for i in key_columns])};\n{_execute(insert, values)}"
     position = {c.name: i for i, c in enumerate(cols)}
     key = [k for k in table.tombstone_key if k in position]
 
@@ -378,7 +419,8 @@ def _prepared_insert(
 
     lock = prepared.name(relation, "IL", b"", build_lock, out)
     insert = prepared.name(relation, "IG", b"", build_insert, out)
-    values = [_literal(relation, change.new, i) for i in range(len(cols))]
+    prepared.insert_plans[id(relation)] = (lock, insert, [position[k] for k in key])
+    values = _literals(relation, change.new, range(len(cols)))
     return f"{_execute(lock, [values[position[k]] for k in key])};\n{_execute(insert, values)}"
 
 
@@ -646,7 +688,9 @@ def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTabl
             relation=f"{relation.schema}.{relation.name}",
             hint="create it on the target with the same columns, then `pgmesh resume`",
         )
-    _check_columns(relation, table)
+    if table._fits.get(id(relation)) is not relation:
+        _check_columns(relation, table)
+        table._fits[id(relation)] = relation
     return table
 
 
