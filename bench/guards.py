@@ -12,6 +12,9 @@ keys; the figure is target wall time per transaction (the query's round trip / 2
               insert's lock statement and the guarded INSERT (tombstone probe), COMMIT: 8 statements.
   fused       the same checks with the four changes in one prepared statement (one CTE per change, one
               `expect_rows` on the sum): 5 statements. Valid only when no two changes touch the same key.
+  setup       pgmesh, with the origin's xact_setup as a prepared statement (EXECUTE, not a SELECT with
+              literals parsed and planned each time).
+  setup_lock  setup, the insert's locks taken in that same statement: 7 statements.
   updates     the UPDATEs guarded as pgmesh does, the INSERT plain (no lock, no tombstone probe): what
               the insert's guard costs is pgmesh minus this.
   cte_only    the CTEs and `expect_rows`, no origin check, plain INSERT.
@@ -58,6 +61,13 @@ _NO_TOMBSTONE = ("NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_na
 
 def _prepares(variant: str) -> list[str]:
     out: list[str] = []
+    if variant in ("setup", "setup_lock"):
+        setup = "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+        if variant == "setup_lock":
+            setup += _LOCK.replace("$1", "$3").replace("SELECT ", ", ", 1)
+        out.append(f"PREPARE {variant}_setup AS {setup}")
+        out.extend(p.replace("PREPARE pgmesh_", f"PREPARE {variant}_") for p in _prepares("pgmesh"))
+        return out
     if variant == "fused":
         out.append(f"PREPARE fused_lock AS {_LOCK}")
         shifted = _PICKS
@@ -77,7 +87,7 @@ def _prepares(variant: str) -> list[str]:
         return out
     for i, (table, sets, where, origin) in enumerate(_UPDATES, 1):
         update = f"UPDATE {table} SET {sets} WHERE {where}"
-        if variant in ("pgmesh", "updates"):
+        if variant in ("pgmesh", "updates", "setup", "setup_lock"):
             body = (f"WITH w AS ({update} AND pgmesh.expect_origin(xmin, ${origin}) RETURNING 1)"
                     " SELECT pgmesh.expect_rows(count(*), 1) FROM w")
         elif variant == "cte_only":
@@ -100,7 +110,12 @@ def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str
     for hid in range(first_hid, first_hid + PER_BATCH):
         aid, tid, delta = rng.randint(1, 100_000), rng.randint(1, 10), rng.randint(-5000, 5000)
         out.append("BEGIN")
-        out.append(f"SELECT pg_catalog.pg_replication_origin_xact_setup('0/{hid:X}', '{WHEN}+00')")
+        if variant == "setup":
+            out.append(f"EXECUTE setup_setup('0/{hid:X}', '{WHEN}+00')")
+        elif variant == "setup_lock":
+            out.append(f"EXECUTE setup_lock_setup('0/{hid:X}', '{WHEN}+00', '{hid}')")
+        else:
+            out.append(f"SELECT pg_catalog.pg_replication_origin_xact_setup('0/{hid:X}', '{WHEN}+00')")
         history = f"'{tid}', '1', '{aid}', '{delta}', '{WHEN}', NULL, '{hid}'"
         if variant == "fused":
             out.append(f"EXECUTE fused_lock('{hid}')")
@@ -110,8 +125,8 @@ def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str
             out.append(f"EXECUTE {variant}_1('{aid}', '1', '{delta}', '{FILLER}', '{aid}', '{origin}')")
             out.append(f"EXECUTE {variant}_2('{tid}', '1', '{delta}', NULL, '{tid}', '{origin}')")
             out.append(f"EXECUTE {variant}_3('1', '{delta}', NULL, '1', '{origin}')")
-            if variant == "pgmesh":
-                out.append(f"EXECUTE pgmesh_lock('{hid}')")
+            if variant in ("pgmesh", "setup"):
+                out.append(f"EXECUTE {variant}_lock('{hid}')")
             out.append(f"EXECUTE {variant}_insert({history})")
         out.append("COMMIT")
     return ";\n".join(out) + ";"
@@ -149,7 +164,7 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
         await conn.close()
 
 
-VARIANTS = ("pgmesh", "fused", "updates", "cte_only", "unguarded")
+VARIANTS = ("pgmesh", "setup", "setup_lock", "fused", "updates", "cte_only", "unguarded")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
