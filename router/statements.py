@@ -14,6 +14,7 @@ Must not: connect, retry, decide conflicts, or know which node it runs for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
@@ -673,9 +674,21 @@ def transaction_segments(
     return segments
 
 
+@functools.lru_cache(maxsize=64)
+def _utc_second(seconds: int) -> str:
+    return pg_us_to_datetime(seconds * 1_000_000).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def commit_time_literal(us: int) -> str:
+    """A PostgreSQL timestamp (µs since 2000-01-01 UTC) as timestamptz text, to the microsecond.
+    Commit times come in order, so the date and time of day are formatted once per second."""
+    seconds, fraction = divmod(us, 1_000_000)
+    return f"{_utc_second(seconds)}.{fraction:06d}+00"
+
+
 def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None) -> str:
     """The origin's position and commit time for the target transaction applying `txn`."""
-    when = pg_us_to_datetime(txn.commit_time).isoformat()
+    when = commit_time_literal(txn.commit_time)
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
     return f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')"
 
