@@ -30,7 +30,7 @@ def test_script_is_one_transaction_with_origin_setup() -> None:
     lines = script.split(";\n")
     assert lines[0] == "BEGIN"
     assert lines[1] == (
-        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01T00:00:00+00:00')"
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00')"
     )
     assert lines[2] == (
         'INSERT INTO "public"."Odd Name" ("id", "note", "doc") OVERRIDING SYSTEM VALUE'
