@@ -115,13 +115,14 @@ class _Builder:
     """A transaction being received."""
 
     __slots__ = (
-        "aborted", "changes", "final_lsn", "nbytes", "origin", "origin_lsn", "others", "relations",
-        "rows_by_xid", "rows_spilled", "spilled", "xid",
+        "aborted", "changes", "commit_time", "final_lsn", "nbytes", "origin", "origin_lsn", "others",
+        "relations", "rows_by_xid", "rows_spilled", "spilled", "xid",
     )
 
-    def __init__(self, xid: int, final_lsn: int | None = None) -> None:
+    def __init__(self, xid: int, final_lsn: int | None = None, commit_time: int = 0) -> None:
         self.xid = xid
         self.final_lsn = final_lsn  # None: a streamed transaction
+        self.commit_time = commit_time  # from Begin (plain transactions only)
         self.changes: list[Change] = []
         self.relations: dict[int, Relation] = {}
         self.origin: str | None = None
@@ -206,6 +207,29 @@ class TransactionAssembler:
         builder = self._in_stream or self._current
         return builder is not None and builder.origin is not None
 
+    def open_transaction(self) -> Transaction | None:
+        """The plain (not streamed) transaction being received, as far as it came, or None.
+
+        Its Begin already told its commit LSN (`commit_lsn`; `end_lsn` is unknown yet and set to the
+        same) and commit time; `changes` is empty, `spilled` and `row_count` count what was handed out
+        in Spills, and `relations` is the assembler's own dict for it, which keeps growing as later
+        changes name more relations (the finished Transaction carries the same dict). A consumer may
+        start on the spilled part before the Commit arrives: the server decoded it after the commit.
+        """
+        builder = self._current
+        if builder is None or builder.final_lsn is None or self._in_stream is not None:
+            return None
+        return Transaction(
+            builder.xid, builder.final_lsn, builder.final_lsn, builder.commit_time, [], builder.relations,
+            builder.origin, builder.origin_lsn, False, 0, builder.rows_spilled, builder.spilled,
+        )
+
+    @property
+    def spilling(self) -> bool:
+        """True while a plain transaction that has spilled is still being received."""
+        builder = self._current
+        return builder is not None and builder.spilled > 0
+
     @property
     def idle(self) -> bool:
         """True when no transaction is partly received."""
@@ -252,7 +276,7 @@ class TransactionAssembler:
     def _begin(self, message: Begin, lsn: int | None, size: int) -> Output:
         if self._current is not None or self._in_stream is not None:
             raise WrongState("Begin while another transaction is open", lsn=lsn, tag="B")
-        self._current = _Builder(message.xid, message.final_lsn)
+        self._current = _Builder(message.xid, message.final_lsn, message.commit_time)
         return None
 
     def _commit(self, message: Commit, lsn: int | None, size: int) -> Output:

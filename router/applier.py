@@ -54,6 +54,7 @@ from router.statements import (
     quote_literal,
     transaction_script,
     transaction_segments,
+    xact_setup_sql,
 )
 
 __all__ = ["Applier", "LinkQueue", "LinkState", "asyncpg_connect_args"]
@@ -197,6 +198,23 @@ class _Lane:
         self.prepared = Prepared()
 
 
+class _Abandoned(Exception):
+    """A transaction handed out before its commit that the source lost (it is sent again, whole)."""
+
+    def __init__(self, txn: Transaction) -> None:
+        super().__init__(f"transaction {txn.xid} abandoned before its commit")
+        self.txn = txn
+
+
+def _whole(txn: Transaction) -> Transaction:
+    """The whole transaction for one handed out before its commit, once the commit arrived."""
+    spill = txn.spill
+    if spill is not None and spill.early and spill.final is not None:
+        whole: Transaction = spill.final
+        return whole
+    return txn
+
+
 def _large(txn: Transaction) -> bool:
     """Applied alone, in parts, with COPY for runs of inserts (Applier._apply_large)."""
     return txn.row_count > KEY_LOCKS_MAX or txn.spilled > 0
@@ -264,6 +282,8 @@ class Applier:
         # Scripts built while the previous batch ran on the target, by id(): see _build_ahead.
         self._ahead: dict[int, tuple[Transaction, str]] = {}
         self.scripts_ahead = 0  # scripts built ahead and then sent (for the bench)
+        self.early_transactions = 0  # large transactions whose apply began before their commit arrived
+        self.abandoned_transactions = 0  # of those, lost by the source before the commit (sent again)
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
         # doubled after a clean batch, up to BATCH_TRANSACTIONS.
         self._batch_limit = BATCH_TRANSACTIONS
@@ -625,7 +645,7 @@ class Applier:
             return
         try:
             if _large(batch[0]):
-                await self._apply_large(batch[0])
+                batch[0] = await self._apply_large(batch[0])  # the whole one, if it came early
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
@@ -647,6 +667,13 @@ class Applier:
             for txn in reversed(self._held[self._batch_limit :]):
                 self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
             self._held = self._held[: self._batch_limit]
+        except _Abandoned as gone:
+            await self._after_failure()  # rolls back what was applied of it
+            if self._held and (self._held[0] is gone.txn or self._held[0] is _whole(gone.txn)):
+                release(self._held.pop(0))
+            self.abandoned_transactions += 1
+            logger.info("link %s: transaction %s lost before its commit arrived; it will come again",
+                        self.name, gone.txn.xid)
         except BaseException:
             await self._after_failure()
             raise
@@ -658,12 +685,14 @@ class Applier:
         if self._held:
             await self._apply_batch(self._held)
 
-    async def _apply_large(self, txn: Transaction) -> None:
+    async def _apply_large(self, txn: Transaction) -> Transaction:
         """A transaction with more row changes than KEY_LOCKS_MAX, alone: its runs of inserts go in by
         COPY where no conflict can hide from it (router.statements.CopyRun); a transaction spilled to
-        disk is read back part by part, all in one target transaction."""
-        conn = self._conn
-        assert conn is not None
+        disk is read back part by part, all in one target transaction. Returns the transaction applied
+        (for one handed out before its commit: the whole one, see `_apply_growing`)."""
+        spill = txn.spill
+        if spill is not None and spill.early and spill.final is not txn:
+            return await self._apply_growing(txn)
         relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
         parts = _parts(txn)
@@ -671,38 +700,119 @@ class Applier:
         part: list[Change] | None = next(parts)
         while part is not None:
             following: list[Change] | None = next(parts, None)
-            prelude: list[str] = []
-            piece = msgspec.structs.replace(txn, changes=part, relations=relations)
-            mark = self._prepared.mark()
-            try:
-                segments = self._segments(piece, prelude, relations, first, following is None)
-            except ApplyError:
-                if not first:
-                    raise
-                await self._load_tables()  # the target's schema may have changed since we looked
-                segments = self._segments(piece, prelude, relations, first, following is None)
-            try:
-                if prelude:
-                    await conn.execute("".join(f"{p};\n" for p in prelude))
-                for segment in segments:
-                    if isinstance(segment, str):
-                        await conn.execute(segment)
-                    else:
-                        await self._copy(conn, segment, tombstones)
-            except BaseException:
-                self._prepared.forget_since(mark)
-                raise
+            await self._apply_part(txn, part, relations, tombstones, first, following is None)
             first = False
             part = following
         self.copied_transactions += 1
+        return txn
+
+    async def _apply_growing(self, txn: Transaction) -> Transaction:
+        """A plain transaction that router.source handed out at its first spill, before its commit:
+        applied part by part as its spill file grows, in one target transaction that commits once the
+        commit has arrived (the origin's xact_setup, which needs the commit's end LSN, goes just before
+        COMMIT). If the source loses it first (a reconnect), raises _Abandoned: the caller rolls back,
+        and the transaction comes again, whole. On a conflict, waits for the whole transaction before
+        raising, so that the careful path gets it (`self._held[0]` becomes the whole one)."""
+        spill = txn.spill
+        conn = self._conn
+        assert spill is not None and spill.changed is not None and conn is not None
+        live = txn.relations  # the source's assembler adds to it as later changes name more relations
+        relations = dict(live)
+        tombstones: dict[str, bool] = {}
+        pending: list[Change] = []
+        first = True
+        pos = 0
+        try:
+            while True:
+                spill.changed.clear()
+                final = spill.final
+                if spill.abandoned and final is None:
+                    raise _Abandoned(txn)
+                try:
+                    got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
+                except PgmeshError:
+                    if spill.abandoned:
+                        raise _Abandoned(txn) from None
+                    raise
+                pending += got
+                whole = final is not None and pos >= spill.size
+                if whole:
+                    assert final is not None
+                    pending += final.changes  # the tail that never spilled
+                while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
+                    part = pending[:LARGE_PART_CHANGES]
+                    del pending[:LARGE_PART_CHANGES]
+                    for relid, relation in live.items():
+                        relations.setdefault(relid, relation)
+                    if first and final is None:
+                        self.early_transactions += 1
+                    await self._apply_part(txn, part, relations, tombstones, first, False)
+                    first = False
+                if whole:
+                    break
+                if not got:
+                    await spill.changed.wait()
+            whole_txn: Transaction = final
+            await conn.execute(f"{xact_setup_sql(whole_txn)};\nCOMMIT")
+        except asyncpg.PostgresError:
+            while spill.final is None and not spill.abandoned:
+                spill.changed.clear()
+                await spill.changed.wait()
+            if spill.final is None:
+                raise _Abandoned(txn) from None
+            if self._held and self._held[0] is txn:
+                self._held[0] = spill.final  # the careful path takes the whole transaction
+            raise
+        self.copied_transactions += 1
+        return whole_txn
+
+    async def _apply_part(
+        self,
+        txn: Transaction,
+        part: list[Change],
+        relations: dict[int, Relation],
+        tombstones: dict[str, bool],
+        first: bool,
+        last: bool,
+    ) -> None:
+        """One part of a large transaction (`first` opens the target transaction, `last` commits it;
+        a transaction handed out early never has a `last` part: `_apply_growing` commits it)."""
+        conn = self._conn
+        assert conn is not None
+        prelude: list[str] = []
+        # A part of a large transaction locks whole tables, however few rows it has itself.
+        piece = msgspec.structs.replace(
+            txn, changes=part, relations=relations, row_count=max(txn.row_count, KEY_LOCKS_MAX + 1)
+        )
+        setup = txn.spill is None or not txn.spill.early  # early: the xact_setup goes in at the commit
+        mark = self._prepared.mark()
+        try:
+            segments = self._segments(piece, prelude, relations, first, last, setup)
+        except ApplyError:
+            if not first:
+                raise
+            await self._load_tables()  # the target's schema may have changed since we looked
+            segments = self._segments(piece, prelude, relations, first, last, setup)
+        try:
+            if prelude:
+                await conn.execute("".join(f"{p};\n" for p in prelude))
+            for segment in segments:
+                if isinstance(segment, str):
+                    await conn.execute(segment)
+                else:
+                    await self._copy(conn, segment, tombstones)
+        except BaseException:
+            self._prepared.forget_since(mark)
+            raise
 
     def _segments(
-        self, txn: Transaction, prelude: list[str], relations: dict[int, Relation], begin: bool, commit: bool
+        self, txn: Transaction, prelude: list[str], relations: dict[int, Relation], begin: bool, commit: bool,
+        setup: bool = True,
     ) -> list[str | CopyRun]:
         def build(t: Transaction) -> list[str | CopyRun]:
             return transaction_segments(
                 t, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude,
-                relations=relations, begin=begin, commit=commit,
+                relations=relations, begin=begin, commit=commit, setup=setup,
             )
 
         saved = dict(relations)
@@ -938,6 +1048,8 @@ class Applier:
                 "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
             )
             done = parse_lsn(row) if row else 0
+            # one handed out before its commit counts by its whole self (it commits only once whole)
+            self._held = [_whole(t) for t in self._held]
             for txn in self._held:
                 if txn.end_lsn <= done:
                     self._applied(txn)

@@ -24,7 +24,7 @@ from router.applier import LinkQueue
 from router.ddl import has_ddl
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
-from router.spool import release
+from router.spool import SpillFile, release
 
 __all__ = ["SourcePump"]
 
@@ -49,6 +49,10 @@ class SourcePump:
         self.queues = queues  # target node -> queue
         self._on_echo = on_echo
         self._reattach: list[LinkProgress] = []
+        # Per target: the transaction last handed out before its commit (its spill file) and where the
+        # link's `enqueued` stood before it. If the source loses it before the commit, the link must
+        # take it again when it is resent.
+        self._early: dict[str, tuple[SpillFile, int]] = {}
         self.echoes = 0
         self.transactions = 0
 
@@ -73,6 +77,16 @@ class SourcePump:
 
     async def _dispatch(self, txn: Transaction) -> None:
         spill = txn.spill
+        if spill is not None and spill.early and spill.final is txn:
+            # The commit of a transaction handed out at its first spill: the links that took it then
+            # have it whole now (their appliers were waiting for this); nothing more to hand out.
+            for link in self.progress.links:
+                if link.target in spill.handed:
+                    link.enqueued = max(link.enqueued, txn.end_lsn)
+                    if self._early.get(link.target, (None, 0))[0] is spill:
+                        del self._early[link.target]
+            self.progress.on_seen(txn.end_lsn)
+            return
         if spill is not None:
             spill.acquire()  # the pump's own reference while it hands the transaction out
         try:
@@ -80,6 +94,8 @@ class SourcePump:
         finally:
             if spill is not None:
                 spill.release()  # the last one when no link took it: the file goes
+        if spill is not None and spill.early:
+            return  # handed out before its commit: seen when the commit comes (above)
         self.progress.on_seen(txn.end_lsn)
 
     async def _dispatch_to_links(self, txn: Transaction) -> None:
@@ -92,11 +108,21 @@ class SourcePump:
         else:
             self.transactions += 1
             for link in self.progress.links:
+                early = self._early.get(link.target)
+                if early is not None and early[0].abandoned:
+                    # lost before its commit (the source reconnected): what comes now may be it again
+                    link.enqueued = min(link.enqueued, early[1])
+                    del self._early[link.target]
+                before = link.enqueued
                 if link.wants(txn.end_lsn):
                     if txn.spill is not None:
                         txn.spill.acquire()  # this link's applier releases it
                     if not await self._hand(link, txn):
                         release(txn)
+                    elif txn.spill is not None:
+                        txn.spill.handed.add(link.target)
+                        if txn.spill.early:
+                            self._early[link.target] = (txn.spill, before)
 
     async def _hand(self, link: LinkProgress, txn: Transaction) -> bool:
         """Queue `txn` for `link`; False when it was not queued (the link detached or no longer wants it)."""

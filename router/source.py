@@ -81,6 +81,8 @@ class SourceOptions(msgspec.Struct, frozen=True):
     skip_echo_rows: bool = False  # do not decode the rows of transactions that carry an origin
     application_name: str = "pgmesh"
     spill_bytes: int = 0  # an open transaction's payload kept in memory before the rest spills (0: never)
+    # hand a plain transaction out at its first spill, before its commit arrives (appliers start on it)
+    early_spilled: bool = False
 
 
 class SystemInfo(msgspec.Struct, frozen=True):
@@ -219,6 +221,7 @@ class ReplicationSource:
         self.spills = 0  # Spill pieces written to the spool
         self.spilled_changes = 0
         self.spill_peak_bytes = 0  # the most payload one transaction held in memory before it spilled
+        self.early_transactions = 0  # transactions handed out at their first spill, before their commit
 
     # ---------------------------------------------------------------- positions
 
@@ -685,6 +688,10 @@ class ReplicationSource:
             async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
                 async for batch in batches:
                     done = self._assemble(batch)
+                    if not done and self._assembler.spilling:
+                        # Deep in a transaction that is being handed out early: let its appliers run
+                        # (the socket may never run dry before the commit, so nothing else would yield).
+                        await asyncio.sleep(0)
                     sent = 0
                     try:
                         for out in done:
@@ -744,8 +751,10 @@ class ReplicationSource:
                     self._skip_before = out.lsn + 1
                     self._delivered_high = max(self._delivered_high, self._skip_before)
                 else:
-                    self._spill(out, wal_start)
-                    continue
+                    early = self._spill(out, wal_start)
+                    if early is None:
+                        continue
+                    out = early
                 done.append(out)
         except BaseException:
             self._skip_before, self._delivered_high, self.transactions_out = handed
@@ -755,14 +764,21 @@ class ReplicationSource:
             self._received = received  # also when a frame does not decode: it was received
         return done
 
-    def _spill(self, out: Spill | SpillDropped, lsn: int) -> None:
-        """Part of an open transaction goes to the spool; or an aborted one's file goes away."""
+    def _spill(self, out: Spill | SpillDropped, lsn: int) -> Transaction | None:
+        """Part of an open transaction goes to the spool; or an aborted one's file goes away.
+
+        At the first spill of a plain transaction (not streamed, not an echo, not handed out before a
+        reconnect) returns it as it is so far, its file attached and growing (`SpillFile.grow`): handed
+        out now, its appliers start while the rest arrives; its commit comes out later as the whole
+        Transaction, with the same file (`SpillFile.final`). Its `end_lsn` is its commit LSN + 1 until
+        then (after every earlier transaction, before its own end).
+        """
         assert self.spool is not None  # the assembler spills only with a bound, and then there is one
         if isinstance(out, SpillDropped):
             self.spool.drop(self.node, out.xid)
-            return
+            return None
         try:
-            self.spool.write(self.node, out)
+            handle = self.spool.write(self.node, out)
         except OSError as exc:
             raise ConnectionLost(
                 f"cannot spill transaction {out.xid} to {self.spool.path}: {exc}; retrying from its start",
@@ -771,14 +787,28 @@ class ReplicationSource:
         self.spills += 1
         self.spilled_changes += len(out.changes)
         self.spill_peak_bytes = max(self.spill_peak_bytes, out.nbytes)
+        if handle.early or not self.options.early_spilled:
+            return None
+        txn = self._assembler.open_transaction()
+        if txn is None or txn.origin is not None or txn.commit_lsn < self._skip_before:
+            return None
+        handle.grow()
+        handle.acquire()  # the source's own, to the commit: the file must outlive holders that let go
+        self.early_transactions += 1
+        return msgspec.structs.replace(txn, end_lsn=txn.commit_lsn + 1, spill=handle)
 
     def _spilled(self, txn: Transaction) -> Transaction:
-        """A transaction that spilled, with its closed spill file attached."""
+        """A transaction that spilled, with its closed spill file attached (and, when it was handed out
+        early, completed: its readers see the commit)."""
         handle = self.spool.finish(self.node, txn.xid) if self.spool is not None else None
         if handle is None:
             raise SourceError(f"transaction {txn.xid} spilled but its spill file is missing", node=self.node,
                               lsn=txn.commit_lsn)
-        return msgspec.structs.replace(txn, spill=handle)
+        final = msgspec.structs.replace(txn, spill=handle)
+        if handle.early:
+            handle.complete(final)
+            handle.release()  # the source's (taken at grow); the links that took it hold theirs
+        return final
 
 
 def _discard_spills(items: list[Transaction | Message]) -> None:

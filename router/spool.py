@@ -20,6 +20,7 @@ spilled changes in memory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -172,8 +173,8 @@ class SpillFile:
     """
 
     __slots__ = (
-        "_file", "_spool", "changes", "deleted", "message_prefixes", "nbytes", "node", "path", "refs",
-        "size", "xid",
+        "_file", "_spool", "abandoned", "changed", "changes", "deleted", "early", "final", "handed",
+        "message_prefixes", "nbytes", "node", "path", "refs", "size", "xid",
     )
 
     def __init__(self, spool: Spool, node: str, xid: int, path: Path) -> None:
@@ -188,6 +189,15 @@ class SpillFile:
         self.message_prefixes: set[str] = set()  # of the logical messages among them (DDL travels so)
         self.refs = 0
         self.deleted = False
+        # Handed out before its commit (router.source hands a plain transaction out at its first spill,
+        # so that appliers start on it while the rest arrives): `changed` is set at every write, at the
+        # commit (`final`: the whole Transaction) and when it is `abandoned` (the source reconnected
+        # before the commit: the server sends it again, whole). `handed`: the links it went to.
+        self.early = False
+        self.final: Transaction | None = None
+        self.abandoned = False
+        self.changed: asyncio.Event | None = None
+        self.handed: set[str] = set()
 
     def __repr__(self) -> str:
         state = "deleted" if self.deleted else f"refs={self.refs}"
@@ -205,10 +215,55 @@ class SpillFile:
         if self.refs <= 0:
             self.discard()
 
+    def grow(self) -> None:
+        """Readers may start before the commit: flush every write and tell them (`changed`)."""
+        self.early = True
+        self.changed = asyncio.Event()
+        if self._file is not None:
+            self._file.flush()
+
+    def complete(self, final: Transaction) -> None:
+        """The commit arrived: `final` is the whole transaction (this file attached)."""
+        self.final = final
+        if self.changed is not None:
+            self.changed.set()
+
+    def abandon(self) -> None:
+        """The commit will not come on this stream (the transaction is sent again, whole)."""
+        self.abandoned = True
+        if self.changed is not None:
+            self.changed.set()
+
+    def read_frames(self, pos: int, max_changes: int) -> tuple[list[Change], int]:
+        """The changes written from byte `pos` on, whole frames only, up to about `max_changes`
+        (stops after the frame that reaches it), and where the next read starts. Works while the
+        file is still being written (`grow`) and after it was closed."""
+        out: list[Change] = []
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115  # closed below
+        except FileNotFoundError:
+            raise PgmeshError(f"the spilled part of transaction {self.xid} is gone ({self.path})",
+                              node=self.node) from None
+        with f:
+            f.seek(pos)
+            while len(out) < max_changes:
+                header = f.read(4)
+                if len(header) < 4:
+                    break
+                size = _LENGTH.unpack(header)[0]
+                data = f.read(size)
+                if len(data) < size:
+                    break  # a frame still being written
+                out += decode_frame(data)
+                pos += 4 + size
+        return out, pos
+
     def discard(self) -> None:
         """Delete the file now, whoever holds it (an aborted or resent transaction, a reset, close)."""
         if self.deleted:
             return
+        if self.early:
+            self.abandon()  # whoever still reads it rolls back: the transaction comes again
         self.deleted = True
         self._close()
         with contextlib.suppress(FileNotFoundError):
@@ -244,6 +299,10 @@ class SpillFile:
             encode_changes(changes[i : i + _WRITE_CHANGES], buf)
             f.write(buf)
             self.size += len(buf)
+        if self.early:
+            f.flush()
+            if self.changed is not None:
+                self.changed.set()
         self.message_prefixes.update(c.prefix for c in changes if type(c) is Message)
         self.changes += len(changes)
         self.nbytes += nbytes

@@ -584,6 +584,7 @@ def transaction_segments(
     begin: bool = True,
     commit: bool = True,
     at_commit: tuple[str, str] | None = None,
+    setup: bool = True,
 ) -> list[str | CopyRun]:
     """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
     order, the first opening the transaction and the last committing it. With `copy` False (or no
@@ -595,15 +596,16 @@ def transaction_segments(
 
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
     replication origin only to commit (router.applier's lanes): the origin's `xact_setup` then goes
-    just before COMMIT, after the first of the two.
+    just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
+    opening part (the caller sends it before its own COMMIT).
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
-    setup = xact_setup_sql(txn, origin_lsn)
+    setup_sql = xact_setup_sql(txn, origin_lsn)
     if begin:
         out.append("BEGIN")
-        if at_commit is None:
-            out.append(setup)
+        if at_commit is None and setup:
+            out.append(setup_sql)
     segments: list[str | CopyRun] = []
     origin_sql = None if guard_origin is None else f"'{guard_origin}'"
     guarded = guard_origin is not None
@@ -668,7 +670,7 @@ def transaction_segments(
         if at_commit is None:
             out.append("COMMIT")
         else:
-            out += [at_commit[0], setup, "COMMIT", at_commit[1]]
+            out += [at_commit[0], setup_sql, "COMMIT", at_commit[1]]
     if out:
         segments.append(";\n".join(out) + ";")
     return segments
