@@ -352,6 +352,32 @@ class CarefulApplier:
             )
             await self._overwrite(conn, table, decision, new, local.where)
             return
+        if not await self._clear_uniques(conn, txn, relation, table, new, remote, records):
+            return
+        tomb = await self._tombstone(conn, table, new)
+        if tomb is not None and not tomb.mine:
+            decision = await self._decide(
+                conn, txn, relation, table, ConflictType.INSERT_DELETED, tomb, remote, new, records
+            )
+            if decision.outcome is Outcome.KEEP_LOCAL:
+                return
+            new = dict(decision.row) if decision.row is not None else new
+        await self._write_row(conn, table, new, None)
+
+    async def _clear_uniques(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        new: Row,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> bool:
+        """A row about to be created (an insert, or an update re-creating a missing row) against rows
+        that hold one of its secondary unique values: each is decided like an insert meeting it
+        (insert_exists). False when one of them stays (the new row is not written); else every such
+        row is gone and the new one may be written."""
         for unique in table.uniques:
             if any(new.get(c) is None for c in unique):
                 continue
@@ -362,17 +388,9 @@ class CarefulApplier:
                     conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
                 )
                 if decision.outcome is Outcome.KEEP_LOCAL:
-                    return
+                    return False
                 await conn.execute(f"DELETE FROM {table.qualified} WHERE {where}")
-        tomb = await self._tombstone(conn, table, new)
-        if tomb is not None and not tomb.mine:
-            decision = await self._decide(
-                conn, txn, relation, table, ConflictType.INSERT_DELETED, tomb, remote, new, records
-            )
-            if decision.outcome is Outcome.KEEP_LOCAL:
-                return
-            new = dict(decision.row) if decision.row is not None else new
-        await self._write_row(conn, table, new, None)
+        return True
 
     async def _unique_clash(
         self,
@@ -493,7 +511,7 @@ class CarefulApplier:
         conflict = ConflictType.UPDATE_DELETED if tomb is not None else ConflictType.UPDATE_MISSING
         decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records)
         if decision.outcome is Outcome.USE_ROW and decision.row is not None:
-            await self._write_row(conn, table, decision.row, None)
+            row = dict(decision.row)
         elif decision.outcome is Outcome.APPLY_REMOTE:
             if any(kind == KIND_UNCHANGED for kind in change.new.kinds):
                 logger.warning(
@@ -503,7 +521,13 @@ class CarefulApplier:
                     table.name,
                 )
                 return
-            await self._write_row(conn, table, new, None)
+            row = new
+        else:
+            return
+        # Re-created, the row may bring a secondary unique value another row took meanwhile: decided
+        # as where the row still exists (`_unique_clash`: insert_exists against that row's version).
+        if await self._clear_uniques(conn, txn, relation, table, row, remote, records):
+            await self._write_row(conn, table, row, None)
 
     async def _delete(
         self,
