@@ -746,7 +746,7 @@ class Applier:
                         relations.setdefault(relid, relation)
                     if first and final is None:
                         self.early_transactions += 1
-                    await self._apply_part(txn, part, relations, tombstones, first, False)
+                    await self._apply_part(txn, part, relations, tombstones, first, False, setup=False)
                     first = False
                 if whole:
                     break
@@ -774,9 +774,12 @@ class Applier:
         tombstones: dict[str, bool],
         first: bool,
         last: bool,
+        *,
+        setup: bool = True,
     ) -> None:
-        """One part of a large transaction (`first` opens the target transaction, `last` commits it;
-        a transaction handed out early never has a `last` part: `_apply_growing` commits it)."""
+        """One part of a large transaction (`first` opens the target transaction, `last` commits it).
+        `setup` False leaves the origin's xact_setup out of the first part: `_apply_growing` sends it
+        with its own COMMIT (the end LSN is not known before)."""
         conn = self._conn
         assert conn is not None
         prelude: list[str] = []
@@ -784,7 +787,6 @@ class Applier:
         piece = msgspec.structs.replace(
             txn, changes=part, relations=relations, row_count=max(txn.row_count, KEY_LOCKS_MAX + 1)
         )
-        setup = txn.spill is None or not txn.spill.early  # early: the xact_setup goes in at the commit
         mark = self._prepared.mark()
         try:
             segments = self._segments(piece, prelude, relations, first, last, setup)
