@@ -352,7 +352,7 @@ class CarefulApplier:
             )
             await self._overwrite(conn, table, decision, new, local.where)
             return
-        if not await self._clear_uniques(conn, txn, relation, table, new, remote, records):
+        if not await self._unique_clash(conn, txn, relation, table, new, remote, records, None):
             return
         tomb = await self._tombstone(conn, table, new)
         if tomb is not None and not tomb.mine:
@@ -364,34 +364,6 @@ class CarefulApplier:
             new = dict(decision.row) if decision.row is not None else new
         await self._write_row(conn, table, new, None)
 
-    async def _clear_uniques(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        new: Row,
-        remote: Version,
-        records: list[ConflictRecord],
-    ) -> bool:
-        """A row about to be created (an insert, or an update re-creating a missing row) against rows
-        that hold one of its secondary unique values: each is decided like an insert meeting it
-        (insert_exists). False when one of them stays (the new row is not written); else every such
-        row is gone and the new one may be written."""
-        for unique in table.uniques:
-            if any(new.get(c) is None for c in unique):
-                continue
-            where = " AND ".join(f"{quote_ident(c)} = {_lit(new[c])}" for c in unique)
-            other = await self._local(conn, table, where)
-            if other is not None:
-                decision = await self._decide(
-                    conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
-                )
-                if decision.outcome is Outcome.KEEP_LOCAL:
-                    return False
-                await conn.execute(f"DELETE FROM {table.qualified} WHERE {where}")
-        return True
-
     async def _unique_clash(
         self,
         conn: Any,
@@ -401,26 +373,29 @@ class CarefulApplier:
         new: Row,
         remote: Version,
         records: list[ConflictRecord],
-        own: str,
+        own: str | None,
     ) -> bool:
         """Another row holds a secondary unique value the remote row brings (insert_exists on that key).
 
         Decided like an insert meeting it: when the remote version wins, the other row goes; when it
-        loses, the row the change would write goes (`own`), exactly as where the change came from the
-        other row's later arrival deletes it. True when the remote row may be written.
+        loses, the row the change would write goes (`own`, its WHERE; None when it is not here yet: an
+        insert, or an update re-creating a missing row, which is then not written), exactly as where the
+        change came from the other row's later arrival deletes it. True when the remote row may be
+        written.
         """
         for unique in table.uniques:
-            if any(new.get(c) is None for c in unique) or set(unique) <= set(table.pk):
+            if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
                 continue
             where = " AND ".join(f"{quote_ident(c)} = {_lit(new[c])}" for c in unique)
-            other = await self._local(conn, table, f"({where}) AND NOT ({own})")
+            other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
             if other is None:
                 continue
             decision = await self._decide(
                 conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
             )
             if decision.outcome is Outcome.KEEP_LOCAL:
-                await conn.execute(f"DELETE FROM {table.qualified} WHERE {own}")
+                if own is not None:
+                    await conn.execute(f"DELETE FROM {table.qualified} WHERE {own}")
                 return False
             await conn.execute(f"DELETE FROM {table.qualified} WHERE {other.where}")
         return True
@@ -525,8 +500,8 @@ class CarefulApplier:
         else:
             return
         # Re-created, the row may bring a secondary unique value another row took meanwhile: decided
-        # as where the row still exists (`_unique_clash`: insert_exists against that row's version).
-        if await self._clear_uniques(conn, txn, relation, table, row, remote, records):
+        # as where the row still exists (insert_exists against that row's version).
+        if await self._unique_clash(conn, txn, relation, table, row, remote, records, None):
             await self._write_row(conn, table, row, None)
 
     async def _delete(
