@@ -672,8 +672,9 @@ class Applier:
             if self._held and (self._held[0] is gone.txn or self._held[0] is _whole(gone.txn)):
                 release(self._held.pop(0))
             self.abandoned_transactions += 1
-            logger.info("link %s: transaction %s lost before its commit arrived; it will come again",
-                        self.name, gone.txn.xid)
+            logger.info("link %s: transaction %s (commit at %s) lost by the source before its commit"
+                        " arrived; rolled back on %s, it will be applied when resent", self.name,
+                        gone.txn.xid, format_lsn(gone.txn.commit_lsn), self.target.name)
         except BaseException:
             await self._after_failure()
             raise
