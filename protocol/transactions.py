@@ -224,6 +224,22 @@ class TransactionAssembler:
             builder.origin, builder.origin_lsn, False, 0, builder.rows_spilled, builder.spilled,
         )
 
+    def open_stream(self, xid: int) -> Transaction | None:
+        """Streamed transaction `xid` (proto_version 2) as far as it came, or None when none is open.
+
+        Like `open_transaction`, but nothing says yet whether it will commit, nor where or when:
+        `commit_lsn`, `end_lsn` and `commit_time` are 0 and `streamed` is True. `relations` is the
+        assembler's own dict for it (it keeps growing). Its changes name their own (sub)transaction's
+        xid; a subtransaction's may still be aborted (`Transaction.aborted_subxids` at its commit).
+        """
+        builder = self._streams.get(xid)
+        if builder is None:
+            return None
+        return Transaction(
+            builder.xid, 0, 0, 0, [], builder.relations, builder.origin, builder.origin_lsn, True, 0,
+            builder.rows_spilled, builder.spilled,
+        )
+
     @property
     def spilling(self) -> bool:
         """True while a plain transaction that has spilled is still being received."""

@@ -11,6 +11,15 @@ Deadlocks, serialization failures, lock timeouts and lost connections are retrie
 (`router.errors.decide` says which); any other error pauses this link only, with node, table and LSN,
 until `resume()`. The applier never reads the source and never confirms anything to it: the router's
 progress tick reads the flushed origin positions and confirms the source.
+
+A streamed transaction announced before its commit (router.source.EarlyStream) is applied on a second
+session (the "side" session) as its spill file grows, in one open target transaction, while the main
+session goes on with what commits before it. When its commit comes to the head of the queue, the main
+session hands the origin over and the side session commits it there, in commit order. The two sessions
+never wait for each other: the main session starts no batch that touches a table the side transaction
+holds (it rolls the side transaction back first), and the side session takes no table the main session
+is writing. Anything unusual (a subtransaction, a TRUNCATE, DDL, a conflict, an abort, a reconnect)
+rolls the side transaction back, and the transaction is applied the normal way at its commit.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import msgspec
 import psycopg.conninfo
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
-from protocol.messages import Message, Relation
+from protocol.messages import Delete, Insert, Message, Relation, Truncate, Update
 from protocol.transactions import Change, Transaction
 from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
@@ -42,7 +51,8 @@ from router.ddl import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl
 from router.errors import Action, PgmeshError, decide, describe
 from router.parallel import plan_lanes
 from router.progress import LinkProgress
-from router.spool import iter_chunks, materialize, release
+from router.source import EarlyStream
+from router.spool import SpillFile, iter_chunks, materialize, release
 from router.statements import (
     KEY_LOCKS_MAX,
     ApplyError,
@@ -119,9 +129,14 @@ class LinkState(enum.Enum):
 
 
 class LinkQueue:
-    """A bounded FIFO of transactions for one link. `offer` never blocks the fan-out."""
+    """A bounded FIFO of transactions for one link. `offer` never blocks the fan-out.
 
-    __slots__ = ("_items", "_nonempty", "_room", "maxlen")
+    Beside it, a side channel of streamed transactions announced before their commit (`offer_side`,
+    `get_side`): each holds one reference to its spill file, released by whoever takes it. `cleared`
+    counts `clear()`s (the link detached or restarted: what was announced may never come here).
+    """
+
+    __slots__ = ("_items", "_nonempty", "_room", "_side", "_side_ready", "cleared", "maxlen")
 
     def __init__(self, maxlen: int) -> None:
         self.maxlen = maxlen
@@ -129,6 +144,9 @@ class LinkQueue:
         self._nonempty = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._side: collections.deque[EarlyStream] = collections.deque()
+        self._side_ready = asyncio.Event()
+        self.cleared = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -180,6 +198,27 @@ class LinkQueue:
             release(txn)  # a transaction spilled to disk: this link no longer needs its file
         self._items.clear()
         self._room.set()
+        self.drop_side()
+        self.cleared += 1
+        self._side_ready.set()  # wakes the applier's side watch: what it started may never come
+
+    def offer_side(self, item: EarlyStream) -> None:
+        """Announce a streamed transaction in progress (the caller acquired its file for this link)."""
+        self._side.append(item)
+        self._side_ready.set()
+
+    async def get_side(self, wait_s: float) -> EarlyStream | None:
+        """The next announcement, or None after `wait_s` seconds (or a `clear()`) without one."""
+        if not self._side:
+            self._side_ready.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._side_ready.wait()
+        return self._side.popleft() if self._side else None
+
+    def drop_side(self) -> None:
+        while self._side:
+            self._side.popleft().spill.release()
 
     def oldest_commit_time(self) -> int | None:
         return self._items[0].commit_time if self._items else None
@@ -204,6 +243,59 @@ class _Abandoned(Exception):
     def __init__(self, txn: Transaction) -> None:
         super().__init__(f"transaction {txn.xid} abandoned before its commit")
         self.txn = txn
+
+
+class _SideStop(Exception):
+    """The side session gives up on its transaction (it is applied the normal way at its commit)."""
+
+
+class _Side:
+    """A streamed transaction applied before its commit on a session of its own (Applier._side_apply)."""
+
+    __slots__ = ("conn", "finishing", "generation", "item", "prepared", "tables", "task", "why")
+
+    def __init__(self, item: EarlyStream, generation: int) -> None:
+        self.item = item
+        self.generation = generation  # LinkQueue.cleared when it began
+        self.conn: asyncpg.Connection | None = None
+        self.prepared = Prepared()
+        self.tables: set[tuple[str, str]] = set()  # every table it may have locked
+        self.task: asyncio.Task[None] | None = None
+        self.finishing = False  # the main session is committing it (or taking it over)
+        self.why: str | None = None  # why it stopped short
+
+    @property
+    def spill(self) -> SpillFile:
+        spill: SpillFile = self.item.spill
+        return spill
+
+
+_SIDE_ROWS = (Insert, Update, Delete)
+
+
+def _side_check(part: list[Change], xid: int) -> None:
+    """What the side session cannot take: a subtransaction's change (it could still be aborted), a
+    TRUNCATE (an exclusive lock for the whole stream), a logical message (DDL goes the careful way)."""
+    for change in part:
+        kind = type(change)
+        if kind is Insert or kind is Update or kind is Delete:
+            if change.xid is not None and change.xid != xid:
+                raise _SideStop("it has a subtransaction")
+        elif kind is Truncate or kind is Message:
+            raise _SideStop("it has a TRUNCATE or a logical message")
+
+
+async def _take_origin(conn: asyncpg.Connection, origin: str) -> None:
+    """Set the session up with `origin`; a session that just ended may not have let it go yet (a moment
+    is allowed for that)."""
+    for attempt in range(50):
+        try:
+            await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", origin)
+            return
+        except asyncpg.ObjectInUseError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def _whole(txn: Transaction) -> Transaction:
@@ -313,6 +405,13 @@ class Applier:
         self._sequential_next = False
         self.parallel_batches = 0
         self.parallel_transactions = 0
+        # Streamed transactions applied before their commit on a side session (see the module doc).
+        self._side: _Side | None = None
+        self._main_tables: frozenset[tuple[str, str]] = frozenset()  # the main session's batch writes these
+        self._main_idle = asyncio.Event()
+        self.early_streams = 0  # streamed transactions a side session began before their commit
+        self.early_streams_committed = 0  # of those, committed there in their place in commit order
+        self.early_streams_dropped = 0  # of those, rolled back (then applied the normal way, or aborted)
 
     @property
     def name(self) -> str:
@@ -468,6 +567,7 @@ class Applier:
             )
 
     async def _disconnect(self) -> None:
+        self._drop_side("the link reconnects")
         conns = [lane.conn for lane in self._extra]
         self._extra = []
         for extra in conns:
@@ -484,6 +584,16 @@ class Applier:
         await self._disconnect()
 
     async def _apply_forever(self) -> None:
+        watch = asyncio.create_task(self._watch_side(), name=f"side watch {self.name}")
+        try:
+            await self._apply_loop()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            self._drop_side("the link stopped")
+
+    async def _apply_loop(self) -> None:
         while True:
             await self._resumed.wait()
             if not self._held:
@@ -498,7 +608,11 @@ class Applier:
             self._held = fresh
             if fresh:
                 await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
-                await self._apply_batch(fresh)
+                try:
+                    await self._apply_batch(fresh)
+                finally:
+                    self._main_tables = frozenset()
+                    self._main_idle.set()
             self._held = []
             self.state = LinkState.CATCHING_UP if len(self.queue) > 1000 else LinkState.STREAMING
 
@@ -619,6 +733,8 @@ class Applier:
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         assert self._conn is not None
+        if self._side is not None:
+            self._gate_side(batch)
         if self.lanes > 1 and len(batch) > 1 and not self._sequential_next and not _large(batch[0]):
             try:
                 done = await self._apply_parallel(batch)
@@ -694,6 +810,11 @@ class Applier:
         spill = txn.spill
         if spill is not None and spill.early and spill.final is not txn:
             return await self._apply_growing(txn)
+        side = self._side
+        ahead = side is not None and spill is not None and side.spill is spill
+        if ahead and side is not None and await self._finish_side(side, txn):
+            self.copied_transactions += 1
+            return txn
         relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
         parts = _parts(txn)
@@ -777,25 +898,27 @@ class Applier:
         last: bool,
         *,
         setup: bool = True,
+        side: _Side | None = None,
     ) -> None:
         """One part of a large transaction (`first` opens the target transaction, `last` commits it).
         `setup` False leaves the origin's xact_setup out of the first part: `_apply_growing` sends it
-        with its own COMMIT (the end LSN is not known before)."""
-        conn = self._conn
+        with its own COMMIT (the end LSN is not known before). With `side`, on the side session."""
+        conn = self._conn if side is None else side.conn
+        prepared = self._prepared if side is None else side.prepared
         assert conn is not None
         prelude: list[str] = []
         # A part of a large transaction locks whole tables, however few rows it has itself.
         piece = msgspec.structs.replace(
             txn, changes=part, relations=relations, row_count=max(txn.row_count, KEY_LOCKS_MAX + 1)
         )
-        mark = self._prepared.mark()
+        mark = prepared.mark()
         try:
-            segments = self._segments(piece, prelude, relations, first, last, setup)
+            segments = self._segments(piece, prelude, relations, first, last, setup, prepared)
         except ApplyError:
-            if not first:
+            if not first or side is not None:
                 raise
             await self._load_tables()  # the target's schema may have changed since we looked
-            segments = self._segments(piece, prelude, relations, first, last, setup)
+            segments = self._segments(piece, prelude, relations, first, last, setup, prepared)
         try:
             if prelude:
                 await conn.execute("".join(f"{p};\n" for p in prelude))
@@ -805,16 +928,17 @@ class Applier:
                 else:
                     await self._copy(conn, segment, tombstones)
         except BaseException:
-            self._prepared.forget_since(mark)
+            prepared.forget_since(mark)
             raise
 
     def _segments(
         self, txn: Transaction, prelude: list[str], relations: dict[int, Relation], begin: bool, commit: bool,
-        setup: bool = True,
+        setup: bool = True, prepared: Prepared | None = None,
     ) -> list[str | CopyRun]:
         def build(t: Transaction) -> list[str | CopyRun]:
             return transaction_segments(
-                t, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude,
+                t, self._tables, prepared=prepared or self._prepared, guard_origin=self._source_origin,
+                prelude=prelude,
                 relations=relations, begin=begin, commit=commit, setup=setup,
             )
 
@@ -846,13 +970,208 @@ class Applier:
         await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=data, format="text")
         self.copied_rows += len(run.rows)
 
+    # ------------------------------------------------------------ streamed transactions, early
+
+    def _side_wanted(self) -> bool:
+        return (self.config.replication.early_apply and self.apply_delay <= 0 and self._conn is not None
+                and self._resumed.is_set() and self._side is None)
+
+    async def _watch_side(self) -> None:
+        """Start a side session on each announced streamed transaction (one at a time); drop one whose
+        commit will not come to this link (aborted, resent, the link re-reads, applied already)."""
+        while True:
+            item = await self.queue.get_side(1.0)
+            self._check_side()
+            if item is None:
+                continue
+            if not self._side_wanted() or item.spill.abandoned or item.spill.deleted:
+                item.spill.release()
+                continue
+            side = self._side = _Side(item, self.queue.cleared)
+            self.early_streams += 1
+            side.task = asyncio.create_task(self._run_side(side), name=f"side apply {self.name}")
+
+    def _check_side(self) -> None:
+        side = self._side
+        if side is None or side.finishing:
+            return
+        final = side.spill.final
+        if side.spill.abandoned:
+            self._drop_side("the source transaction was aborted, or it will be sent again")
+        elif self.queue.cleared != side.generation:
+            self._drop_side("the link re-reads its source")
+        elif final is not None and final.end_lsn <= self.progress.applied:
+            self._drop_side("the target has it already")
+
+    async def _run_side(self, side: _Side) -> None:
+        try:
+            await self._side_apply(side)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            side.why = str(exc) if isinstance(exc, _SideStop) else describe(exc)
+            conn, side.conn = side.conn, None
+            if conn is not None:
+                conn.terminate()  # rolls its transaction back
+            if not side.finishing and self._side is side:
+                self._drop_side(side.why)
+
+    async def _side_apply(self, side: _Side) -> None:
+        """Apply the announced transaction as its spill file grows, in one target transaction left
+        open (the main session commits it: `_finish_side`). Returns once all of it is applied."""
+        spill, txn = side.spill, side.item.txn
+        changed = spill.changed
+        assert changed is not None
+        conn = side.conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
+        await conn.execute(_SESSION_SETUP)
+        # Its rows are written under an origin of their own (the main session holds the source's): the
+        # target's walsender streams them as an echo, not as a transaction of this node.
+        early = self.config.early_origin_name(self.source)
+        await conn.execute("SELECT pg_catalog.pg_replication_origin_create($1)"
+                           " WHERE pg_catalog.pg_replication_origin_oid($1) IS NULL", early)
+        await _take_origin(conn, early)
+        if self._installed_at:
+            await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", self._installed_at)
+        live = txn.relations  # the source's assembler adds to it as later changes name more relations
+        relations = dict(live)
+        tombstones: dict[str, bool] = {}
+        pending: list[Change] = []
+        first = True
+        pos = 0
+        while True:
+            changed.clear()
+            final = spill.final
+            if spill.abandoned:
+                raise _SideStop("the source transaction was aborted, or it will be sent again")
+            try:
+                got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
+            except PgmeshError:
+                raise _SideStop("its spill file is gone") from None
+            pending += got
+            whole = final is not None and pos >= spill.size
+            if whole:
+                assert final is not None
+                if final.aborted_subxids:
+                    raise _SideStop("a subtransaction of it was aborted")
+                pending += final.changes  # the tail that never spilled
+            while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
+                part = pending[:LARGE_PART_CHANGES]
+                del pending[:LARGE_PART_CHANGES]
+                _side_check(part, txn.xid)
+                for relid, relation in live.items():
+                    relations.setdefault(relid, relation)
+                await self._side_tables(side, relations)
+                await self._apply_part(txn, part, relations, tombstones, first, False, setup=False, side=side)
+                first = False
+            if whole:
+                if first:
+                    raise _SideStop("nothing of it was applied before its commit")
+                return
+            if not got:
+                await changed.wait()
+
+    async def _side_tables(self, side: _Side, relations: dict[int, Relation]) -> None:
+        """Before the side session locks a table, wait until the main session's batch is not writing it."""
+        new = {(r.schema, r.name) for r in relations.values()} - side.tables
+        while new & self._main_tables:
+            self._main_idle.clear()
+            await self._main_idle.wait()
+        side.tables |= new
+
+    def _gate_side(self, batch: list[Transaction]) -> None:
+        """The main session is about to apply `batch`: if what comes before the side transaction's commit
+        writes a table the side transaction holds (or runs DDL), the side transaction is rolled back,
+        else the side session keeps off those tables until the batch is done."""
+        side = self._side
+        if side is None or side.finishing:
+            return
+        names: set[tuple[str, str]] = set()
+        for txn in batch:
+            if txn.spill is side.spill:
+                break
+            if has_ddl(txn):
+                self._drop_side("DDL comes before its commit")
+                return
+            names.update((r.schema, r.name) for r in txn.relations.values())
+        if names & side.tables:
+            self._drop_side("a transaction that commits before it writes the same tables")
+            return
+        self._main_tables = frozenset(names)
+
+    async def _finish_side(self, side: _Side, txn: Transaction) -> bool:
+        """`txn`'s commit is next: commit the side session's transaction now, under the origin (handed
+        over by the main session); False when it cannot be (the caller applies `txn` the normal way)."""
+        main = self._conn
+        assert main is not None
+        side.finishing = True
+        committed = False
+        try:
+            if side.task is not None:
+                await asyncio.wait({side.task})
+            conn = side.conn
+            if side.why is not None or conn is None:
+                return False
+            if self._origin_held:
+                await main.execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
+                self._origin_held = False
+            try:
+                await conn.execute(
+                    "SELECT pg_catalog.pg_replication_origin_session_reset();\n"
+                    f"SELECT pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin)});\n"
+                    f"{xact_setup_sql(txn)};\nCOMMIT;\n"
+                    "SELECT pg_catalog.pg_replication_origin_session_reset()"
+                )
+                committed = True
+            except asyncpg.PostgresError as exc:
+                side.why = f"its commit failed: {describe(exc)}"
+                with contextlib.suppress(Exception):
+                    await conn.execute(
+                        "ROLLBACK; SELECT pg_catalog.pg_replication_origin_session_reset()"
+                        " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
+                    )
+            except (OSError, asyncpg.InterfaceError) as exc:
+                side.why = f"its session was lost while committing: {describe(exc)}"
+                conn.terminate()
+                side.conn = None
+                await self._hold_origin()
+                row = await main.fetchval(
+                    "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
+                )
+                committed = bool(row) and parse_lsn(row) >= txn.end_lsn
+            return committed
+        finally:
+            self._drop_side(side.why, committed=committed)
+            await self._hold_origin()
+
+    def _drop_side(self, why: str | None, *, committed: bool = False) -> None:
+        """End the side session: its transaction committed, or rolled back (`why`)."""
+        side, self._side = self._side, None
+        if side is None:
+            return
+        self._main_idle.set()
+        task = side.task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        conn, side.conn = side.conn, None
+        if conn is not None:
+            conn.terminate()
+        side.spill.release()
+        if committed:
+            self.early_streams_committed += 1
+            return
+        self.early_streams_dropped += 1
+        logger.info("link %s: streamed transaction %s no longer applied ahead of its commit: %s", self.name,
+                    side.item.txn.xid, why or "stopped")
+
     # ------------------------------------------------------------ parallel apply
 
     async def _hold_origin(self) -> None:
-        """The main session takes the source's origin back after lanes ran."""
-        if not self._origin_held and self._conn is not None:
-            await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
-            self._origin_held = True
+        """The main session takes the source's origin back after lanes or a side session had it (a
+        session that just ended may not have let it go yet: a moment is allowed for that)."""
+        if self._origin_held or self._conn is None:
+            return
+        await _take_origin(self._conn, self.origin)
+        self._origin_held = True
 
     async def _lanes(self) -> list[_Lane]:
         """Lane 0 is the main session; the others are opened on first use."""

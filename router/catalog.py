@@ -663,6 +663,7 @@ async def _drop_slot(conn: Conn, config: Config, node: str) -> list[str]:
 
 async def _drop_origins(conn: Conn, config: Config) -> list[str]:
     names = [config.origin_name(n) for n in config.node_names]
+    names += [config.early_origin_name(n) for n in config.node_names]
     cur = await conn.execute("SELECT roname FROM pg_replication_origin WHERE roname = ANY(%s)", [names])
     found = sorted(r[0] for r in await cur.fetchall())
     for origin in found:

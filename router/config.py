@@ -74,6 +74,10 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # a few narrow columns).
     spill_mb: int = 8  # payload bytes; decoded rows take about 9x that in memory
     spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
+    # Start applying a transaction that spills before its commit arrives: one the server decoded after
+    # its commit is handed out at its first spill; one it streams while still in progress is applied on
+    # a second session per link from its first spill and committed in its place in commit order.
+    early_apply: bool = True
 
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,6 +144,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def origin_name(self, source: str) -> str:
         """The replication origin, on a target, for changes coming from `source`."""
         return f"pgmesh_{self.cluster.name}_{source}"
+
+    def early_origin_name(self, source: str) -> str:
+        """The origin a target's side session writes `source`'s streamed transaction under before its
+        commit (router.applier): the target's walsender then marks that transaction as an echo from its
+        first streamed row. Not under `origin_name("")`'s prefix: no progress is kept under it."""
+        return f"pgmeshearly_{self.cluster.name}_{source}"
 
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:

@@ -8,6 +8,8 @@ others); when every link is full, the pump waits (backpressure reaches the walse
 gets everything it missed later by re-reading the source from its applied position; links that already
 have those transactions skip them. A transaction that spilled to disk carries a `SpillFile`: each link
 it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
+A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
+attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.
 Owns no database connection and no clock.
 """
 
@@ -23,7 +25,7 @@ from protocol.transactions import Transaction
 from router.applier import LinkQueue
 from router.ddl import has_ddl
 from router.progress import LinkProgress, SourceProgress
-from router.source import ReplicationSource
+from router.source import EarlyStream, ReplicationSource
 from router.spool import SpillFile, release
 
 __all__ = ["SourcePump"]
@@ -70,12 +72,31 @@ class SourcePump:
                     self._reattach = []
                 if isinstance(item, Message):
                     continue  # non-transactional logical messages carry nothing to apply (yet)
+                if isinstance(item, EarlyStream):
+                    self._announce(item)
+                    continue
                 await self._dispatch(item)
                 await asyncio.sleep(0)  # let the appliers start while a backlog is still being read
         finally:
             await items.aclose()
 
+    def _announce(self, item: EarlyStream) -> None:
+        """A streamed transaction in progress: the appliers of attached links may start on it."""
+        for link in self.progress.links:
+            if link.receiving:
+                item.spill.acquire()  # released by the applier (or the queue) that got it
+                self.queues[link.target].offer_side(item)
+
     async def _dispatch(self, txn: Transaction) -> None:
+        spill = txn.spill
+        try:
+            await self._dispatch_one(txn)
+        finally:
+            if spill is not None and spill.pinned:
+                spill.pinned = False
+                spill.release()  # the source's, held from the announcement to this hand-out
+
+    async def _dispatch_one(self, txn: Transaction) -> None:
         spill = txn.spill
         if spill is not None and spill.early and spill.final is txn:
             # The commit of a transaction handed out at its first spill: the links that took it then

@@ -442,14 +442,15 @@ async def part_node(config: Config, name: str, *, clean: bool = False) -> list[s
                 f"the router is streaming from {', '.join(busy)}",
                 hint="stop `pgmesh run` first, part the node, remove it from the config, start `pgmesh run`",
             )
-        origin = config.origin_name(name)
         for other, conn in conns.items():
             if other == name:
                 continue
-            found = await _one(conn, "SELECT roident FROM pg_replication_origin WHERE roname = %s", [origin])
-            if found is not None:
-                await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
-                lines.append(f"node {other}: dropped replication origin {origin}")
+            for origin in (config.origin_name(name), config.early_origin_name(name)):
+                found = await _one(conn, "SELECT roident FROM pg_replication_origin WHERE roname = %s",
+                                   [origin])
+                if found is not None:
+                    await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
+                    lines.append(f"node {other}: dropped replication origin {origin}")
             if await _one(conn, "SELECT to_regclass('pgmesh.links')") is not None:
                 await conn.execute("DELETE FROM pgmesh.links WHERE source = %s", [name])
         if name in conns:

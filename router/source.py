@@ -6,7 +6,9 @@ snapshot that outlives the slot's creation), and streams pgoutput with START_REP
 read with `pgconn.get_copy_data` driven by the event loop (no threads), decoded once by `protocol/` and
 handed out as whole committed transactions (and non-transactional logical messages) in commit order.
 A transaction bigger than `SourceOptions.spill_bytes` is written to a `router.spool.Spool` as it
-arrives and handed out with its spilled part on disk (`Transaction.spill`).
+arrives and handed out with its spilled part on disk (`Transaction.spill`). With `early_streamed`, a
+streamed (in-progress) transaction is also announced at its first spill (`EarlyStream`), so that
+appliers may start on it before it commits; it is still handed out at its commit, in commit order.
 
 What it guarantees its caller:
 - Pull-based backpressure: nothing is read from the socket while the caller is not asking for more, yet
@@ -46,6 +48,7 @@ from router.errors import Action, ConnectionLost, SlotError, SourceError, decide
 from router.spool import Spool
 
 __all__ = [
+    "EarlyStream",
     "ExportedSnapshot",
     "ReplicationSource",
     "SlotCreated",
@@ -83,6 +86,22 @@ class SourceOptions(msgspec.Struct, frozen=True):
     spill_bytes: int = 0  # an open transaction's payload kept in memory before the rest spills (0: never)
     # hand a plain transaction out at its first spill, before its commit arrives (appliers start on it)
     early_spilled: bool = False
+    # announce a streamed transaction at its first spill (an EarlyStream item), before it commits
+    early_streamed: bool = False
+
+
+class EarlyStream(msgspec.Struct, frozen=True, gc=False):
+    """A streamed transaction still in progress on the source, announced at its first spill.
+
+    `txn` is it as far as it came (`TransactionAssembler.open_stream`: no commit LSN or time yet;
+    `txn.relations` keeps growing); `spill` is its spill file, growing (`SpillFile.live`): read it
+    with `read_frames` and wait on `changed`. It may still abort (the file is then `abandoned`). If it
+    commits, its Transaction comes out of `stream()` in commit order as usual, with this same file,
+    which then also has `final` set. Whoever keeps the file for later `acquire`s it (and releases it).
+    """
+
+    txn: Transaction
+    spill: Any
 
 
 class SystemInfo(msgspec.Struct, frozen=True):
@@ -222,6 +241,8 @@ class ReplicationSource:
         self.spilled_changes = 0
         self.spill_peak_bytes = 0  # the most payload one transaction held in memory before it spilled
         self.early_transactions = 0  # transactions handed out at their first spill, before their commit
+        self.early_streams = 0  # streamed transactions announced at their first spill (EarlyStream)
+        self._announced: set[int] = set()  # their xids, while they are still open
 
     # ---------------------------------------------------------------- positions
 
@@ -644,10 +665,12 @@ class ReplicationSource:
                     self._received = max(self._received, frame.wal_end)
                     yield frame
 
-    async def stream(self) -> AsyncGenerator[Transaction | Message, None]:
+    async def stream(self) -> AsyncGenerator[Transaction | Message | EarlyStream, None]:
         """Committed transactions and non-transactional messages, in commit order, reconnecting as needed.
 
         Each item is handed out once; call `confirm(item.end_lsn)` (messages: `lsn + 1`) once it is durable.
+        With `early_streamed`, also `EarlyStream` announcements (nothing to confirm: they are not
+        transactions yet).
         """
         backoff = self.options.backoff_initial
         while True:
@@ -679,16 +702,17 @@ class ReplicationSource:
                     raise SourceError(text, node=self.node, lsn=exc.lsn) from exc
                 raise
 
-    async def _stream_once(self) -> AsyncGenerator[Transaction | Message, None]:
+    async def _stream_once(self) -> AsyncGenerator[Transaction | Message | EarlyStream, None]:
         if self._rewind_to is not None:
             self._skip_before, self._rewind_to = self._rewind_to, None
         self._decoder.reset()
         self._assembler.reset()
+        self._announced.clear()
         try:
             async with contextlib.aclosing(self._frames(self._skip_before)) as batches:
                 async for batch in batches:
                     done = self._assemble(batch)
-                    if not done and self._assembler.spilling:
+                    if not done and (self._assembler.spilling or self._announced):
                         # Deep in a transaction that is being handed out early: let its appliers run
                         # (the socket may never run dry before the commit, so nothing else would yield).
                         await asyncio.sleep(0)
@@ -707,7 +731,7 @@ class ReplicationSource:
             if self.spool is not None:  # the server sends the unfinished transactions again, whole
                 self.spool.discard_open(self.node)
 
-    def _assemble(self, batch: list[memoryview]) -> list[Transaction | Message]:
+    def _assemble(self, batch: list[memoryview]) -> list[Transaction | Message | EarlyStream]:
         """Decode a batch of XLogData bodies; return what completed and was not handed out before.
 
         When a frame fails, nothing of the batch counts as handed out (a retry reads it all again).
@@ -718,7 +742,7 @@ class ReplicationSource:
         received = self._received
         skip_echoes = self.options.skip_echo_rows
         echo = self._assembler.in_echo
-        done: list[Transaction | Message] = []
+        done: list[Transaction | Message | EarlyStream] = []
         handed = (self._skip_before, self._delivered_high, self.transactions_out)
         try:
             for data in batch:
@@ -752,9 +776,9 @@ class ReplicationSource:
                     self._delivered_high = max(self._delivered_high, self._skip_before)
                 else:
                     early = self._spill(out, wal_start)
-                    if early is None:
-                        continue
-                    out = early
+                    if early is not None:
+                        done.append(early)
+                    continue
                 done.append(out)
         except BaseException:
             self._skip_before, self._delivered_high, self.transactions_out = handed
@@ -764,7 +788,7 @@ class ReplicationSource:
             self._received = received  # also when a frame does not decode: it was received
         return done
 
-    def _spill(self, out: Spill | SpillDropped, lsn: int) -> Transaction | None:
+    def _spill(self, out: Spill | SpillDropped, lsn: int) -> Transaction | EarlyStream | None:
         """Part of an open transaction goes to the spool; or an aborted one's file goes away.
 
         At the first spill of a plain transaction (not streamed, not an echo, not handed out before a
@@ -775,6 +799,7 @@ class ReplicationSource:
         """
         assert self.spool is not None  # the assembler spills only with a bound, and then there is one
         if isinstance(out, SpillDropped):
+            self._announced.discard(out.xid)
             self.spool.drop(self.node, out.xid)
             return None
         try:
@@ -787,7 +812,19 @@ class ReplicationSource:
         self.spills += 1
         self.spilled_changes += len(out.changes)
         self.spill_peak_bytes = max(self.spill_peak_bytes, out.nbytes)
-        if handle.early or not self.options.early_spilled:
+        if handle.live:
+            return None
+        stream = self._assembler.open_stream(out.xid)
+        if stream is not None:
+            if not self.options.early_streamed or stream.origin is not None:
+                return None
+            handle.grow(early=False)
+            handle.acquire()  # the source's own, until its commit is handed out (SpillFile.pinned)
+            handle.pinned = True
+            self._announced.add(out.xid)
+            self.early_streams += 1
+            return EarlyStream(stream, handle)
+        if not self.options.early_spilled:
             return None
         txn = self._assembler.open_transaction()
         if txn is None or txn.origin is not None or txn.commit_lsn < self._skip_before:
@@ -805,13 +842,15 @@ class ReplicationSource:
             raise SourceError(f"transaction {txn.xid} spilled but its spill file is missing", node=self.node,
                               lsn=txn.commit_lsn)
         final = msgspec.structs.replace(txn, spill=handle)
-        if handle.early:
+        self._announced.discard(txn.xid)
+        if handle.live:
             handle.complete(final)
+        if handle.early:
             handle.release()  # the source's (taken at grow); the links that took it hold theirs
         return final
 
 
-def _discard_spills(items: list[Transaction | Message]) -> None:
+def _discard_spills(items: list[Transaction | Message | EarlyStream]) -> None:
     """Delete the spill files of transactions that will not be handed out after all."""
     for item in items:
         if isinstance(item, Transaction) and item.spill is not None:

@@ -173,8 +173,8 @@ class SpillFile:
     """
 
     __slots__ = (
-        "_file", "_spool", "abandoned", "changed", "changes", "deleted", "early", "final", "handed",
-        "message_prefixes", "nbytes", "node", "path", "refs", "size", "xid",
+        "_file", "_spool", "abandoned", "changed", "changes", "deleted", "early", "final", "handed", "live",
+        "message_prefixes", "nbytes", "node", "path", "pinned", "refs", "size", "xid",
     )
 
     def __init__(self, spool: Spool, node: str, xid: int, path: Path) -> None:
@@ -189,11 +189,15 @@ class SpillFile:
         self.message_prefixes: set[str] = set()  # of the logical messages among them (DDL travels so)
         self.refs = 0
         self.deleted = False
-        # Handed out before its commit (router.source hands a plain transaction out at its first spill,
-        # so that appliers start on it while the rest arrives): `changed` is set at every write, at the
-        # commit (`final`: the whole Transaction) and when it is `abandoned` (the source reconnected
-        # before the commit: the server sends it again, whole). `handed`: the links it went to.
+        # Read before its commit (`live`, see `grow`): `changed` is set at every write, at the commit
+        # (`final`: the whole Transaction) and when it is `abandoned` (aborted, or the source reconnected
+        # before the commit: the server sends it again, whole). A plain transaction is also handed out
+        # at its first spill (`early`; `handed`: the links it went to); a streamed one is only announced
+        # (router.source.EarlyStream) and its commit is handed out as usual, the source's reference
+        # held (`pinned`) until then.
+        self.live = False
         self.early = False
+        self.pinned = False
         self.final: Transaction | None = None
         self.abandoned = False
         self.changed: asyncio.Event | None = None
@@ -215,9 +219,11 @@ class SpillFile:
         if self.refs <= 0:
             self.discard()
 
-    def grow(self) -> None:
-        """Readers may start before the commit: flush every write and tell them (`changed`)."""
-        self.early = True
+    def grow(self, *, early: bool = True) -> None:
+        """Readers may start before the commit: flush every write and tell them (`changed`). `early`:
+        the transaction is handed out now, before its commit (a plain one; see the fields above)."""
+        self.live = True
+        self.early = early
         self.changed = asyncio.Event()
         if self._file is not None:
             self._file.flush()
@@ -262,7 +268,7 @@ class SpillFile:
         """Delete the file now, whoever holds it (an aborted or resent transaction, a reset, close)."""
         if self.deleted:
             return
-        if self.early:
+        if self.live:
             self.abandon()  # whoever still reads it rolls back: the transaction comes again
         self.deleted = True
         self._close()
@@ -299,7 +305,7 @@ class SpillFile:
             encode_changes(changes[i : i + _WRITE_CHANGES], buf)
             f.write(buf)
             self.size += len(buf)
-        if self.early:
+        if self.live:
             f.flush()
             if self.changed is not None:
                 self.changed.set()

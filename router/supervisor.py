@@ -140,7 +140,8 @@ class Router:
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
-            spill_bytes=config.replication.spill_mb << 20, early_spilled=True,
+            spill_bytes=config.replication.spill_mb << 20, early_spilled=config.replication.early_apply,
+            early_streamed=config.replication.early_apply,
         )
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self._on_applied_hook = on_applied

@@ -1,0 +1,187 @@
+"""A streamed transaction is applied on the target while it is still in progress on the source.
+
+The server streams a transaction in progress once it outgrows logical_decoding_work_mem (64 kB here);
+past `replication.spill_mb` the router announces it (router.source EarlyStream) and each link applies
+it on a side session, in one open target transaction, while the main session goes on with what commits
+before it. At its commit the side session commits it, in commit order, under the source's origin.
+
+1. Three nodes: while A's transaction is still open, B and C each hold an open transaction that wrote
+   its rows; a transaction on another table commits on A meanwhile and lands first; after A's commit
+   both targets have every row, committed by the side session with A's origin and commit time, and
+   what the side sessions wrote comes back from B and C as echoes only (no conflict, nothing applied).
+2. A's transaction is rolled back after B started on it: B rolls back too and has none of it.
+3. A transaction that commits before it writes the same table: the side transaction is rolled back
+   (the main session never waits for it) and the big one is applied at its commit, after it.
+4. A subtransaction rolled back inside it: the side session gives up, the whole transaction is applied
+   at its commit without the subtransaction's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pytest
+
+from router import applier as applier_module
+from router.localnodes import create_nodes
+from router.supervisor import Router
+from tests.integration.mesh import (
+    NODE_SETTINGS,
+    execute,
+    fetch,
+    running_router,
+    setup_mesh,
+    wait_converged,
+    wait_for,
+)
+
+SCHEMA = "CREATE TABLE big (id int PRIMARY KEY, v text); CREATE TABLE small (id int PRIMARY KEY, v text);"
+# The server streams these transactions while they are in progress.
+SETTINGS = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
+ROWS = 60_000
+BIG = f"INSERT INTO big SELECT i, repeat('x', 40) || i FROM generate_series(1, {ROWS}) AS i"
+
+
+@pytest.fixture(autouse=True)
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts of 5,000 changes: the side session starts after the first spill, not the third."""
+    monkeypatch.setattr(applier_module, "LARGE_PART_CHANGES", 5000)
+
+
+async def writing_open_transaction(dsn: str) -> bool:
+    """Whether a pgmesh session here holds an open transaction that has written something."""
+    rows = await fetch(dsn, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+                            " AND backend_xid IS NOT NULL AND pid <> pg_backend_pid()")
+    return bool(rows[0][0])
+
+
+async def side_started(router: Router, targets: Sequence[Any]) -> None:
+    for node in targets:
+        applier = router.appliers[("a", node.name)]
+        await wait_for(lambda applier=applier: applier.early_streams >= 1, f"a -> {node.name} to start early")
+        await wait_for(lambda node=node: writing_open_transaction(node.dsn()),
+                       f"{node.name} to hold the open transaction", limit=120)
+
+
+@pytest.mark.slow
+async def test_streamed_transaction_is_applied_before_its_commit() -> None:
+    nodes = create_nodes(["a", "b", "c"], settings=SETTINGS)
+    try:
+        a, b, c = nodes
+        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+        async with running_router(config) as router:
+            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+                await writer.execute(BIG)  # not committed yet
+                await side_started(router, [b, c])
+                await execute(a.dsn(), "INSERT INTO small VALUES (1, 'meanwhile')")
+                await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "the small one on b")
+                assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
+                await writer.execute("UPDATE big SET v = 'last' WHERE id = 7")
+                await writer.commit()
+                query = "SELECT pg_xact_commit_timestamp(xmin) FROM big WHERE id = 1"
+                ((when,),) = await fetch(a.dsn(), query)
+            await wait_converged(nodes, ["big", "small"], limit=240)
+            for node in (b, c):
+                applier = router.appliers[("a", node.name)]
+                assert applier.early_streams_committed == 1, (node.name, applier.early_streams_dropped)
+                assert applier.early_streams_dropped == 0
+            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+            # what the side sessions wrote came back from b and c as echoes, not as their own
+            for (source, target), applier in router.appliers.items():
+                assert applier.conflicts == 0, (source, target)
+                if source != "a":
+                    assert applier.applied_transactions == 0, (source, target)
+            assert router.pumps["b"].echoes >= 1 and router.pumps["c"].echoes >= 1
+        for node in (b, c):
+            rows = await fetch(node.dsn(), "SELECT count(*), count(DISTINCT x.roname), min(t.timestamp),"
+                                           " max(v) FILTER (WHERE id = 7)"
+                                           " FROM big, pg_xact_commit_timestamp_origin(big.xmin) t"
+                                           " JOIN pg_replication_origin x ON x.roident = t.roident")
+            assert rows == [(ROWS, 1, when, "last")]
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
+    return (await fetch(dsn, f"SELECT count(*) FROM {table}"))[0][0] == wanted
+
+
+@pytest.mark.slow
+async def test_rolled_back_streamed_transaction_leaves_nothing() -> None:
+    nodes = create_nodes(["a", "b"], settings=SETTINGS)
+    try:
+        a, b = nodes
+        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+        async with running_router(config) as router:
+            applier = router.appliers[("a", "b")]
+            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+                await writer.execute(BIG)
+                await side_started(router, [b])
+                await writer.rollback()
+            await wait_for(lambda: applier.early_streams_dropped == 1, "b to give it up")
+            await wait_for(lambda: not_writing(b.dsn()), "b's side transaction to end")
+            await execute(a.dsn(), "INSERT INTO small VALUES (1, 'after')")
+            await wait_converged(nodes, ["big", "small"])
+            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+            assert applier.early_streams_committed == 0
+        assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+async def not_writing(dsn: str) -> bool:
+    return not await writing_open_transaction(dsn)
+
+
+@pytest.mark.slow
+async def test_earlier_commit_on_the_same_table_rolls_the_side_back() -> None:
+    nodes = create_nodes(["a", "b"], settings=SETTINGS)
+    try:
+        a, b = nodes
+        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+        async with running_router(config) as router:
+            applier = router.appliers[("a", "b")]
+            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+                await writer.execute(BIG)
+                await side_started(router, [b])
+                await execute(a.dsn(), f"INSERT INTO big VALUES ({ROWS + 1}, 'first')")
+                await wait_for(lambda: applier.early_streams_dropped == 1, "b to give the side one up")
+                await wait_for(lambda: fetch_count(b.dsn(), "big", 1), "the small one on b")
+                await writer.commit()
+            await wait_converged(nodes, ["big"], limit=240)
+            assert applier.early_streams_committed == 0
+        assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+@pytest.mark.slow
+async def test_subtransaction_rolled_back_inside_a_streamed_transaction() -> None:
+    nodes = create_nodes(["a", "b"], settings=SETTINGS)
+    try:
+        a, b = nodes
+        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+        async with running_router(config) as router:
+            applier = router.appliers[("a", "b")]
+            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+                await writer.execute(BIG)
+                await side_started(router, [b])
+                await writer.execute("SAVEPOINT s")
+                await writer.execute(f"INSERT INTO big SELECT i, 'gone' FROM generate_series({ROWS + 1},"
+                                     f" {ROWS + 20000}) AS i")
+                await writer.execute("ROLLBACK TO SAVEPOINT s")
+                await writer.execute(f"INSERT INTO big VALUES ({ROWS + 1}, 'kept')")
+                await writer.commit()
+            await wait_converged(nodes, ["big"], limit=240)
+            assert applier.early_streams_committed == 0 and applier.early_streams_dropped == 1
+            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+        rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
+        assert rows == [(ROWS + 1, 0)]
+    finally:
+        for node in nodes:
+            node.destroy()
