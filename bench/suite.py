@@ -602,7 +602,8 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         "",
         "Backlogs are made on a while replication is stopped and timed from start until every target shows a",
         "marker committed after them. pgmesh3 writes on a and reports each link (a->b, a->c) and both"
-        " together (the row without a link). Before each workload every node gets a CHECKPOINT; pgmesh"
+        " together (the row without a link). Before each workload every node gets a VACUUM ANALYZE and a"
+        " CHECKPOINT; pgmesh"
         " also runs its router until every slot is confirmed to the nodes' WAL position (the echoes of"
         " the last workload decoded), Bucardo purges and vacuums its delta tables.",
         "",

@@ -95,7 +95,10 @@ class SuiteSystem(apply.System):
 
     async def settle(self) -> None:
         """Called (stopped) before each workload: housekeeping that the system would do by itself in time.
-        Every system gets a CHECKPOINT on every node, so no workload pays for the last one's dirty pages."""
+        Every system gets a VACUUM ANALYZE and then a CHECKPOINT on every node, so that no workload pays
+        for the last one's dead rows (autovacuum starting inside a timed window) or dirty pages."""
+        for node in self.data_nodes:
+            await execute(node.dsn(), "VACUUM ANALYZE")
         await checkpoint(self.data_nodes)
 
     async def close(self) -> None:
