@@ -28,14 +28,13 @@ import asyncio
 import collections
 import contextlib
 import enum
-import io
 import itertools
 import json
 import logging
 import random
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import asyncpg
@@ -283,6 +282,12 @@ def _side_check(part: list[Change], xid: int) -> None:
                 raise _SideStop("it has a subtransaction")
         elif kind is Truncate or kind is Message:
             raise _SideStop("it has a TRUNCATE or a logical message")
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    """`data` as an asynchronous iterable: asyncpg's COPY then sends it as it is (a file-like object
+    would be read in a worker thread, chunk by chunk)."""
+    yield data
 
 
 async def _take_origin(conn: asyncpg.Connection, origin: str) -> None:
@@ -966,8 +971,8 @@ class Applier:
                 await conn.execute(run.fallback())
                 return
         schema, table = run.schema_and_name
-        data = io.BytesIO(run.data())
-        await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=data, format="text")
+        await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=_once(run.data()),
+                                 format="text")
         self.copied_rows += len(run.rows)
 
     # ------------------------------------------------------------ streamed transactions, early
