@@ -427,6 +427,7 @@ class Applier:
     def pause(self, reason: str = "paused by the operator") -> None:
         self.user_paused = True
         self._resumed.clear()
+        self._drop_side("the link was paused")  # holds no transaction open while paused
         self.state = LinkState.PAUSED
         self.last_error = None if reason.startswith("paused by") else reason
 
@@ -503,6 +504,7 @@ class Applier:
         self.last_error = f"applying {self.source}'s transaction: {text}"
         self.state = LinkState.ERROR
         self._resumed.clear()
+        self._drop_side("the link paused on an error")
         logger.error("link %s paused: %s (fix it, then `pgmesh resume`)", self.name, self.last_error)
 
     async def _connect(self) -> None:
