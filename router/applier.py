@@ -269,9 +269,6 @@ class _Side:
         return spill
 
 
-_SIDE_ROWS = (Insert, Update, Delete)
-
-
 def _side_check(part: list[Change], xid: int) -> None:
     """What the side session cannot take: a subtransaction's change (it could still be aborted), a
     TRUNCATE (an exclusive lock for the whole stream), a logical message (DDL goes the careful way)."""
@@ -1104,6 +1101,7 @@ class Applier:
             self._drop_side("a transaction that commits before it writes the same tables")
             return
         self._main_tables = frozenset(names)
+        self._main_idle.set()  # the side session re-checks: what it waited for may be free now
 
     async def _finish_side(self, side: _Side, txn: Transaction) -> bool:
         """`txn`'s commit is next: commit the side session's transaction now, under the origin (handed
@@ -1112,6 +1110,8 @@ class Applier:
         assert main is not None
         side.finishing = True
         committed = False
+        self._main_tables = frozenset()  # the main session writes nothing until this is done
+        self._main_idle.set()
         try:
             if side.task is not None:
                 await asyncio.wait({side.task})
