@@ -256,6 +256,8 @@ class Metrics:
         "apply_errors_total",
         "apply_retries_total",
         "conflicts_total",
+        "early_rolled_back_total",
+        "early_transactions_total",
         "echo_transactions_total",
         "lag_bytes",
         "lag_seconds",
@@ -291,6 +293,18 @@ class Metrics:
         self.skipped_transactions_total = counter(
             PREFIX + "skipped_transactions_total",
             "Transactions not applied because the target had already applied them (resent after a restart).",
+            link,
+        )
+        self.early_transactions_total = counter(
+            PREFIX + "early_transactions_total",
+            "Large transactions whose apply on the target began before their commit arrived"
+            " (replication.early_apply).",
+            link,
+        )
+        self.early_rolled_back_total = counter(
+            PREFIX + "early_rolled_back_total",
+            "Of those, the ones rolled back on the target before their commit (aborted or resent by the"
+            " source, or applied the normal way at their commit).",
             link,
         )
         self.lag_bytes = gauge(

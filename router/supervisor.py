@@ -145,7 +145,7 @@ class Router:
         self.metrics = metrics or Metrics()
         self.admin: AdminServer | None = None
         self._admin_enabled = admin
-        self._exported: dict[tuple[str, str], tuple[int, int, int, int, int]] = {}
+        self._exported: dict[tuple[str, str], tuple[int, ...]] = {}
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
@@ -429,11 +429,13 @@ class Router:
         for key, applier in self.appliers.items():
             labels = {"source": key[0], "target": key[1]}
             now = (applier.applied_transactions, applier.applied_rows, applier.retries, applier.errors,
-                   applier.skipped)
-            before = self._exported.get(key, (0, 0, 0, 0, 0))
+                   applier.skipped, applier.early_transactions + applier.early_streams,
+                   applier.abandoned_transactions + applier.early_streams_dropped)
+            before = self._exported.get(key, (0, 0, 0, 0, 0, 0, 0))
             for family, new, old in zip(
                 (m.applied_transactions_total, m.applied_rows_total, m.apply_retries_total,
-                 m.apply_errors_total, m.skipped_transactions_total), now, before, strict=True,
+                 m.apply_errors_total, m.skipped_transactions_total, m.early_transactions_total,
+                 m.early_rolled_back_total), now, before, strict=True,
             ):
                 if new > old:
                     family.labels(**labels).inc(new - old)

@@ -94,6 +94,12 @@ async def test_streamed_transaction_is_applied_before_its_commit() -> None:
                 if source != "a":
                     assert applier.applied_transactions == 0, (source, target)
             assert router.pumps["b"].echoes >= 1 and router.pumps["c"].echoes >= 1
+
+            def exported() -> bool:
+                child = router.metrics.early_transactions_total.find(source="a", target="b")
+                return child is not None and child.get() >= 1
+
+            await wait_for(exported, "pgmesh_early_transactions_total on /metrics")
         for node in (b, c):
             rows = await fetch(node.dsn(), "SELECT count(*), count(DISTINCT x.roname), min(t.timestamp),"
                                            " max(v) FILTER (WHERE id = 7)"

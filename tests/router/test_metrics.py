@@ -168,6 +168,8 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_apply_retries_total": ("counter", ("source", "target")),
     "pgmesh_apply_errors_total": ("counter", ("source", "target")),
     "pgmesh_skipped_transactions_total": ("counter", ("source", "target")),
+    "pgmesh_early_transactions_total": ("counter", ("source", "target")),
+    "pgmesh_early_rolled_back_total": ("counter", ("source", "target")),
     "pgmesh_echo_transactions_total": ("counter", ("node",)),
     "pgmesh_lag_bytes": ("gauge", ("source", "target")),
     "pgmesh_lag_seconds": ("gauge", ("source", "target")),
