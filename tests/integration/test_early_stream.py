@@ -14,6 +14,9 @@ before it. At its commit the side session commits it, in commit order, under the
    (the main session never waits for it) and the big one is applied at its commit, after it.
 4. A subtransaction rolled back inside it: the side session gives up, the whole transaction is applied
    at its commit without the subtransaction's rows.
+5. Its commit comes in one batch right behind a transaction on a table its tail also writes: the side
+   session waits for that table while the other runs and commits right after (this hung before the
+   side session was told that the main session's tables shrank).
 """
 
 from __future__ import annotations
@@ -188,6 +191,39 @@ async def test_subtransaction_rolled_back_inside_a_streamed_transaction() -> Non
             await wait_for(lambda: router.spool.files == 0, "the spool file to go")
         rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
         assert rows == [(ROWS + 1, 0)]
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+@pytest.mark.slow
+async def test_side_waits_for_a_table_while_the_commit_before_it_runs() -> None:
+    """The main session is held (a row lock on B) while, on A, T1 writes `small` and the streamed
+    transaction, whose side session is running, also writes `small` and commits. When B lets go, the
+    main session applies T1 and then the streamed one's commit in one batch: the side session must
+    wait for `small` while T1 runs and take it right after, or both would wait for each other."""
+    nodes = create_nodes(["a", "b"], settings=SETTINGS)
+    try:
+        a, b = nodes
+        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+        async with running_router(config) as router:
+            applier = router.appliers[("a", "b")]
+            await execute(a.dsn(), "INSERT INTO small VALUES (0, 'start')")
+            await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "row 0 on b")
+            async with await psycopg.AsyncConnection.connect(b.dsn()) as holder, \
+                    await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+                await holder.execute("SELECT * FROM small WHERE id = 0 FOR UPDATE")
+                await writer.execute(BIG)
+                await side_started(router, [b])
+                await execute(a.dsn(), "UPDATE small SET v = 't0' WHERE id = 0")  # held on b
+                await execute(a.dsn(), "INSERT INTO small VALUES (1, 't1')")
+                await writer.execute("INSERT INTO small VALUES (2, 'streamed')")
+                await writer.commit()
+                await wait_for(lambda: applier.pending >= 3, "t1 and the streamed commit queued behind t0")
+                await holder.rollback()
+            await wait_converged(nodes, ["big", "small"], limit=120)
+            assert applier.early_streams_committed == 1, applier.early_streams_dropped
+        assert await fetch(b.dsn(), "SELECT count(*) FROM small") == [(3,)]
     finally:
         for node in nodes:
             node.destroy()
