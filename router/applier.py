@@ -34,7 +34,7 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import asyncpg
@@ -298,6 +298,52 @@ async def _take_origin(conn: asyncpg.Connection, origin: str) -> None:
             if attempt == 49:
                 raise
             await asyncio.sleep(0.1)
+
+
+class _Gone(Exception):
+    """A spill file read before its transaction's commit was abandoned (aborted, or sent again)."""
+
+
+async def _growing_parts(
+    txn: Transaction, relations: dict[int, Relation]
+) -> AsyncGenerator[tuple[list[Change], Transaction | None], None]:
+    """The changes of `txn`, read before its commit while its spill file grows: parts of
+    LARGE_PART_CHANGES as they are written, then the rest with the in-memory tail once the commit
+    arrived; each part with the whole Transaction once the commit is there (None before). Before each
+    part, `relations` gets the relations the source learnt meanwhile (`txn.relations` is the source
+    assembler's own dict: it grows as later changes name more). Raises _Gone when the file is
+    abandoned before the commit."""
+    spill = txn.spill
+    live = txn.relations
+    changed = spill.changed
+    assert changed is not None
+    pending: list[Change] = []
+    pos = 0
+    while True:
+        changed.clear()
+        final = spill.final
+        if spill.abandoned and final is None:
+            raise _Gone
+        try:
+            got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
+        except PgmeshError:
+            if spill.abandoned:
+                raise _Gone from None
+            raise
+        pending += got
+        whole = final is not None and pos >= spill.size
+        if final is not None and whole:
+            pending += final.changes  # the tail that never spilled
+        while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
+            part = pending[:LARGE_PART_CHANGES]
+            del pending[:LARGE_PART_CHANGES]
+            for relid, relation in live.items():
+                relations.setdefault(relid, relation)
+            yield part, final
+        if whole:
+            return
+        if not got:
+            await changed.wait()
 
 
 def _whole(txn: Transaction) -> Transaction:
@@ -841,45 +887,23 @@ class Applier:
         raising, so that the careful path gets it (`self._held[0]` becomes the whole one)."""
         spill = txn.spill
         conn = self._conn
-        assert spill is not None and spill.changed is not None and conn is not None
-        live = txn.relations  # the source's assembler adds to it as later changes name more relations
-        relations = dict(live)
+        assert spill is not None and conn is not None
+        relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
-        pending: list[Change] = []
         first = True
-        pos = 0
         try:
-            while True:
-                spill.changed.clear()
-                final = spill.final
-                if spill.abandoned and final is None:
-                    raise _Abandoned(txn)
-                try:
-                    got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
-                except PgmeshError:
-                    if spill.abandoned:
-                        raise _Abandoned(txn) from None
-                    raise
-                pending += got
-                whole = final is not None and pos >= spill.size
-                if whole:
-                    assert final is not None
-                    pending += final.changes  # the tail that never spilled
-                while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
-                    part = pending[:LARGE_PART_CHANGES]
-                    del pending[:LARGE_PART_CHANGES]
-                    for relid, relation in live.items():
-                        relations.setdefault(relid, relation)
+            async with contextlib.aclosing(_growing_parts(txn, relations)) as parts:
+                async for part, final in parts:
                     if first and final is None:
                         self.early_transactions += 1
                     await self._apply_part(txn, part, relations, tombstones, first, False, setup=False)
                     first = False
-                if whole:
-                    break
-                if not got:
-                    await spill.changed.wait()
+            final = spill.final
+            assert final is not None
             whole_txn: Transaction = final
             await conn.execute(f"{xact_setup_sql(whole_txn)};\nCOMMIT")
+        except _Gone:
+            raise _Abandoned(txn) from None
         except asyncpg.PostgresError:
             while spill.final is None and not spill.abandoned:
                 spill.changed.clear()
@@ -1024,8 +1048,6 @@ class Applier:
         """Apply the announced transaction as its spill file grows, in one target transaction left
         open (the main session commits it: `_finish_side`). Returns once all of it is applied."""
         spill, txn = side.spill, side.item.txn
-        changed = spill.changed
-        assert changed is not None
         conn = side.conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
         await conn.execute(_SESSION_SETUP)
         # Its rows are written under an origin of their own (the main session holds the source's): the
@@ -1036,43 +1058,25 @@ class Applier:
         await _take_origin(conn, early)
         if self._installed_at:
             await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", self._installed_at)
-        live = txn.relations  # the source's assembler adds to it as later changes name more relations
-        relations = dict(live)
+        relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
-        pending: list[Change] = []
         first = True
-        pos = 0
-        while True:
-            changed.clear()
-            final = spill.final
-            if spill.abandoned:
-                raise _SideStop("the source transaction was aborted, or it will be sent again")
-            try:
-                got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
-            except PgmeshError:
-                raise _SideStop("its spill file is gone") from None
-            pending += got
-            whole = final is not None and pos >= spill.size
-            if whole:
-                assert final is not None
-                if final.aborted_subxids:
-                    raise _SideStop("a subtransaction of it was aborted")
-                pending += final.changes  # the tail that never spilled
-            while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
-                part = pending[:LARGE_PART_CHANGES]
-                del pending[:LARGE_PART_CHANGES]
-                _side_check(part, txn.xid)
-                for relid, relation in live.items():
-                    relations.setdefault(relid, relation)
-                await self._side_tables(side, relations)
-                await self._apply_part(txn, part, relations, tombstones, first, False, setup=False, side=side)
-                first = False
-            if whole:
-                if first:
-                    raise _SideStop("nothing of it was applied before its commit")
-                return
-            if not got:
-                await changed.wait()
+        try:
+            async with contextlib.aclosing(_growing_parts(txn, relations)) as parts:
+                async for part, final in parts:
+                    if spill.abandoned:
+                        raise _Gone
+                    if final is not None and final.aborted_subxids:
+                        raise _SideStop("a subtransaction of it was aborted")
+                    _side_check(part, txn.xid)
+                    await self._side_tables(side, relations)
+                    await self._apply_part(txn, part, relations, tombstones, first, False, setup=False,
+                                           side=side)
+                    first = False
+        except _Gone:
+            raise _SideStop("the source transaction was aborted, or it will be sent again") from None
+        if first:
+            raise _SideStop("nothing of it was applied before its commit")
 
     async def _side_tables(self, side: _Side, relations: dict[int, Relation]) -> None:
         """Before the side session locks a table, wait until the main session's batch is not writing it."""
