@@ -18,8 +18,9 @@ session goes on with what commits before it. When its commit comes to the head o
 session hands the origin over and the side session commits it there, in commit order. The two sessions
 never wait for each other: the main session starts no batch that touches a table the side transaction
 holds (it rolls the side transaction back first), and the side session takes no table the main session
-is writing. Anything unusual (a subtransaction, a TRUNCATE, DDL, a conflict, an abort, a reconnect)
-rolls the side transaction back, and the transaction is applied the normal way at its commit.
+is writing. Anything unusual (a subtransaction aborted after part of it spilled, a TRUNCATE, DDL, a
+conflict, an abort, a reconnect) rolls the side transaction back, and the transaction is applied the
+normal way at its commit.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import msgspec
 import psycopg.conninfo
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
-from protocol.messages import Delete, Insert, Message, Relation, Truncate, Update
+from protocol.messages import Message, Relation, Truncate
 from protocol.transactions import Change, Transaction
 from router.config import Config, NodeConfig
 from router.conflict_apply import CarefulApplier
@@ -224,6 +225,9 @@ class LinkQueue:
 
 
 _NOT_COMMITTED = "pgmesh: the transaction before this one did not commit; "
+# A session that may hold the source's origin (a lane, the side session) lets it go after a failure.
+_LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
+                  " WHERE pg_catalog.pg_replication_origin_session_is_setup()")
 
 
 class _Lane:
@@ -269,15 +273,14 @@ class _Side:
         return spill
 
 
-def _side_check(part: list[Change], xid: int) -> None:
-    """What the side session cannot take: a subtransaction's change (it could still be aborted), a
-    TRUNCATE (an exclusive lock for the whole stream), a logical message (DDL goes the careful way)."""
+def _side_check(part: list[Change]) -> None:
+    """What the side session does not take: a TRUNCATE (an exclusive lock for the whole stream), a
+    logical message (DDL goes the careful way). A subtransaction's changes it takes: one aborted after
+    they spilled is listed in the commit's `aborted_subxids`, and the side transaction is then rolled
+    back (`_side_apply`)."""
     for change in part:
         kind = type(change)
-        if kind is Insert or kind is Update or kind is Delete:
-            if change.xid is not None and change.xid != xid:
-                raise _SideStop("it has a subtransaction")
-        elif kind is Truncate or kind is Message:
+        if kind is Truncate or kind is Message:
             raise _SideStop("it has a TRUNCATE or a logical message")
 
 
@@ -332,7 +335,8 @@ async def _growing_parts(
             raise
         pending += got
         whole = final is not None and pos >= spill.size
-        if final is not None and whole:
+        if whole:
+            assert final is not None
             pending += final.changes  # the tail that never spilled
         while pending and (len(pending) >= LARGE_PART_CHANGES or whole):
             part = pending[:LARGE_PART_CHANGES]
@@ -861,10 +865,11 @@ class Applier:
         if spill is not None and spill.early and spill.final is not txn:
             return await self._apply_growing(txn)
         side = self._side
-        ahead = side is not None and spill is not None and side.spill is spill
-        if ahead and side is not None and await self._finish_side(side, txn):
-            self.copied_transactions += 1
-            return txn
+        if side is not None and spill is not None and side.spill is spill:  # applied ahead: commit it
+            committed = await self._finish_side(side, txn)
+            if committed:
+                self.copied_transactions += 1
+                return txn
         relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
         parts = _parts(txn)
@@ -1068,7 +1073,7 @@ class Applier:
                         raise _Gone
                     if final is not None and final.aborted_subxids:
                         raise _SideStop("a subtransaction of it was aborted")
-                    _side_check(part, txn.xid)
+                    _side_check(part)
                     await self._side_tables(side, relations)
                     await self._apply_part(txn, part, relations, tombstones, first, False, setup=False,
                                            side=side)
@@ -1136,10 +1141,7 @@ class Applier:
             except asyncpg.PostgresError as exc:
                 side.why = f"its commit failed: {describe(exc)}"
                 with contextlib.suppress(Exception):
-                    await conn.execute(
-                        "ROLLBACK; SELECT pg_catalog.pg_replication_origin_session_reset()"
-                        " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
-                    )
+                    await conn.execute(f"ROLLBACK;\n{_LET_ORIGIN_GO}")
             except (OSError, asyncpg.InterfaceError) as exc:
                 side.why = f"its session was lost while committing: {describe(exc)}"
                 conn.terminate()
@@ -1290,11 +1292,7 @@ class Applier:
         except asyncpg.PostgresError as exc:
             with contextlib.suppress(asyncpg.PostgresError):
                 await conn.execute("ROLLBACK")
-            await conn.execute(
-                "SELECT pg_catalog.pg_replication_origin_session_reset()"
-                " WHERE pg_catalog.pg_replication_origin_session_is_setup();\n"
-                "SELECT pg_catalog.pg_advisory_unlock_all()"
-            )
+            await conn.execute(f"{_LET_ORIGIN_GO};\nSELECT pg_catalog.pg_advisory_unlock_all()")
             if _NOT_COMMITTED not in str(exc):
                 logger.debug("link %s: a lane stopped: %s", self.name, describe(exc))
             return exc

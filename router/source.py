@@ -94,7 +94,7 @@ class EarlyStream(msgspec.Struct, frozen=True, gc=False):
     """A streamed transaction still in progress on the source, announced at its first spill.
 
     `txn` is it as far as it came (`TransactionAssembler.open_stream`: no commit LSN or time yet;
-    `txn.relations` keeps growing; `txn.spill` is `spill`); `spill` is its spill file, growing
+    `txn.relations` keeps growing); `spill` (`txn.spill`) is its spill file, growing
     (`SpillFile.live`): read it with `read_frames` and wait on `changed`. It may still abort (the
     file is then `abandoned`). If it commits, its Transaction comes out of `stream()` in commit order
     as usual, with this same file, which then also has `final` set. Whoever keeps the file for later
@@ -102,7 +102,10 @@ class EarlyStream(msgspec.Struct, frozen=True, gc=False):
     """
 
     txn: Transaction
-    spill: Any
+
+    @property
+    def spill(self) -> Any:
+        return self.txn.spill
 
 
 class SystemInfo(msgspec.Struct, frozen=True):
@@ -824,7 +827,7 @@ class ReplicationSource:
             handle.pinned = True
             self._announced.add(out.xid)
             self.early_streams += 1
-            return EarlyStream(msgspec.structs.replace(stream, spill=handle), handle)
+            return EarlyStream(msgspec.structs.replace(stream, spill=handle))
         if not self.options.early_spilled:
             return None
         txn = self._assembler.open_transaction()

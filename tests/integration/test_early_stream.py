@@ -12,8 +12,9 @@ before it. At its commit the side session commits it, in commit order, under the
 2. A's transaction is rolled back after B started on it: B rolls back too and has none of it.
 3. A transaction that commits before it writes the same table: the side transaction is rolled back
    (the main session never waits for it) and the big one is applied at its commit, after it.
-4. A subtransaction rolled back inside it: the side session gives up, the whole transaction is applied
-   at its commit without the subtransaction's rows.
+4. A subtransaction rolled back inside it: the side session applies its rows as they come, learns of
+   the rollback at the commit and gives up; the whole transaction is applied at its commit without the
+   subtransaction's rows.
 5. Its commit comes in one batch right behind a transaction on a table its tail also writes: the side
    session waits for that table while the other runs and commits right after (this hung before the
    side session was told that the main session's tables shrank).
