@@ -131,8 +131,8 @@ class LinkState(enum.Enum):
 class LinkQueue:
     """A bounded FIFO of transactions for one link. `offer` never blocks the fan-out.
 
-    Beside it, a side channel of streamed transactions announced before their commit (`offer_side`,
-    `get_side`): each holds one reference to its spill file, released by whoever takes it. `cleared`
+    Beside it, one slot for a streamed transaction announced before its commit (`offer_side`,
+    `get_side`): it holds one reference to its spill file, released by whoever takes it. `cleared`
     counts `clear()`s (the link detached or restarted: what was announced may never come here).
     """
 
@@ -144,7 +144,7 @@ class LinkQueue:
         self._nonempty = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
-        self._side: collections.deque[EarlyStream] = collections.deque()
+        self._side: EarlyStream | None = None
         self._side_ready = asyncio.Event()
         self.cleared = 0
 
@@ -203,22 +203,28 @@ class LinkQueue:
         self._side_ready.set()  # wakes the applier's side watch: what it started may never come
 
     def offer_side(self, item: EarlyStream) -> None:
-        """Announce a streamed transaction in progress (the caller acquired its file for this link)."""
-        self._side.append(item)
+        """Announce a streamed transaction in progress (the caller acquired its file for this link).
+        One waits here at most (the applier takes one at a time): a link that is down keeps no file."""
+        if self._side is not None:
+            item.spill.release()
+            return
+        self._side = item
         self._side_ready.set()
 
     async def get_side(self, wait_s: float) -> EarlyStream | None:
-        """The next announcement, or None after `wait_s` seconds (or a `clear()`) without one."""
-        if not self._side:
+        """The announcement waiting, or None after `wait_s` seconds (or a `clear()`) without one."""
+        if self._side is None:
             self._side_ready.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await self._side_ready.wait()
-        return self._side.popleft() if self._side else None
+        item, self._side = self._side, None
+        return item
 
     def drop_side(self) -> None:
-        while self._side:
-            self._side.popleft().spill.release()
+        item, self._side = self._side, None
+        if item is not None:
+            item.spill.release()
 
     def oldest_commit_time(self) -> int | None:
         return self._items[0].commit_time if self._items else None
