@@ -94,13 +94,16 @@ def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> N
     up = Update(7, TupleData(b"ttu", (b"1", b"x", UNCHANGED_TOAST)))
     first = transaction_script(txn(up, Delete(7, TupleData(b"tnn", (b"1", None, None)), "K")), TABLES,
                                prepared=prepared)
+    # the origin's xact_setup is prepared too, once per session
+    assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in first
+    assert "BEGIN;\nEXECUTE pgmesh_1('1/200', " in first
     assert (
-        'PREPARE pgmesh_1 AS UPDATE "public"."Odd Name" SET "id" = $1, "note" = $2 WHERE "id" = $3'
+        'PREPARE pgmesh_2 AS UPDATE "public"."Odd Name" SET "id" = $1, "note" = $2 WHERE "id" = $3'
     ) in first
-    assert "EXECUTE pgmesh_1('1', 'x', '1')" in first
-    assert 'PREPARE pgmesh_2 AS DELETE FROM "public"."Odd Name" WHERE "id" = $1' in first
+    assert "EXECUTE pgmesh_2('1', 'x', '1')" in first
+    assert 'PREPARE pgmesh_3 AS DELETE FROM "public"."Odd Name" WHERE "id" = $1' in first
     second = transaction_script(txn(up), TABLES, prepared=prepared)
-    assert "PREPARE" not in second and "EXECUTE pgmesh_1" in second
+    assert "PREPARE" not in second and "EXECUTE pgmesh_2" in second and "EXECUTE pgmesh_1" in second
     full = transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), TABLES, prepared=prepared)
     assert "PREPARE" not in full and "ctid" in full  # whole-row matches stay plain SQL
 
@@ -115,12 +118,13 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
     script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert len(prelude) == 2  # the locks, then the insert unless a tombstone holds the key
-    assert "pg_advisory_xact_lock_shared" in prelude[0] and "hashtextextended" in prelude[0]
-    assert "NOT EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
-    assert "EXECUTE pgmesh_1('1');\nEXECUTE pgmesh_2('1', 'it''s', NULL)" in script
+    assert len(prelude) == 3  # the origin's setup, the locks, the insert unless a tombstone holds the key
+    assert "pg_replication_origin_xact_setup" in prelude[0]
+    assert "pg_advisory_xact_lock_shared" in prelude[1] and "hashtextextended" in prelude[1]
+    assert "NOT EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[2] and "$1::integer" in prelude[2]
+    assert "EXECUTE pgmesh_2('1');\nEXECUTE pgmesh_3('1', 'it''s', NULL)" in script
     again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert len(prelude) == 2 and "EXECUTE pgmesh_2" in again  # planned once per relation
+    assert len(prelude) == 3 and "EXECUTE pgmesh_3" in again  # planned once per relation
     many = [Insert(7, TupleData(b"ttn", (str(i).encode(), b"x", None))) for i in range(KEY_LOCKS_MAX + 1)]
     big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
