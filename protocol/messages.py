@@ -26,6 +26,7 @@ __all__ = [
     "Message",
     "Origin",
     "PgOutputMessage",
+    "RawInsert",
     "Relation",
     "StreamAbort",
     "StreamCommit",
@@ -149,6 +150,16 @@ class Type(msgspec.Struct, frozen=True, gc=False, tag="Y"):
 class Insert(msgspec.Struct, frozen=True, gc=False, tag="I"):
     relid: int
     new: TupleData
+    xid: int | None = None
+
+
+class RawInsert(msgspec.Struct, frozen=True, gc=False, tag="i"):
+    """An Insert whose new row is still the server's bytes: `data` is pgoutput's TupleData (Int16 column
+    count, then each column), not yet read. For transactions that spill, whose rows mostly go to disk
+    and back into COPY: `protocol.pgoutput.decode_raw_insert` turns it into the `Insert`."""
+
+    relid: int
+    data: bytes
     xid: int | None = None
 
 

@@ -30,6 +30,7 @@ from protocol.messages import (
     Message,
     Origin,
     PgOutputMessage,
+    RawInsert,
     Relation,
     StreamAbort,
     StreamCommit,
@@ -41,7 +42,7 @@ from protocol.messages import (
     Update,
 )
 
-__all__ = ["Decoder", "decode"]
+__all__ = ["Decoder", "decode", "decode_raw_insert", "raw_insert", "raw_tuple"]
 
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
@@ -249,6 +250,44 @@ def _insert(buf: bytes, pos: int, xid: int | None = None) -> tuple[PgOutputMessa
         raise MalformedMessage(f"insert: expected 'N' before the new tuple, got {marker:#04x}")
     new, pos = _tuple(buf, pos + 5)
     return Insert(relid, new, xid), pos
+
+
+def raw_insert(buf: bytes, offset: int, *, streaming: bool, lsn: int | None = None) -> RawInsert:
+    """The Insert message at `offset` (to the end of `buf`) with its row left undecoded (`RawInsert`).
+
+    Reads only the relation id (and, in a stream block, the xid): a row that is only going to be
+    copied through (to a spill file, then into COPY) is decoded once, at the end, or never.
+    """
+    try:
+        if buf[offset] != 0x49:  # 'I'
+            raise MalformedMessage(f"not an insert: tag {buf[offset]:#04x}")
+        pos = offset + 1
+        xid = None
+        if streaming:
+            xid = _U32.unpack_from(buf, pos)[0]
+            pos += 4
+        relid, marker = _ROW_HEAD.unpack_from(buf, pos)
+        if marker != 0x4E:  # 'N'
+            raise MalformedMessage(f"insert: expected 'N' before the new tuple, got {marker:#04x}")
+    except (ProtocolError, struct.error, IndexError) as exc:
+        raise _located(exc, lsn, 0x49) from None
+    return RawInsert(relid, buf[pos + 5 :], xid)
+
+
+def raw_tuple(raw: RawInsert) -> TupleData:
+    """The row of a `RawInsert`, decoded (exactly as `decode` would have)."""
+    try:
+        new, end = _tuple(raw.data, 0)
+    except (ProtocolError, struct.error, IndexError) as exc:
+        raise _located(exc, None, 0x49) from None
+    if end != len(raw.data):
+        raise MalformedMessage(f"{len(raw.data) - end} unexpected bytes after the insert's row", tag="I")
+    return new
+
+
+def decode_raw_insert(raw: RawInsert) -> Insert:
+    """The `Insert` a `RawInsert` stands for."""
+    return Insert(raw.relid, raw_tuple(raw), raw.xid)
 
 
 def _update(buf: bytes, pos: int, xid: int | None = None) -> tuple[PgOutputMessage, int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
 
@@ -32,6 +32,7 @@ from protocol.messages import (
     Message,
     Origin,
     PgOutputMessage,
+    RawInsert,
     Relation,
     StreamAbort,
     StreamCommit,
@@ -41,13 +42,16 @@ from protocol.messages import (
     Type,
     Update,
 )
+from protocol.pgoutput import decode_raw_insert
 from protocol.relations import RelationCache
 
-__all__ = ["Change", "Spill", "SpillDropped", "Transaction", "TransactionAssembler"]
+__all__ = ["Change", "Spill", "SpillDropped", "SpilledChange", "Transaction", "TransactionAssembler"]
 
 Change = Insert | Update | Delete | Truncate | Message | Relation | Type
-_ROW_CHANGES: Final = (Insert, Update, Delete, Truncate, Message)
-_ROWS: Final = (Insert, Update, Delete)
+# What a Spill may also hold: an Insert left undecoded (see `TransactionAssembler.raw_rows`).
+SpilledChange = Change | RawInsert
+_ROW_CHANGES: Final = (Insert, RawInsert, Update, Delete, Truncate, Message)
+_ROWS: Final = (Insert, RawInsert, Update, Delete)
 _ROW_TYPES: Final = frozenset(_ROWS)  # `feed` handles these itself
 
 
@@ -97,7 +101,7 @@ class Spill(msgspec.Struct, frozen=True, gc=False):
     """
 
     xid: int
-    changes: list[Change]
+    changes: list[SpilledChange]
     nbytes: int = 0
 
 
@@ -107,7 +111,7 @@ class SpillDropped(msgspec.Struct, frozen=True, gc=False):
     xid: int
 
 
-def _count_rows(changes: list[Change]) -> int:
+def _count_rows(changes: list[Change] | list[SpilledChange]) -> int:
     return sum(1 for c in changes if isinstance(c, _ROWS))
 
 
@@ -123,7 +127,7 @@ class _Builder:
         self.xid = xid
         self.final_lsn = final_lsn  # None: a streamed transaction
         self.commit_time = commit_time  # from Begin (plain transactions only)
-        self.changes: list[Change] = []
+        self.changes: list[SpilledChange] = []
         self.relations: dict[int, Relation] = {}
         self.origin: str | None = None
         self.origin_lsn: int | None = None
@@ -155,12 +159,15 @@ class _Builder:
     def finish(self, commit_lsn: int, end_lsn: int, commit_time: int, streamed: bool) -> Transaction:
         rows = self.rows_spilled + len(self.changes) - self.others
         if not self.spilled:
+            # Rows are fed raw only after a spill: none here.
             return Transaction(
-                self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
-                self.origin, self.origin_lsn, streamed, self.nbytes, rows,
+                self.xid, commit_lsn, end_lsn, commit_time, cast("list[Change]", self.changes),
+                self.relations, self.origin, self.origin_lsn, streamed, self.nbytes, rows,
             )
+        # The tail of a transaction that spilled may hold rows left raw: a Transaction holds none.
+        tail: list[Change] = [decode_raw_insert(c) if isinstance(c, RawInsert) else c for c in self.changes]
         return Transaction(
-            self.xid, commit_lsn, end_lsn, commit_time, self.changes, self.relations,
+            self.xid, commit_lsn, end_lsn, commit_time, tail, self.relations,
             self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled,
             tuple(self.aborted or ()),
         )
@@ -240,6 +247,12 @@ class TransactionAssembler:
             builder.rows_spilled, builder.spilled,
         )
 
+    def raw_rows(self) -> bool:
+        """Whether the next Insert may be fed as a `RawInsert`: the transaction it belongs to has
+        spilled already (its rows mostly go to disk and into COPY; the tail is decoded at its commit)."""
+        builder = self._in_stream or self._current
+        return builder is not None and builder.spilled > 0
+
     @property
     def spilling(self) -> bool:
         """True while a plain transaction that has spilled is still being received."""
@@ -260,8 +273,9 @@ class TransactionAssembler:
         self._in_stream = None
         self.buffered_bytes = 0
 
-    def feed(self, message: PgOutputMessage, lsn: int | None = None, size: int = 0) -> Output:
-        """Take one message (`size`: its payload length, for memory accounting)."""
+    def feed(self, message: PgOutputMessage | RawInsert, lsn: int | None = None, size: int = 0) -> Output:
+        """Take one message (`size`: its payload length, for memory accounting). A `RawInsert` only
+        while `raw_rows()` says so."""
         if type(message) not in _ROW_TYPES:
             return self._handlers[type(message)](message, lsn, size)
         # Insert / Update / Delete, nearly every message: handled here, without the handler call.
@@ -394,7 +408,7 @@ class TransactionAssembler:
             builder.aborted = [*(builder.aborted or ()), message.subxid]
             if builder.rows_by_xid is not None:
                 builder.rows_spilled -= builder.rows_by_xid.pop(message.subxid, 0)
-        kept: list[Change] = []
+        kept: list[SpilledChange] = []
         for change in builder.changes:
             if isinstance(change, _ROW_CHANGES) and change.xid == message.subxid:
                 continue
@@ -404,6 +418,6 @@ class TransactionAssembler:
         return None
 
 
-def _tag(message: PgOutputMessage) -> str:
+def _tag(message: PgOutputMessage | RawInsert) -> str:
     """A message's pgoutput tag letter (for errors)."""
     return str(message.__struct_config__.tag)

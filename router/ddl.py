@@ -40,7 +40,8 @@ import psycopg
 from psycopg import sql
 
 from protocol.lsn import format_lsn
-from protocol.messages import Delete, Insert, Message, Relation, TupleData, Update
+from protocol.messages import Delete, Insert, Message, RawInsert, Relation, TupleData, Update
+from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Transaction
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
@@ -423,7 +424,11 @@ def reconcile(
             current[change.relid] = result
             changed = changed or result[1] is not None
             changes.append(result[0])
-        elif isinstance(change, (Insert, Update, Delete)) and (kept := _kept(current, change.relid)):
+        elif isinstance(change, (Insert, RawInsert, Update, Delete)) and (
+            kept := _kept(current, change.relid)
+        ):
+            if isinstance(change, RawInsert):  # a part read back raw from a spill file
+                change = decode_raw_insert(change)
             if isinstance(change, Insert):
                 changes.append(msgspec.structs.replace(change, new=cut(change.new, kept)))
             elif isinstance(change, Update):

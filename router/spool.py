@@ -14,8 +14,11 @@ transactions again from their start) are deleted at once; `Spool.close` removes 
 
 On disk: frames of a 4-byte big-endian length and a msgpack array of at most FRAME_CHANGES changes,
 each msgspec's tagged encoding of the protocol message (an unchanged-TOAST cell is stored as nil: its
-kind byte `u` says what it was). Must not: decide what is applied, talk to a database or keep the
-spilled changes in memory.
+kind byte `u` says what it was). An insert the source left undecoded (`RawInsert`: the server's bytes
+of the row) is stored as it is; readers get it decoded, unless they ask for it raw (`iter_raw_chunks`,
+`SpillFile.read_frames(raw=True)`) to copy it through to COPY.
+
+Must not: decide what is applied, talk to a database or keep the spilled changes in memory.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, cast
 
 import msgspec
 
@@ -42,13 +45,15 @@ from protocol.messages import (
     Delete,
     Insert,
     Message,
+    RawInsert,
     Relation,
     Truncate,
     TupleData,
     Type,
     Update,
 )
-from protocol.transactions import Change, Spill, Transaction
+from protocol.pgoutput import decode_raw_insert
+from protocol.transactions import Change, Spill, SpilledChange, Transaction
 from router.errors import PgmeshError
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "decode_frame",
     "encode_changes",
     "iter_chunks",
+    "iter_raw_chunks",
     "materialize",
     "release",
 ]
@@ -69,7 +75,7 @@ _WRITE_CHANGES: Final = 8 * FRAME_CHANGES  # changes encoded before one write() 
 _LENGTH: Final = struct.Struct(">I")
 _KIND_UNCHANGED: Final = 0x75  # 'u'
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]")
-_ROW_CHANGES: Final = (Insert, Update, Delete, Truncate, Message)  # what a subtransaction abort drops
+_ROW_CHANGES: Final = (Insert, RawInsert, Update, Delete, Truncate, Message)  # a subtransaction abort drops
 
 
 # ------------------------------------------------------------------------------------------ encoding
@@ -109,7 +115,7 @@ class _Delete(msgspec.Struct, frozen=True, gc=False, tag="D"):
     xid: int | None = None
 
 
-_Wire = _Insert | _Update | _Delete | Truncate | Message | Relation | Type
+_Wire = _Insert | RawInsert | _Update | _Delete | Truncate | Message | Relation | Type
 
 _ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER: Final = msgspec.msgpack.Decoder(list[_Wire])
@@ -135,12 +141,16 @@ def _delete(w: _Delete) -> Change:
     return Delete(w.relid, _row(w.old), w.old_kind, w.xid)
 
 
-_FROM_WIRE: Final[dict[type, Callable[[Any], Change]]] = {
+# Twins rebuilt; with `raw`, a RawInsert (an Insert the source left undecoded) stays as it is.
+_FROM_WIRE_RAW: Final[dict[type, Callable[[Any], SpilledChange]]] = {
     _Insert: _insert, _Update: _update, _Delete: _delete,
+}
+_FROM_WIRE: Final[dict[type, Callable[[Any], SpilledChange]]] = {
+    **_FROM_WIRE_RAW, RawInsert: decode_raw_insert,
 }
 
 
-def encode_changes(changes: list[Change], out: bytearray) -> None:
+def encode_changes(changes: list[Change] | list[SpilledChange], out: bytearray) -> None:
     """Append `changes` to `out` as frames (length + msgpack array of at most FRAME_CHANGES)."""
     encode_into = _ENCODER.encode_into
     pack_into = _LENGTH.pack_into
@@ -153,8 +163,13 @@ def encode_changes(changes: list[Change], out: bytearray) -> None:
 
 def decode_frame(data: bytes | memoryview) -> list[Change]:
     """One frame's msgpack body back into protocol messages."""
-    convert = _FROM_WIRE.get
-    out: list[Change] = []
+    return cast("list[Change]", _decode_frame(data, raw=False))
+
+
+def _decode_frame(data: bytes | memoryview, *, raw: bool) -> list[SpilledChange]:
+    """`decode_frame`; with `raw`, RawInserts stay undecoded."""
+    convert = (_FROM_WIRE_RAW if raw else _FROM_WIRE).get
+    out: list[SpilledChange] = []
     append = out.append
     for w in _DECODER.decode(data):
         rebuild = convert(type(w))
@@ -240,11 +255,14 @@ class SpillFile:
         if self.changed is not None:
             self.changed.set()
 
-    def read_frames(self, pos: int, max_changes: int) -> tuple[list[Change], int]:
+    def read_frames(
+        self, pos: int, max_changes: int, *, raw: bool = False
+    ) -> tuple[list[SpilledChange], int]:
         """The changes written from byte `pos` on, whole frames only, up to about `max_changes`
         (stops after the frame that reaches it), and where the next read starts. Works while the
-        file is still being written (`grow`) and after it was closed."""
-        out: list[Change] = []
+        file is still being written (`grow`) and after it was closed. With `raw`, inserts the
+        source left undecoded come as `RawInsert` (else every change is a `Change`)."""
+        out: list[SpilledChange] = []
         try:
             f = open(self.path, "rb")  # noqa: SIM115  # closed below
         except FileNotFoundError:
@@ -260,7 +278,7 @@ class SpillFile:
                 data = f.read(size)
                 if len(data) < size:
                     break  # a frame still being written
-                out += decode_frame(data)
+                out += _decode_frame(data, raw=raw)
                 pos += 4 + size
         return out, pos
 
@@ -276,8 +294,9 @@ class SpillFile:
             self.path.unlink()
         self._spool._forget(self)
 
-    def frames(self) -> Iterator[list[Change]]:
-        """The spilled changes, frame by frame, as written (aborted subtransactions included)."""
+    def frames(self, *, raw: bool = False) -> Iterator[list[SpilledChange]]:
+        """The spilled changes, frame by frame, as written (aborted subtransactions included); `raw`
+        as for `read_frames`."""
         if self._file is not None:
             raise PgmeshError(f"spill file {self.path} of xid {self.xid} is still open", node=self.node)
         try:
@@ -294,9 +313,9 @@ class SpillFile:
                 data = read(size) if size >= 0 else b""
                 if len(data) != size:
                     raise PgmeshError(f"spill file {self.path} (xid {self.xid}) is cut short", node=self.node)
-                yield decode_frame(data)
+                yield _decode_frame(data, raw=raw)
 
-    def _write(self, changes: list[Change], nbytes: int, buf: bytearray) -> None:
+    def _write(self, changes: list[SpilledChange], nbytes: int, buf: bytearray) -> None:
         f = self._file
         if f is None:
             raise PgmeshError(f"spill file {self.path} of xid {self.xid} is closed", node=self.node)
@@ -439,12 +458,12 @@ def _spill_file(txn: Transaction) -> SpillFile:
     return handle
 
 
-def _parts(txn: Transaction) -> Iterator[list[Change]]:
+def _parts(txn: Transaction, raw: bool = False) -> Iterator[list[SpilledChange]]:
     """A spilled transaction's frames (aborted subtransactions left out), then its tail."""
     handle = _spill_file(txn)
     aborted = frozenset(txn.aborted_subxids)
     read = 0
-    for frame in handle.frames():
+    for frame in handle.frames(raw=raw):
         read += len(frame)
         if aborted:
             frame = [c for c in frame if not (isinstance(c, _ROW_CHANGES) and c.xid in aborted)]
@@ -452,23 +471,33 @@ def _parts(txn: Transaction) -> Iterator[list[Change]]:
     if read != txn.spilled:
         raise PgmeshError(f"spill file {handle.path} holds {read} changes of transaction {txn.xid},"
                           f" not {txn.spilled}", node=handle.node, lsn=txn.commit_lsn)
-    yield txn.changes
+    yield cast("list[SpilledChange]", txn.changes)  # read only
 
 
 def iter_chunks(txn: Transaction, max_changes: int = 10_000) -> Iterator[list[Change]]:
     """Every change of `txn` in order, in lists of at most `max_changes`: the spilled part read back
     from disk (without the aborted subtransactions), then the in-memory tail. At least one list (an
     empty one for a transaction without changes). Does not release the file."""
+    return cast("Iterator[list[Change]]", _chunks(txn, max_changes, raw=False))
+
+
+def iter_raw_chunks(txn: Transaction, max_changes: int = 10_000) -> Iterator[list[SpilledChange]]:
+    """`iter_chunks`, where the inserts the source left undecoded stay `RawInsert`s (for a reader
+    that copies them through to COPY: `router.statements` takes them)."""
+    return _chunks(txn, max_changes, raw=True)
+
+
+def _chunks(txn: Transaction, max_changes: int, *, raw: bool) -> Iterator[list[SpilledChange]]:
     if max_changes < 1:
         raise ValueError(f"max_changes must be >= 1, not {max_changes}")
     if not txn.spilled:
-        tail = txn.changes
+        tail = cast("list[SpilledChange]", txn.changes)
         for i in range(0, max(len(tail), 1), max_changes):
             yield tail[i : i + max_changes]
         return
-    chunk: list[Change] = []
+    chunk: list[SpilledChange] = []
     empty = True
-    for part in _parts(txn):
+    for part in _parts(txn, raw):
         chunk += part
         if len(chunk) >= max_changes:
             full = len(chunk) - len(chunk) % max_changes
@@ -488,7 +517,7 @@ def materialize(txn: Transaction) -> Transaction:
     nbytes = txn.nbytes + _spill_file(txn).nbytes
     changes: list[Change] = []
     for part in _parts(txn):
-        changes += part
+        changes += cast("list[Change]", part)
     return msgspec.structs.replace(
         txn, changes=changes, spilled=0, aborted_subxids=(), spill=None, nbytes=nbytes
     )

@@ -27,12 +27,14 @@ from protocol.messages import (
     Delete,
     Insert,
     Message,
+    RawInsert,
     Relation,
     Truncate,
     TupleData,
     Type,
     Update,
 )
+from protocol.pgoutput import decode_raw_insert, raw_tuple
 from protocol.transactions import Transaction
 from router.errors import PgmeshError
 
@@ -473,7 +475,12 @@ class CopyRun:
     __slots__ = ("check_tombstones", "coarse", "relation", "rows", "table")
 
     def __init__(
-        self, relation: Relation, table: TargetTable, rows: list[Insert], check_tombstones: bool, coarse: bool
+        self,
+        relation: Relation,
+        table: TargetTable,
+        rows: list[Insert | RawInsert],
+        check_tombstones: bool,
+        coarse: bool,
     ) -> None:
         self.relation = relation
         self.table = table
@@ -494,7 +501,7 @@ class CopyRun:
 
     def fallback(self) -> str:
         """The same rows as guarded INSERT statements (the table has tombstones)."""
-        rows, relation, table = self.rows, self.relation, self.table
+        rows, relation, table = _decoded(self.rows), self.relation, self.table
         return ";\n".join(
             _insert_rows(relation, table, rows[i : i + INSERT_RUN], self.check_tombstones, self.coarse)
             for i in range(0, len(rows), INSERT_RUN)
@@ -507,18 +514,25 @@ def _copy_escape(value: bytes) -> bytes:
     )
 
 
-def copy_text(relation: Relation, rows: list[Insert]) -> bytes:
+def _decoded(rows: list[Insert | RawInsert]) -> list[Insert]:
+    """`rows` with every RawInsert decoded (`rows` itself when it holds none)."""
+    if all(type(r) is Insert for r in rows):
+        return rows  # type: ignore[return-value]  # checked just above
+    return [decode_raw_insert(r) if isinstance(r, RawInsert) else r for r in rows]
+
+
+def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
     """COPY text-format lines for `rows` (pgoutput's text values are the types' output, which COPY's
     input functions read back). Fast path: join everything, then check in C that no value needed
-    escaping; otherwise escape value by value."""
+    escaping; otherwise escape value by value. A RawInsert's row is read straight from its bytes."""
     width = len(relation.columns)
     plain = bytes([KIND_TEXT]) * width
     lines: list[bytes] = []
     append = lines.append
     join = b"\t".join
     nulls = 0  # each written as \N: the only backslashes when no value needs escaping
-    for row in rows:
-        new = row.new
+    news = [raw_tuple(r) if isinstance(r, RawInsert) else r.new for r in rows]
+    for new in news:
         if new.kinds == plain:
             append(join(new.values))  # type: ignore[arg-type]  # all bytes: every kind is text
         else:
@@ -532,7 +546,7 @@ def copy_text(relation: Relation, rows: list[Insert]) -> bytes:
         and b"\r" not in data
     ):
         return data
-    return b"".join(_copy_line(relation, row.new, escape=True) + b"\n" for row in rows)
+    return b"".join(_copy_line(relation, new, escape=True) + b"\n" for new in news)
 
 
 def _copy_line(relation: Relation, new: TupleData, *, escape: bool = False) -> bytes:
@@ -621,7 +635,9 @@ def transaction_segments(
 
     A transaction too big to hold at once is cut into parts by the caller: `begin` / `commit` say
     whether this part opens / commits the target transaction, and `relations` (updated in place by
-    inline Relation messages) carries the relation descriptions from one part to the next.
+    inline Relation messages) carries the relation descriptions from one part to the next. A part read
+    back from a spill file may hold `RawInsert`s (`router.spool.iter_raw_chunks`): their rows go to
+    COPY straight from the server's bytes, or are decoded for an INSERT.
 
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
     replication origin only to commit (router.applier's lanes): the origin's `xact_setup` then goes
@@ -645,7 +661,7 @@ def transaction_segments(
     copy = copy and (coarse or not guarded)
     if relations is None:
         relations = dict(txn.relations)
-    run: list[Insert] = []
+    run: list[Insert | RawInsert] = []
     run_rel: Relation | None = None
 
     def flush_run() -> None:
@@ -660,11 +676,11 @@ def transaction_segments(
             for i in range(0, len(run), COPY_RUN):
                 segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
             return
-        out.append(_run_statement(run_rel, table, run, guarded, coarse, prepared,
+        out.append(_run_statement(run_rel, table, _decoded(run), guarded, coarse, prepared,
                                   out if prepares is None else prepares))
 
     for change in txn.changes:
-        if run and not (isinstance(change, Insert) and relations[change.relid] is run_rel
+        if run and not (isinstance(change, (Insert, RawInsert)) and relations[change.relid] is run_rel
                         and (copy or len(run) < INSERT_RUN)):
             flush_run()
             run = []
@@ -677,7 +693,7 @@ def transaction_segments(
             out.append(truncate_statement(change, relations, tables))
             continue
         relation = relations[change.relid]
-        if isinstance(change, Insert):
+        if isinstance(change, (Insert, RawInsert)):
             run_rel = relation
             run.append(change)
             continue

@@ -2,7 +2,8 @@
 
 Fed the streams captured from a real PostgreSQL 15 (plain and proto_version 2 streamed transactions,
 an aborted streamed transaction, a streamed one with a subtransaction rolled back), the spilled pieces
-plus the in-memory tail must be exactly the transaction assembled without a bound.
+plus the in-memory tail must be exactly the transaction assembled without a bound; also when, as the
+router's source does, every insert after a transaction's first spill is fed undecoded (`RawInsert`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from protocol.messages import (
     Delete,
     Insert,
     Message,
+    RawInsert,
     Relation,
     StreamAbort,
     StreamCommit,
@@ -28,6 +30,7 @@ from protocol.messages import (
     TupleData,
     Update,
 )
+from protocol.pgoutput import Decoder, decode_raw_insert, raw_insert
 from protocol.transactions import Change, Spill, SpillDropped, Transaction, TransactionAssembler
 from tests.protocol.captured import CAPTURES, assembled, load, messages
 
@@ -35,16 +38,25 @@ BOUNDS = (0, 1, 200, 1_000, 5_000, 20_000, 100_000)
 _ROW_CHANGES = (Insert, Update, Delete, Truncate, Message)
 
 
-def reassemble(capture: str, bound: int | None) -> tuple[list[Transaction | Message], dict[int, list[Spill]],
-                                                       list[SpillDropped]]:
-    """Feed a capture with a bound: what comes out, the Spills by xid, the SpillDropped."""
+def reassemble(
+    capture: str, bound: int | None, raw: bool = False
+) -> tuple[list[Transaction | Message], dict[int, list[Spill]], list[SpillDropped]]:
+    """Feed a capture with a bound: what comes out, the Spills by xid, the SpillDropped. With `raw`,
+    inserts go in as RawInsert whenever the assembler takes them so."""
     asm = TransactionAssembler(bound)
     largest = max(len(f.payload) for f in load(capture).frames)
     out: list[Transaction | Message] = []
     spills: dict[int, list[Spill]] = defaultdict(list)
     dropped: list[SpillDropped] = []
+    decoder = Decoder()
     for frame, message in zip(load(capture).frames, messages(capture), strict=True):
-        done = asm.feed(message, frame.wal_start, len(frame.payload))
+        in_stream = decoder.in_stream
+        decoder.decode(frame.payload)
+        fed: object = message
+        if raw and isinstance(message, Insert) and asm.raw_rows():
+            fed = raw_insert(frame.payload, 0, streaming=in_stream)
+            assert decode_raw_insert(fed) == message
+        done = asm.feed(fed, frame.wal_start, len(frame.payload))  # type: ignore[arg-type]
         if isinstance(done, Spill):
             assert bound is not None and done.nbytes <= bound + largest  # never more than one message over
             spills[done.xid].append(done)
@@ -62,7 +74,7 @@ def reassemble(capture: str, bound: int | None) -> tuple[list[Transaction | Mess
 def whole(txn: Transaction, spills: list[Spill]) -> list[Change]:
     """What a reader of the spilled part and the tail sees."""
     aborted = set(txn.aborted_subxids)
-    spilled = [c for s in spills for c in s.changes]
+    spilled = [decode_raw_insert(c) if isinstance(c, RawInsert) else c for s in spills for c in s.changes]
     assert len(spilled) == txn.spilled
     kept = [c for c in spilled if not (isinstance(c, _ROW_CHANGES) and c.xid in aborted)]
     return kept + txn.changes
@@ -77,11 +89,13 @@ def test_without_a_bound_nothing_changes(capture: str) -> None:
                for t in out if isinstance(t, Transaction))
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded", "raw"])
 @pytest.mark.parametrize("bound", BOUNDS)
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: int) -> None:
+def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: int, raw: bool) -> None:
     reference = list(assembled(capture))
-    out, spills, dropped = reassemble(capture, bound)
+    out, spills, dropped = reassemble(capture, bound, raw)
+    raw_spilled = sum(isinstance(c, RawInsert) for ps in spills.values() for s in ps for c in s.changes)
     assert len(out) == len(reference)
     spilled_any = False
     for got, want in zip(out, reference, strict=True):
@@ -101,6 +115,9 @@ def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: 
                                   want.origin_lsn, want.streamed)
     if bound <= 1_000:
         assert spilled_any
+    if raw and bound <= 1_000:  # inserts after a transaction's first spill went in raw
+        assert raw_spilled
+    assert not any(isinstance(c, RawInsert) for t in out if isinstance(t, Transaction) for c in t.changes)
     # What remains spilled belongs to aborted streamed transactions, each announced once.
     assert sorted(spills) == sorted(d.xid for d in dropped)
 

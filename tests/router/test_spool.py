@@ -23,13 +23,14 @@ from protocol.messages import (
     Delete,
     Insert,
     Message,
+    RawInsert,
     Relation,
     Truncate,
     TupleData,
     Type,
     Update,
 )
-from protocol.transactions import Change, Spill, Transaction, TransactionAssembler
+from protocol.transactions import Change, Spill, SpilledChange, Transaction, TransactionAssembler
 from router.applier import LinkQueue
 from router.ddl import DDL_PREFIX, has_ddl
 from router.errors import PgmeshError
@@ -43,6 +44,7 @@ from router.spool import (
     decode_frame,
     encode_changes,
     iter_chunks,
+    iter_raw_chunks,
     materialize,
     release,
 )
@@ -186,6 +188,31 @@ def test_aborted_subtransactions_are_left_out_of_the_spilled_part(tmp_path: Path
     kept = [REL, insert(1, 5), insert(4, 5), insert(9, 5)]
     assert [c for chunk in iter_chunks(txn, 2) for c in chunk] == kept
     assert materialize(txn).changes == kept
+
+
+def raw(change: Insert) -> RawInsert:
+    data = struct.pack(">h", 2) + b"b" + struct.pack(">I", 4) + change.new.values[0]  # type: ignore[operator]
+    data += b"t" + struct.pack(">I", len(change.new.values[1])) + change.new.values[1]  # type: ignore[arg-type]
+    return RawInsert(change.relid, data, change.xid)
+
+
+def test_raw_inserts_are_kept_raw_on_disk_and_read_back_either_way(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    spilled: list[SpilledChange] = [REL, insert(1, 5), raw(insert(2, 6)), raw(insert(3, 5)), insert(4, 5)]
+    spool.write("n1", Spill(5, spilled, 40))
+    handle = spool.finish("n1", 5)
+    assert handle is not None
+    txn = Transaction(5, 1, 2, 3, [insert(9, 5)], {REL.relid: REL}, streamed=True, row_count=4,
+                      spilled=5, aborted_subxids=(6,), spill=handle)
+    decoded = [REL, insert(1, 5), insert(3, 5), insert(4, 5), insert(9, 5)]
+    assert [c for chunk in iter_chunks(txn, 2) for c in chunk] == decoded
+    assert materialize(txn).changes == decoded
+    as_is = [REL, insert(1, 5), raw(insert(3, 5)), insert(4, 5), insert(9, 5)]
+    assert [c for chunk in iter_raw_chunks(txn, 2) for c in chunk] == as_is
+    got, pos = handle.read_frames(0, 100, raw=True)
+    assert got == spilled and pos == handle.size
+    every = [REL, *(insert(i, x) for i, x in ((1, 5), (2, 6), (3, 5), (4, 5)))]
+    assert handle.read_frames(0, 100)[0] == every
 
 
 def test_references_delete_the_file_with_the_last_release(tmp_path: Path) -> None:

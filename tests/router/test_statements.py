@@ -129,3 +129,43 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
     assert "hashtextextended" not in big and big.count("INSERT INTO") == 1
+
+
+def _raw(insert: Insert) -> object:
+    """The RawInsert for `insert`: its row as pgoutput's TupleData bytes (text and null cells)."""
+    import struct
+
+    from protocol.messages import RawInsert
+
+    data = struct.pack(">h", len(insert.new.kinds))
+    for kind, value in zip(insert.new.kinds, insert.new.values, strict=True):
+        data += bytes([kind])
+        if isinstance(value, bytes):
+            data += struct.pack(">I", len(value)) + value
+    return RawInsert(insert.relid, data, insert.xid)
+
+
+def test_raw_inserts_read_back_from_a_spill_go_to_copy_and_insert_as_decoded_ones() -> None:
+    from router.statements import COPY_MIN_ROWS, CopyRun, transaction_segments
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    notes = [b"plain", b"tab\there", b"new\nline", b"back\\slash", None]
+    rows = [Insert(7, TupleData(b"t" + (b"t" if notes[i % 5] is not None else b"n") + b"n",
+                                (str(i).encode(), notes[i % 5], None)))
+            for i in range(COPY_MIN_ROWS + 50)]
+    raws = [_raw(r) for r in rows]
+    decoded = transaction_segments(txn(*rows), tables, guard_origin=3)
+    mixed = transaction_segments(txn(*raws[:10], *rows[10:20], *raws[20:]), tables, guard_origin=3)
+    assert [type(s) for s in mixed] == [type(s) for s in decoded] == [str, CopyRun, str]
+    assert isinstance(mixed[1], CopyRun) and isinstance(decoded[1], CopyRun)
+    assert mixed[1].data() == decoded[1].data()
+    assert b"tab\\there\t" in mixed[1].data() and b"\\N" in mixed[1].data()
+    assert mixed[1].fallback() == decoded[1].fallback()  # the guarded INSERT, when tombstones exist
+    # A run too short for COPY: an INSERT with the same literals.
+    short = transaction_segments(txn(*raws[:KEY], relations=(REL,)), tables, guard_origin=3)
+    assert short == transaction_segments(txn(*rows[:KEY], relations=(REL,)), tables, guard_origin=3)
+
+
+KEY = 3
