@@ -245,7 +245,8 @@ class Prepared:
         # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
         # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
         self.plans: dict[tuple[int, str, bytes], tuple[str, list[int], list[int]]] = {}
-        self.insert_plans: dict[int, tuple[str, str, list[int]]] = {}  # id(relation) -> lock, insert, key
+        # id(relation) -> insert, key positions, key types
+        self.insert_plans: dict[int, tuple[str, list[int], list[str]]] = {}
         self._order: list[tuple[int, str, bytes]] = []
         self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
         self._counter = 0
@@ -265,8 +266,7 @@ class Prepared:
         name = self._names.get(_SETUP_KEY)
         if name is None:
             name = self._new(_SETUP_KEY, "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)", out)
-        lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
-        return f"EXECUTE {name}('{lsn}', '{commit_time_literal(txn.commit_time)}')"
+        return _execute(name, _setup_args(txn, origin_lsn))
 
     def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
         self._counter += 1
@@ -290,6 +290,12 @@ class Prepared:
 
 def _execute(name: str, literals: list[str]) -> str:
     return f"EXECUTE {name}({', '.join(literals)})"
+
+
+def _setup_args(txn: Transaction, origin_lsn: int | None) -> list[str]:
+    """The origin's position and commit time for `txn`'s target transaction, as SQL literals."""
+    lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
+    return [f"'{lsn}'", f"'{commit_time_literal(txn.commit_time)}'"]
 
 
 def _prepared_update(
@@ -414,46 +420,75 @@ def _insert_rows(
 
 
 def _prepared_insert(
-    relation: Relation, table: TargetTable, change: Insert, prepared: Prepared, out: list[str]
+    relation: Relation,
+    table: TargetTable,
+    change: Insert,
+    prepared: Prepared,
+    out: list[str],
+    setup: list[str] | None = None,
 ) -> str:
     """A single guarded insert as two prepared statements: the locks (the table shared, the key
-    exclusive), then the insert unless a tombstone holds the key. Planned once per relation: a
-    text INSERT ... SELECT with the tombstone check costs the server far more to parse and plan."""
-    cols = relation.columns
+    exclusive), then the insert, which raises PGM02 if a tombstone holds the key. Planned once per
+    relation: a text INSERT ... SELECT with the tombstone check costs the server far more to parse and
+    plan. With `setup` (`_setup_args`), the first statement also does the origin's xact_setup (the
+    transaction's first statement then: one fewer for the target to run)."""
     plan = prepared.insert_plans.get(id(relation))
-    if plan is not None:
-        lock, insert, key_columns = plan
-        values = _literals(relation, change.new, range(len(cols)))
-        return f"{_execute(lock, [values[i] for i in key_columns])};\n{_execute(insert, values)}"
+    if plan is None:
+        plan = _plan_insert(relation, table, prepared, out)
+    insert, key_columns, key_types = plan
+    values = _literals(relation, change.new, range(len(relation.columns)))
+    keys = [values[i] for i in key_columns]
+    if setup is None:
+        lock = prepared.name(relation, "IL", b"", lambda: f"SELECT {_insert_locks(table, key_types)}", out)
+        first = _execute(lock, keys)
+    else:
+        n = len(keys)
+        fused = prepared.name(
+            relation, "ISL", b"",
+            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),"
+                     f" {_insert_locks(table, key_types)}"),
+            out,
+        )
+        first = _execute(fused, [*keys, *setup])
+    return f"{first};\n{_execute(insert, values)}"
+
+
+def _insert_locks(table: TargetTable, key_types: list[str]) -> str:
+    """The locks of a single guarded insert, its key as parameters $1...: the table's, shared (as
+    `table_lock`), then the key's (`key_lock`)."""
+    key = ", ".join(f"${n}::{t}::text" for n, t in enumerate(key_types, 1))
+    return (
+        f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({quote_literal(table.name)}), 0),"
+        f" {key_lock(table, f'ARRAY[{key}]::text[]')}"
+    )
+
+
+def _plan_insert(
+    relation: Relation, table: TargetTable, prepared: Prepared, out: list[str]
+) -> tuple[str, list[int], list[str]]:
+    """The PREPARE (into `out`) of a single guarded insert into `relation`, where its key is."""
+    cols = relation.columns
     position = {c.name: i for i, c in enumerate(cols)}
     key = [k for k in table.tombstone_key if k in position]
-
-    def key_array(first: int) -> str:
-        parts = [f"${first + n}::{table.types[k]}::text" for n, k in enumerate(key)]
-        return f"ARRAY[{', '.join(parts)}]::text[]"
-
-    def build_lock() -> str:
-        name = quote_literal(table.name)
-        return (
-            f"SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
-            f" {key_lock(table, key_array(1))}"
-        )
+    key_types = [table.types[k] for k in key]
 
     def build_insert() -> str:
         names = ", ".join(quote_ident(c.name) for c in cols)
         picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
         keys = ", ".join(f"${position[k] + 1}::{table.types[k]}::text" for k in key)
+        # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
+        # folding the call) is cheaper for the target than counting through a data-modifying CTE.
         return (
-            f"WITH pgmesh_w AS (INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
-            f" WHERE NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name ="
-            f" {quote_literal(table.name)} AND t.key = ARRAY[{keys}]::text[]) RETURNING 1) {_rows_check(1)}"
+            f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
+            f" WHERE CASE WHEN EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name ="
+            f" {quote_literal(table.name)} AND t.key = ARRAY[{keys}]::text[])"
+            " THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
         )
 
-    lock = prepared.name(relation, "IL", b"", build_lock, out)
     insert = prepared.name(relation, "IG", b"", build_insert, out)
-    prepared.insert_plans[id(relation)] = (lock, insert, [position[k] for k in key])
-    values = _literals(relation, change.new, range(len(cols)))
-    return f"{_execute(lock, [values[position[k]] for k in key])};\n{_execute(insert, values)}"
+    plan = (insert, [position[k] for k in key], key_types)
+    prepared.insert_plans[id(relation)] = plan
+    return plan
 
 
 INSERT_RUN = 1000  # rows per multi-row INSERT
@@ -565,21 +600,10 @@ def _copy_line(relation: Relation, new: TupleData, *, escape: bool = False) -> b
     return b"\t".join(cells)
 
 
-def _run_statement(
-    relation: Relation,
-    table: TargetTable,
-    run: list[Insert],
-    guarded: bool,
-    coarse: bool,
-    prepared: Prepared | None,
-    sink: list[str],
-) -> str:
-    """A run of inserts: one guarded row through prepared statements, anything else as one INSERT."""
-    if guarded and not coarse and prepared is not None and len(run) == 1 and table.types and all(
-        k in table.types for k in table.tombstone_key
-    ):
-        return _prepared_insert(relation, table, run[0], prepared, sink)
-    return _insert_rows(relation, table, run, guarded, coarse)
+def _preparable(table: TargetTable) -> bool:
+    """Whether a single guarded insert into `table` can go through `_prepared_insert` (its key's
+    types are known), else a text INSERT (`_insert_rows`)."""
+    return bool(table.types) and all(k in table.types for k in table.tombstone_key)
 
 
 def _keyed(relation: Relation, kind: str | None) -> bool:
@@ -652,8 +676,16 @@ def transaction_segments(
         setup_sql = prepared.setup(txn, origin_lsn, out if prepares is None else prepares)
     if begin:
         out.append("BEGIN")
-        if at_commit is None and setup:
+    # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
+    # single guarded insert: see `_prepared_insert`).
+    pending = begin and at_commit is None and setup
+
+    def opening() -> None:
+        nonlocal pending
+        if pending:
             out.append(setup_sql)
+            pending = False
+
     segments: list[str | CopyRun] = []
     origin_sql = None if guard_origin is None else f"'{guard_origin}'"
     guarded = guard_origin is not None
@@ -665,9 +697,11 @@ def transaction_segments(
     run_rel: Relation | None = None
 
     def flush_run() -> None:
+        nonlocal pending
         assert run_rel is not None
         table = target_table(run_rel, tables)
         if copy and len(run) >= COPY_MIN_ROWS:
+            opening()
             if guarded:
                 out.append(table_lock(table, exclusive=True))
             if out:
@@ -676,8 +710,15 @@ def transaction_segments(
             for i in range(0, len(run), COPY_RUN):
                 segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
             return
-        out.append(_run_statement(run_rel, table, _decoded(run), guarded, coarse, prepared,
-                                  out if prepares is None else prepares))
+        rows = _decoded(run)
+        sink = out if prepares is None else prepares
+        if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
+            setup_args = _setup_args(txn, origin_lsn) if pending else None
+            pending = False
+            out.append(_prepared_insert(run_rel, table, rows[0], prepared, sink, setup_args))
+            return
+        opening()
+        out.append(_insert_rows(run_rel, table, rows, guarded, coarse))
 
     for change in txn.changes:
         if run and not (isinstance(change, (Insert, RawInsert)) and relations[change.relid] is run_rel
@@ -690,6 +731,7 @@ def transaction_segments(
         if isinstance(change, (Type, Message)):
             continue
         if isinstance(change, Truncate):
+            opening()
             out.append(truncate_statement(change, relations, tables))
             continue
         relation = relations[change.relid]
@@ -698,6 +740,7 @@ def transaction_segments(
             run.append(change)
             continue
         table = target_table(relation, tables)
+        opening()
         keyed = prepared is not None and _keyed(relation, change.old_kind)
         if isinstance(change, Update):
             if keyed:
@@ -714,6 +757,7 @@ def transaction_segments(
             out.append(_guard(_delete(relation, table, change), origin_sql))
     if run:
         flush_run()
+    opening()  # a transaction (or opening part) without a statement still sets the origin up
     if commit:
         if at_commit is None:
             out.append("COMMIT")

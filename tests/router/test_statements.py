@@ -118,13 +118,25 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
     script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert len(prelude) == 3  # the origin's setup, the locks, the insert unless a tombstone holds the key
-    assert "pg_replication_origin_xact_setup" in prelude[0]
-    assert "pg_advisory_xact_lock_shared" in prelude[1] and "hashtextextended" in prelude[1]
-    assert "NOT EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[2] and "$1::integer" in prelude[2]
-    assert "EXECUTE pgmesh_2('1');\nEXECUTE pgmesh_3('1', 'it''s', NULL)" in script
+    # the origin's setup; the insert, unless a tombstone holds the key; the setup with the locks (the
+    # transaction's first statement)
+    assert len(prelude) == 3
+    assert prelude[0] == "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+    assert "EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
+    assert "pg_replication_origin_xact_setup($2, $3)" in prelude[2]
+    assert "pg_advisory_xact_lock_shared" in prelude[2] and "hashtextextended" in prelude[2]
+    assert script.startswith(
+        "BEGIN;\nEXECUTE pgmesh_3('1', '1/200', '2000-01-01 00:00:00.000000+00');\n"
+        "EXECUTE pgmesh_2('1', 'it''s', NULL);\nCOMMIT;"
+    )
     again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert len(prelude) == 3 and "EXECUTE pgmesh_3" in again  # planned once per relation
+    # not the first statement: the setup alone, then the locks
+    update = Update(7, TupleData(b"ttn", (b"2", b"x", None)))
+    later = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert later.index("EXECUTE pgmesh_1(") < later.index("EXECUTE pgmesh_4(")  # the update
+    assert "SELECT pg_catalog.pg_advisory_xact_lock_shared" in prelude[-1]  # the locks, alone
+    assert later.index("EXECUTE pgmesh_4(") < later.index(f"EXECUTE {prelude[-1].split()[1]}('1')")
     many = [Insert(7, TupleData(b"ttn", (str(i).encode(), b"x", None))) for i in range(KEY_LOCKS_MAX + 1)]
     big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
