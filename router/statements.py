@@ -595,7 +595,7 @@ def transaction_segments(
     inline Relation messages) carries the relation descriptions from one part to the next.
 
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
-    replication origin only to commit (router.applier's lanes): the origin's `xact_setup` then goes
+    replication origin only to commit (router.lanes): the origin's `xact_setup` then goes
     just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
     opening part (the caller sends it before its own COMMIT).
     """
