@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import asyncpg
 
 from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
-from router.applier import _SESSION_SETUP, asyncpg_connect_args
 from router.localnodes import LocalNode, create_nodes
+from router.sessions import SESSION_SETUP, asyncpg_connect_args
 
 PER_BATCH = 250
 FILLER = " " * 84
@@ -139,7 +139,7 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
     await system.setup()
     conn = await asyncpg.connect(**asyncpg_connect_args(nodes[1].dsn()))
     try:
-        await conn.execute(_SESSION_SETUP)
+        await conn.execute(SESSION_SETUP)
         # rows from before this point are every node's common start (what the applier sets, too)
         await conn.execute("SELECT set_config('pgmesh.installed_at', now()::text, false)")
         origin = await conn.fetchval(

@@ -147,7 +147,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def early_origin_name(self, source: str) -> str:
         """The origin a target's side session writes `source`'s streamed transaction under before its
-        commit (router.applier): the target's walsender then marks that transaction as an echo from its
+        commit (router.side): the target's walsender then marks that transaction as an echo from its
         first streamed row. Not under `origin_name("")`'s prefix: no progress is kept under it."""
         return f"pgmeshearly_{self.cluster.name}_{source}"
 

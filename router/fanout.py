@@ -22,8 +22,8 @@ from collections.abc import Callable
 from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
-from router.applier import LinkQueue
 from router.ddl import has_ddl
+from router.linkqueue import LinkQueue
 from router.progress import LinkProgress, SourceProgress
 from router.source import EarlyStream, ReplicationSource
 from router.spool import SpillFile, release

@@ -1,7 +1,7 @@
 """Which of a batch of source transactions may run at the same time on the target: pure planning, no I/O.
 
 Transactions run in parallel on several sessions ("lanes") of one link and still commit one after the
-other in source commit order (router.applier does the ordering). Two transactions may overlap only when
+other in source commit order (router.lanes does the ordering). Two transactions may overlap only when
 no row key of one is a row key of the other: every key a change names (the replica identity of the old
 row and of the new one) and every unique key of the target table the new row fills. A transaction that
 shares a key with a transaction already placed goes to that transaction's lane, behind it; one that

@@ -2,9 +2,10 @@
 
 A `ReplicationSource` owns a psycopg 3 connection in `replication=database` mode to one node: it runs
 IDENTIFY_SYSTEM, creates / drops / inspects the node's logical slot (optionally handing out an exported
-snapshot that outlives the slot's creation), and streams pgoutput with START_REPLICATION. The stream is
-read with `pgconn.get_copy_data` driven by the event loop (no threads), decoded once by `protocol/` and
-handed out as whole committed transactions (and non-transactional logical messages) in commit order.
+snapshot that outlives the slot's creation; what it hands back is in `router.slots`), and streams
+pgoutput with START_REPLICATION. The stream is read with `pgconn.get_copy_data` driven by the event loop
+(no threads), decoded once by `protocol/` and handed out as whole committed transactions (and
+non-transactional logical messages) in commit order.
 A transaction bigger than `SourceOptions.spill_bytes` is written to a `router.spool.Spool` as it
 arrives and handed out with its spilled part on disk (`Transaction.spill`). With `early_streamed`, a
 streamed (in-progress) transaction is also announced at its first spill (`EarlyStream`), so that
@@ -28,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import struct
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -45,21 +45,13 @@ from protocol.pgoutput import Decoder
 from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
+from router.slots import SlotCreated, SlotInfo, check_slot_name, hold_snapshot
 from router.spool import Spool
 
-__all__ = [
-    "EarlyStream",
-    "ExportedSnapshot",
-    "ReplicationSource",
-    "SlotCreated",
-    "SlotInfo",
-    "SourceOptions",
-    "SystemInfo",
-]
+__all__ = ["EarlyStream", "ReplicationSource", "SourceOptions", "SystemInfo"]
 
 logger = logging.getLogger(__name__)
 
-_SLOT_NAME: Final = re.compile(r"^[a-z0-9_]{1,63}$")
 _XLOG_TAG: Final = 0x77  # 'w'
 _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
@@ -115,73 +107,9 @@ class SystemInfo(msgspec.Struct, frozen=True):
     dbname: str | None
 
 
-class SlotInfo(msgspec.Struct, frozen=True):
-    name: str
-    plugin: str | None
-    slot_type: str
-    database: str | None
-    temporary: bool
-    active: bool
-    active_pid: int | None
-    restart_lsn: int | None
-    confirmed_flush_lsn: int | None
-    wal_status: str | None
-
-
-class ExportedSnapshot:
-    """A snapshot taken when a slot was created, importable by any connection until `close()`.
-
-    The replication connection that exports a snapshot loses it at its next command, so a holder
-    connection imports it at once and re-exports it with `pg_export_snapshot()`; the re-exported name
-    stays valid while the holder's transaction is open, whatever the source does next.
-    """
-
-    __slots__ = ("_holder", "exported_name", "name")
-
-    def __init__(self, name: str, exported_name: str, holder: psycopg.AsyncConnection[Any]) -> None:
-        self.name = name
-        self.exported_name = exported_name
-        self._holder = holder
-
-    async def lock(self, tables: list[tuple[str, str]]) -> None:
-        """ACCESS SHARE locks on `tables` in the holder's transaction: DDL that would rewrite them (and
-        hide rows from the snapshot) waits until `close()`."""
-        for schema, table in tables:
-            await self._holder.execute(
-                sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, table))
-            )
-
-    async def close(self) -> None:
-        with contextlib.suppress(psycopg.Error):
-            await self._holder.execute("ROLLBACK")
-        await self._holder.close()
-
-    async def __aenter__(self) -> ExportedSnapshot:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class SlotCreated(msgspec.Struct, frozen=True):
-    name: str
-    consistent_point: int
-    snapshot: ExportedSnapshot | None = None
-
-
 def _wake(ready: asyncio.Future[None]) -> None:
     if not ready.done():
         ready.set_result(None)
-
-
-def _check_slot_name(name: str, node: str) -> str:
-    if not _SLOT_NAME.match(name):
-        raise SlotError(
-            f"invalid replication slot name {name!r}",
-            node=node,
-            hint="slot names use only lower-case letters, digits and underscores, at most 63",
-        )
-    return name
 
 
 def publication_list(names: tuple[str, ...] | list[str]) -> str:
@@ -209,7 +137,7 @@ class ReplicationSource:
         without one, the source makes its own when it has a bound."""
         self.node = node
         self._dsn = dsn
-        self.slot = _check_slot_name(slot, node)
+        self.slot = check_slot_name(slot, node)
         self.publications = tuple(publications)
         self.options = options or SourceOptions()
         self._clock = clock
@@ -377,25 +305,9 @@ class ReplicationSource:
         logger.info("node %s: created slot %s at %s", self.node, name, format_lsn(point))
         snapshot = None
         if export_snapshot:
-            snapshot = await self._hold_snapshot(str(snapshot_name))
+            snapshot = await hold_snapshot(self._dsn, str(snapshot_name), slot=self.slot, node=self.node,
+                                           application_name=self.options.application_name)
         return SlotCreated(str(name), point, snapshot)
-
-    async def _hold_snapshot(self, exported: str) -> ExportedSnapshot:
-        try:
-            holder = await psycopg.AsyncConnection.connect(
-                self._dsn, autocommit=True, application_name=f"{self.options.application_name}-snapshot"
-            )
-            await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            await holder.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(exported)))
-            cur = await holder.execute("SELECT pg_export_snapshot()")
-            row = await cur.fetchone()
-        except psycopg.Error as exc:
-            raise SlotError(
-                f"cannot hold the snapshot exported by slot {self.slot!r}: {describe(exc)}",
-                node=self.node,
-            ) from exc
-        assert row is not None
-        return ExportedSnapshot(str(row[0]), exported, holder)
 
     async def drop_slot(self, *, wait: bool = True, missing_ok: bool = False) -> bool:
         """DROP_REPLICATION_SLOT; returns False when it did not exist and `missing_ok`."""

@@ -664,7 +664,7 @@ def transaction_segments(
     COPY straight from the server's bytes, or are decoded for an INSERT.
 
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
-    replication origin only to commit (router.applier's lanes): the origin's `xact_setup` then goes
+    replication origin only to commit (router.lanes): the origin's `xact_setup` then goes
     just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
     opening part (the caller sends it before its own COMMIT).
     """

@@ -25,10 +25,11 @@ import psycopg
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router.admin import AdminServer
-from router.applier import Applier, LinkQueue, LinkState
+from router.applier import Applier, LinkState
 from router.config import Config, NodeConfig
 from router.errors import ConfigError, describe
 from router.fanout import SourcePump
+from router.linkqueue import LinkQueue
 from router.metrics import Metrics
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource, SourceOptions

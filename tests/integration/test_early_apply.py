@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from router import applier as applier_module
+from router import large_apply
 from router.localnodes import create_nodes
 from tests.integration.mesh import (
     NODE_SETTINGS,
@@ -102,7 +102,7 @@ async def test_conflict_inside_a_transaction_applied_early(monkeypatch: pytest.M
     """B holds one key of A's big transaction (written while the router was stopped): the COPY of an
     early part meets it, the link waits for the whole transaction and decides it on the careful path
     (row by row: hence a smaller transaction, and smaller parts so that some go in before the commit)."""
-    monkeypatch.setattr(applier_module, "LARGE_PART_CHANGES", 1000)
+    monkeypatch.setattr(large_apply, "LARGE_PART_CHANGES", 1000)
     nodes = create_nodes(["a", "b"], settings=SETTINGS)
     try:
         a, b = nodes

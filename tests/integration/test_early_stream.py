@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router import applier as applier_module
+from router import large_apply
 from router.localnodes import create_nodes
 from router.supervisor import Router
 from tests.integration.mesh import (
@@ -51,7 +51,7 @@ BIG = f"INSERT INTO big SELECT i, repeat('x', 40) || i FROM generate_series(1, {
 @pytest.fixture(autouse=True)
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts of 5,000 changes: the side session starts after the first spill, not the third."""
-    monkeypatch.setattr(applier_module, "LARGE_PART_CHANGES", 5000)
+    monkeypatch.setattr(large_apply, "LARGE_PART_CHANGES", 5000)
 
 
 async def writing_open_transaction(dsn: str) -> bool:

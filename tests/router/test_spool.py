@@ -31,10 +31,10 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Change, Spill, SpilledChange, Transaction, TransactionAssembler
-from router.applier import LinkQueue
 from router.ddl import DDL_PREFIX, has_ddl
 from router.errors import PgmeshError
 from router.fanout import SourcePump
+from router.linkqueue import LinkQueue
 from router.progress import LinkProgress, SourceProgress
 from router.source import ReplicationSource
 from router.spool import (

@@ -1,0 +1,67 @@
+"""An applier's sessions on its target node: how one is opened and set up, how it holds an origin.
+
+Every session an applier opens on the target (the main one, the parallel lanes of `router.lanes`, the
+side session of `router.side`) connects with `asyncpg_connect_args` and runs `SESSION_SETUP`:
+`session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit = off` (as
+the native apply worker), UTC and ISO dates, and a lock timeout. A replication origin is held by one
+session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just let it go, and
+`LET_ORIGIN_GO` lets it go after a failure.
+
+Must not: build or run a transaction's SQL (router.statements, router.applier), decide what an error
+means (router.errors), or keep a connection of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import psycopg.conninfo
+
+__all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "take_origin"]
+
+SESSION_SETUP = """
+SET session_replication_role = replica;
+SET synchronous_commit = off;
+SET standard_conforming_strings = on;
+SET lock_timeout = '10s';
+SET TimeZone = 'UTC';
+SET DateStyle = 'ISO, YMD';
+SET IntervalStyle = 'postgres';
+SET extra_float_digits = 3;
+"""
+
+# A session that may hold the source's origin (a lane, the side session) lets it go after a failure.
+LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
+                 " WHERE pg_catalog.pg_replication_origin_session_is_setup()")
+
+
+def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    args: dict[str, Any] = {}
+    mapping = {"host": "host", "port": "port", "user": "user", "password": "password", "dbname": "database"}
+    for key, target in mapping.items():
+        if params.get(key) is not None:
+            args[target] = params[key]
+    if "port" in args:
+        args["port"] = int(str(args["port"]).split(",")[0])
+    if params.get("sslmode") is not None:
+        args["ssl"] = params["sslmode"]
+    if params.get("connect_timeout") is not None:
+        args["timeout"] = float(str(params["connect_timeout"]))
+    return args
+
+
+async def take_origin(conn: asyncpg.Connection, origin: str) -> None:
+    """Set the session up with `origin`; a session that just ended may not have let it go yet (a moment
+    is allowed for that)."""
+    for attempt in range(50):
+        try:
+            await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", origin)
+            return
+        except asyncpg.ObjectInUseError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)
