@@ -24,9 +24,9 @@ import asyncpg
 import msgspec
 
 from protocol.messages import Relation
-from protocol.transactions import Change, Transaction
+from protocol.transactions import SpilledChange, Transaction
 from router.errors import PgmeshError
-from router.spool import iter_chunks
+from router.spool import iter_raw_chunks
 from router.statements import (
     KEY_LOCKS_MAX,
     ApplyError,
@@ -67,10 +67,10 @@ def whole_transaction(txn: Transaction) -> Transaction:
     return txn
 
 
-def _parts(txn: Transaction) -> Iterator[list[Change]]:
+def _parts(txn: Transaction) -> Iterator[list[SpilledChange]]:
     """The transaction's changes in parts of at most LARGE_PART_CHANGES (read back from the spool
-    when it spilled to disk)."""
-    yield from iter_chunks(txn, max_changes=LARGE_PART_CHANGES)
+    when it spilled to disk; inserts the source left undecoded stay so, for COPY)."""
+    yield from iter_raw_chunks(txn, max_changes=LARGE_PART_CHANGES)
 
 
 class Abandoned(Exception):
@@ -87,7 +87,7 @@ class Gone(Exception):
 
 async def growing_parts(
     txn: Transaction, relations: dict[int, Relation]
-) -> AsyncGenerator[tuple[list[Change], Transaction | None], None]:
+) -> AsyncGenerator[tuple[list[SpilledChange], Transaction | None], None]:
     """The changes of `txn`, read before its commit while its spill file grows: parts of
     LARGE_PART_CHANGES as they are written, then the rest with the in-memory tail once the commit
     arrived; each part with the whole Transaction once the commit is there (None before). Before each
@@ -98,7 +98,7 @@ async def growing_parts(
     live = txn.relations
     changed = spill.changed
     assert changed is not None
-    pending: list[Change] = []
+    pending: list[SpilledChange] = []
     pos = 0
     while True:
         changed.clear()
@@ -106,7 +106,7 @@ async def growing_parts(
         if spill.abandoned and final is None:
             raise Gone
         try:
-            got, pos = spill.read_frames(pos, LARGE_PART_CHANGES)
+            got, pos = spill.read_frames(pos, LARGE_PART_CHANGES, raw=True)
         except PgmeshError:
             if spill.abandoned:
                 raise Gone from None
@@ -161,9 +161,9 @@ class LargeApply:
         tombstones: dict[str, bool] = {}
         parts = _parts(txn)
         first = True
-        part: list[Change] | None = next(parts)
+        part: list[SpilledChange] | None = next(parts)
         while part is not None:
-            following: list[Change] | None = next(parts, None)
+            following: list[SpilledChange] | None = next(parts, None)
             await self.apply_part(txn, part, relations, tombstones, first, following is None)
             first = False
             part = following
@@ -212,7 +212,7 @@ class LargeApply:
     async def apply_part(
         self,
         txn: Transaction,
-        part: list[Change],
+        part: list[SpilledChange],
         relations: dict[int, Relation],
         tombstones: dict[str, bool],
         first: bool,

@@ -27,7 +27,7 @@ import asyncpg
 
 from protocol.lsn import parse_lsn
 from protocol.messages import Message, Relation, Truncate
-from protocol.transactions import Change, Transaction
+from protocol.transactions import SpilledChange, Transaction
 from router.ddl import has_ddl
 from router.errors import describe
 from router.large_apply import Gone, growing_parts
@@ -69,7 +69,7 @@ class SideTransaction:
         return spill
 
 
-def _side_check(part: list[Change]) -> None:
+def _side_check(part: list[SpilledChange]) -> None:
     """What the side session does not take: a TRUNCATE (an exclusive lock for the whole stream), a
     logical message (DDL goes the careful way). A subtransaction's changes it takes: one aborted after
     they spilled is listed in the commit's `aborted_subxids`, and the side transaction is then rolled

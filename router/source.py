@@ -7,9 +7,11 @@ pgoutput with START_REPLICATION. The stream is read with `pgconn.get_copy_data` 
 (no threads), decoded once by `protocol/` and handed out as whole committed transactions (and
 non-transactional logical messages) in commit order.
 A transaction bigger than `SourceOptions.spill_bytes` is written to a `router.spool.Spool` as it
-arrives and handed out with its spilled part on disk (`Transaction.spill`). With `early_streamed`, a
-streamed (in-progress) transaction is also announced at its first spill (`EarlyStream`), so that
-appliers may start on it before it commits; it is still handed out at its commit, in commit order.
+arrives and handed out with its spilled part on disk (`Transaction.spill`); once it spilled, its inserts
+are not decoded here (`RawInsert`: their rows go to disk and on to COPY as the server sent them). With
+`early_streamed`, a streamed (in-progress) transaction is also announced at its first spill
+(`EarlyStream`), so that appliers may start on it before it commits; it is still handed out at its
+commit, in commit order.
 
 What it guarantees its caller:
 - Pull-based backpressure: nothing is read from the socket while the caller is not asking for more, yet
@@ -40,8 +42,8 @@ from psycopg import pq, sql
 
 from protocol.errors import ProtocolError
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
-from protocol.messages import Message
-from protocol.pgoutput import Decoder
+from protocol.messages import Message, PgOutputMessage, RawInsert
+from protocol.pgoutput import Decoder, raw_insert
 from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
@@ -57,6 +59,7 @@ _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
 _WAL_START: Final = struct.Struct(">Q")  # after the 'w' of an XLogData body
 _ROW_TAGS: Final = frozenset(b"IUD")
+_INSERT_TAG: Final = 0x49  # 'I'
 _XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 
@@ -171,6 +174,7 @@ class ReplicationSource:
         self.status_updates_sent = 0
         self.spills = 0  # Spill pieces written to the spool
         self.spilled_changes = 0
+        self.raw_inserts = 0  # inserts of spilling transactions passed on undecoded (RawInsert)
         self.spill_peak_bytes = 0  # the most payload one transaction held in memory before it spilled
         self.early_transactions = 0  # transactions handed out at their first spill, before their commit
         self.early_streams = 0  # streamed transactions announced at their first spill (EarlyStream)
@@ -658,6 +662,9 @@ class ReplicationSource:
         received = self._received
         skip_echoes = self.options.skip_echo_rows
         echo = self._assembler.in_echo
+        raw_rows = self._assembler.raw_rows
+        decoder = self._decoder
+        raws = 0
         done: list[Transaction | Message | EarlyStream] = []
         handed = (self._skip_before, self._delivered_high, self.transactions_out)
         try:
@@ -673,7 +680,15 @@ class ReplicationSource:
                 if skip_echoes and len(buf) > _XLOG_PAYLOAD and buf[_XLOG_PAYLOAD] in _ROW_TAGS and echo():
                     self.echo_rows_skipped += 1
                     continue  # a row of an echo: nobody will look at it
-                out = feed(decode(buf, wal_start, _XLOG_PAYLOAD), wal_start, len(buf) - _XLOG_PAYLOAD)
+                if len(buf) > _XLOG_PAYLOAD and buf[_XLOG_PAYLOAD] == _INSERT_TAG and raw_rows():
+                    # A row of a transaction that spills: to disk as the server sent it, then to COPY.
+                    message: PgOutputMessage | RawInsert = raw_insert(
+                        buf, _XLOG_PAYLOAD, streaming=decoder.in_stream, lsn=wal_start
+                    )
+                    raws += 1
+                else:
+                    message = decode(buf, wal_start, _XLOG_PAYLOAD)
+                out = feed(message, wal_start, len(buf) - _XLOG_PAYLOAD)
                 if out is None:
                     continue
                 if isinstance(out, Transaction):
@@ -702,6 +717,7 @@ class ReplicationSource:
             raise
         finally:
             self._received = received  # also when a frame does not decode: it was received
+            self.raw_inserts += raws
         return done
 
     def _spill(self, out: Spill | SpillDropped, lsn: int) -> Transaction | EarlyStream | None:

@@ -43,6 +43,7 @@ async def test_transaction_larger_than_the_memory_bound() -> None:
             assert applier.copied_transactions >= 1 and applier.copied_rows > ROWS * 0.9  # short runs: INSERT
             source = router.pumps["a"].source
             assert source.spills > 0, "nothing spilled"
+            assert source.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
             assert source.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
             assert router.spool.files == 0, "the spool file outlived its transaction"
         (count,) = await fetch(b.dsn(), "SELECT count(*) FROM big")
