@@ -35,7 +35,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.pgoutput import decode_raw_insert, raw_tuple
-from protocol.transactions import Transaction
+from protocol.transactions import SpilledChange, Transaction
 from router.errors import PgmeshError
 
 __all__ = [
@@ -720,9 +720,17 @@ def transaction_segments(
         opening()
         out.append(_insert_rows(run_rel, table, rows, guarded, coarse))
 
-    for change in txn.changes:
-        if run and not (isinstance(change, (Insert, RawInsert)) and relations[change.relid] is run_rel
-                        and (copy or len(run) < INSERT_RUN)):
+    changes: Sequence[SpilledChange] = txn.changes  # a part read back raw holds RawInserts, too
+    for change in changes:
+        if isinstance(change, (Insert, RawInsert)):  # nearly every change of a large transaction
+            relation = relations[change.relid]
+            if run and (relation is not run_rel or (not copy and len(run) >= INSERT_RUN)):
+                flush_run()
+                run = []
+            run_rel = relation
+            run.append(change)
+            continue
+        if run:
             flush_run()
             run = []
         if isinstance(change, Relation):
@@ -735,10 +743,6 @@ def transaction_segments(
             out.append(truncate_statement(change, relations, tables))
             continue
         relation = relations[change.relid]
-        if isinstance(change, (Insert, RawInsert)):
-            run_rel = relation
-            run.append(change)
-            continue
         table = target_table(relation, tables)
         opening()
         keyed = prepared is not None and _keyed(relation, change.old_kind)
