@@ -110,6 +110,7 @@ class Lanes:
         key, origin = self._key, quote_literal(link.origin)
         preludes: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
         scripts: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
+        marks = {lane: lanes[lane].prepared.mark() for lane in preludes}
         seqs: list[int] = []
         txns: list[Transaction] = []
         for i, (txn, lane) in enumerate(zip(batch, lanes_of, strict=False)):
@@ -138,6 +139,11 @@ class Lanes:
             txns.append(txn)
         used = {lane for lane, lane_scripts in scripts.items() if lane_scripts}
         if len(used) < 2:
+            used = set()
+        for lane, mark in marks.items():
+            if lane not in used:  # its PREPAREs are never sent
+                lanes[lane].prepared.forget_since(mark)
+        if not used:
             return 0
         self._seq += len(txns)
         # Every lane's locks are held before any lane starts.
