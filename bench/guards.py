@@ -6,23 +6,27 @@ the source's replication origin), and batches of 250 TPC-B transactions sent as 
 as the applier batches them. Each variant gets the same number of batches, interleaved, with fresh random
 keys; the figure is target wall time per transaction (the query's round trip / 250), min and median.
 
-  pgmesh      what `router.statements` emits today (checked against a capture of a real run): per
-              transaction BEGIN, the origin's xact_setup, three guarded UPDATEs (a data-modifying CTE
-              calling `pgmesh.expect_origin` per row and `pgmesh.expect_rows` on the count), the
-              insert's lock statement and the guarded INSERT (tombstone probe), COMMIT: 8 statements.
-  fused       the same checks with the four changes in one prepared statement (one CTE per change, one
-              `expect_rows` on the sum): 5 statements. Valid only when no two changes touch the same key.
-  setup       pgmesh, with the origin's xact_setup as a prepared statement (EXECUTE, not a SELECT with
-              literals parsed and planned each time).
+  pgmesh      what `router.statements` emits: the scripts are built by `transaction_script` itself,
+              from TPC-B changes as pgoutput sends them, with the applier's prepared statements. Per
+              transaction BEGIN, the origin's xact_setup (prepared), three guarded UPDATEs (a
+              data-modifying CTE; the origin and row-count checks are inline CASEs that call PL/pgSQL
+              only for a row that does not fit), the insert's locks and the guarded INSERT (it raises
+              in its WHERE clause when a tombstone holds the key), COMMIT: 8 statements.
+  plpgsql     what `router.statements` emitted before (session 4 of the performance issue): the same
+              statements with `pgmesh.expect_origin` called per row, `pgmesh.expect_rows` on every
+              count, the insert counted through a CTE, and the xact_setup as a SELECT with literals.
+  fused       plpgsql's checks with the four changes in one prepared statement (one CTE per change,
+              one `expect_rows` on the sum): 5 statements. Valid only when no two changes touch the
+              same key.
+  setup       plpgsql, with the origin's xact_setup as a prepared statement.
   setup_lock  setup, the insert's locks taken in that same statement: 7 statements.
-  updates     the UPDATEs guarded as pgmesh does, the INSERT plain (no lock, no tombstone probe): what
-              the insert's guard costs is pgmesh minus this.
+  updates     the UPDATEs guarded as plpgsql does, the INSERT plain (no lock, no tombstone probe).
   cte_only    the CTEs and `expect_rows`, no origin check, plain INSERT.
   unguarded   plain prepared UPDATEs and INSERT, no conflict detection at all: the floor of this way of
               applying (what the guards cost is pgmesh minus this).
 
     .venv/bin/python -m bench.guards                 # 8 batches per variant
-    .venv/bin/python -m bench.guards --batches 4 --variant pgmesh --variant unguarded
+    .venv/bin/python -m bench.guards --batches 4 --variant pgmesh --variant plpgsql --variant unguarded
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ from collections.abc import Sequence
 import asyncpg
 
 from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
+from protocol.messages import Column, Insert, Relation, TupleData, Update
+from protocol.transactions import Change, Transaction
 from router.localnodes import LocalNode, create_nodes
 from router.sessions import SESSION_SETUP, asyncpg_connect_args
+from router.statements import Prepared, TargetTable, transaction_script
 
 PER_BATCH = 250
 FILLER = " " * 84
 WHEN = "2026-01-01 00:00:00"
+_WHEN_US = 820_540_800_000_000  # WHEN as a commit time: µs since 2000-01-01 UTC
 
 _UPDATES = (
     ("pgbench_accounts", "aid = $1, bid = $2, abalance = $3, filler = $4", "aid = $5", 6),
@@ -66,7 +74,7 @@ def _prepares(variant: str) -> list[str]:
         if variant == "setup_lock":
             setup += _LOCK.replace("$1", "$3").replace("SELECT ", ", ", 1)
         out.append(f"PREPARE {variant}_setup AS {setup}")
-        out.extend(p.replace("PREPARE pgmesh_", f"PREPARE {variant}_") for p in _prepares("pgmesh"))
+        out.extend(p.replace("PREPARE plpgsql_", f"PREPARE {variant}_") for p in _prepares("plpgsql"))
         return out
     if variant == "fused":
         out.append(f"PREPARE fused_lock AS {_LOCK}")
@@ -87,7 +95,7 @@ def _prepares(variant: str) -> list[str]:
         return out
     for i, (table, sets, where, origin) in enumerate(_UPDATES, 1):
         update = f"UPDATE {table} SET {sets} WHERE {where}"
-        if variant in ("pgmesh", "updates", "setup", "setup_lock"):
+        if variant in ("plpgsql", "updates", "setup", "setup_lock"):
             body = (f"WITH w AS ({update} AND pgmesh.expect_origin(xmin, ${origin}) RETURNING 1)"
                     " SELECT pgmesh.expect_rows(count(*), 1) FROM w")
         elif variant == "cte_only":
@@ -96,13 +104,65 @@ def _prepares(variant: str) -> list[str]:
         else:
             body = f"{update} AND ${origin}::oid IS NOT NULL"
         out.append(f"PREPARE {variant}_{i} AS {body}")
-    if variant == "pgmesh":
-        out.append(f"PREPARE pgmesh_lock AS {_LOCK}")
-        out.append(f"PREPARE pgmesh_insert AS WITH w AS ({_HISTORY} SELECT {_PICKS} WHERE {_NO_TOMBSTONE}"
+    if variant == "plpgsql":
+        out.append(f"PREPARE plpgsql_lock AS {_LOCK}")
+        out.append(f"PREPARE plpgsql_insert AS WITH w AS ({_HISTORY} SELECT {_PICKS} WHERE {_NO_TOMBSTONE}"
                    " RETURNING 1) SELECT pgmesh.expect_rows(count(*), 1) FROM w")
     else:
         out.append(f"PREPARE {variant}_insert AS {_HISTORY} VALUES ($1, $2, $3, $4, $5, $6, $7)")
     return out
+
+
+# The pgbench tables as pgoutput describes them (text values), and as the applier finds them on the target.
+_TABLES: dict[str, tuple[tuple[str, int, str, bool], ...]] = {
+    "pgbench_accounts": (("aid", 23, "integer", True), ("bid", 23, "integer", False),
+                         ("abalance", 23, "integer", False), ("filler", 1042, "character(84)", False)),
+    "pgbench_tellers": (("tid", 23, "integer", True), ("bid", 23, "integer", False),
+                        ("tbalance", 23, "integer", False), ("filler", 1042, "character(84)", False)),
+    "pgbench_branches": (("bid", 23, "integer", True), ("bbalance", 23, "integer", False),
+                         ("filler", 1042, "character(88)", False)),
+    "pgbench_history": (("tid", 23, "integer", False), ("bid", 23, "integer", False),
+                        ("aid", 23, "integer", False), ("delta", 23, "integer", False),
+                        ("mtime", 1114, "timestamp without time zone", False),
+                        ("filler", 1042, "character(22)", False), ("hid", 20, "bigint", True)),
+}
+_RELATIONS = {
+    name: Relation(16384 + i, "public", name, "d", tuple(Column(c, oid, -1, key) for c, oid, _, key in cols))
+    for i, (name, cols) in enumerate(_TABLES.items())
+}
+_TARGET = {
+    ("public", name): TargetTable(
+        "public", name, frozenset(c for c, *_ in cols), {c: t for c, _, t, _ in cols},
+        pk=tuple(c for c, _, _, key in cols if key),
+    )
+    for name, cols in _TABLES.items()
+}
+
+
+def _row(values: Sequence[object]) -> TupleData:
+    cells = tuple(None if v is None else str(v).encode() for v in values)
+    return TupleData(bytes(0x6E if v is None else 0x74 for v in cells), cells)
+
+
+def _emitted_batch(first_hid: int, origin: int, rng: random.Random, prepared: Prepared) -> tuple[str, str]:
+    """The PREPAREs not sent yet, and the batch, as `router.statements` writes them for the applier."""
+    prelude: list[str] = []
+    scripts = []
+    rel = _RELATIONS
+    for hid in range(first_hid, first_hid + PER_BATCH):
+        aid, tid, delta = rng.randint(1, 100_000), rng.randint(1, 10), rng.randint(-5000, 5000)
+        changes: list[Change] = [
+            Update(rel["pgbench_accounts"].relid, _row((aid, 1, delta, FILLER))),
+            Update(rel["pgbench_tellers"].relid, _row((tid, 1, delta, None))),
+            Update(rel["pgbench_branches"].relid, _row((1, delta, None))),
+            Insert(rel["pgbench_history"].relid, _row((tid, 1, aid, delta, WHEN, None, hid))),
+        ]
+        relations = {r.relid: r for r in rel.values()}
+        txn = Transaction(hid, hid << 8, (hid << 8) + 1, _WHEN_US + hid, changes, relations)
+        scripts.append(
+            transaction_script(txn, _TARGET, prepared=prepared, guard_origin=origin, prelude=prelude)
+        )
+    return "".join(f"{p};\n" for p in prelude), "\n".join(scripts)
 
 
 def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str:
@@ -125,7 +185,7 @@ def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str
             out.append(f"EXECUTE {variant}_1('{aid}', '1', '{delta}', '{FILLER}', '{aid}', '{origin}')")
             out.append(f"EXECUTE {variant}_2('{tid}', '1', '{delta}', NULL, '{tid}', '{origin}')")
             out.append(f"EXECUTE {variant}_3('1', '{delta}', NULL, '1', '{origin}')")
-            if variant in ("pgmesh", "setup"):
+            if variant in ("plpgsql", "setup"):
                 out.append(f"EXECUTE {variant}_lock('{hid}')")
             out.append(f"EXECUTE {variant}_insert({history})")
         out.append("COMMIT")
@@ -146,16 +206,30 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
             "SELECT roident FROM pg_catalog.pg_replication_origin WHERE roname = $1", system.origin)
         await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", system.origin)
         for variant in variants:
-            await conn.execute(";\n".join(_prepares(variant)))
+            if variant != "pgmesh":
+                await conn.execute(";\n".join(_prepares(variant)))
+        prepared = Prepared()
         rng = random.Random(7)
         hid = 1
+
+        async def script_for(variant: str) -> str:
+            """The next batch of `variant` (the applier's PREPAREs it needs sent first, untimed)."""
+            nonlocal hid
+            if variant == "pgmesh":
+                prelude, script = _emitted_batch(hid, origin, rng, prepared)
+                if prelude:
+                    await conn.execute(prelude)
+            else:
+                script = _batch(variant, hid, origin, rng)
+            hid += PER_BATCH
+            return script
+
         out: dict[str, list[float]] = {v: [] for v in variants}
-        await conn.execute(_batch(variants[0], hid, origin, rng))  # warm-up (generic plans)
-        hid += PER_BATCH
+        for variant in variants:
+            await conn.execute(await script_for(variant))  # warm-up (generic plans)
         for _ in range(batches):
             for variant in variants:
-                script = _batch(variant, hid, origin, rng)
-                hid += PER_BATCH
+                script = await script_for(variant)
                 began = time.perf_counter()
                 await conn.execute(script)
                 out[variant].append((time.perf_counter() - began) / PER_BATCH * 1e6)
@@ -164,7 +238,7 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
         await conn.close()
 
 
-VARIANTS = ("pgmesh", "setup", "setup_lock", "fused", "updates", "cte_only", "unguarded")
+VARIANTS = ("pgmesh", "plpgsql", "setup", "setup_lock", "fused", "updates", "cte_only", "unguarded")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
