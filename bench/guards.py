@@ -44,8 +44,9 @@ from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
 from router.localnodes import LocalNode, create_nodes
+from router.scripts import transaction_script
 from router.sessions import SESSION_SETUP, asyncpg_connect_args
-from router.statements import Prepared, TargetTable, transaction_script
+from router.statements import Prepared, TargetTable
 
 PER_BATCH = 250
 FILLER = " " * 84

@@ -1,6 +1,6 @@
 """One applier per link (source -> target): applies the source's transactions to the target, exactly once.
 
-Each source transaction becomes one target transaction (see `router.statements`), run in a session that
+Each source transaction becomes one target transaction (see `router.scripts`), run in a session that
 has `session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit = off`
 (as the native apply worker) and the source's replication origin set up, and every transaction calls
 `pg_replication_origin_xact_setup(end LSN, commit time)`: the row carries the source's origin and
@@ -42,17 +42,11 @@ from router.lanes import Lanes
 from router.large_apply import Abandoned, LargeApply, is_large, whole_transaction
 from router.linkqueue import LinkQueue
 from router.progress import LinkProgress
+from router.scripts import transaction_script
 from router.sessions import SESSION_SETUP, asyncpg_connect_args, take_origin
 from router.side import SideSession
 from router.spool import materialize, release
-from router.statements import (
-    ApplyError,
-    Prepared,
-    SchemaMismatch,
-    TargetTable,
-    quote_ident,
-    transaction_script,
-)
+from router.statements import ApplyError, Prepared, SchemaMismatch, TargetTable, quote_ident
 
 __all__ = ["Applier", "LinkState"]
 

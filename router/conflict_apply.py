@@ -1,7 +1,7 @@
 """The careful path: apply one source transaction row by row, detecting, deciding and recording conflicts.
 
 The applier's fast path sends guarded statements that raise at the first conflict (see
-`router.statements._guard`). That transaction is then rolled back and applied again here: each row is
+`router.statements.guard`). That transaction is then rolled back and applied again here: each row is
 read first (`FOR UPDATE`) with its version (`pg_xact_commit_timestamp_origin(xmin)`), or its tombstone
 when it is gone; `router.conflicts.resolve` decides; the decision is written; every conflict is recorded
 in `pgmesh.conflict_history` in the same transaction. Rows written by the source itself are no conflict.

@@ -30,8 +30,9 @@ from protocol.transactions import Transaction
 from router.errors import describe
 from router.large_apply import is_large
 from router.parallel import plan_lanes
+from router.scripts import transaction_segments
 from router.sessions import LET_ORIGIN_GO, SESSION_SETUP, asyncpg_connect_args
-from router.statements import ApplyError, Prepared, quote_literal, transaction_segments
+from router.statements import ApplyError, Prepared, quote_literal
 
 if TYPE_CHECKING:
     from router.applier import Applier

@@ -3,7 +3,7 @@
 A transaction with more row changes than KEY_LOCKS_MAX, or one spilled to disk (`is_large`), is applied
 alone, in one target transaction, LARGE_PART_CHANGES changes at a time (read back from the spool when it
 spilled). Its runs of inserts go in by COPY where no conflict can hide from them
-(router.statements.CopyRun), by guarded INSERTs where the table has tombstones. A plain transaction that
+(router.scripts.CopyRun), by guarded INSERTs where the table has tombstones. A plain transaction that
 router.source handed out at its first spill, before its commit, is applied as its spill file grows
 (`growing_parts`) and committed once its commit has arrived; if the source loses it first, `Abandoned`
 is raised and it comes again, whole. A streamed transaction that the side session applied ahead
@@ -26,15 +26,9 @@ import msgspec
 from protocol.messages import Relation
 from protocol.transactions import SpilledChange, Transaction
 from router.errors import PgmeshError
+from router.scripts import CopyRun, transaction_segments
 from router.spool import iter_raw_chunks
-from router.statements import (
-    KEY_LOCKS_MAX,
-    ApplyError,
-    CopyRun,
-    Prepared,
-    transaction_segments,
-    xact_setup_sql,
-)
+from router.statements import KEY_LOCKS_MAX, ApplyError, Prepared, xact_setup_sql
 
 if TYPE_CHECKING:
     from router.applier import Applier
@@ -144,7 +138,7 @@ class LargeApply:
 
     async def apply(self, txn: Transaction) -> Transaction:
         """A transaction with more row changes than KEY_LOCKS_MAX, alone: its runs of inserts go in by
-        COPY where no conflict can hide from it (router.statements.CopyRun); a transaction spilled to
+        COPY where no conflict can hide from it (router.scripts.CopyRun); a transaction spilled to
         disk is read back part by part, all in one target transaction. Returns the transaction applied
         (for one handed out before its commit: the whole one, see `_apply_growing`)."""
         link = self._link

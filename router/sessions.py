@@ -7,7 +7,7 @@ the native apply worker), UTC and ISO dates, and a lock timeout. A replication o
 session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just let it go, and
 `LET_ORIGIN_GO` lets it go after a failure.
 
-Must not: build or run a transaction's SQL (router.statements, router.applier), decide what an error
+Must not: build or run a transaction's SQL (router.scripts, router.applier), decide what an error
 means (router.errors), or keep a connection of its own.
 """
 

@@ -483,7 +483,7 @@ def iter_chunks(txn: Transaction, max_changes: int = 10_000) -> Iterator[list[Ch
 
 def iter_raw_chunks(txn: Transaction, max_changes: int = 10_000) -> Iterator[list[SpilledChange]]:
     """`iter_chunks`, where the inserts the source left undecoded stay `RawInsert`s (for a reader
-    that copies them through to COPY: `router.statements` takes them)."""
+    that copies them through to COPY: `router.scripts` takes them)."""
     return _chunks(txn, max_changes, raw=True)
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from protocol.messages import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Truncate, TupleData, Update
 from protocol.transactions import Transaction
-from router.statements import ApplyError, TargetTable, quote_ident, quote_literal, transaction_script
+from router.scripts import transaction_script
+from router.statements import ApplyError, TargetTable, quote_ident, quote_literal
 
 REL = Relation(7, "public", "Odd ""Name", "d", (
     Column("id", 23, -1, True), Column("note", 25, -1, False), Column("doc", 114, -1, False),
@@ -158,7 +159,7 @@ def _raw(insert: Insert) -> object:
 
 
 def test_raw_inserts_read_back_from_a_spill_go_to_copy_and_insert_as_decoded_ones() -> None:
-    from router.statements import COPY_MIN_ROWS, CopyRun, transaction_segments
+    from router.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
 
     table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
                         {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
