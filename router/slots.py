@@ -98,6 +98,7 @@ async def hold_snapshot(
 ) -> ExportedSnapshot:
     """The snapshot `exported` by the creation of slot `slot`, imported at once on a holder connection
     (`application_name`-snapshot) and exported again from there."""
+    holder: psycopg.AsyncConnection[Any] | None = None
     try:
         holder = await psycopg.AsyncConnection.connect(
             dsn, autocommit=True, application_name=f"{application_name}-snapshot"
@@ -106,10 +107,15 @@ async def hold_snapshot(
         await holder.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(exported)))
         cur = await holder.execute("SELECT pg_export_snapshot()")
         row = await cur.fetchone()
-    except psycopg.Error as exc:
-        raise SlotError(
-            f"cannot hold the snapshot exported by slot {slot!r}: {describe(exc)}",
-            node=node,
-        ) from exc
+    except BaseException as exc:
+        if holder is not None:  # not left open when the import fails (or is cancelled)
+            with contextlib.suppress(psycopg.Error):
+                await holder.close()
+        if isinstance(exc, psycopg.Error):
+            raise SlotError(
+                f"cannot hold the snapshot exported by slot {slot!r}: {describe(exc)}",
+                node=node,
+            ) from exc
+        raise
     assert row is not None
     return ExportedSnapshot(str(row[0]), exported, holder)

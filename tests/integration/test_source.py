@@ -234,6 +234,24 @@ async def test_exported_snapshot_stays_importable_while_streaming(node: Any) -> 
         await source.close()
 
 
+async def test_a_snapshot_that_cannot_be_held_is_a_clear_error_and_leaves_no_connection(node: Any) -> None:
+    from router.slots import hold_snapshot
+
+    with pytest.raises(SlotError, match="cannot hold the snapshot exported by slot 'gone'") as caught:
+        await hold_snapshot(node.dsn(), "00000003-0000001B-1", slot="gone", node=node.name,
+                            application_name="pgmesh-held")
+    assert caught.value.node == node.name
+
+    async def none_left() -> bool:
+        async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgmesh-held-snapshot'")
+            row = await cur.fetchone()
+            return row is not None and row[0] == 0
+
+    await wait_for(none_left, "the holder connection to go")
+
+
 async def test_link_cut_and_restored_through_proxy(node: Any, tcp_proxy: Any) -> None:
     proxy = tcp_proxy("127.0.0.1", node.port)
     dsn = node.dsn().replace(f"port={node.port}", f"port={proxy.port}")
