@@ -38,19 +38,30 @@ LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
 
 
 def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
-    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments."""
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments. Several hosts (`host=a,b port=5432,5433`,
+    with `target_session_attrs`) are passed on as lists, as libpq would try them."""
     params = psycopg.conninfo.conninfo_to_dict(dsn)
     args: dict[str, Any] = {}
-    mapping = {"host": "host", "port": "port", "user": "user", "password": "password", "dbname": "database"}
+    mapping = {
+        "user": "user", "password": "password", "dbname": "database", "passfile": "passfile",
+        "target_session_attrs": "target_session_attrs",
+    }
     for key, target in mapping.items():
         if params.get(key) is not None:
-            args[target] = params[key]
-    if "port" in args:
-        args["port"] = int(str(args["port"]).split(",")[0])
+            args[target] = str(params[key])
+    hosts = str(params["host"]).split(",") if params.get("host") is not None else []
+    ports = [int(p) for p in str(params["port"]).split(",")] if params.get("port") is not None else []
+    if hosts:
+        args["host"] = hosts[0] if len(hosts) == 1 else hosts
+    if ports:
+        # libpq: one port for every host, or one per host
+        args["port"] = ports[0] if len(ports) == 1 else ports
     if params.get("sslmode") is not None:
         args["ssl"] = params["sslmode"]
     if params.get("connect_timeout") is not None:
         args["timeout"] = float(str(params["connect_timeout"]))
+    if params.get("application_name") is not None:
+        args["server_settings"] = {"application_name": str(params["application_name"])}
     return args
 
 
