@@ -73,6 +73,9 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
                 await wait_converged(nodes, ["reg"], 30)
             except AssertionError:
                 print("schedule that did not converge:", steps)
+                for name, applier in sorted(router.appliers.items()):
+                    print(f"  link {name}: {applier.state.name}, {applier.pending()} pending,"
+                          f" last error: {applier.last_error}")
                 raise
             assert all(applier.last_error is None for applier in router.appliers.values())
     finally:
