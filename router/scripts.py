@@ -193,7 +193,8 @@ def transaction_script(
     (default: the transaction's end LSN, the position to resume from); with `prepared`, keyed updates
     and deletes run as prepared statements of the session (PREPARE emitted on first use). With
     `guard_origin` (the source's replication origin id on the target) every change raises instead of
-    applying when it meets a conflict (see `_guard`): the applier then takes the careful path.
+    applying when it meets a conflict (see `router.statements.guard`): the applier then takes the
+    careful path.
     New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
     transaction that fails cannot take a prepared statement down with it), else inline.
     """

@@ -65,8 +65,7 @@ class SideTransaction:
 
     @property
     def spill(self) -> SpillFile:
-        spill: SpillFile = self.item.spill
-        return spill
+        return self.item.spill
 
 
 def _side_check(part: list[SpilledChange]) -> None:

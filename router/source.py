@@ -48,7 +48,7 @@ from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, st
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
 from router.slots import SlotCreated, SlotInfo, check_slot_name, hold_snapshot
-from router.spool import Spool
+from router.spool import SpillFile, Spool
 
 __all__ = ["EarlyStream", "ReplicationSource", "SourceOptions", "SystemInfo"]
 
@@ -99,8 +99,10 @@ class EarlyStream(msgspec.Struct, frozen=True, gc=False):
     txn: Transaction
 
     @property
-    def spill(self) -> Any:
-        return self.txn.spill
+    def spill(self) -> SpillFile:
+        handle = self.txn.spill
+        assert isinstance(handle, SpillFile)  # set at the announcement (ReplicationSource._spill)
+        return handle
 
 
 class SystemInfo(msgspec.Struct, frozen=True):
