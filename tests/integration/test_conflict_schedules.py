@@ -74,7 +74,7 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
             except AssertionError:
                 print("schedule that did not converge:", steps)
                 for name, applier in sorted(router.appliers.items()):
-                    print(f"  link {name}: {applier.state.name}, {applier.pending()} pending,"
+                    print(f"  link {name}: {applier.state.name}, {applier.pending} pending,"
                           f" last error: {applier.last_error}")
                 raise
             assert all(applier.last_error is None for applier in router.appliers.values())
