@@ -70,7 +70,8 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
             for applier in router.appliers.values():
                 applier.resume()
             try:
-                await wait_converged(nodes, ["reg"], 30)
+                # generous: converged runs return at once; under load (2 cores shared) 30 s once ran out
+                await wait_converged(nodes, ["reg"], 90)
             except AssertionError:
                 print("schedule that did not converge:", steps)
                 for name, applier in sorted(router.appliers.items()):
