@@ -6,6 +6,9 @@ schema and logical messages between Stream Start and Stream Stop carry a leading
 that state; `decode(..., streaming=True)` is the stateless form. Any input that is not exactly one
 well-formed message raises `ProtocolError` (with the LSN when the caller gives it), never anything else.
 
+`raw_insert` splits an Insert without reading its row (`RawInsert`), for rows that are only copied
+through; `decode_raw_insert` reads it later, exactly as `decode` would have.
+
 This is the hot path of the router (every row change of every node passes here once), so it is written
 for speed: separate reader tables in and out of stream blocks (no per-row xid test), the message read in
 place from a whole XLogData body (`offset`), and row images read through compiled layouts (`_Shape`).

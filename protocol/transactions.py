@@ -10,8 +10,10 @@ Memory: with `spill_bytes` set, a transaction whose buffered payload grows past 
 pieces: `feed` returns a `Spill` (the changes taken out of the transaction, in stream order) for the
 caller to put somewhere, and the final `Transaction` says how many changes went that way (`spilled`)
 before its in-memory tail. A streamed transaction that had spilled and is then aborted comes out as
-`SpillDropped`. It does no I/O itself: where spilled changes go, and how they are read back, is the
-caller's business (the router's `router/spool.py`).
+`SpillDropped`. Once a transaction has spilled, the caller may feed its inserts undecoded
+(`RawInsert`, while `raw_rows()` says so): a Spill may hold them, the final Transaction's tail never
+does (they are decoded at the commit). It does no I/O itself: where spilled changes go, and how they
+are read back, is the caller's business (the router's `router/spool.py`).
 """
 
 from __future__ import annotations
