@@ -238,10 +238,11 @@ def transaction_segments(
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
+    args = setup_args(txn, origin_lsn)  # the origin's position and commit time, once per transaction
     if prepared is None:
         setup_sql = xact_setup_sql(txn, origin_lsn)
     else:
-        setup_sql = prepared.setup(txn, origin_lsn, out if prepares is None else prepares)
+        setup_sql = prepared.setup(args, out if prepares is None else prepares)
     if begin:
         out.append("BEGIN")
     # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
@@ -281,7 +282,7 @@ def transaction_segments(
         rows = _decoded(run)
         sink = out if prepares is None else prepares
         if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
-            with_setup = setup_args(txn, origin_lsn) if pending else None
+            with_setup = args if pending else None
             pending = False
             out.append(prepared_insert(run_rel, table, rows[0], prepared, sink, with_setup))
             return

@@ -264,12 +264,13 @@ class Prepared:
             self._relations[id(relation)] = relation
         return name
 
-    def setup(self, txn: Transaction, origin_lsn: int | None, out: list[str]) -> str:
-        """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once)."""
+    def setup(self, args: list[str], out: list[str]) -> str:
+        """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once);
+        `args` from `setup_args`."""
         name = self._names.get(_SETUP_KEY)
         if name is None:
             name = self._new(_SETUP_KEY, "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)", out)
-        return _execute(name, setup_args(txn, origin_lsn))
+        return _execute(name, args)
 
     def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
         self._counter += 1
@@ -508,9 +509,8 @@ def commit_time_literal(us: int) -> str:
 
 def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None) -> str:
     """The origin's position and commit time for the target transaction applying `txn`."""
-    when = commit_time_literal(txn.commit_time)
-    lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
-    return f"SELECT pg_catalog.pg_replication_origin_xact_setup('{lsn}', '{when}')"
+    lsn, when = setup_args(txn, origin_lsn)
+    return f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when})"
 
 
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:
