@@ -38,14 +38,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-import asyncpg
-
 from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
 from router.localnodes import LocalNode, create_nodes
 from router.scripts import transaction_script
-from router.sessions import SESSION_SETUP, asyncpg_connect_args
+from router.sessions import open_session
 from router.statements import Prepared, TargetTable
 
 PER_BATCH = 250
@@ -198,9 +196,8 @@ async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int)
         await prepare_node(node)
     system = Pgmesh(nodes[0], nodes[1])
     await system.setup()
-    conn = await asyncpg.connect(**asyncpg_connect_args(nodes[1].dsn()))
+    conn = await open_session(nodes[1].dsn())  # set up as the applier's sessions are
     try:
-        await conn.execute(SESSION_SETUP)
         # rows from before this point are every node's common start (what the applier sets, too)
         await conn.execute("SELECT set_config('pgmesh.installed_at', now()::text, false)")
         origin = await conn.fetchval(

@@ -43,7 +43,7 @@ from router.large_apply import Abandoned, LargeApply, is_large, whole_transactio
 from router.linkqueue import LinkQueue
 from router.progress import LinkProgress
 from router.scripts import transaction_script
-from router.sessions import SESSION_SETUP, asyncpg_connect_args, take_origin
+from router.sessions import open_session, take_origin
 from router.side import SideSession
 from router.spool import materialize, release
 from router.statements import ApplyError, Prepared, SchemaMismatch, TargetTable, quote_ident
@@ -260,10 +260,9 @@ class Applier:
         logger.error("link %s paused: %s (fix it, then `pgmesh resume`)", self.name, self.last_error)
 
     async def _connect(self) -> None:
-        self._conn = await asyncpg.connect(**asyncpg_connect_args(self.target.dsn))
+        self._conn = await open_session(self.target.dsn)  # installed_at: set by _load_origins
         self._prepared = Prepared()  # a new session has no prepared statements
         self._ahead = {}
-        await self._conn.execute(SESSION_SETUP)
         await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self._origin_held = True
         row = await self._conn.fetchval(

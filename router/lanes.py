@@ -31,7 +31,7 @@ from router.errors import describe
 from router.large_apply import is_large
 from router.parallel import plan_lanes
 from router.scripts import transaction_segments
-from router.sessions import LET_ORIGIN_GO, SESSION_SETUP, asyncpg_connect_args
+from router.sessions import LET_ORIGIN_GO, open_session
 from router.statements import ApplyError, Prepared, quote_literal
 
 if TYPE_CHECKING:
@@ -77,17 +77,7 @@ class Lanes:
         link = self._link
         assert link._conn is not None
         while len(self._extra) < link.lanes - 1:
-            conn = await asyncpg.connect(**asyncpg_connect_args(link.target.dsn))
-            try:
-                await conn.execute(SESSION_SETUP)
-                if link._installed_at:
-                    await conn.execute(
-                        "SELECT set_config('pgmesh.installed_at', $1, false)", link._installed_at
-                    )
-            except BaseException:
-                conn.terminate()
-                raise
-            self._extra.append(_Lane(conn))
+            self._extra.append(_Lane(await open_session(link.target.dsn, link._installed_at)))
         main = _Lane(link._conn)
         main.prepared = link._prepared
         return [main, *self._extra]

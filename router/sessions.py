@@ -1,7 +1,7 @@
 """An applier's sessions on its target node: how one is opened and set up, how it holds an origin.
 
 Every session an applier opens on the target (the main one, the parallel lanes of `router.lanes`, the
-side session of `router.side`) connects with `asyncpg_connect_args` and runs `SESSION_SETUP`:
+side session of `router.side`) is opened by `open_session`: `asyncpg_connect_args`, then `SESSION_SETUP`:
 `session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit = off` (as
 the native apply worker), UTC and ISO dates, and a lock timeout. A replication origin is held by one
 session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just let it go, and
@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import psycopg.conninfo
 
-__all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "take_origin"]
+__all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
 
 SESSION_SETUP = """
 SET session_replication_role = replica;
@@ -63,6 +63,20 @@ def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
     if params.get("application_name") is not None:
         args["server_settings"] = {"application_name": str(params["application_name"])}
     return args
+
+
+async def open_session(dsn: str, installed_at: str | None = None) -> asyncpg.Connection:
+    """A new session on the target, set up as every applier session is (`SESSION_SETUP`), with
+    `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known. Closed again if the set-up fails."""
+    conn = await asyncpg.connect(**asyncpg_connect_args(dsn))
+    try:
+        await conn.execute(SESSION_SETUP)
+        if installed_at:
+            await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn
 
 
 async def take_origin(conn: asyncpg.Connection, origin: str) -> None:

@@ -31,7 +31,7 @@ from protocol.transactions import SpilledChange, Transaction
 from router.ddl import has_ddl
 from router.errors import describe
 from router.large_apply import Gone, growing_parts
-from router.sessions import LET_ORIGIN_GO, SESSION_SETUP, asyncpg_connect_args, take_origin
+from router.sessions import LET_ORIGIN_GO, open_session, take_origin
 from router.source import EarlyStream
 from router.spool import SpillFile
 from router.statements import Prepared, quote_literal, xact_setup_sql
@@ -146,16 +146,13 @@ class SideSession:
         open (the main session commits it: `finish`). Returns once all of it is applied."""
         link = self._link
         spill, txn = side.spill, side.item.txn
-        conn = side.conn = await asyncpg.connect(**asyncpg_connect_args(link.target.dsn))
-        await conn.execute(SESSION_SETUP)
+        conn = side.conn = await open_session(link.target.dsn, link._installed_at)
         # Its rows are written under an origin of their own (the main session holds the source's): the
         # target's walsender streams them as an echo, not as a transaction of this node.
         early = link.config.early_origin_name(link.source)
         await conn.execute("SELECT pg_catalog.pg_replication_origin_create($1)"
                            " WHERE pg_catalog.pg_replication_origin_oid($1) IS NULL", early)
         await take_origin(conn, early)
-        if link._installed_at:
-            await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", link._installed_at)
         relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
         first = True
