@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from protocol.errors import ProtocolError
 from protocol.messages import (
     KIND_NULL,
     KIND_TEXT,
@@ -103,7 +104,7 @@ class CopyRun:
 
     def fallback(self) -> str:
         """The same rows as guarded INSERT statements (the table has tombstones)."""
-        rows, relation, table = _decoded(self.rows), self.relation, self.table
+        rows, relation, table = _decoded(self.relation, self.rows), self.relation, self.table
         return ";\n".join(
             insert_rows(relation, table, rows[i : i + INSERT_RUN], self.check_tombstones, self.coarse)
             for i in range(0, len(rows), INSERT_RUN)
@@ -116,11 +117,20 @@ def _copy_escape(value: bytes) -> bytes:
     )
 
 
-def _decoded(rows: list[Insert | RawInsert]) -> list[Insert]:
+def _unreadable(relation: Relation, exc: ProtocolError) -> ApplyError:
+    """The error for a row left undecoded by the source that does not read back (a damaged spill)."""
+    return ApplyError(f"an insert spilled to disk does not read back: {exc.detail}",
+                      relation=f"{relation.schema}.{relation.name}")
+
+
+def _decoded(relation: Relation, rows: list[Insert | RawInsert]) -> list[Insert]:
     """`rows` with every RawInsert decoded (`rows` itself when it holds none)."""
     if all(type(r) is Insert for r in rows):
         return rows  # type: ignore[return-value]  # checked just above
-    return [decode_raw_insert(r) if isinstance(r, RawInsert) else r for r in rows]
+    try:
+        return [decode_raw_insert(r) if isinstance(r, RawInsert) else r for r in rows]
+    except ProtocolError as exc:
+        raise _unreadable(relation, exc) from exc
 
 
 def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
@@ -133,7 +143,10 @@ def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
     append = lines.append
     join = b"\t".join
     nulls = 0  # each written as \N: the only backslashes when no value needs escaping
-    news = [raw_tuple(r) if isinstance(r, RawInsert) else r.new for r in rows]
+    try:
+        news = [raw_tuple(r) if isinstance(r, RawInsert) else r.new for r in rows]
+    except ProtocolError as exc:
+        raise _unreadable(relation, exc) from exc
     for new in news:
         if new.kinds == plain:
             append(join(new.values))  # type: ignore[arg-type]  # all bytes: every kind is text
@@ -279,7 +292,7 @@ def transaction_segments(
             for i in range(0, len(run), COPY_RUN):
                 segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
             return
-        rows = _decoded(run)
+        rows = _decoded(run_rel, run)
         sink = out if prepares is None else prepares
         if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
             with_setup = args if pending else None

@@ -182,3 +182,23 @@ def test_raw_inserts_read_back_from_a_spill_go_to_copy_and_insert_as_decoded_one
 
 
 KEY = 3
+
+
+def test_a_raw_insert_that_does_not_read_back_names_its_table() -> None:
+    from protocol.messages import RawInsert
+    from router.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    good = [_raw(Insert(7, TupleData(b"tnn", (str(i).encode(), None, None)))) for i in range(COPY_MIN_ROWS)]
+    damaged = RawInsert(7, good[0].data[:-1])  # type: ignore[attr-defined]  # one byte short
+    segments = transaction_segments(txn(*good, damaged), tables, guard_origin=3)
+    run = segments[1]
+    assert isinstance(run, CopyRun)
+    for build in (run.data, run.fallback):
+        with pytest.raises(ApplyError, match="does not read back") as caught:
+            build()
+        assert caught.value.relation == "public.Odd Name"
+    with pytest.raises(ApplyError, match="does not read back"):  # a short run: an INSERT
+        transaction_segments(txn(good[0], damaged), tables, guard_origin=3)
