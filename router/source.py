@@ -679,10 +679,11 @@ class ReplicationSource:
                     wal_start = int.from_bytes(buf[1:9], "big")
                 if wal_start > received:
                     received = wal_start
-                if skip_echoes and len(buf) > _XLOG_PAYLOAD and buf[_XLOG_PAYLOAD] in _ROW_TAGS and echo():
+                tag = buf[_XLOG_PAYLOAD] if len(buf) > _XLOG_PAYLOAD else -1  # the pgoutput message's
+                if skip_echoes and tag in _ROW_TAGS and echo():
                     self.echo_rows_skipped += 1
                     continue  # a row of an echo: nobody will look at it
-                if len(buf) > _XLOG_PAYLOAD and buf[_XLOG_PAYLOAD] == _INSERT_TAG and raw_rows():
+                if tag == _INSERT_TAG and raw_rows():
                     # A row of a transaction that spills: to disk as the server sent it, then to COPY.
                     message: PgOutputMessage | RawInsert = raw_insert(
                         buf, _XLOG_PAYLOAD, streaming=decoder.in_stream, lsn=wal_start
