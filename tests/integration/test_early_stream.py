@@ -22,13 +22,15 @@ before it. At its commit the side session commits it, in commit order, under the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import psycopg
 import pytest
 
 from router import large_apply
+from router.config import Config
 from router.localnodes import create_nodes
 from router.supervisor import Router
 from tests.integration.mesh import (
@@ -46,6 +48,17 @@ SCHEMA = "CREATE TABLE big (id int PRIMARY KEY, v text); CREATE TABLE small (id 
 SETTINGS = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
 ROWS = 60_000
 BIG = f"INSERT INTO big SELECT i, repeat('x', 40) || i FROM generate_series(1, {ROWS}) AS i"
+
+
+@contextlib.asynccontextmanager
+async def streaming_mesh(names: list[str]) -> AsyncIterator[tuple[list[Any], Config]]:
+    """Fresh nodes whose servers stream transactions in progress, in a mesh that spills past 1 MB."""
+    nodes = create_nodes(names, settings=SETTINGS)
+    try:
+        yield nodes, await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
+    finally:
+        for node in nodes:
+            node.destroy()
 
 
 @pytest.fixture(autouse=True)
@@ -71,10 +84,8 @@ async def side_started(router: Router, targets: Sequence[Any]) -> None:
 
 @pytest.mark.slow
 async def test_streamed_transaction_is_applied_before_its_commit() -> None:
-    nodes = create_nodes(["a", "b", "c"], settings=SETTINGS)
-    try:
+    async with streaming_mesh(["a", "b", "c"]) as (nodes, config):
         a, b, c = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
         async with running_router(config) as router:
             async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
                 await writer.execute(BIG)  # not committed yet
@@ -110,9 +121,6 @@ async def test_streamed_transaction_is_applied_before_its_commit() -> None:
                                            " FROM big, pg_xact_commit_timestamp_origin(big.xmin) t"
                                            " JOIN pg_replication_origin x ON x.roident = t.roident")
             assert rows == [(ROWS, 1, when, "last")]
-    finally:
-        for node in nodes:
-            node.destroy()
 
 
 async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
@@ -121,10 +129,8 @@ async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
 
 @pytest.mark.slow
 async def test_rolled_back_streamed_transaction_leaves_nothing() -> None:
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
+    async with streaming_mesh(["a", "b"]) as (nodes, config):
         a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
         async with running_router(config) as router:
             applier = router.appliers[("a", "b")]
             async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
@@ -138,9 +144,6 @@ async def test_rolled_back_streamed_transaction_leaves_nothing() -> None:
             await wait_for(lambda: router.spool.files == 0, "the spool file to go")
             assert applier.early_streams_committed == 0
         assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
-    finally:
-        for node in nodes:
-            node.destroy()
 
 
 async def not_writing(dsn: str) -> bool:
@@ -149,10 +152,8 @@ async def not_writing(dsn: str) -> bool:
 
 @pytest.mark.slow
 async def test_earlier_commit_on_the_same_table_rolls_the_side_back() -> None:
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
+    async with streaming_mesh(["a", "b"]) as (nodes, config):
         a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
         async with running_router(config) as router:
             applier = router.appliers[("a", "b")]
             async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
@@ -165,17 +166,12 @@ async def test_earlier_commit_on_the_same_table_rolls_the_side_back() -> None:
             await wait_converged(nodes, ["big"], limit=240)
             assert applier.early_streams_committed == 0
         assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
-    finally:
-        for node in nodes:
-            node.destroy()
 
 
 @pytest.mark.slow
 async def test_subtransaction_rolled_back_inside_a_streamed_transaction() -> None:
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
+    async with streaming_mesh(["a", "b"]) as (nodes, config):
         a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
         async with running_router(config) as router:
             applier = router.appliers[("a", "b")]
             async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
@@ -192,9 +188,6 @@ async def test_subtransaction_rolled_back_inside_a_streamed_transaction() -> Non
             await wait_for(lambda: router.spool.files == 0, "the spool file to go")
         rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
         assert rows == [(ROWS + 1, 0)]
-    finally:
-        for node in nodes:
-            node.destroy()
 
 
 @pytest.mark.slow
@@ -203,10 +196,8 @@ async def test_side_waits_for_a_table_while_the_commit_before_it_runs() -> None:
     transaction, whose side session is running, also writes `small` and commits. When B lets go, the
     main session applies T1 and then the streamed one's commit in one batch: the side session must
     wait for `small` while T1 runs and take it right after, or both would wait for each other."""
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
+    async with streaming_mesh(["a", "b"]) as (nodes, config):
         a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
         async with running_router(config) as router:
             applier = router.appliers[("a", "b")]
             await execute(a.dsn(), "INSERT INTO small VALUES (0, 'start')")
@@ -225,6 +216,3 @@ async def test_side_waits_for_a_table_while_the_commit_before_it_runs() -> None:
             await wait_converged(nodes, ["big", "small"], limit=120)
             assert applier.early_streams_committed == 1, applier.early_streams_dropped
         assert await fetch(b.dsn(), "SELECT count(*) FROM small") == [(3,)]
-    finally:
-        for node in nodes:
-            node.destroy()
