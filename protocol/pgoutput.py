@@ -255,8 +255,11 @@ def _insert(buf: bytes, pos: int, xid: int | None = None) -> tuple[PgOutputMessa
     return Insert(relid, new, xid), pos
 
 
-def raw_insert(buf: bytes, offset: int, *, streaming: bool, lsn: int | None = None) -> RawInsert:
-    """The Insert message at `offset` (to the end of `buf`) with its row left undecoded (`RawInsert`).
+def raw_insert(
+    buf: bytes | memoryview, offset: int, *, streaming: bool, lsn: int | None = None
+) -> RawInsert:
+    """The Insert message at `offset` (to the end of `buf`) with its row left undecoded (`RawInsert`);
+    only the row's bytes are copied (a memoryview is read in place).
 
     Reads only the relation id (and, in a stream block, the xid): a row that is only going to be
     copied through (to a spill file, then into COPY) is decoded once, at the end, or never.
@@ -274,7 +277,7 @@ def raw_insert(buf: bytes, offset: int, *, streaming: bool, lsn: int | None = No
             raise MalformedMessage(f"insert: expected 'N' before the new tuple, got {marker:#04x}")
     except (ProtocolError, struct.error, IndexError) as exc:
         raise _located(exc, lsn, 0x49) from None
-    return RawInsert(relid, buf[pos + 5 :], xid)
+    return RawInsert(relid, bytes(buf[pos + 5 :]), xid)
 
 
 def raw_tuple(raw: RawInsert) -> TupleData:

@@ -671,27 +671,29 @@ class ReplicationSource:
         handed = (self._skip_before, self._delivered_high, self.transactions_out)
         try:
             for data in batch:
-                # One copy per frame ('w', WAL start, WAL end, send time, payload); decoded in place.
-                buf = bytes(data)
+                # A frame is 'w', WAL start, WAL end, send time, then the pgoutput message. It is read
+                # in place; what is kept is copied once (by the decoder, or a raw row's bytes), and the
+                # row of an echo not at all.
                 try:
-                    wal_start = wal_start_of(buf, 1)[0]
+                    wal_start = wal_start_of(data, 1)[0]
                 except struct.error:  # shorter than its header: decode() reports it as truncated
-                    wal_start = int.from_bytes(buf[1:9], "big")
+                    wal_start = int.from_bytes(data[1:9], "big")
                 if wal_start > received:
                     received = wal_start
-                tag = buf[_XLOG_PAYLOAD] if len(buf) > _XLOG_PAYLOAD else -1  # the pgoutput message's
+                size = len(data) - _XLOG_PAYLOAD
+                tag = data[_XLOG_PAYLOAD] if size > 0 else -1  # the pgoutput message's
                 if skip_echoes and tag in _ROW_TAGS and echo():
                     self.echo_rows_skipped += 1
                     continue  # a row of an echo: nobody will look at it
                 if tag == _INSERT_TAG and raw_rows():
                     # A row of a transaction that spills: to disk as the server sent it, then to COPY.
                     message: PgOutputMessage | RawInsert = raw_insert(
-                        buf, _XLOG_PAYLOAD, streaming=decoder.in_stream, lsn=wal_start
+                        data, _XLOG_PAYLOAD, streaming=decoder.in_stream, lsn=wal_start
                     )
                     raws += 1
                 else:
-                    message = decode(buf, wal_start, _XLOG_PAYLOAD)
-                out = feed(message, wal_start, len(buf) - _XLOG_PAYLOAD)
+                    message = decode(data, wal_start, _XLOG_PAYLOAD)
+                out = feed(message, wal_start, size)
                 if out is None:
                     continue
                 if isinstance(out, Transaction):

@@ -49,6 +49,8 @@ def test_an_insert_read_in_place_from_a_whole_frame() -> None:
     payload, in_stream, insert = inserts("text_v1")[0]
     frame = b"w" + bytes(24) + payload  # XLogData header, then the message
     assert decode_raw_insert(raw_insert(frame, 25, streaming=in_stream, lsn=7)) == insert
+    in_place = raw_insert(memoryview(frame), 25, streaming=in_stream)  # as the source reads frames
+    assert type(in_place.data) is bytes and decode_raw_insert(in_place) == insert
 
 
 @pytest.mark.parametrize("capture", ["text_v1", "binary_v2_stream"])
