@@ -25,11 +25,12 @@ Bucardo skips bulk and visibility unless --include-slow (a 1M-row transaction ta
 
 Targets are polled by the watcher process (bench/systems.py). A failure in one (system, workload, run)
 is recorded in the report and the suite goes on. Output: --out (default bench/RESULTS.md) and, beside
-it, results/suite.json, results/lag.png and results/throughput.png.
+it, results/suite.json, results/lag.png and results/throughput.png (rendered by bench.suite_report).
 
     .venv/bin/python -m bench --all                                    # scale 1, 2 runs (~30 min)
     .venv/bin/python -m bench --all --scale 0.05 --runs 1 --out /tmp/suite/RESULTS.md   # quick
     .venv/bin/python -m bench.suite --only-system pgmesh3 --only-workload tpcb
+    .venv/bin/python -m bench.profile          # where the CPU goes in each workload (bench/profile.py)
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ from bench.apply import (
     prepare_node,
     run_async,
     server_cpu_seconds,
+)
+from bench.suite_report import (
+    INFO_ONLY,
+    LOWER_IS_BETTER,
+    base_metric,
+    render_markdown,
+    results_table,
+    system_status,
+    write_plots,
 )
 from bench.systems import (
     SETTINGS,
@@ -97,10 +107,6 @@ MM_NODE_IDS = (1, 2, 3)  # private key ranges seeded on every node, whatever the
 MM_TABLES = ["bench_mm", "bench_mm_log"]
 CONVERGE_POLL_S = 0.1
 WORKLOAD_TIMEOUT_S = 900.0
-LOWER_IS_BETTER = ("p50 ms", "p99 ms", "visible s")
-INFO_ONLY = ("conflicts",)
-PRIMARY = {"tpcb": "tx/s", "bulk": "rows/s", "inserts": "tx/s", "visibility": "visible s", "lag": "p50 ms",
-           "multimaster": "tx/s"}
 
 SUITE_SCHEMA = """
 CREATE TABLE bench_ins (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now());
@@ -175,6 +181,13 @@ class Failure:
     error: str
 
 
+# A workload's timed window: a factory of async context managers, entered around the part that is timed
+# (a backlog's start .. last marker, the big commit's visibility, the lag probes). bench.profile measures in
+# it; the suite's default does nothing.
+Window = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+Windows = Callable[[SuiteSystem, str], Window]  # (system, workload) -> its window
+
+
 @dataclass(slots=True)
 class Context:
     system: SuiteSystem
@@ -183,6 +196,7 @@ class Context:
     run: int
     scripts: Path
     timeout: float
+    window: Window = contextlib.nullcontext
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,9 +228,10 @@ async def time_backlog(ctx: Context, marker: int) -> dict[str, Any]:
     baselines = await origin_positions(s)
     cpu = {n.name: server_cpu_seconds(n) for n in s.nodes}
     bench_cpu = time.process_time()
-    start = time.perf_counter()
-    await s.start()
-    links = await ctx.watcher.wait(marker, ctx.timeout, baselines)
+    async with ctx.window():
+        start = time.perf_counter()
+        await s.start()
+        links = await ctx.watcher.wait(marker, ctx.timeout, baselines)
     return {
         "seconds": max(done for _, done in links) - start,
         "link_seconds": [done - start for _, done in links],
@@ -286,7 +301,8 @@ async def run_visibility(ctx: Context) -> Measurement:
     s = ctx.system
     await start_caught_up(ctx, marker=6)
     await asyncio.sleep(0.5)  # idle
-    commit_s, committed, links = await ctx.watcher.visibility(ctx.sizes.visibility_rows, 7, ctx.timeout)
+    async with ctx.window():
+        commit_s, committed, links = await ctx.watcher.visibility(ctx.sizes.visibility_rows, 7, ctx.timeout)
     visible = [done - committed for _, done in links]
     details = {"rows": ctx.sizes.visibility_rows, "commit_on_a_s": commit_s,
                "first_apply_s": min(first for first, _ in links) - committed, **s.applied()}
@@ -305,7 +321,8 @@ async def run_lag(ctx: Context) -> Measurement:
     )
     window = ctx.sizes.lag_seconds - 2 * PROBE_START_DELAY_S
     try:
-        series = await ctx.watcher.probe(PROBE_START_DELAY_S, window)
+        async with ctx.window():
+            series = await ctx.watcher.probe(PROBE_START_DELAY_S, window)
     finally:
         out = await bench
     await s.check()
@@ -395,7 +412,8 @@ async def _recover(system: SuiteSystem, watcher: Watcher) -> tuple[Watcher, str 
 
 
 async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, workloads: Sequence[str],
-                     scripts: Path, limit: float) -> tuple[list[Measurement], list[Failure]]:
+                     scripts: Path, limit: float, windows: Windows | None = None
+                     ) -> tuple[list[Measurement], list[Failure]]:
     system = SYSTEMS[name](nodes)
     try:
         await _prepare(system)
@@ -413,6 +431,8 @@ async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, w
         for i, workload in enumerate(workloads):
             try:
                 ctx = Context(system, watcher, sizes, run, scripts, limit)
+                if windows is not None:
+                    ctx.window = windows(system, workload)
                 began = time.perf_counter()
                 await system.settle()
                 measurement = await asyncio.wait_for(RUNNERS[workload](ctx), limit + 60)
@@ -438,15 +458,16 @@ async def run_system(name: str, nodes: list[Any], sizes: SuiteSizes, run: int, w
 
 
 def run_once(name: str, sizes: SuiteSizes, run: int, workloads: Sequence[str], scripts: Path,
-             timeout: float) -> tuple[list[Measurement], list[Failure]]:
-    """One system, one run: fresh nodes, every workload in order, then the nodes are destroyed."""
+             timeout: float, windows: Windows | None = None) -> tuple[list[Measurement], list[Failure]]:
+    """One system, one run: fresh nodes, every workload in order, then the nodes are destroyed.
+    `windows(system, workload)`, when given, makes each workload's timed window (Context.window)."""
     try:
         nodes = create_nodes(list(SYSTEMS[name].node_names), settings=SETTINGS)
     except Exception as exc:
         error = f"creating nodes: {type(exc).__name__}: {exc}"[:1500]
         return [], [Failure(name, w, run, error) for w in workloads]
     try:
-        return run_async(lambda: run_system(name, nodes, sizes, run, workloads, scripts, timeout))
+        return run_async(lambda: run_system(name, nodes, sizes, run, workloads, scripts, timeout, windows))
     except Exception as exc:  # a bug in the runner itself: keep the other systems going
         traceback.print_exc()
         return [], [Failure(name, w, run, f"runner: {type(exc).__name__}: {exc}"[:1500]) for w in workloads]
@@ -457,10 +478,6 @@ def run_once(name: str, sizes: SuiteSizes, run: int, workloads: Sequence[str], s
 
 # ---------------------------------------------------------------------------------------------------------
 # Summary
-
-
-def base_metric(metric: str) -> str:
-    return metric.split(" a->")[0]
 
 
 def summary(results: Sequence[Measurement], systems: Sequence[str]) -> list[dict[str, Any]]:
@@ -509,7 +526,7 @@ def link_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Report: suite.json, RESULTS.md, plots
+# Report: suite.json (RESULTS.md and the plots are bench.suite_report's)
 
 
 def build_doc(args: argparse.Namespace, command: str, sizes: SuiteSizes, systems: Sequence[str],
@@ -524,204 +541,6 @@ def build_doc(args: argparse.Namespace, command: str, sizes: SuiteSizes, systems
         "measurements": [asdict(m) for m in results], "failures": [asdict(f) for f in failures],
         "summary": rows, "links": link_check(rows),
     }
-
-
-def _fmt(value: float, metric: str) -> str:
-    base = base_metric(metric)
-    if base in INFO_ONLY:
-        return f"{value:,.0f}"
-    if base in LOWER_IS_BETTER:
-        return f"{value:,.3f}" if base == "visible s" else f"{value:,.2f}"
-    return f"{value:,.0f}"
-
-
-def _ratio(ratio: float | None) -> str:
-    if ratio is None:
-        return ""
-    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.3f}x"
-
-
-def system_status(doc: dict[str, Any]) -> dict[str, str]:
-    """One line per system: ok, not run (with the reason) or partly failed."""
-    out = {}
-    for system in doc["systems"]:
-        done = [m for m in doc["measurements"] if m["system"] == system]
-        failed = [f for f in doc["failures"] if f["system"] == system]
-        if not done and failed:
-            out[system] = f"not run: {failed[0]['error']}"
-        elif failed:
-            kinds = sorted({f"{f['workload']} (run {f['run']})" for f in failed})
-            out[system] = f"ran, with failures in {', '.join(kinds)} (see Errors)"
-        elif done:
-            out[system] = f"ok ({len(done)} measurements)"
-        else:
-            out[system] = "not run: no workload selected for it"
-    return out
-
-
-def results_table(doc: dict[str, Any]) -> list[str]:
-    lines = ["| system | workload | metric | min | median | ratio to native |", "|---|---|---|--:|--:|--:|"]
-    for row in doc["summary"]:
-        ratio = _ratio(row["ratio"])
-        if ratio and row["workload"] == "multimaster":
-            ratio += " (of pgmesh2)"
-        low, mid = _fmt(row["min"], row["metric"]), _fmt(row["median"], row["metric"])
-        lines.append(f"| {row['system']} | {row['workload']} | {row['metric']} | {low} | {mid} | {ratio} |")
-    lines += [f"| {n['system']} | {n['workload']} | {PRIMARY[n['workload']]} | n/a | n/a | {n['reason']} |"
-              for n in doc["not_run"]]
-    return lines
-
-
-def render_markdown(doc: dict[str, Any], results_link: str) -> str:
-    m = doc["machine"]
-    lines = [
-        "# pgmesh bench suite: pgmesh beside native logical replication, pglogical and Bucardo",
-        "",
-        f"Run with `{doc['command']}`; finished {doc['finished']}, took {doc['wall_s'] / 60:.1f} min"
-        f" ({doc['runs']} run(s) per system, fresh nodes per system and run, system order alternating).",
-        "The machine is shared and noisy: compare ratios from one run of the suite, not absolute figures"
-        " across files.",
-        "",
-        "## Machine",
-        "",
-        f"- {m['cpus']} CPUs ({m['cpu_model']}), {m['memory']} RAM, {m['platform']}",
-        f"- {m['postgres']}; pglogical {m['pglogical']}; Bucardo {m['bucardo']}",
-        f"- Python {m['python']}, {m['loop']}",
-        "",
-        "## Server settings (every node of every system)",
-        "",
-        "Set by `router.localnodes` (all nodes local on 127.0.0.1, one cluster per node) plus the suite's:",
-        "",
-        "| setting | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in doc["server_settings"].items()],
-        "",
-        f"## Workloads (scale {doc['sizes']['scale']:g})",
-        "",
-        *[f"- {line}" for line in doc["workload_sizes"]],
-        "",
-        "Backlogs are made on a while replication is stopped and timed from start until every target shows a",
-        "marker committed after them. pgmesh3 writes on a and reports each link (a->b, a->c) and both"
-        " together (the row without a link). Before each workload every node gets a VACUUM ANALYZE and a"
-        " CHECKPOINT; pgmesh"
-        " also runs its router until every slot is confirmed to the nodes' WAL position (the echoes of"
-        " the last workload decoded), Bucardo purges and vacuums its delta tables.",
-        "",
-        "## Results",
-        "",
-        *results_table(doc),
-        "",
-        "Ratio: of the medians; system/native for throughput and native/system for lag and visibility"
-        " seconds, so higher is always better and 1.00x = as good as native. Multimaster has no native"
-        " anchor: its ratio is system/pgmesh2. `conflicts` is the count the system reports for the"
-        " workload (pgmesh: decided on every link; Bucardo: its \"Conflicts for\" log lines), not timed.",
-        "",
-    ]
-    if doc["links"]:
-        lines += ["## pgmesh: 3 nodes vs 2 nodes (target: each link within 20% of the 2-node rate)", "",
-                  "| workload | metric | pgmesh2 median | pgmesh3 median | pgmesh3/pgmesh2 | within 20% |",
-                  "|---|---|---:|---:|---:|---|"]
-        for r in doc["links"]:
-            lines.append(f"| {r['workload']} | {r['metric']} | {_fmt(r['pgmesh2'], r['metric'])}"
-                         f" | {_fmt(r['median'], r['metric'])} | {_ratio(r['vs_pgmesh2'])}"
-                         f" | {'yes' if r['within_20pct'] else 'no'} |")
-        lines.append("")
-    lines += ["## Systems", ""]
-    lines += [f"- {system}: {text}" for system, text in system_status(doc).items()]
-    lines += ["", "## Errors", ""]
-    if doc["failures"]:
-        lines += ["| system | workload | run | error |", "|---|---|---|---|"]
-        for f in doc["failures"]:
-            error = f["error"].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {f['system']} | {f['workload']} | {f['run']} | {error} |")
-    else:
-        lines.append("None.")
-    lines += [
-        "",
-        "## Plots",
-        "",
-        f"![lag over time]({results_link}/lag.png)",
-        "",
-        f"![throughput ratio to native]({results_link}/throughput.png)",
-        "",
-        f"Raw numbers (every run, CPU seconds per node, lag series): `{results_link}/suite.json`.",
-        "",
-        "## Notes",
-        "",
-        *[f"- {system}: " + " ".join((SYSTEMS[system].__doc__ or "").split("\n\n")[0].split())
-          for system in doc["systems"]],
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_plots(doc: dict[str, Any], outdir: Path) -> list[str]:
-    """lag.png and throughput.png; returns what went wrong (matplotlib missing, nothing to plot)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ["matplotlib is not installed (pip install -e '.[bench]'): no plots"]
-    problems = []
-    fig, ax = plt.subplots(figsize=(10, 5))
-    plotted = False
-    for system in doc["systems"]:
-        lag = [m for m in doc["measurements"] if m["system"] == system and m["workload"] == "lag"]
-        if not lag:
-            continue
-        first = min(lag, key=lambda m: m["run"])["details"]
-        for i, target in enumerate(first["targets"]):
-            label = system if len(first["targets"]) == 1 else f"{system} a->{target}"
-            ax.plot([p[0] for p in first["series"]], [p[1][i] for p in first["series"]], label=label,
-                    linewidth=0.8, marker=".", markersize=3)
-            plotted = True
-    if plotted:
-        ax.set_yscale("log")
-        ax.set_xlabel("seconds into the steady load")
-        ax.set_ylabel("probe lag, ms (log scale)")
-        ax.set_title(f"Lag under TPC-B at {LAG_RATE} tx/s (first run of each system)")
-        ax.legend()
-        ax.grid(True, which="both", alpha=0.3)
-        fig.savefig(outdir / "lag.png", dpi=110, bbox_inches="tight")
-    else:
-        problems.append("no lag measurements: lag.png not written")
-    plt.close(fig)
-    _throughput_plot(plt, doc, outdir)
-    return problems
-
-
-def _throughput_plot(plt: Any, doc: dict[str, Any], outdir: Path) -> None:
-    metrics = [("tpcb", "tx/s"), ("bulk", "rows/s"), ("inserts", "tx/s"), ("visibility", "visible s"),
-               ("lag", "p50 ms"), ("lag", "p99 ms")]
-    ratios = {(r["system"], r["workload"], r["metric"]): r["ratio"] for r in doc["summary"]}
-    medians = {(r["system"], r["workload"], r["metric"]): r["median"] for r in doc["summary"]}
-    systems = [s for s in doc["systems"] if s != "native"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
-    width = 0.8 / max(1, len(systems))
-    for i, system in enumerate(systems):
-        xs, ys = [], []
-        for j, (workload, metric) in enumerate(metrics):
-            ratio = ratios.get((system, workload, metric))
-            if ratio is not None:
-                xs.append(j + (i - (len(systems) - 1) / 2) * width)
-                ys.append(ratio)
-        left.bar(xs, ys, width, label=system)
-    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="native = 1")
-    left.set_xticks(range(len(metrics)), [f"{w}\n{m}" for w, m in metrics])
-    left.set_ylabel("ratio to native (median; higher is better)")
-    left.set_title("Throughput (and inverse lag / visibility time) relative to native")
-    left.legend(fontsize=8)
-    left.grid(True, axis="y", alpha=0.3)
-    mm = [(s, medians[key]) for s in doc["systems"] if (key := (s, "multimaster", "tx/s")) in medians]
-    right.bar([s for s, _ in mm], [v for _, v in mm], color="tab:gray")
-    right.set_ylabel("tx/s over all nodes until converged (median)")
-    right.set_title("multimaster")
-    right.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(outdir / "throughput.png", dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,441 @@
+"""Where the CPU goes during each bench workload: every PostgreSQL process, the router, py-spy's stacks.
+
+`python -m bench.profile [--system S ...] [--workload W ...] [--scale S] [--out DIR]`: one run per system
+on fresh nodes (bench.suite.run_once), its workloads in order. Inside each workload's timed window
+(bench.suite.Context.window) it measures the CPU of every PostgreSQL process of every node (/proc/<pid>/stat
+of the postmaster's children at the window's start and end, by process title: walsender, apply worker,
+pglogical, backend, background; children that ended in it as `exited`, from the postmaster's cutime +
+cstime), the bench process's (for pgmesh: the router, on uvloop), the wall time and the CPU per unit of the
+workload; for pgmesh also `py-spy record` on this process: top functions by self and inclusive samples, and
+the collapsed stacks for a flame graph. Files: DIR/<system>-<workload>.txt, .collapsed.txt[.gz], README.md.
+
+Owns: the window's measurements, the parsing of py-spy's collapsed stacks and these files. Must not: change
+how the suite runs or times a workload (the window only observes), or touch processes it did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import suite
+from bench.apply import Measurement
+from bench.suite_report import PRIMARY
+from bench.systems import SYSTEMS, SuiteSystem, plan_workloads
+
+WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag")
+DEFAULT_SYSTEMS = ("pgmesh2", "native")
+DEFAULT_WORKLOADS = ("tpcb", "bulk", "inserts", "visibility")
+OUT = Path(__file__).resolve().parent / "results" / "profiles"
+SPY_RATE = 250
+TOP = 30
+GZIP_OVER = 1 << 20
+CLK = os.sysconf("SC_CLK_TCK")
+LINE = re.compile(r":\d+\)$")
+# What a workload measures per unit: (unit, the Measurement detail that counts them).
+UNITS = {"tpcb": ("transaction", "transactions"), "inserts": ("transaction", "transactions"),
+         "bulk": ("row", "rows"), "visibility": ("row", "rows"), "lag": ("transaction", "pgbench_tps")}
+# A process title (without "postgres: ") -> category: the first entry it starts with wins; else backend.
+BACKGROUND = ("logical replication launcher", "checkpointer", "background writer", "walwriter", "autovacuum",
+              "archiver", "startup", "logger")
+CATEGORIES = (("walsender", "walsender"), *((title, "background") for title in BACKGROUND),
+              ("logical replication", "apply worker"), ("pglogical apply", "apply worker"),
+              ("pglogical", "pglogical"))
+CATEGORY_ORDER = ("backend", "walsender", "apply worker", "pglogical", "background", "exited")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-process CPU from /proc
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    started: int  # clock ticks after boot: tells a reused pid apart
+    ticks: int  # utime + stime
+    category: str
+
+
+@dataclass(slots=True)
+class NodeSnapshot:
+    own: int = 0  # the postmaster's utime + stime
+    reaped: int = 0  # its cutime + cstime: children that exited
+    procs: dict[int, Proc] = field(default_factory=dict)
+
+
+def category(pid: int) -> str:
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "exited"
+    title = title.strip().removeprefix("postgres: ")
+    return next((cat for prefix, cat in CATEGORIES if title.startswith(prefix)), "backend")
+
+
+def snapshot(nodes: dict[str, int]) -> dict[str, NodeSnapshot]:
+    """Each node's postmaster (name -> pid) and its children, from one pass over /proc."""
+    by_pid = {pid: name for name, pid in nodes.items()}
+    out = {name: NodeSnapshot() for name in nodes}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid, ppid = int(stat.parent.name), int(fields[1])
+        if pid in by_pid:
+            snap = out[by_pid[pid]]
+            snap.own, snap.reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+        elif ppid in by_pid:
+            ticks = int(fields[11]) + int(fields[12])
+            out[by_pid[ppid]].procs[pid] = Proc(int(fields[19]), ticks, category(pid))
+    return out
+
+
+def node_cpu(before: NodeSnapshot, after: NodeSnapshot) -> dict[str, float]:
+    """CPU seconds by category between two snapshots of one node (the postmaster itself is background)."""
+    ticks: dict[str, int] = defaultdict(int)
+    ticks["background"] += after.own - before.own
+    for pid, proc in after.procs.items():
+        old = before.procs.get(pid)
+        ticks[proc.category] += proc.ticks - (old.ticks if old and old.started == proc.started else 0)
+    gone = sum(p.ticks for pid, p in before.procs.items()
+               if pid not in after.procs or after.procs[pid].started != p.started)
+    ticks["exited"] += max(0, after.reaped - before.reaped - gone)  # their CPU inside the window
+    return {cat: ticks[cat] / CLK for cat in CATEGORY_ORDER if ticks.get(cat)}
+
+
+def proc_seconds(pid: int) -> float:
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# py-spy
+
+
+def find_py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+@dataclass(slots=True)
+class Stacks:
+    total: int = 0
+    self_: Counter[str] = field(default_factory=Counter)
+    inclusive: Counter[str] = field(default_factory=Counter)
+
+
+def frame_key(frame: str) -> str:
+    """`send (router/applier.py:120)` -> `send (router/applier.py)`: functions, not lines."""
+    return LINE.sub(")", frame)
+
+
+def parse_collapsed(text: str) -> Stacks:
+    """py-spy's raw format: one `frame;frame;...;leaf count` line per distinct stack."""
+    out = Stacks()
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, frames = int(count), [frame_key(f) for f in stack.split(";")]
+        out.total += n
+        out.self_[frames[-1]] += n
+        for key in set(frames):
+            out.inclusive[key] += n
+    return out
+
+
+class Spy:
+    """`py-spy record` on this process from start() to stop(); the raw file at `path`."""
+
+    __slots__ = ("cpu_s", "error", "exe", "output", "path", "proc")
+
+    def __init__(self, exe: str, path: Path) -> None:
+        self.exe, self.path = exe, path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.output: asyncio.Task[bytes] | None = None
+        self.cpu_s, self.error = 0.0, ""
+
+    async def start(self) -> None:
+        for stale in (self.path, self.path.with_name(self.path.name + ".gz")):
+            stale.unlink(missing_ok=True)
+        self.proc = await asyncio.create_subprocess_exec(
+            self.exe, "record", "--pid", str(os.getpid()), "--rate", str(SPY_RATE), "--nonblocking",
+            "--format", "raw", "-o", str(self.path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
+        assert self.proc.stdout is not None
+        first = await asyncio.wait_for(self.proc.stdout.readline(), 15)  # "Sampling process ..." once it runs
+        self.output = asyncio.create_task(self.proc.stdout.read())
+        if b"Sampling" not in first:
+            self.error = first.decode(errors="replace").strip()
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.output is None:  # it never started sampling
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+            return
+        self.cpu_s = proc_seconds(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 120)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        rest = (await self.output).decode(errors="replace")
+        if self.proc.returncode != 0 or not self.path.exists():
+            self.error = (self.error + " " + rest).strip()[-500:] or f"py-spy exited {self.proc.returncode}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The window
+
+
+@dataclass(slots=True)
+class Window:
+    system: str
+    workload: str
+    wall_s: float = 0.0
+    bench_cpu_s: float = 0.0
+    nodes: dict[str, dict[str, float]] = field(default_factory=dict)
+    spy: Spy | None = None
+
+
+class Profiler:
+    """Makes each workload's window (`windows` is bench.suite's Windows) and keeps what it measured."""
+
+    __slots__ = ("done", "out", "spy_exe")
+
+    def __init__(self, out: Path, spy_exe: str | None) -> None:
+        self.out, self.spy_exe = out, spy_exe
+        self.done: dict[tuple[str, str], Window] = {}
+
+    def windows(self, system: SuiteSystem, workload: str) -> suite.Window:
+        return lambda: self._window(system, workload)
+
+    @contextlib.asynccontextmanager
+    async def _window(self, system: SuiteSystem, workload: str) -> AsyncIterator[None]:
+        result = self.done[(system.name, workload)] = Window(system.name, workload)
+        postmasters = {n.name: int((n.datadir / "postmaster.pid").read_text().split()[0])
+                       for n in system.nodes}
+        if self.spy_exe and system.name.startswith("pgmesh"):
+            result.spy = Spy(self.spy_exe, self.out / f"{system.name}-{workload}.collapsed.txt")
+            try:
+                await result.spy.start()
+            except (OSError, TimeoutError) as exc:
+                result.spy.error = f"py-spy did not start: {type(exc).__name__}: {exc}"
+        before, cpu, began = snapshot(postmasters), time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            result.wall_s, result.bench_cpu_s = time.perf_counter() - began, time.process_time() - cpu
+            after = snapshot(postmasters)
+            result.nodes = {name: node_cpu(before[name], after[name]) for name in postmasters}
+            if result.spy is not None:
+                await result.spy.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+
+
+def units(w: Window, m: Measurement) -> tuple[str, float]:
+    unit, detail = UNITS[w.workload]
+    count = float(m.details[detail]) * (w.wall_s if w.workload == "lag" else 1.0)  # lag: tx/s over the window
+    return unit, count
+
+
+def node_total(w: Window, name: str) -> float:
+    return sum(w.nodes.get(name, {}).values())
+
+
+def cpu_table(w: Window, unit: str, count: float) -> list[str]:
+    lines = [f"{'process':<34} {'CPU s':>9} {f'µs/{unit}':>16} {'% of one core':>14}"]
+
+    def row(label: str, seconds: float) -> None:
+        lines.append(f"{label:<34} {seconds:>9.3f} {seconds / count * 1e6 if count else 0:>16.1f}"
+                     f" {seconds / w.wall_s * 100 if w.wall_s else 0:>13.1f}%")
+
+    for name, cats in w.nodes.items():
+        for cat, seconds in cats.items():
+            row(f"node {name}: {cat}", seconds)
+        row(f"node {name}: all", node_total(w, name))
+    row("bench process" + (" (the router)" if w.system.startswith("pgmesh") else ""), w.bench_cpu_s)
+    total = sum(node_total(w, n) for n in w.nodes) + w.bench_cpu_s
+    row("total (nodes + bench process)", total)
+    if w.spy is not None:
+        row("py-spy itself (not in the total)", w.spy.cpu_s)
+    return lines
+
+
+def spy_section(w: Window) -> list[str]:
+    if w.spy is None:
+        return []
+    if w.spy.error or not w.spy.path.exists():
+        return ["", f"py-spy failed: {w.spy.error or 'no output file'}"]
+    stacks = parse_collapsed(w.spy.path.read_text())
+    kept = w.spy.path
+    if kept.stat().st_size > GZIP_OVER:
+        kept = kept.with_name(kept.name + ".gz")
+        kept.write_bytes(gzip.compress(w.spy.path.read_bytes()))
+        w.spy.path.unlink()
+    busy = stacks.total / (w.wall_s * SPY_RATE) * 100 if w.wall_s else 0.0
+    lines = ["", f"py-spy: {stacks.total:,} samples at {SPY_RATE} Hz over {w.wall_s:.2f} s (non-idle:"
+             f" {busy:.0f}% of the window, all threads); stacks: {kept.name} (flamegraph.pl, speedscope).",
+             "Self samples in Runner.run (asyncio/runners.py) are uvloop's C code: the loop, socket reads and"
+             " writes, callbacks' scheduling."]
+    for title, counts in (("self", stacks.self_), ("inclusive", stacks.inclusive)):
+        lines += ["", f"Top {TOP} functions by {title} samples", f"{'%':>6} {'samples':>8}  function (file)"]
+        lines += [f"{n / stacks.total * 100:>6.1f} {n:>8}  {key}" for key, n in counts.most_common(TOP)]
+    return lines
+
+
+def describe(header: list[str], w: Window | None, m: Measurement | None, error: str) -> list[str]:
+    lines = list(header)
+    if m is not None:
+        shown = ", ".join(f"{k} {v:,.3f}" for k, v in m.values.items())
+        lines.append(f"measured: {shown}")
+    if error:
+        lines.append(f"FAILED: {error}")
+    if w is None:
+        return lines
+    unit, count = units(w, m) if m is not None else ("unit", 0.0)
+    lines += [f"window: {w.wall_s:.3f} s wall; {count:,.0f} {unit}s", "",
+              "CPU in the timed window", *cpu_table(w, unit, count)]
+    return lines + spy_section(w)
+
+
+def readme_row(key: tuple[str, str], w: Window | None, m: Measurement | None, names: Sequence[str],
+               error: str) -> str:
+    if w is None or m is None:
+        return f"| {key[0]} | {key[1]} | failed: {error[:300].replace('|', '/')} |"
+    unit, count = units(w, m)
+    metric = PRIMARY[w.workload]
+    cells = []
+    for name in names:
+        cats = w.nodes.get(name)
+        cells.append("" if cats is None else f"**{node_total(w, name):.2f}** ("
+                     + ", ".join(f"{c} {s:.2f}" for c, s in cats.items()) + ")")
+    total = sum(node_total(w, n) for n in w.nodes) + w.bench_cpu_s
+    per = f"{total / count * 1e6:,.1f} µs/{unit}" if count else ""
+    return (f"| {w.system} | {w.workload} | {w.wall_s:.2f} | {metric} {m.values[metric]:,.3f}"
+            f" | {w.bench_cpu_s:.2f} | " + " | ".join(cells) + f" | {per} |")
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout
+
+    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    dirty = ", ".join(sorted({line[3:].split("/")[0] for line in changed}))
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    return commit + (f" (uncommitted changes in {dirty})" if dirty else "")
+
+
+def write_readme(out: Path, command: str, header: list[str], rows: list[str], names: Sequence[str]) -> None:
+    lines = [
+        "# bench.profile: where the CPU goes in each bench workload", "", *[f"- {h}" for h in header], "",
+        "CPU seconds inside each workload's timed window (see bench/suite.py), from /proc/<pid>/stat of every"
+        " PostgreSQL process by its title (`exited`: children that ended in the window); `bench CPU s`: the"
+        " bench process, which for pgmesh is the router (on uvloop). µs per unit: nodes + bench process over"
+        " the workload's transactions or rows. A target's `backend` includes the bench watcher's polling"
+        " (a query per target every 5 ms) and, for pgmesh, the router's apply sessions. Per workload:"
+        " `<system>-<workload>.txt` (the CPU table and, for pgmesh, py-spy's top functions) and"
+        " `<system>-<workload>.collapsed.txt[.gz]` (py-spy's stacks).", "",
+        f"| system | workload | wall s | metric | bench CPU s | {' | '.join(f'{n} CPU s' for n in names)}"
+        " | CPU per unit |", "|---|---|--:|---|--:|" + "---|" * len(names) + "--:|", *rows, "",
+        f"Reproduce: `{command}` (py-spy needs ptrace: run as root).", ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    about = (__doc__ or "").splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=about)
+    parser.add_argument("--system", action="append", choices=tuple(SYSTEMS),
+                        help=f"repeatable ({', '.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument("--workload", action="append", choices=WORKLOADS,
+                        help=f"repeatable ({', '.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size factor, as the suite's")
+    parser.add_argument("--out", type=Path, default=OUT, help="output directory (bench/results/profiles)")
+    parser.add_argument("--no-py-spy", action="store_true", help="only the CPU tables")
+    args = parser.parse_args(argv)
+    if args.scale <= 0:
+        parser.error("--scale must be > 0")
+    return args
+
+
+def profile_system(name: str, workloads: Sequence[str], args: argparse.Namespace, profiler: Profiler,
+                   scripts: Path, header: list[str], names: Sequence[str]) -> list[str]:
+    """One run of one system, each workload's file written; returns its README rows."""
+    sizes = suite.SuiteSizes.for_scale(args.scale)
+    limit = suite.WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
+    results, failures = suite.run_once(name, sizes, 0, workloads, scripts, limit, profiler.windows)
+    done = {m.workload: m for m in results}
+    errors = {f.workload: f.error for f in failures}
+    sizes_of = {line.split(":")[0]: line for line in sizes.describe()}
+    rows = []
+    for workload in workloads:
+        w, m, error = profiler.done.get((name, workload)), done.get(workload), errors.get(workload, "")
+        top = [f"# bench.profile: {name}, {workload}", *header, f"workload: {sizes_of[workload]}"]
+        (args.out / f"{name}-{workload}.txt").write_text("\n".join(describe(top, w, m, error)) + "\n")
+        rows.append(readme_row((name, workload), w, m, names, error))
+        print(rows[-1])
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    systems = args.system or list(DEFAULT_SYSTEMS)
+    workloads = [w for w in WORKLOADS if w in (args.workload or DEFAULT_WORKLOADS)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    spy_exe = None if args.no_py_spy else find_py_spy()
+    if spy_exe is None and not args.no_py_spy:
+        print("py-spy not found (pip install -e '.[bench]'): CPU tables only, no stacks", file=sys.stderr)
+    command = shlex.join([".venv/bin/python", "-m", "bench.profile", *raw])
+    header = [f"command: `{command}`", f"commit: {git_commit()}",
+              f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+              f"machine: {os.cpu_count()} CPUs; py-spy: {'yes' if spy_exe else 'no'}"]
+    planned, not_run = plan_workloads(systems, workloads, include_slow=False)
+    for skip in not_run:
+        print(f"{skip['system']} {skip['workload']}: not run ({skip['reason']})", file=sys.stderr)
+    profiler = Profiler(args.out, spy_exe)
+    names = sorted({n for s in systems for n in SYSTEMS[s].node_names}, key=lambda n: (len(n), n))
+    rows: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="pgmesh-bench-profile-") as tmp:
+        (Path(tmp) / "insert.sql").write_text(suite.INSERT_SCRIPT)
+        for name in systems:
+            print(f"{name}: {', '.join(planned[name])}", file=sys.stderr)
+            rows += profile_system(name, planned[name], args, profiler, Path(tmp), header, names)
+    sizes = suite.SuiteSizes.for_scale(args.scale).describe()
+    write_readme(args.out, command, header + [f"workload {line}" for line in sizes
+                                              if line.split(":")[0] in workloads], rows, names)
+    print(f"wrote {args.out / 'README.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
