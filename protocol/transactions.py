@@ -10,10 +10,12 @@ Memory: with `spill_bytes` set, a transaction whose buffered payload grows past 
 pieces: `feed` returns a `Spill` (the changes taken out of the transaction, in stream order) for the
 caller to put somewhere, and the final `Transaction` says how many changes went that way (`spilled`)
 before its in-memory tail. A streamed transaction that had spilled and is then aborted comes out as
-`SpillDropped`. Once a transaction has spilled, the caller may feed its inserts undecoded
-(`RawInsert`, while `raw_rows()` says so): a Spill may hold them, the final Transaction's tail never
-does (they are decoded at the commit). It does no I/O itself: where spilled changes go, and how they
-are read back, is the caller's business (the router's `router/spool.py`).
+`SpillDropped`. The caller may feed inserts undecoded (`RawInsert`): a Spill may hold them, a
+Transaction never does (those still in memory are decoded at the commit). Before feeding the Commit (or
+Stream Commit) of a transaction that has spilled, the caller may take its in-memory tail as one last
+Spill (`spill_tail`), so that all of it is on disk and none of it is decoded here. It does no I/O itself:
+where spilled changes go, and how they are read back, is the caller's business (the router's
+`router/spool.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import msgspec
 
@@ -50,7 +52,7 @@ from protocol.relations import RelationCache
 __all__ = ["Change", "Spill", "SpillDropped", "SpilledChange", "Transaction", "TransactionAssembler"]
 
 Change = Insert | Update | Delete | Truncate | Message | Relation | Type
-# What a Spill may also hold: an Insert left undecoded (see `TransactionAssembler.raw_rows`).
+# What a Spill may also hold: an Insert fed undecoded (decoded at the commit if it is still in memory).
 SpilledChange = Change | RawInsert
 _ROW_CHANGES: Final = (Insert, RawInsert, Update, Delete, Truncate, Message)
 _ROWS: Final = (Insert, RawInsert, Update, Delete)
@@ -160,14 +162,13 @@ class _Builder:
 
     def finish(self, commit_lsn: int, end_lsn: int, commit_time: int, streamed: bool) -> Transaction:
         rows = self.rows_spilled + len(self.changes) - self.others
-        if not self.spilled:
-            # Rows are fed raw only after a spill: none here.
-            return Transaction(
-                self.xid, commit_lsn, end_lsn, commit_time, cast("list[Change]", self.changes),
-                self.relations, self.origin, self.origin_lsn, streamed, self.nbytes, rows,
-            )
-        # The tail of a transaction that spilled may hold rows left raw: a Transaction holds none.
+        # Inserts fed undecoded and still in memory are decoded now: a Transaction holds none.
         tail: list[Change] = [decode_raw_insert(c) if isinstance(c, RawInsert) else c for c in self.changes]
+        if not self.spilled:
+            return Transaction(
+                self.xid, commit_lsn, end_lsn, commit_time, tail, self.relations, self.origin,
+                self.origin_lsn, streamed, self.nbytes, rows,
+            )
         return Transaction(
             self.xid, commit_lsn, end_lsn, commit_time, tail, self.relations,
             self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled,
@@ -249,11 +250,18 @@ class TransactionAssembler:
             builder.rows_spilled, builder.spilled,
         )
 
-    def raw_rows(self) -> bool:
-        """Whether the next Insert may be fed as a `RawInsert`: the transaction it belongs to has
-        spilled already (its rows mostly go to disk and into COPY; the tail is decoded at its commit)."""
-        builder = self._in_stream or self._current
-        return builder is not None and builder.spilled > 0
+    def spill_tail(self, ending: Commit | StreamCommit) -> Spill | None:
+        """What the transaction that `ending` (fed next) commits still holds in memory, as a Spill,
+        when it has spilled before and holds anything; else None. Then all of it is on disk, and its
+        commit decodes nothing (the Transaction's tail is empty). Raises nothing: a message that does
+        not fit an open transaction is left for `feed` to report."""
+        if isinstance(ending, StreamCommit):
+            builder = self._streams.get(ending.xid)
+        else:
+            builder = None if self._in_stream is not None else self._current
+        if builder is None or not builder.spilled or not builder.changes:
+            return None
+        return self._spill(builder)
 
     @property
     def spilling(self) -> bool:
@@ -276,8 +284,8 @@ class TransactionAssembler:
         self.buffered_bytes = 0
 
     def feed(self, message: PgOutputMessage | RawInsert, lsn: int | None = None, size: int = 0) -> Output:
-        """Take one message (`size`: its payload length, for memory accounting). A `RawInsert` only
-        while `raw_rows()` says so."""
+        """Take one message (`size`: its payload length, for memory accounting); an Insert may come
+        undecoded (`RawInsert`)."""
         if type(message) not in _ROW_TYPES:
             return self._handlers[type(message)](message, lsn, size)
         # Insert / Update / Delete, nearly every message: handled here, without the handler call.

@@ -42,7 +42,7 @@ from psycopg import pq, sql
 
 from protocol.errors import ProtocolError
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
-from protocol.messages import Message, PgOutputMessage, RawInsert
+from protocol.messages import Commit, Message, PgOutputMessage, RawInsert, StreamCommit
 from protocol.pgoutput import Decoder, raw_insert
 from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
@@ -60,6 +60,8 @@ _BATCH: Final = 512
 _WAL_START: Final = struct.Struct(">Q")  # after the 'w' of an XLogData body
 _ROW_TAGS: Final = frozenset(b"IUD")
 _INSERT_TAG: Final = 0x49  # 'I'
+_COMMIT_TAGS: Final = frozenset(b"Cc")  # Commit, Stream Commit
+_COMMITS: Final = (Commit, StreamCommit)
 _XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 
@@ -176,7 +178,7 @@ class ReplicationSource:
         self.status_updates_sent = 0
         self.spills = 0  # Spill pieces written to the spool
         self.spilled_changes = 0
-        self.raw_inserts = 0  # inserts of spilling transactions passed on undecoded (RawInsert)
+        self.raw_inserts = 0  # inserts passed on undecoded (RawInsert)
         self.spill_peak_bytes = 0  # the most payload one transaction held in memory before it spilled
         self.early_transactions = 0  # transactions handed out at their first spill, before their commit
         self.early_streams = 0  # streamed transactions announced at their first spill (EarlyStream)
@@ -664,7 +666,8 @@ class ReplicationSource:
         received = self._received
         skip_echoes = self.options.skip_echo_rows
         echo = self._assembler.in_echo
-        raw_rows = self._assembler.raw_rows
+        spill_tail = self._assembler.spill_tail
+        spool = self.spool
         decoder = self._decoder
         raws = 0
         done: list[Transaction | Message | EarlyStream] = []
@@ -685,14 +688,23 @@ class ReplicationSource:
                 if skip_echoes and tag in _ROW_TAGS and echo():
                     self.echo_rows_skipped += 1
                     continue  # a row of an echo: nobody will look at it
-                if tag == _INSERT_TAG and raw_rows():
-                    # A row of a transaction that spills: to disk as the server sent it, then to COPY.
+                if tag == _INSERT_TAG:
+                    # Kept as the server sent it: decoded at the commit if it is still in memory then,
+                    # else (the transaction spilled) to disk as it is, and from there into COPY.
                     message: PgOutputMessage | RawInsert = raw_insert(
                         data, _XLOG_PAYLOAD, streaming=decoder.in_stream, lsn=wal_start
                     )
                     raws += 1
                 else:
                     message = decode(data, wal_start, _XLOG_PAYLOAD)
+                    if tag in _COMMIT_TAGS and spool is not None and isinstance(message, _COMMITS):
+                        # A transaction that spilled goes to disk whole, its last rows too (nothing of
+                        # it is decoded at its commit).
+                        tail = spill_tail(message)
+                        if tail is not None:
+                            early = self._spill(tail, wal_start)
+                            if early is not None:
+                                done.append(early)
                 out = feed(message, wal_start, size)
                 if out is None:
                     continue

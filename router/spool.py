@@ -168,10 +168,14 @@ def decode_frame(data: bytes | memoryview) -> list[Change]:
 
 def _decode_frame(data: bytes | memoryview, *, raw: bool) -> list[SpilledChange]:
     """`decode_frame`; with `raw`, RawInserts stay undecoded."""
-    convert = (_FROM_WIRE_RAW if raw else _FROM_WIRE).get
+    table = _FROM_WIRE_RAW if raw else _FROM_WIRE
+    items = _DECODER.decode(data)
+    if table.keys().isdisjoint(map(type, items)):  # nothing to rebuild (checked in C): a frame of raw rows
+        return items  # type: ignore[return-value]  # no twin among them: each is a SpilledChange
+    convert = table.get
     out: list[SpilledChange] = []
     append = out.append
-    for w in _DECODER.decode(data):
+    for w in items:
         rebuild = convert(type(w))
         append(w if rebuild is None else rebuild(w))  # type: ignore[arg-type]  # not a twin: a Change
     return out

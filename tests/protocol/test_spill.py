@@ -3,7 +3,8 @@
 Fed the streams captured from a real PostgreSQL 15 (plain and proto_version 2 streamed transactions,
 an aborted streamed transaction, a streamed one with a subtransaction rolled back), the spilled pieces
 plus the in-memory tail must be exactly the transaction assembled without a bound; also when, as the
-router's source does, every insert after a transaction's first spill is fed undecoded (`RawInsert`).
+router's source does, every insert is fed undecoded (`RawInsert`) and a transaction that spilled gives
+its in-memory tail as one last Spill just before its commit (`spill_tail`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ _ROW_CHANGES = (Insert, Update, Delete, Truncate, Message)
 
 
 def reassemble(
-    capture: str, bound: int | None, raw: bool = False
+    capture: str, bound: int | None, raw: bool = False, tail: bool = False
 ) -> tuple[list[Transaction | Message], dict[int, list[Spill]], list[SpillDropped]]:
     """Feed a capture with a bound: what comes out, the Spills by xid, the SpillDropped. With `raw`,
-    inserts go in as RawInsert whenever the assembler takes them so."""
+    inserts go in as RawInsert; with `tail`, a spilled transaction's tail is spilled before its commit."""
     asm = TransactionAssembler(bound)
     largest = max(len(f.payload) for f in load(capture).frames)
     out: list[Transaction | Message] = []
@@ -53,9 +54,13 @@ def reassemble(
         in_stream = decoder.in_stream
         decoder.decode(frame.payload)
         fed: object = message
-        if raw and isinstance(message, Insert) and asm.raw_rows():
+        if raw and isinstance(message, Insert):
             fed = raw_insert(frame.payload, 0, streaming=in_stream)
             assert decode_raw_insert(fed) == message
+        if tail and isinstance(message, (Commit, StreamCommit)):
+            last = asm.spill_tail(message)
+            if last is not None:
+                spills[last.xid].append(last)
         done = asm.feed(fed, frame.wal_start, len(frame.payload))  # type: ignore[arg-type]
         if isinstance(done, Spill):
             assert bound is not None and done.nbytes <= bound + largest  # never more than one message over
@@ -89,12 +94,15 @@ def test_without_a_bound_nothing_changes(capture: str) -> None:
                for t in out if isinstance(t, Transaction))
 
 
-@pytest.mark.parametrize("raw", [False, True], ids=["decoded", "raw"])
+@pytest.mark.parametrize(("raw", "tail"), [(False, False), (True, False), (True, True)],
+                         ids=["decoded", "raw", "raw-tail"])
 @pytest.mark.parametrize("bound", BOUNDS)
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: int, raw: bool) -> None:
+def test_spilled_pieces_and_tail_are_the_whole_transaction(
+    capture: str, bound: int, raw: bool, tail: bool
+) -> None:
     reference = list(assembled(capture))
-    out, spills, dropped = reassemble(capture, bound, raw)
+    out, spills, dropped = reassemble(capture, bound, raw, tail)
     raw_spilled = sum(isinstance(c, RawInsert) for ps in spills.values() for s in ps for c in s.changes)
     assert len(out) == len(reference)
     spilled_any = False
@@ -115,8 +123,10 @@ def test_spilled_pieces_and_tail_are_the_whole_transaction(capture: str, bound: 
                                   want.origin_lsn, want.streamed)
     if bound <= 1_000:
         assert spilled_any
-    if raw and bound <= 1_000:  # inserts after a transaction's first spill went in raw
+    if raw and bound <= 1_000:  # inserts went in raw, and reached the spills so
         assert raw_spilled
+    if tail:  # a transaction that spilled did so whole: nothing of it left for its commit to decode
+        assert all(not t.changes for t in out if isinstance(t, Transaction) and t.spilled)
     assert not any(isinstance(c, RawInsert) for t in out if isinstance(t, Transaction) for c in t.changes)
     # What remains spilled belongs to aborted streamed transactions, each announced once.
     assert sorted(spills) == sorted(d.xid for d in dropped)
@@ -234,3 +244,50 @@ def test_negative_bound_is_refused() -> None:
 def test_hand_built_transaction_defaults() -> None:
     txn = Transaction(1, 2, 3, 4, [row(1)], {REL.relid: REL})
     assert (txn.spilled, txn.aborted_subxids, txn.spill, txn.row_count) == (0, (), None, 1)
+
+
+def test_spill_tail_takes_what_a_spilled_transaction_still_holds_before_its_commit() -> None:
+    asm = TransactionAssembler(spill_bytes=25)
+    asm.feed(Begin(0x500, 1, 7))
+    asm.feed(REL, 0x100, 30)
+    asm.feed(row(0), 0x101, 10)
+    assert asm.spill_tail(Commit(0, 0x500, 0x510, 2)) is None  # not spilled yet (30 + 10 payload: no)
+    outs = [asm.feed(row(i), 0x102 + i, 10) for i in range(1, 4)]
+    assert any(isinstance(o, Spill) for o in outs)
+    last = asm.spill_tail(Commit(0, 0x500, 0x510, 2))
+    assert isinstance(last, Spill) and last.changes and asm.buffered_bytes == 0
+    txn = asm.feed(Commit(0, 0x500, 0x510, 2))
+    assert isinstance(txn, Transaction) and txn.changes == [] and txn.spilled == 5 and txn.row_count == 4
+    assert asm.spill_tail(Commit(0, 0x500, 0x510, 2)) is None  # nothing open
+
+
+def test_spill_tail_leaves_a_transaction_that_never_spilled_alone() -> None:
+    asm = TransactionAssembler(spill_bytes=1_000)
+    asm.feed(Begin(0x500, 1, 7))
+    asm.feed(REL, 0x100, 30)
+    asm.feed(row(0), 0x101, 10)
+    assert asm.spill_tail(Commit(0, 0x500, 0x510, 2)) is None
+    txn = asm.feed(Commit(0, 0x500, 0x510, 2))
+    assert isinstance(txn, Transaction) and txn.changes == [REL, row(0)]
+
+
+def test_spill_tail_of_a_streamed_transaction_and_raw_rows_decoded_at_a_commit_in_memory() -> None:
+    asm = TransactionAssembler(spill_bytes=15)
+    asm.feed(StreamStart(3, True))
+    asm.feed(REL)
+    asm.feed(row(1, 3), None, 10)
+    assert isinstance(asm.feed(row(2, 3), None, 10), Spill)
+    asm.feed(row(3, 3), None, 10)
+    asm.feed(StreamStop())
+    last = asm.spill_tail(StreamCommit(3, 0, 0x900, 0x910, 5))
+    assert isinstance(last, Spill) and last.changes == [row(3, 3)]
+    txn = asm.feed(StreamCommit(3, 0, 0x900, 0x910, 5))
+    assert isinstance(txn, Transaction) and txn.changes == [] and txn.spilled == 4
+    # A RawInsert still in memory at its commit comes out decoded.
+    asm.feed(Begin(0x700, 1, 7))
+    raw = raw_insert(b"I" + struct.pack(">I", REL.relid) + b"N" + struct.pack(">h", 2)
+                     + b"b" + struct.pack(">i", 4) + struct.pack(">i", 5) + b"t" + struct.pack(">i", 2) + b"v5",
+                     0, streaming=False)
+    asm.feed(raw, 0x701, 10)
+    txn = asm.feed(Commit(0, 0x700, 0x710, 2))
+    assert isinstance(txn, Transaction) and txn.changes == [row(5)]
