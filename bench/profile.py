@@ -2,12 +2,13 @@
 
 `python -m bench.profile [--system S ...] [--workload W ...] [--scale S] [--out DIR]`: one run per system
 on fresh nodes (bench.suite.run_once), its workloads in order. Inside each workload's timed window
-(bench.suite.Context.window) it measures the CPU of every PostgreSQL process of every node (/proc/<pid>/stat
-of the postmaster's children at the window's start and end, by process title: walsender, apply worker,
-pglogical, backend, background; children that ended in it as `exited`, from the postmaster's cutime +
-cstime), the bench process's (for pgmesh: the router, on uvloop), the wall time and the CPU per unit of the
-workload; for pgmesh also `py-spy record` on this process: top functions by self and inclusive samples, and
-the collapsed stacks for a flame graph. Files: DIR/<system>-<workload>.txt, .collapsed.txt[.gz], README.md.
+(bench.suite.Context.window) it measures the CPU of every PostgreSQL process of every node (utime + stime
+of the postmaster's children, read at the window's start, every TRACK_S and at its end, by process title:
+walsender, apply worker, pglogical, backend, background; what the postmaster's cutime + cstime gained beyond
+the last readings of children that exited is `exited`), the bench process's (for pgmesh: the router, on
+uvloop), the wall time and the CPU per unit of the workload; for pgmesh also `py-spy record` on this
+process: top functions by self and inclusive samples, and the collapsed stacks for a flame graph.
+Files: DIR/<system>-<workload>.txt, DIR/<system>-<workload>.collapsed.txt[.gz], DIR/README.md.
 
 Owns: the window's measurements, the parsing of py-spy's collapsed stacks and these files. Must not: change
 how the suite runs or times a workload (the window only observes), or touch processes it did not start.
@@ -46,7 +47,8 @@ SPY_RATE = 250
 TOP = 30
 GZIP_OVER = 1 << 20
 CLK = os.sysconf("SC_CLK_TCK")
-LINE = re.compile(r":\d+\)$")
+TRACK_S = 0.25  # how often the window reads the nodes' processes (to place those that exit in it)
+LINE = re.compile(r":\d+\)$")  # `send (router/applier.py:120)` -> `send (router/applier.py)`: by function
 # What a workload measures per unit: (unit, the Measurement detail that counts them).
 UNITS = {"tpcb": ("transaction", "transactions"), "inserts": ("transaction", "transactions"),
          "bulk": ("row", "rows"), "visibility": ("row", "rows"), "lag": ("transaction", "pgbench_tps")}
@@ -63,9 +65,11 @@ CATEGORY_ORDER = ("backend", "walsender", "apply worker", "pglogical", "backgrou
 # Per-process CPU from /proc
 
 
+Key = tuple[int, int]  # (pid, start time in ticks after boot): tells a reused pid apart
+
+
 @dataclass(frozen=True, slots=True)
 class Proc:
-    started: int  # clock ticks after boot: tells a reused pid apart
     ticks: int  # utime + stime
     category: str
 
@@ -74,7 +78,15 @@ class Proc:
 class NodeSnapshot:
     own: int = 0  # the postmaster's utime + stime
     reaped: int = 0  # its cutime + cstime: children that exited
-    procs: dict[int, Proc] = field(default_factory=dict)
+    procs: dict[Key, Proc] = field(default_factory=dict)
+
+
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] is field 3 (state); [] when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return []
 
 
 def category(pid: int) -> str:
@@ -86,52 +98,57 @@ def category(pid: int) -> str:
     return next((cat for prefix, cat in CATEGORIES if title.startswith(prefix)), "backend")
 
 
-def snapshot(nodes: dict[str, int]) -> dict[str, NodeSnapshot]:
-    """Each node's postmaster (name -> pid) and its children, from one pass over /proc."""
-    by_pid = {pid: name for name, pid in nodes.items()}
-    out = {name: NodeSnapshot() for name in nodes}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        pid, ppid = int(stat.parent.name), int(fields[1])
-        if pid in by_pid:
-            snap = out[by_pid[pid]]
-            snap.own, snap.reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-        elif ppid in by_pid:
-            ticks = int(fields[11]) + int(fields[12])
-            out[by_pid[ppid]].procs[pid] = Proc(int(fields[19]), ticks, category(pid))
-    return out
+def snapshot(postmaster: int, titles: dict[Key, str]) -> NodeSnapshot:
+    """The postmaster and its children (`titles` caches each child's category)."""
+    snap = NodeSnapshot()
+    if fields := stat_fields(postmaster):
+        snap.own, snap.reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+    with contextlib.suppress(OSError):
+        for pid in map(int, Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text().split()):
+            if fields := stat_fields(pid):
+                key = (pid, int(fields[19]))
+                if key not in titles:
+                    titles[key] = category(pid)
+                snap.procs[key] = Proc(int(fields[11]) + int(fields[12]), titles[key])
+    return snap
 
 
-def node_cpu(before: NodeSnapshot, after: NodeSnapshot) -> dict[str, float]:
-    """CPU seconds by category between two snapshots of one node (the postmaster itself is background)."""
+def node_cpu(before: NodeSnapshot, after: NodeSnapshot, seen: dict[Key, Proc]) -> dict[str, float]:
+    """CPU seconds by category in the window of one node (the postmaster itself is background). `seen`:
+    each child's last reading (the tracker's, then `after`'s), so that a child that exited in the window
+    counts in its category up to its last reading; the rest of the postmaster's cutime + cstime growth
+    (children that lived between two readings, the last ticks of the others) is `exited`."""
     ticks: dict[str, int] = defaultdict(int)
     ticks["background"] += after.own - before.own
-    for pid, proc in after.procs.items():
-        old = before.procs.get(pid)
-        ticks[proc.category] += proc.ticks - (old.ticks if old and old.started == proc.started else 0)
-    gone = sum(p.ticks for pid, p in before.procs.items()
-               if pid not in after.procs or after.procs[pid].started != p.started)
-    ticks["exited"] += max(0, after.reaped - before.reaped - gone)  # their CPU inside the window
+    for key, proc in seen.items():
+        ticks[proc.category] += proc.ticks - (before.procs[key].ticks if key in before.procs else 0)
+    gone = sum(proc.ticks for key, proc in seen.items() if key not in after.procs)
+    ticks["exited"] += max(0, after.reaped - before.reaped - gone)
     return {cat: ticks[cat] / CLK for cat in CATEGORY_ORDER if ticks.get(cat)}
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK
+
+
 def proc_seconds(pid: int) -> float:
-    with contextlib.suppress(OSError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK
-    return 0.0
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / CLK if fields else 0.0
+
+
+async def track(postmasters: dict[str, int], titles: dict[Key, str], seen: dict[str, dict[Key, Proc]]
+                ) -> None:
+    """Read every node's children every TRACK_S until cancelled: the last reading of each."""
+    while True:
+        await asyncio.sleep(TRACK_S)
+        for name, pid in postmasters.items():
+            seen[name].update(snapshot(pid, titles).procs)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # py-spy
-
-
-def find_py_spy() -> str | None:
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if os.access(beside, os.X_OK) else shutil.which("py-spy")
 
 
 @dataclass(slots=True)
@@ -141,11 +158,6 @@ class Stacks:
     inclusive: Counter[str] = field(default_factory=Counter)
 
 
-def frame_key(frame: str) -> str:
-    """`send (router/applier.py:120)` -> `send (router/applier.py)`: functions, not lines."""
-    return LINE.sub(")", frame)
-
-
 def parse_collapsed(text: str) -> Stacks:
     """py-spy's raw format: one `frame;frame;...;leaf count` line per distinct stack."""
     out = Stacks()
@@ -153,7 +165,7 @@ def parse_collapsed(text: str) -> Stacks:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        n, frames = int(count), [frame_key(f) for f in stack.split(";")]
+        n, frames = int(count), [LINE.sub(")", f) for f in stack.split(";")]
         out.total += n
         out.self_[frames[-1]] += n
         for key in set(frames):
@@ -188,20 +200,15 @@ class Spy:
     async def stop(self) -> None:
         if self.proc is None:
             return
-        if self.output is None:  # it never started sampling
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            await self.proc.wait()
-            return
         self.cpu_s = proc_seconds(self.proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # SIGINT: it writes the file and exits
+            self.proc.send_signal(signal.SIGINT if self.output else signal.SIGKILL)
         try:
             await asyncio.wait_for(self.proc.wait(), 120)
         except TimeoutError:
             self.proc.kill()
             await self.proc.wait()
-        rest = (await self.output).decode(errors="replace")
+        rest = (await self.output).decode(errors="replace") if self.output else ""
         if self.proc.returncode != 0 or not self.path.exists():
             self.error = (self.error + " " + rest).strip()[-500:] or f"py-spy exited {self.proc.returncode}"
 
@@ -216,7 +223,9 @@ class Window:
     workload: str
     wall_s: float = 0.0
     bench_cpu_s: float = 0.0
+    machine_s: float = 0.0  # busy CPU of the whole machine in the window
     nodes: dict[str, dict[str, float]] = field(default_factory=dict)
+    exits: dict[str, Counter[str]] = field(default_factory=dict)  # per node, children seen that exited
     spy: Spy | None = None
 
 
@@ -243,13 +252,25 @@ class Profiler:
                 await result.spy.start()
             except (OSError, TimeoutError) as exc:
                 result.spy.error = f"py-spy did not start: {type(exc).__name__}: {exc}"
-        before, cpu, began = snapshot(postmasters), time.process_time(), time.perf_counter()
+        titles: dict[Key, str] = {}
+        before = {name: snapshot(pid, titles) for name, pid in postmasters.items()}
+        seen = {name: dict(snap.procs) for name, snap in before.items()}
+        tracker = asyncio.create_task(track(postmasters, titles, seen))
+        cpu, began, busy = time.process_time(), time.perf_counter(), machine_busy_seconds()
         try:
             yield
         finally:
             result.wall_s, result.bench_cpu_s = time.perf_counter() - began, time.process_time() - cpu
-            after = snapshot(postmasters)
-            result.nodes = {name: node_cpu(before[name], after[name]) for name in postmasters}
+            result.machine_s = machine_busy_seconds() - busy
+            tracker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tracker
+            after = {name: snapshot(pid, titles) for name, pid in postmasters.items()}
+            for name, snap in after.items():
+                seen[name].update(snap.procs)
+            result.nodes = {name: node_cpu(before[name], after[name], seen[name]) for name in postmasters}
+            result.exits = {name: Counter(proc.category for key, proc in seen[name].items()
+                                          if key not in after[name].procs) for name in postmasters}
             if result.spy is not None:
                 await result.spy.stop()
 
@@ -277,14 +298,23 @@ def cpu_table(w: Window, unit: str, count: float) -> list[str]:
 
     for name, cats in w.nodes.items():
         for cat, seconds in cats.items():
-            row(f"node {name}: {cat}", seconds)
+            exited = w.exits.get(name, Counter())[cat]
+            row(f"node {name}: {cat}" + (f" ({exited} exited)" if exited else ""), seconds)
         row(f"node {name}: all", node_total(w, name))
     row("bench process" + (" (the router)" if w.system.startswith("pgmesh") else ""), w.bench_cpu_s)
     total = sum(node_total(w, n) for n in w.nodes) + w.bench_cpu_s
     row("total (nodes + bench process)", total)
     if w.spy is not None:
         row("py-spy itself (not in the total)", w.spy.cpu_s)
+    row("anything else on the machine", others(w))
     return lines
+
+
+def others(w: Window) -> float:
+    """The machine's busy CPU in the window beyond the nodes, the bench process and py-spy: the bench's
+    watcher and pgbench, the kernel's own work, and whatever else ran (then the figures are disturbed)."""
+    spy = w.spy.cpu_s if w.spy is not None else 0.0
+    return max(0.0, w.machine_s - sum(node_total(w, n) for n in w.nodes) - w.bench_cpu_s - spy)
 
 
 def spy_section(w: Window) -> list[str]:
@@ -338,7 +368,7 @@ def readme_row(key: tuple[str, str], w: Window | None, m: Measurement | None, na
     total = sum(node_total(w, n) for n in w.nodes) + w.bench_cpu_s
     per = f"{total / count * 1e6:,.1f} µs/{unit}" if count else ""
     return (f"| {w.system} | {w.workload} | {w.wall_s:.2f} | {metric} {m.values[metric]:,.3f}"
-            f" | {w.bench_cpu_s:.2f} | " + " | ".join(cells) + f" | {per} |")
+            f" | {w.bench_cpu_s:.2f} | " + " | ".join(cells) + f" | {per} | {others(w):.2f} |")
 
 
 def git_commit() -> str:
@@ -355,14 +385,18 @@ def write_readme(out: Path, command: str, header: list[str], rows: list[str], na
     lines = [
         "# bench.profile: where the CPU goes in each bench workload", "", *[f"- {h}" for h in header], "",
         "CPU seconds inside each workload's timed window (see bench/suite.py), from /proc/<pid>/stat of every"
-        " PostgreSQL process by its title (`exited`: children that ended in the window); `bench CPU s`: the"
-        " bench process, which for pgmesh is the router (on uvloop). µs per unit: nodes + bench process over"
-        " the workload's transactions or rows. A target's `backend` includes the bench watcher's polling"
-        " (a query per target every 5 ms) and, for pgmesh, the router's apply sessions. Per workload:"
+        " PostgreSQL process by its title (a child that exits in the window counts up to its last reading,"
+        f" every {TRACK_S} s; `exited` is the rest); `bench CPU s`: the bench process, which for pgmesh is"
+        " the router (on uvloop). µs per unit: nodes + bench process over the workload's transactions or"
+        " rows. A target's `backend` includes the bench watcher's polling (a query per target every 5 ms)"
+        " and, for pgmesh, the router's apply sessions. Per workload:"
         " `<system>-<workload>.txt` (the CPU table and, for pgmesh, py-spy's top functions) and"
-        " `<system>-<workload>.collapsed.txt[.gz]` (py-spy's stacks).", "",
+        " `<system>-<workload>.collapsed.txt[.gz]` (py-spy's stacks). `other CPU s`: the machine's busy CPU"
+        " in the window beyond the nodes, the bench process and py-spy (the watcher, pgbench, the kernel;"
+        " a large figure means something else ran and disturbed the measurement).", "",
         f"| system | workload | wall s | metric | bench CPU s | {' | '.join(f'{n} CPU s' for n in names)}"
-        " | CPU per unit |", "|---|---|--:|---|--:|" + "---|" * len(names) + "--:|", *rows, "",
+        " | CPU per unit | other CPU s |", "|---|---|--:|---|--:|" + "---|" * len(names) + "--:|--:|", *rows,
+        "",
         f"Reproduce: `{command}` (py-spy needs ptrace: run as root).", ""]
     (out / "README.md").write_text("\n".join(lines))
 
@@ -412,7 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = args.system or list(DEFAULT_SYSTEMS)
     workloads = [w for w in WORKLOADS if w in (args.workload or DEFAULT_WORKLOADS)]
     args.out.mkdir(parents=True, exist_ok=True)
-    spy_exe = None if args.no_py_spy else find_py_spy()
+    beside = Path(sys.executable).parent / "py-spy"  # the venv's, else one on PATH
+    spy_exe = str(beside) if os.access(beside, os.X_OK) else shutil.which("py-spy")
+    spy_exe = None if args.no_py_spy else spy_exe
     if spy_exe is None and not args.no_py_spy:
         print("py-spy not found (pip install -e '.[bench]'): CPU tables only, no stacks", file=sys.stderr)
     command = shlex.join([".venv/bin/python", "-m", "bench.profile", *raw])
