@@ -48,6 +48,7 @@ TOP = 30
 GZIP_OVER = 1 << 20
 CLK = os.sysconf("SC_CLK_TCK")
 TRACK_S = 0.25  # how often the window reads the nodes' processes (to place those that exit in it)
+LOOP = "Runner.run (asyncio/runners.py)"  # where uvloop runs (bench.apply.run_async)
 LINE = re.compile(r":\d+\)$")  # `send (router/applier.py:120)` -> `send (router/applier.py)`: by function
 # What a workload measures per unit: (unit, the Measurement detail that counts them).
 UNITS = {"tpcb": ("transaction", "transactions"), "inserts": ("transaction", "transactions"),
@@ -168,7 +169,8 @@ def parse_collapsed(text: str) -> Stacks:
         n, frames = int(count), [LINE.sub(")", f) for f in stack.split(";")]
         out.total += n
         out.self_[frames[-1]] += n
-        for key in set(frames):
+        below_loop = next((i + 1 for i, frame in enumerate(frames) if frame == LOOP), 0)
+        for key in set(frames[below_loop:]):  # not the chain every sample passes to reach the loop
             out.inclusive[key] += n
     return out
 
@@ -333,7 +335,7 @@ def spy_section(w: Window) -> list[str]:
              f" {busy:.0f}% of the window, all threads); stacks: {kept.name} (flamegraph.pl, speedscope).",
              "Self samples in Runner.run (asyncio/runners.py) are uvloop's C code: the loop, socket reads and"
              " writes, callbacks' scheduling."]
-    for title, counts in (("self", stacks.self_), ("inclusive", stacks.inclusive)):
+    for title, counts in (("self", stacks.self_), ("inclusive (below the event loop)", stacks.inclusive)):
         lines += ["", f"Top {TOP} functions by {title} samples", f"{'%':>6} {'samples':>8}  function (file)"]
         lines += [f"{n / stacks.total * 100:>6.1f} {n:>8}  {key}" for key, n in counts.most_common(TOP)]
     return lines
