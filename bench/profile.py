@@ -378,7 +378,7 @@ def git_commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout
 
     changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    dirty = ", ".join(sorted({line[3:].split("/")[0] for line in changed}))
+    dirty = ", ".join(sorted({line[3:].split("/")[0] for line in changed if "bench/results/" not in line}))
     commit = git("rev-parse", "--short", "HEAD").strip()
     return commit + (f" (uncommitted changes in {dirty})" if dirty else "")
 
