@@ -17,7 +17,7 @@ place from a whole XLogData body (`offset`), and row images read through compile
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any, Final
 
@@ -45,7 +45,9 @@ from protocol.messages import (
     Update,
 )
 
-__all__ = ["Decoder", "decode", "decode_raw_insert", "raw_insert", "raw_tuple"]
+__all__ = [
+    "Decoder", "decode", "decode_raw_insert", "raw_copy_text", "raw_insert", "raw_insert_run", "raw_tuple",
+]
 
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
@@ -278,6 +280,60 @@ def raw_insert(
     except (ProtocolError, struct.error, IndexError) as exc:
         raise _located(exc, lsn, 0x49) from None
     return RawInsert(relid, bytes(buf[pos + 5 :]), xid)
+
+
+def raw_insert_run(bufs: Sequence[bytes | memoryview], offset: int, *, streaming: bool) -> list[RawInsert]:
+    """`raw_insert` of each of `bufs` (each an Insert message at `offset`), in one loop. Raises
+    ProtocolError for the first that is not one (without its LSN: call `raw_insert` on it for that)."""
+    unpack_head = _ROW_HEAD.unpack_from
+    unpack_xid = _U32.unpack_from
+    pos = offset + 5 if streaming else offset + 1
+    out: list[RawInsert] = []
+    append = out.append
+    try:
+        for buf in bufs:
+            relid, marker = unpack_head(buf, pos)
+            if buf[offset] != 0x49 or marker != 0x4E:  # 'I', then 'N' before the new tuple
+                raise MalformedMessage("not an insert with a new tuple")
+            xid = unpack_xid(buf, offset + 1)[0] if streaming else None
+            append(RawInsert(relid, bytes(buf[pos + 5 :]), xid))
+    except (ProtocolError, struct.error, IndexError) as exc:
+        raise _located(exc, None, 0x49) from None
+    return out
+
+
+def raw_copy_text(rows: Sequence[RawInsert], width: int) -> bytes | None:
+    """The rows of `rows` (each `width` text columns) as COPY text lines, without reading them one by
+    one; None when that cannot be done safely (a NULL, a value of 64 kB or more, a value COPY would need
+    escaped, a binary value: the caller reads them one by one).
+
+    A text value never holds a zero byte (PostgreSQL's output functions write C strings), so the only
+    places where b"t\\0\\0" occurs in a row are the heads of its text cells shorter than 64 kB ('t', then
+    an Int32 length below 65,536): splitting there, and dropping the length's last two bytes from each
+    piece, leaves the values. What is checked: as many pieces as cells, each row's column count, and
+    that no value holds a tab, a newline, a carriage return or a backslash. The lengths themselves are
+    not read (the server wrote them; `raw_tuple` reads them, for rows that take the slow way).
+    """
+    n = len(rows)
+    if not n or not 0 < width < 256:
+        return None
+    head = _I16.pack(width)
+    joined = b"".join([r.data for r in rows])
+    pieces = joined.split(b"t\0\0")
+    if len(pieces) != n * width + 1 or pieces[0] != head:
+        return None
+    del pieces[0]
+    # Each row's column count (at the end of the piece before it) starts the next line.
+    text = b"\t".join([p[2:] for p in pieces]).replace(head + b"\t", b"\n")
+    if (
+        text.count(b"\n") != n - 1
+        or text.count(b"\t") != n * (width - 1)
+        or b"\\" in text
+        or b"\r" in text
+        or b"\0" in text
+    ):
+        return None
+    return text + b"\n"
 
 
 def raw_tuple(raw: RawInsert) -> TupleData:

@@ -21,8 +21,10 @@ where spilled changes go, and how they are read back, is the caller's business (
 from __future__ import annotations
 
 import sys
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, Final
 
 import msgspec
@@ -302,6 +304,32 @@ class TransactionAssembler:
         if held > self._spill_at:
             return self._spill(builder)
         return None
+
+    def feed_rows(self, rows: list[RawInsert], sizes: list[int], lsn: int | None = None) -> list[Spill]:
+        """`feed` each of `rows` (inserts of one open transaction, `sizes` their payload lengths), in
+        one call; the Spills they cause, in order (the same as feeding them one by one)."""
+        builder = self._in_stream or self._current
+        if builder is None:
+            raise WrongState("row change outside any transaction", lsn=lsn, tag="i")
+        known = builder.relations
+        for relid in {r.relid for r in rows}.difference(known):
+            known[relid] = self.relations.get(relid, lsn=lsn, tag="i")
+        spills: list[Spill] = []
+        limit = self._spill_at
+        while rows:
+            held = list(accumulate(sizes, initial=builder.nbytes))
+            cut = bisect_right(held, limit, 1)  # held[cut] is the first over the bound, if any
+            if cut == len(held):  # all of them fit
+                builder.changes += rows
+                self.buffered_bytes += held[-1] - builder.nbytes
+                builder.nbytes = held[-1]
+                break
+            builder.changes += rows[:cut]
+            self.buffered_bytes += held[cut] - builder.nbytes
+            builder.nbytes = held[cut]
+            spills.append(self._spill(builder))
+            rows, sizes = rows[cut:], sizes[cut:]
+        return spills
 
     def _spill(self, builder: _Builder) -> Spill:
         self.buffered_bytes -= builder.nbytes

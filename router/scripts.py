@@ -28,7 +28,7 @@ from protocol.messages import (
     Type,
     Update,
 )
-from protocol.pgoutput import decode_raw_insert, raw_tuple
+from protocol.pgoutput import decode_raw_insert, raw_copy_text, raw_tuple
 from protocol.transactions import SpilledChange, Transaction
 from router.statements import (
     KEY_LOCKS_MAX,
@@ -138,6 +138,10 @@ def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
     input functions read back). Fast path: join everything, then check in C that no value needed
     escaping; otherwise escape value by value. A RawInsert's row is read straight from its bytes."""
     width = len(relation.columns)
+    if all(type(r) is RawInsert for r in rows):
+        fast = raw_copy_text(rows, width)  # type: ignore[arg-type]  # all RawInserts, checked above
+        if fast is not None:
+            return fast
     plain = bytes([KIND_TEXT]) * width
     lines: list[bytes] = []
     append = lines.append

@@ -7,8 +7,8 @@ pgoutput with START_REPLICATION. The stream is read with `pgconn.get_copy_data` 
 (no threads), decoded once by `protocol/` and handed out as whole committed transactions (and
 non-transactional logical messages) in commit order.
 A transaction bigger than `SourceOptions.spill_bytes` is written to a `router.spool.Spool` as it
-arrives and handed out with its spilled part on disk (`Transaction.spill`); once it spilled, its inserts
-are not decoded here (`RawInsert`: their rows go to disk and on to COPY as the server sent them). With
+arrives, its tail too at its commit, and handed out on disk (`Transaction.spill`). Inserts are decoded
+only at a commit that finds them in memory (`RawInsert`: a spilled row goes on to COPY as sent). With
 `early_streamed`, a streamed (in-progress) transaction is also announced at its first spill
 (`EarlyStream`), so that appliers may start on it before it commits; it is still handed out at its
 commit, in commit order.
@@ -43,12 +43,13 @@ from psycopg import pq, sql
 from protocol.errors import ProtocolError
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.messages import Commit, Message, PgOutputMessage, RawInsert, StreamCommit
-from protocol.pgoutput import Decoder, raw_insert
+from protocol.pgoutput import Decoder, raw_insert, raw_insert_run
 from protocol.replication import PrimaryKeepalive, XLogData, parse_copy_data, standby_status_update
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
 from router.slots import SlotCreated, SlotInfo, check_slot_name, hold_snapshot
-from router.spool import SpillFile, Spool
+from router.source_items import EarlyStream, SourceOptions, SystemInfo, publication_list
+from router.spool import Spool
 
 __all__ = ["EarlyStream", "ReplicationSource", "SourceOptions", "SystemInfo"]
 
@@ -65,64 +66,9 @@ _COMMITS: Final = (Commit, StreamCommit)
 _XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 
-class SourceOptions(msgspec.Struct, frozen=True):
-    """How a source talks to its node. Times in seconds."""
-
-    proto_version: int = 2
-    streaming: bool = True
-    binary: bool = True
-    messages: bool = True
-    status_interval: float = 10.0
-    receive_timeout: float = 60.0
-    backoff_initial: float = 0.2
-    backoff_max: float = 10.0
-    connect_timeout: float = 10.0
-    advance_when_idle: bool = True
-    skip_echo_rows: bool = False  # do not decode the rows of transactions that carry an origin
-    application_name: str = "pgmesh"
-    spill_bytes: int = 0  # an open transaction's payload kept in memory before the rest spills (0: never)
-    # hand a plain transaction out at its first spill, before its commit arrives (appliers start on it)
-    early_spilled: bool = False
-    # announce a streamed transaction at its first spill (an EarlyStream item), before it commits
-    early_streamed: bool = False
-
-
-class EarlyStream(msgspec.Struct, frozen=True, gc=False):
-    """A streamed transaction still in progress on the source, announced at its first spill.
-
-    `txn` is it as far as it came (`TransactionAssembler.open_stream`: no commit LSN or time yet;
-    `txn.relations` keeps growing); `spill` (`txn.spill`) is its spill file, growing
-    (`SpillFile.live`): read it with `read_frames` and wait on `changed`. It may still abort (the
-    file is then `abandoned`). If it commits, its Transaction comes out of `stream()` in commit order
-    as usual, with this same file, which then also has `final` set. Whoever keeps the file for later
-    `acquire`s it (and releases it).
-    """
-
-    txn: Transaction
-
-    @property
-    def spill(self) -> SpillFile:
-        handle = self.txn.spill
-        assert isinstance(handle, SpillFile)  # set at the announcement (ReplicationSource._spill)
-        return handle
-
-
-class SystemInfo(msgspec.Struct, frozen=True):
-    system_id: str
-    timeline: int
-    xlogpos: int
-    dbname: str | None
-
-
 def _wake(ready: asyncio.Future[None]) -> None:
     if not ready.done():
         ready.set_result(None)
-
-
-def publication_list(names: tuple[str, ...] | list[str]) -> str:
-    """`publication_names` option value: a quoted literal holding a list of quoted identifiers."""
-    idents = ",".join('"' + n.replace('"', '""') + '"' for n in names)
-    return "'" + idents.replace("'", "''") + "'"
 
 
 class ReplicationSource:
@@ -667,13 +613,17 @@ class ReplicationSource:
         skip_echoes = self.options.skip_echo_rows
         echo = self._assembler.in_echo
         spill_tail = self._assembler.spill_tail
+        feed_rows = self._assembler.feed_rows
         spool = self.spool
         decoder = self._decoder
         raws = 0
         done: list[Transaction | Message | EarlyStream] = []
         handed = (self._skip_before, self._delivered_high, self.transactions_out)
         try:
-            for data in batch:
+            i, n = 0, len(batch)
+            while i < n:
+                data = batch[i]
+                i += 1
                 # A frame is 'w', WAL start, WAL end, send time, then the pgoutput message. It is read
                 # in place; what is kept is copied once (by the decoder, or a raw row's bytes), and the
                 # row of an echo not at all.
@@ -685,9 +635,30 @@ class ReplicationSource:
                     received = wal_start
                 size = len(data) - _XLOG_PAYLOAD
                 tag = data[_XLOG_PAYLOAD] if size > 0 else -1  # the pgoutput message's
-                if skip_echoes and tag in _ROW_TAGS and echo():
-                    self.echo_rows_skipped += 1
-                    continue  # a row of an echo: nobody will look at it
+                if tag in _ROW_TAGS:
+                    # Rows come in runs: the rest of this one that the batch holds is taken at once.
+                    taken = skip_echoes and echo()
+                    end = _row_run(batch, i, tag, taken)
+                    if taken:
+                        self.echo_rows_skipped += end - i + 1  # an echo's: nobody will look at them
+                    elif end > i:  # inserts
+                        run = batch[i - 1 : end]
+                        try:
+                            rows = raw_insert_run(run, _XLOG_PAYLOAD, streaming=decoder.in_stream)
+                        except ProtocolError:
+                            pass  # one by one, below: the bad one is reported with its LSN
+                        else:
+                            taken = True
+                            raws += len(rows)
+                            for part in feed_rows(rows, [len(d) - _XLOG_PAYLOAD for d in run], wal_start):
+                                early = self._spill(part, wal_start)
+                                if early is not None:
+                                    done.append(early)
+                    if taken:
+                        if end > i:
+                            received = max(received, wal_start_of(batch[end - 1], 1)[0])
+                            i = end
+                        continue
                 if tag == _INSERT_TAG:
                     # Kept as the server sent it: decoded at the commit if it is still in memory then,
                     # else (the transaction spilled) to disk as it is, and from there into COPY.
@@ -797,6 +768,22 @@ class ReplicationSource:
         if handle.early:
             handle.release()  # the source's (taken at grow); the links that took it hold theirs
         return final
+
+
+def _row_run(batch: list[memoryview], start: int, tag: int, echo: bool) -> int:
+    """Where the run of row messages that `batch[start - 1]` (tag `tag`) opens ends: the inserts right
+    after an insert, or, in an echo, every row message right after a row (`start` when none)."""
+    end, n = start, len(batch)
+    try:
+        if echo:
+            while end < n and batch[end][_XLOG_PAYLOAD] in _ROW_TAGS:
+                end += 1
+        elif tag == _INSERT_TAG:
+            while end < n and batch[end][_XLOG_PAYLOAD] == _INSERT_TAG:
+                end += 1
+    except IndexError:  # a frame without a message: the loop reports it
+        pass
+    return end
 
 
 def _discard_spills(items: list[Transaction | Message | EarlyStream]) -> None:

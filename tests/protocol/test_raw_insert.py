@@ -8,12 +8,16 @@ ProtocolError, never anything else.
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
 from protocol.messages import Insert, RawInsert
-from protocol.pgoutput import Decoder, decode_raw_insert, raw_insert, raw_tuple
+from protocol.pgoutput import Decoder, decode_raw_insert, raw_copy_text, raw_insert, raw_tuple
 from tests.protocol.captured import CAPTURES, load
 
 
@@ -74,3 +78,61 @@ def test_not_an_insert_is_refused() -> None:
         raw_insert(b"U" + payload[1:], 0, streaming=False)
     with pytest.raises(ProtocolError, match="expected 'N'"):
         raw_insert(payload[:5] + b"K" + payload[6:], 0, streaming=False)
+
+
+# ---------------------------------------------------------------------- rows straight to COPY text
+
+
+def _cell(value: bytes | None) -> bytes:
+    return b"n" if value is None else b"t" + struct.pack(">I", len(value)) + value
+
+
+def _raw(values: list[bytes | None]) -> RawInsert:
+    return RawInsert(1, struct.pack(">h", len(values)) + b"".join(_cell(v) for v in values))
+
+
+def _copy_lines(rows: list[list[bytes | None]]) -> bytes | None:
+    """COPY text of rows the simple way; None when a value needs escaping or is NULL."""
+    out = b""
+    for row in rows:
+        if any(v is None or any(c in v for c in (b"\t", b"\n", b"\r", b"\\")) for v in row):
+            return None
+        out += b"\t".join(v for v in row if v is not None) + b"\n"
+    return out
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_raw_copy_text_of_captured_rows_is_their_values_or_none(capture: str) -> None:
+    by_relation: dict[int, list[tuple[RawInsert, Insert]]] = {}
+    for payload, in_stream, insert in inserts(capture):
+        by_relation.setdefault(insert.relid, []).append((raw_insert(payload, 0, streaming=in_stream), insert))
+    fast = 0
+    for pairs in by_relation.values():
+        width = len(pairs[0][1].new.kinds)
+        got = raw_copy_text([raw for raw, _ in pairs], width)
+        binary = any(k != ord("t") and k != ord("n") for _, i in pairs for k in i.new.kinds)
+        want = None if binary else _copy_lines([list(i.new.values) for _, i in pairs])  # type: ignore[misc]
+        assert got is None or got == want
+        fast += got is not None
+    assert fast or load(capture).binary
+
+
+_TEXT = st.binary(max_size=12).map(lambda b: b.replace(b"\0", b"t"))
+_VALUE = st.one_of(
+    _TEXT,
+    st.sampled_from([b"t", b"tt", b"\\", b"a\tb", b"a\nb", b"\r", b"x" * 300, b"t" * 0x7400, b"y" * 70_000]),
+    st.none(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5).flatmap(lambda w: st.lists(st.lists(_VALUE, min_size=w, max_size=w), min_size=1,
+                                                    max_size=6)))
+def test_raw_copy_text_is_the_copy_lines_or_none(rows: list[list[bytes | None]]) -> None:
+    width = len(rows[0])
+    got = raw_copy_text([_raw(r) for r in rows], width)
+    want = _copy_lines(rows)
+    assert got is None or got == want
+    simple = all(v is not None and len(v) < 65_536 for r in rows for v in r)
+    if simple and want is not None:
+        assert got == want  # nothing in the way: the fast path takes it

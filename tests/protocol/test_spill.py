@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import pytest
 
+from protocol.errors import ProtocolError
 from protocol.messages import (
     Begin,
     Column,
@@ -31,7 +32,7 @@ from protocol.messages import (
     TupleData,
     Update,
 )
-from protocol.pgoutput import Decoder, decode_raw_insert, raw_insert
+from protocol.pgoutput import Decoder, decode_raw_insert, raw_insert, raw_insert_run
 from protocol.transactions import Change, Spill, SpillDropped, Transaction, TransactionAssembler
 from tests.protocol.captured import CAPTURES, assembled, load, messages
 
@@ -285,9 +286,67 @@ def test_spill_tail_of_a_streamed_transaction_and_raw_rows_decoded_at_a_commit_i
     assert isinstance(txn, Transaction) and txn.changes == [] and txn.spilled == 4
     # A RawInsert still in memory at its commit comes out decoded.
     asm.feed(Begin(0x700, 1, 7))
-    raw = raw_insert(b"I" + struct.pack(">I", REL.relid) + b"N" + struct.pack(">h", 2)
-                     + b"b" + struct.pack(">i", 4) + struct.pack(">i", 5) + b"t" + struct.pack(">i", 2) + b"v5",
-                     0, streaming=False)
+    cells = b"b" + struct.pack(">i", 4) + struct.pack(">i", 5) + b"t" + struct.pack(">i", 2) + b"v5"
+    message = b"I" + struct.pack(">I", REL.relid) + b"N" + struct.pack(">h", 2) + cells
+    raw = raw_insert(message, 0, streaming=False)
     asm.feed(raw, 0x701, 10)
     txn = asm.feed(Commit(0, 0x700, 0x710, 2))
     assert isinstance(txn, Transaction) and txn.changes == [row(5)]
+
+
+def _fed(capture: str) -> list[tuple[object, int, int]]:
+    """What the source feeds for a capture: inserts raw, with their WAL start and payload size."""
+    decoder = Decoder()
+    out: list[tuple[object, int, int]] = []
+    for frame in load(capture).frames:
+        in_stream = decoder.in_stream
+        message = decoder.decode(frame.payload)
+        if isinstance(message, Insert):
+            message = raw_insert(frame.payload, 0, streaming=in_stream)
+        out.append((message, frame.wal_start, len(frame.payload)))
+    return out
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_runs_of_inserts_fed_at_once_give_what_feeding_one_by_one_gives(capture: str, bound: int) -> None:
+    fed = _fed(capture)
+    one, runs = TransactionAssembler(bound), TransactionAssembler(bound)
+    by_one = [o for m, lsn, size in fed if (o := one.feed(m, lsn, size)) is not None]  # type: ignore[arg-type]
+    by_run: list[object] = []
+    i = 0
+    while i < len(fed):
+        j = i
+        while j < len(fed) and isinstance(fed[j][0], RawInsert):
+            j += 1
+        if j > i:
+            rows = [m for m, _, _ in fed[i:j]]
+            by_run += runs.feed_rows(rows, [size for _, _, size in fed[i:j]], fed[i][1])  # type: ignore[arg-type]
+            i = j
+            continue
+        o = runs.feed(*fed[i])  # type: ignore[arg-type]
+        if o is not None:
+            by_run.append(o)
+        i += 1
+    assert by_run == by_one
+    assert runs.buffered_bytes == one.buffered_bytes == 0
+
+
+def test_raw_insert_run_is_raw_insert_of_each_and_a_bad_one_raises() -> None:
+    for capture in CAPTURES:
+        decoder = Decoder()
+        plain: list[bytes] = []
+        streamed: list[bytes] = []
+        for frame in load(capture).frames:
+            in_stream = decoder.in_stream
+            if isinstance(decoder.decode(frame.payload), Insert):
+                (streamed if in_stream else plain).append(b"xx" + frame.payload)
+        for bufs, streaming in ((plain, False), (streamed, True)):
+            assert raw_insert_run(bufs, 2, streaming=streaming) == [
+                raw_insert(b, 2, streaming=streaming) for b in bufs
+            ]
+            if bufs:
+                with pytest.raises(ProtocolError):
+                    raw_insert_run([*bufs, bufs[0][:6]], 2, streaming=streaming)  # no relation id
+                with pytest.raises(ProtocolError):
+                    raw_insert_run([b"xxU" + bufs[0][3:]], 2, streaming=streaming)
