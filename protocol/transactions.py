@@ -25,6 +25,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from itertools import accumulate
+from operator import attrgetter
 from typing import Any, Final
 
 import msgspec
@@ -59,6 +60,7 @@ SpilledChange = Change | RawInsert
 _ROW_CHANGES: Final = (Insert, RawInsert, Update, Delete, Truncate, Message)
 _ROWS: Final = (Insert, RawInsert, Update, Delete)
 _ROW_TYPES: Final = frozenset(_ROWS)  # `feed` handles these itself
+_XID: Final = attrgetter("xid")
 
 
 class Transaction(msgspec.Struct, frozen=True, gc=False):
@@ -153,7 +155,10 @@ class _Builder:
         if self.final_lsn is None:  # streamed: a subtransaction may still be aborted
             if self.rows_by_xid is None:
                 self.rows_by_xid = Counter()
-            self.rows_by_xid.update(c.xid for c in changes if type(c) in _ROW_TYPES)
+            if self.others:
+                self.rows_by_xid.update(c.xid for c in changes if type(c) in _ROW_TYPES)
+            else:  # rows only (nearly always): their xids counted in C
+                self.rows_by_xid.update(map(_XID, changes))
         out = Spill(self.xid, changes, self.nbytes)
         self.changes = []
         self.others = 0

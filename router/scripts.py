@@ -13,6 +13,7 @@ Must not: connect, retry, decide conflicts, or know which node it runs for.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Final
 
 from protocol.errors import ProtocolError
@@ -64,6 +65,8 @@ INSERT_RUN = 1000  # rows per multi-row INSERT
 # than KEY_LOCKS_MAX row changes), goes in as COPY when the target may take it (see `CopyRun`).
 COPY_MIN_ROWS: Final = 200
 COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
+_INSERT_TYPES: Final = frozenset((Insert, RawInsert))
+_RELID: Final = attrgetter("relid")
 
 
 class CopyRun:
@@ -182,6 +185,15 @@ def _copy_line(relation: Relation, new: TupleData, *, escape: bool = False) -> b
                 relation=f"{relation.schema}.{relation.name}",
             )
     return b"\t".join(cells)
+
+
+def _one_run(changes: Sequence[SpilledChange]) -> bool:
+    """Whether `changes` are all inserts into one table (checked in C, not change by change)."""
+    return (
+        len(changes) > 1
+        and _INSERT_TYPES.issuperset(map(type, changes))
+        and len(set(map(_RELID, changes))) == 1
+    )
 
 
 def _preparable(table: TargetTable) -> bool:
@@ -307,6 +319,9 @@ def transaction_segments(
         out.append(insert_rows(run_rel, table, rows, guarded, coarse))
 
     changes: Sequence[SpilledChange] = txn.changes  # a part read back raw holds RawInserts, too
+    if copy and _one_run(changes):  # a part of a bulk load: one COPY run, without the loop below
+        run, run_rel = list(changes), relations[changes[0].relid]  # type: ignore[arg-type,union-attr]
+        changes = ()
     for change in changes:
         if isinstance(change, (Insert, RawInsert)):  # nearly every change of a large transaction
             relation = relations[change.relid]
