@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bench import suite
 from bench.apply import Measurement
-from bench.suite_report import PRIMARY
+from bench.suite_report import PRIMARY, git_commit
 from bench.systems import SYSTEMS, SuiteSystem, plan_workloads
 
 WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag")
@@ -371,16 +371,6 @@ def readme_row(key: tuple[str, str], w: Window | None, m: Measurement | None, na
     per = f"{total / count * 1e6:,.1f} µs/{unit}" if count else ""
     return (f"| {w.system} | {w.workload} | {w.wall_s:.2f} | {metric} {m.values[metric]:,.3f}"
             f" | {w.bench_cpu_s:.2f} | " + " | ".join(cells) + f" | {per} | {others(w):.2f} |")
-
-
-def git_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout
-
-    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    dirty = ", ".join(sorted({line[3:].split("/")[0] for line in changed if "bench/results/" not in line}))
-    commit = git("rev-parse", "--short", "HEAD").strip()
-    return commit + (f" (uncommitted changes in {dirty})" if dirty else "")
 
 
 def write_readme(out: Path, command: str, header: list[str], rows: list[str], names: Sequence[str]) -> None:

@@ -68,6 +68,7 @@ from bench.suite_report import (
     INFO_ONLY,
     LOWER_IS_BETTER,
     base_metric,
+    git_commit,
     render_markdown,
     results_table,
     system_status,
@@ -580,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     planned, not_run = plan_workloads(systems, workloads, args.include_slow)
     timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
     began = time.perf_counter()
+    commit = git_commit()  # what is measured: the code as the run starts
     results: list[Measurement] = []
     failures: list[Failure] = []
     spent: list[dict[str, Any]] = []
@@ -596,8 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.extend(done)
                 failures.extend(failed)
     wall = time.perf_counter() - began
-    doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall, not_run=not_run,
-                    system_seconds=spent)
+    doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall, commit=commit,
+                    not_run=not_run, system_seconds=spent)
     out: Path = args.out
     outdir = out.parent / "results"
     outdir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ numbers (summary, ratios, link checks) are computed in `bench.suite` and only fo
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,8 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
     lines = [
         "# pgmesh bench suite: pgmesh beside native logical replication, pglogical and Bucardo",
         "",
-        f"Run with `{doc['command']}`; finished {doc['finished']}, took {doc['wall_s'] / 60:.1f} min"
+        f"Run with `{doc['command']}` at commit {doc.get('commit', '?')}; finished {doc['finished']}, took"
+        f" {doc['wall_s'] / 60:.1f} min"
         f" ({doc['runs']} run(s) per system, fresh nodes per system and run, system order alternating).",
         "The machine is shared and noisy: compare ratios from one run of the suite, not absolute figures"
         " across files.",
@@ -224,3 +226,13 @@ def _throughput_plot(plt: Any, doc: dict[str, Any], outdir: Path) -> None:
     fig.tight_layout()
     fig.savefig(outdir / "throughput.png", dpi=110)
     plt.close(fig)
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout
+
+    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    dirty = ", ".join(sorted({line[3:].split("/")[0] for line in changed if "bench/results/" not in line}))
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    return commit + (f" (uncommitted changes in {dirty})" if dirty else "")
