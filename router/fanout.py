@@ -31,9 +31,6 @@ from router.spool import SpillFile, release
 __all__ = ["SourcePump"]
 
 _DATA_CHANGES = (Insert, Update, Delete, Truncate)
-# While a backlog is read (the socket never runs dry), the pump gives the appliers a turn after this
-# many transactions (not after an echo: nothing was handed out). Each turn is a pass of the event loop.
-_YIELD_EVERY = 16
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +64,6 @@ class SourcePump:
 
     async def run(self) -> None:
         items = self.source.stream()
-        handed = 0  # transactions handed out since the appliers last had a turn
         try:
             async for item in items:
                 if self._reattach:
@@ -80,11 +76,7 @@ class SourcePump:
                     self._announce(item)
                     continue
                 await self._dispatch(item)
-                if item.origin is None:
-                    handed += 1
-                    if handed == _YIELD_EVERY:  # let the appliers start while a backlog is still read
-                        handed = 0
-                        await asyncio.sleep(0)
+                await asyncio.sleep(0)  # let the appliers start while a backlog is still being read
         finally:
             await items.aclose()
 
