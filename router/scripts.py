@@ -66,6 +66,7 @@ INSERT_RUN = 1000  # rows per multi-row INSERT
 COPY_MIN_ROWS: Final = 200
 COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
 _INSERT_TYPES: Final = frozenset((Insert, RawInsert))
+_RAW_ONLY: Final = frozenset((RawInsert,))
 _RELID: Final = attrgetter("relid")
 
 
@@ -141,7 +142,7 @@ def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
     input functions read back). Fast path: join everything, then check in C that no value needed
     escaping; otherwise escape value by value. A RawInsert's row is read straight from its bytes."""
     width = len(relation.columns)
-    if all(type(r) is RawInsert for r in rows):
+    if _RAW_ONLY.issuperset(map(type, rows)):  # every row undecoded (checked in C)
         fast = raw_copy_text(rows, width)  # type: ignore[arg-type]  # all RawInserts, checked above
         if fast is not None:
             return fast
