@@ -70,9 +70,9 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
     # Per open transaction: MB of change payload (as received) kept in memory before the rest spills to
-    # disk; 0: never. The decoded changes take several times that in the router (about 9x for rows of
-    # a few narrow columns).
-    spill_mb: int = 8  # payload bytes; decoded rows take about 9x that in memory
+    # disk; 0: never. Inserts are held as the server's bytes (about 2x that in the router); updates and
+    # deletes decoded (about 9x for rows of a few narrow columns).
+    spill_mb: int = 8  # payload bytes; about 2x (inserts) to 9x (decoded rows) that in memory
     spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
     # Start applying a transaction that spills before its commit arrives: one the server decoded after
     # its commit is handed out at its first spill; one it streams while still in progress is applied on
