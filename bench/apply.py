@@ -18,7 +18,7 @@ nodes (the same rows on both), `pgbench_history` gets a primary key (`hid bigser
           enabled = false), which creates the slot on A. Started by ALTER SUBSCRIPTION s ENABLE, stopped by
           DISABLE (and waiting for the worker to exit).
   pgmesh  `pgmesh init` (`setup_mesh`) on a two-node mesh a <-> b. Started by running `Router` in this
-          process under uvloop (as `tests.integration.mesh.running_router` does), stopped by its stop event.
+          process under uvloop (as `router.testing.mesh.running_router` does), stopped by its stop event.
 A backlog is timed from the start command to the moment a marker row, committed on A right after the
 backlog, is visible on B (both systems apply in commit order, so the marker being there means everything
 before it is). All polling of B (markers every 5 ms, lag probes) is done by a helper process spawned per
@@ -42,7 +42,7 @@ Reproduce (nodes are created and destroyed by the script; nothing else is touche
     .venv/bin/python -m bench.apply --only tpcb --only bulk --json /tmp/apply.json
     .venv/bin/python -m pyinstrument -m bench.apply --only tpcb --scale 0.2 --runs 1   # where time goes
 
-It needs PostgreSQL 15+ binaries (see `router.localnodes.find_pg_bindir`) including `pgbench`.
+It needs PostgreSQL 15+ binaries (see `router.testing.localnodes.find_pg_bindir`) including `pgbench`.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ from typing import Any, TypeVar
 import psycopg
 
 from protocol.lsn import parse_lsn
-from router.localnodes import LocalNode, create_nodes, find_pg_bindir
-from router.supervisor import Router
-from tests.integration.mesh import execute, fetch, setup_mesh
+from router.service.supervisor import Router
+from router.testing.localnodes import LocalNode, create_nodes, find_pg_bindir
+from router.testing.mesh import execute, fetch, setup_mesh
 
 T = TypeVar("T")
 
@@ -274,7 +274,7 @@ class Pgmesh(System):
         self.origin = self.config.origin_name(self.a.name)
 
     async def start(self) -> None:
-        """What `tests.integration.mesh.running_router` does, keeping the task to watch its shutdown."""
+        """What `router.testing.mesh.running_router` does, keeping the task to watch its shutdown."""
         self.router = Router(self.config, admin=False)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.router.run(self._stop), name="bench router")

@@ -24,9 +24,9 @@ import psycopg
 
 from protocol.lsn import parse_lsn
 from router.config import Config
-from router.localnodes import LocalNode, create_nodes
-from router.supervisor import Router
-from tests.integration.mesh import setup_mesh
+from router.service.supervisor import Router
+from router.testing.localnodes import LocalNode, create_nodes
+from router.testing.mesh import setup_mesh
 
 SCHEMA = "CREATE TABLE kv (id int PRIMARY KEY, v int NOT NULL);"
 

@@ -25,7 +25,7 @@ Reproduce (the node is created and destroyed by the script; nothing else is touc
     .venv/bin/python -m bench.decode --rows 20000 --runs 1 --json /tmp/decode.json
     .venv/bin/python -m pyinstrument -m bench.decode --rows 50000 --runs 1   # where the time goes
 
-It needs PostgreSQL 15+ binaries (see `router.localnodes.find_pg_bindir`) including `pg_recvlogical`.
+It needs PostgreSQL 15+ binaries (see `router.testing.localnodes.find_pg_bindir`) including `pg_recvlogical`.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from protocol.lsn import format_lsn, parse_lsn
 from protocol.messages import Message
 from protocol.pgoutput import Decoder
 from protocol.transactions import Transaction, TransactionAssembler
-from router.localnodes import LocalNode, create_nodes, find_pg_bindir
-from router.source import ReplicationSource, SourceOptions
+from router.stream.source import ReplicationSource, SourceOptions
+from router.testing.localnodes import LocalNode, create_nodes, find_pg_bindir
 
 T = TypeVar("T")
 

@@ -6,13 +6,13 @@ the source's replication origin), and batches of 250 TPC-B transactions sent as 
 as the applier batches them. Each variant gets the same number of batches, interleaved, with fresh random
 keys; the figure is target wall time per transaction (the query's round trip / 250), min and median.
 
-  pgmesh      what `router.statements` emits: the scripts are built by `transaction_script` itself,
+  pgmesh      what `router.apply.statements` emits: the scripts are built by `transaction_script` itself,
               from TPC-B changes as pgoutput sends them, with the applier's prepared statements. Per
               transaction BEGIN, the origin's xact_setup (prepared), three guarded UPDATEs (a
               data-modifying CTE; the origin and row-count checks are inline CASEs that call PL/pgSQL
               only for a row that does not fit), the insert's locks and the guarded INSERT (it raises
               in its WHERE clause when a tombstone holds the key), COMMIT: 8 statements.
-  plpgsql     what `router.statements` emitted before (session 4 of the performance issue): the same
+  plpgsql     what `router.apply.statements` emitted before (session 4 of the performance issue): the same
               statements with `pgmesh.expect_origin` called per row, `pgmesh.expect_rows` on every
               count, the insert counted through a CTE, and the xact_setup as a SELECT with literals.
   fused       plpgsql's checks with the four changes in one prepared statement (one CTE per change,
@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
-from router.localnodes import LocalNode, create_nodes
-from router.scripts import transaction_script
-from router.sessions import open_session
-from router.statements import Prepared, TargetTable
+from router.apply.scripts import transaction_script
+from router.apply.sessions import open_session
+from router.apply.statements import Prepared, TargetTable
+from router.testing.localnodes import LocalNode, create_nodes
 
 PER_BATCH = 250
 FILLER = " " * 84
@@ -144,7 +144,7 @@ def _row(values: Sequence[object]) -> TupleData:
 
 
 def _emitted_batch(first_hid: int, origin: int, rng: random.Random, prepared: Prepared) -> tuple[str, str]:
-    """The PREPAREs not sent yet, and the batch, as `router.statements` writes them for the applier."""
+    """The PREPAREs not sent yet, and the batch, as `router.apply.statements` writes them for the applier."""
     prelude: list[str] = []
     scripts = []
     rel = _RELATIONS

@@ -48,10 +48,10 @@ from typing import Any
 
 import psycopg
 
-from router.localnodes import LocalNode, create_nodes, find_pg_bindir
-from router.sync.copy import CopyTable, copy_snapshot, reuse_spark
-from router.sync.spark import spark_session
-from router.sync.worker import run_partition
+from router.cluster.sync.copy import CopyTable, copy_snapshot, reuse_spark
+from router.cluster.sync.spark import spark_session
+from router.cluster.sync.worker import run_partition
+from router.testing.localnodes import LocalNode, create_nodes, find_pg_bindir
 
 NODE_SETTINGS = {
     "shared_buffers": "256MB",
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" (pg_table_size), into an empty node; {args.runs} run(s); Spark {MASTER},"
         f" {'automatic' if not args.tasks else args.tasks} ctid ranges",
         details,
-        f"node settings (all nodes): {settings}; plus router.localnodes defaults (fsync=off,"
+        f"node settings (all nodes): {settings}; plus router.testing.localnodes defaults (fsync=off,"
         " full_page_writes=off, wal_level=logical)",
         f"load average (1, 5, 15 min) before: {', '.join(f'{v:.2f}' for v in load_before)};"
         f" after: {', '.join(f'{v:.2f}' for v in load_after)} (other work shares this machine)",

@@ -49,7 +49,8 @@ GZIP_OVER = 1 << 20
 CLK = os.sysconf("SC_CLK_TCK")
 TRACK_S = 0.25  # how often the window reads the nodes' processes (to place those that exit in it)
 LOOP = "Runner.run (asyncio/runners.py)"  # where uvloop runs (bench.apply.run_async)
-LINE = re.compile(r":\d+\)$")  # `send (router/applier.py:120)` -> `send (router/applier.py)`: by function
+# `send (router/apply/applier.py:120)` -> `send (router/apply/applier.py)`: by function
+LINE = re.compile(r":\d+\)$")
 # What a workload measures per unit: (unit, the Measurement detail that counts them).
 UNITS = {"tpcb": ("transaction", "transactions"), "inserts": ("transaction", "transactions"),
          "bulk": ("row", "rows"), "visibility": ("row", "rows"), "lag": ("transaction", "pgbench_tps")}

@@ -34,9 +34,9 @@ import psycopg
 
 from protocol.pgoutput import Decoder
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
-from router.localnodes import create_nodes
-from router.source import ReplicationSource, SourceOptions
-from router.spool import Spool
+from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.spool import Spool
+from router.testing.localnodes import create_nodes
 
 PUBLICATION = "spill_pub"
 SETTINGS = {"logical_decoding_work_mem": "64kB", "max_wal_size": "4GB", "checkpoint_timeout": "30min"}

@@ -84,8 +84,8 @@ from bench.systems import (
     origin_positions,
     plan_workloads,
 )
-from router.localnodes import DEFAULT_SETTINGS, create_nodes, find_pg_bindir
-from tests.integration.mesh import execute
+from router.testing.localnodes import DEFAULT_SETTINGS, create_nodes, find_pg_bindir
+from router.testing.mesh import execute
 
 SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3")
 WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag", "multimaster")

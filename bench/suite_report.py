@@ -92,7 +92,8 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         "",
         "## Server settings (every node of every system)",
         "",
-        "Set by `router.localnodes` (all nodes local on 127.0.0.1, one cluster per node) plus the suite's:",
+        "Set by `router.testing.localnodes` (all nodes local on 127.0.0.1, one cluster per node)"
+        " plus the suite's:",
         "",
         "| setting | value |",
         "|---|---|",

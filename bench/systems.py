@@ -40,8 +40,8 @@ import psycopg
 from bench import apply
 from bench.apply import EXTRA_SCHEMA, _client_env, checkpoint, execute, fetch
 from protocol.lsn import parse_lsn
-from router.localnodes import LocalNode, find_pg_bindir
-from tests.integration.mesh import setup_mesh
+from router.testing.localnodes import LocalNode, find_pg_bindir
+from router.testing.mesh import setup_mesh
 
 
 def pglogical_installed() -> bool:
@@ -53,7 +53,7 @@ def pglogical_installed() -> bool:
         return False
 
 
-# Identical server settings for every system's nodes (on top of router.localnodes.DEFAULT_SETTINGS).
+# Identical server settings for every system's nodes (on top of router.testing.localnodes.DEFAULT_SETTINGS).
 SETTINGS: dict[str, str] = {
     **apply.NODE_SETTINGS, **({"shared_preload_libraries": "pglogical"} if pglogical_installed() else {})
 }

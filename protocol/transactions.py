@@ -15,7 +15,7 @@ Transaction never does (those still in memory are decoded at the commit). Before
 Stream Commit) of a transaction that has spilled, the caller may take its in-memory tail as one last
 Spill (`spill_tail`), so that all of it is on disk and none of it is decoded here. It does no I/O itself:
 where spilled changes go, and how they are read back, is the caller's business (the router's
-`router/spool.py`).
+`router/stream/spool.py`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from router.cli import main
+from router.ops.cli import main
 
 sys.exit(main())

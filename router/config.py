@@ -17,7 +17,7 @@ from typing import Final
 
 import msgspec
 
-from router.conflicts import ConflictType, Policy, Resolver
+from router.conflicts.resolve import ConflictType, Policy, Resolver
 from router.errors import ConfigError
 
 __all__ = [
@@ -36,7 +36,8 @@ __all__ = [
 
 NAME_RE: Final = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 PGMESH_SCHEMA: Final = "pgmesh"
-JOIN_SCHEMA: Final = "pgmesh_join"  # the marker of a join in progress on the new node (router.membership)
+# the marker of a join in progress on the new node (router.cluster.membership)
+JOIN_SCHEMA: Final = "pgmesh_join"
 SYSTEM_SCHEMAS: Final = frozenset(
     {"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, JOIN_SCHEMA}
 )
@@ -147,7 +148,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def early_origin_name(self, source: str) -> str:
         """The origin a target's side session writes `source`'s streamed transaction under before its
-        commit (router.side): the target's walsender then marks that transaction as an echo from its
+        commit (router.apply.side): the target's walsender then marks that transaction as an echo from its
         first streamed row. Not under `origin_name("")`'s prefix: no progress is kept under it."""
         return f"pgmeshearly_{self.cluster.name}_{source}"
 

@@ -1,7 +1,7 @@
 """pytest fixtures that hand integration tests real PostgreSQL 15 nodes.
 
-Owns: choosing the backend (local throw-away clusters from `router.localnodes`, or Docker containers via
-testcontainers), the `pg_backend` and `pg_nodes` fixtures, and destroying every node a test created, even
+Owns: choosing the backend (local throw-away clusters from `router.testing.localnodes`, or Docker containers
+via testcontainers), the `pg_backend` and `pg_nodes` fixtures, and destroying every node a test created, even
 when the test failed.
 
 Must not: skip silently when no backend exists (it fails with what to install), leave servers or
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import psycopg
 import pytest
 
-from router.localnodes import LocalNodeError, create_nodes, find_pg_bindir
+from router.testing.localnodes import LocalNodeError, create_nodes, find_pg_bindir
 
 logger = logging.getLogger(__name__)
 

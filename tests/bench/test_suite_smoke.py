@@ -12,7 +12,7 @@ import pytest
 from bench import suite
 from bench.apply import Measurement
 from bench.systems import plan_workloads
-from router.localnodes import LocalNodeError, find_pg_bindir
+from router.testing.localnodes import LocalNodeError, find_pg_bindir
 
 
 def _made_up() -> list[Measurement]:

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from router.admin import admin_request
-from router.demo import run_demo
-from tests.integration.mesh import NODE_SETTINGS, config_text, execute, fetch, wait_for
+from router.ops.demo import run_demo
+from router.service.admin import admin_request
+from router.testing.mesh import NODE_SETTINGS, config_text, execute, fetch, wait_for
 
 SCHEMA = "CREATE TABLE items (id int PRIMARY KEY, v text);"
 

@@ -25,11 +25,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.catalog import check_cluster, init_cluster, install, uninstall
+from router.cluster.catalog import check_cluster, init_cluster, install, uninstall
 from router.config import Config, parse_config
-from router.conflict_catalog import TOMBSTONE_SETTINGS, tombstone_keys
-from router.control import cmd_conflicts, parse_since
+from router.conflicts.catalog import TOMBSTONE_SETTINGS, tombstone_keys
 from router.errors import ConfigError, PgmeshError
+from router.ops.control import cmd_conflicts, parse_since
 
 Nodes = Callable[..., list[Any]]
 

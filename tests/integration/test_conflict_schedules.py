@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from router.config import Config
-from router.localnodes import LocalNode, create_nodes
-from tests.integration.mesh import NODE_SETTINGS, running_router, setup_mesh, wait_converged
+from router.testing.localnodes import LocalNode, create_nodes
+from router.testing.mesh import NODE_SETTINGS, running_router, setup_mesh, wait_converged
 
 SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
 NODES = ["a", "b", "c"]

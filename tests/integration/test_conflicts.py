@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.integration.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
+from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
 
 SCHEMA = """
 CREATE TABLE kv (id int PRIMARY KEY, v int NOT NULL, who text NOT NULL, email text UNIQUE);

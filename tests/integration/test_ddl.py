@@ -1,4 +1,4 @@
-"""DDL replication over three real nodes with the router running (router.ddl, issue 5)."""
+"""DDL replication over three real nodes with the router running (router.ddl.capture, issue 5)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.catalog import init_cluster
-from router.cli import main as pgmesh
+from router.cluster.catalog import init_cluster
 from router.config import parse_config
-from tests.integration.mesh import (
+from router.ops.cli import main as pgmesh
+from router.testing.mesh import (
     NODE_SETTINGS,
     config_text,
     execute,

@@ -2,7 +2,7 @@
 
 The server decodes a plain (not streamed: logical_decoding_work_mem is large here) transaction after its
 commit and sends it Begin .. Commit; past `replication.spill_mb` the router writes it to its spool and
-hands it to the appliers at its first spill, before the Commit arrives (router.source `early_spilled`).
+hands it to the appliers at its first spill, before the Commit arrives (router.stream.source `early_spilled`).
 Each applier applies it part by part as the file grows and commits once the Commit is there.
 
 1. Three nodes: a 200,000-row transaction on A reaches B and C whole; both links began applying it
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from router import large_apply
-from router.localnodes import create_nodes
-from tests.integration.mesh import (
+from router.apply import large as large_apply
+from router.testing.localnodes import create_nodes
+from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,

@@ -1,7 +1,7 @@
 """A streamed transaction is applied on the target while it is still in progress on the source.
 
 The server streams a transaction in progress once it outgrows logical_decoding_work_mem (64 kB here);
-past `replication.spill_mb` the router announces it (router.source EarlyStream) and each link applies
+past `replication.spill_mb` the router announces it (router.stream.source EarlyStream) and each link applies
 it on a side session, in one open target transaction, while the main session goes on with what commits
 before it. At its commit the side session commits it, in commit order, under the source's origin.
 
@@ -29,11 +29,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from router import large_apply
+from router.apply import large as large_apply
 from router.config import Config
-from router.localnodes import create_nodes
-from router.supervisor import Router
-from tests.integration.mesh import (
+from router.service.supervisor import Router
+from router.testing.localnodes import create_nodes
+from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,

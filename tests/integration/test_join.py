@@ -1,4 +1,4 @@
-"""Node join and part over real nodes (router.membership, issue 6): writes never stop."""
+"""Node join and part over real nodes (router.cluster.membership, issue 6): writes never stop."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from router.cluster.membership import join_node, part_node
 from router.errors import PgmeshError
-from router.membership import join_node, part_node
-from tests.integration.mesh import (
+from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,
@@ -151,7 +151,7 @@ async def test_a_join_killed_with_sigkill_mid_copy_is_retried(pg_nodes: Any, tmp
     import subprocess
     import sys
 
-    from tests.integration.mesh import config_text
+    from router.testing.mesh import config_text
 
     nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
     a, _, c = nodes

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.localnodes import create_nodes
-from tests.integration.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
+from router.testing.localnodes import create_nodes
+from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
 from tests.integration.test_spill import peak_rss_kb, reset_peak_rss
 
 ROWS = 300_000

@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.integration.mesh import (
+from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,

@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from router.localnodes import create_nodes
-from tests.integration.mesh import (
+from router.testing.localnodes import create_nodes
+from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,

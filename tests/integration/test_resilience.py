@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from tests.integration.mesh import (
+from router.testing.mesh import (
     NODE_SETTINGS,
     config_text,
     execute,

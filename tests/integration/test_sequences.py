@@ -23,12 +23,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.catalog import init_cluster
-from router.cli import main
+from router.cluster.catalog import init_cluster
 from router.errors import ConfigError, PgmeshError
-from router.sequence_convert import convert_sequences
-from router.sequences import assign_node_ids
-from tests.integration.mesh import (
+from router.ops.cli import main
+from router.sequences.convert import convert_sequences
+from router.sequences.ids import assign_node_ids
+from router.testing.mesh import (
     NODE_SETTINGS,
     config_text,
     execute,
@@ -113,7 +113,7 @@ def assert_links_clean(router: Any) -> None:
 
 
 async def sequences_cli(config_file: Path, *args: str) -> tuple[int, str]:
-    """`pgmesh sequences --config PATH ...` through router.cli.main (own event loop, so in a thread)."""
+    """`pgmesh sequences --config PATH ...` through router.ops.cli.main (own event loop, so in a thread)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = await asyncio.to_thread(main, ["sequences", "--config", str(config_file), *args])

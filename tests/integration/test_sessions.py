@@ -7,7 +7,7 @@ from typing import Any
 
 import asyncpg
 
-from router.sessions import asyncpg_connect_args
+from router.apply.sessions import asyncpg_connect_args
 
 
 def test_libpq_keywords_and_uris_become_asyncpg_arguments() -> None:

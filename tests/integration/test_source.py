@@ -14,8 +14,8 @@ import pytest
 from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide
-from router.source import ReplicationSource, SourceOptions
-from tests.integration.mesh import wait_for
+from router.stream.source import ReplicationSource, SourceOptions
+from router.testing.mesh import wait_for
 
 SCHEMA = """
 CREATE TABLE t (id int PRIMARY KEY, v text);
@@ -235,7 +235,7 @@ async def test_exported_snapshot_stays_importable_while_streaming(node: Any) -> 
 
 
 async def test_a_snapshot_that_cannot_be_held_is_a_clear_error_and_leaves_no_connection(node: Any) -> None:
-    from router.slots import hold_snapshot
+    from router.stream.slots import hold_snapshot
 
     with pytest.raises(SlotError, match="cannot hold the snapshot exported by slot 'gone'") as caught:
         await hold_snapshot(node.dsn(), "00000003-0000001B-1", slot="gone", node=node.name,

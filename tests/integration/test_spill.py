@@ -23,9 +23,9 @@ import pytest
 
 from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
-from router.source import ReplicationSource, SourceOptions
-from router.spool import SpillFile, Spool, iter_chunks, release
-from tests.integration.mesh import wait_for
+from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.spool import SpillFile, Spool, iter_chunks, release
+from router.testing.mesh import wait_for
 
 logger = logging.getLogger(__name__)
 

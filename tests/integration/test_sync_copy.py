@@ -1,4 +1,5 @@
-"""The initial copy (`router.sync.copy.copy_snapshot`) between two real PostgreSQL nodes, on local Spark.
+"""The initial copy (`router.cluster.sync.copy.copy_snapshot`) between two real PostgreSQL nodes, on
+local Spark.
 
 The donor holds a 200k-row table of mixed types (text, numeric, timestamptz, jsonb, bytea, an array,
 NULLs), a partitioned table with two partitions and an empty table. A connection exports a snapshot and
@@ -18,9 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from router.cluster.sync.copy import CopyProgress, CopyReport, CopyTable, copy_snapshot, reuse_spark
 from router.errors import PgmeshError
-from router.localnodes import find_pg_bindir
-from router.sync.copy import CopyProgress, CopyReport, CopyTable, copy_snapshot, reuse_spark
+from router.testing.localnodes import find_pg_bindir
 
 MASTER = "local[2]"
 PASSWORD = "s3cret-pw"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.localnodes import create_nodes
-from tests.integration.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
+from router.testing.localnodes import create_nodes
+from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
 
 SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
 

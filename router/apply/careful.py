@@ -1,0 +1,539 @@
+"""The careful path: apply one source transaction row by row, detecting, deciding and recording conflicts.
+
+The applier's fast path sends guarded statements that raise at the first conflict (see
+`router.apply.statements.guard`). That transaction is then rolled back and applied again here: each row is
+read first (`FOR UPDATE`) with its version (`pg_xact_commit_timestamp_origin(xmin)`), or its tombstone when it
+is gone; `router.conflicts.resolve.resolve` decides; the decision is written; every conflict is recorded in
+`pgmesh.conflict_history` in the same transaction. Rows written by the source itself are no conflict. Delta
+columns add the remote change to the local value instead of overwriting it.
+
+Must not: retry, pause, or read the source. Runs on the applier's connection, inside the transaction
+it opens itself (with the origin set up for the session by the applier).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from protocol.lsn import datetime_to_pg_us, format_lsn, pg_us_to_datetime
+from protocol.messages import (
+    KIND_UNCHANGED,
+    Delete,
+    Insert,
+    Message,
+    Relation,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+)
+from protocol.transactions import Transaction
+from router.apply.statements import (
+    KEY_LOCKS_MAX,
+    ApplyError,
+    TargetTable,
+    identity_match,
+    key_lock,
+    quote_ident,
+    quote_literal,
+    table_lock,
+    target_table,
+    truncate_statement,
+)
+from router.config import Config
+from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
+
+__all__ = ["CarefulApplier", "ConflictRecord"]
+
+logger = logging.getLogger(__name__)
+
+Tables = Mapping[tuple[str, str], TargetTable]
+Row = dict[str, str | None]
+
+_RECORD = """
+INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution, resolver, reason,
+  local_origin, local_commit_time, remote_origin, remote_commit_time, remote_lsn, local_row, remote_row)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::text::jsonb, $14::text::jsonb)
+"""
+
+
+_APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
+
+
+class ConflictRecord:
+    """One decided conflict (also written to pgmesh.conflict_history)."""
+
+    __slots__ = ("conflict", "decision", "key", "table")
+
+    def __init__(self, table: str, key: str, conflict: ConflictType, decision: Decision) -> None:
+        self.table = table
+        self.key = key
+        self.conflict = conflict
+        self.decision = decision
+
+
+def _row(relation: Relation, data: TupleData) -> Row:
+    out: Row = {}
+    for column, kind, value in zip(relation.columns, data.kinds, data.values, strict=False):
+        if kind == KIND_UNCHANGED:
+            continue
+        out[column.name] = value.decode() if isinstance(value, bytes) else None
+    return out
+
+
+def _lit(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, (dict, list)):
+        return quote_literal(json.dumps(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return quote_literal(str(value))
+
+
+class _Local:
+    """The local row (or tombstone) a change met."""
+
+    __slots__ = ("mine", "row", "version", "where")
+
+    def __init__(
+        self, row: dict[str, Any] | None, version: Version, mine: bool, ctid: str | None = None
+    ) -> None:
+        self.row = row
+        self.version = version
+        self.mine = mine  # written by the source itself (or by this very transaction)
+        self.where = f"ctid = {quote_literal(ctid)}" if ctid else "false"  # exactly that row
+
+
+class CarefulApplier:
+    """Row-by-row apply of one transaction for one link, with conflict detection and resolution."""
+
+    def __init__(self, config: Config, source: str, target: str, origin_nodes: Mapping[int, str]) -> None:
+        self.config = config
+        self.source = source
+        self.target = target
+        self.origin_nodes = dict(origin_nodes)  # roident -> node name (0: the target itself)
+        self.counts: dict[tuple[str, str], int] = {}  # (table, conflict type) -> conflicts decided
+        self.installed_at: int | None = None  # pgmesh's installation here (µs), see pgmesh.expect_origin
+        self._coarse = False  # the transaction being applied locks whole tables (it is big)
+        self._locked: set[str] = set()  # tables locked by it
+
+    def _node(self, roident: int | None) -> str:
+        if roident is None or roident == 0:
+            return self.target
+        return self.origin_nodes.get(roident, f"origin {roident}")
+
+    def _version(self, commit_time: datetime | None, roident: int | None) -> Version:
+        return Version(None if commit_time is None else datetime_to_pg_us(commit_time), self._node(roident))
+
+    async def apply(
+        self,
+        conn: Any,
+        txn: Transaction,
+        tables: Tables,
+        on_message: Callable[[Any, Message], Awaitable[Tables | None]] | None = None,
+    ) -> list[ConflictRecord]:
+        """Apply `txn` in its own target transaction (committed here); return the conflicts decided.
+
+        `on_message` runs each transactional logical message in place (replicated DDL) and returns the
+        target's tables as they are afterwards (or None: unchanged).
+        """
+        records: list[ConflictRecord] = []
+        remote = Version(txn.commit_time, self.source)
+        self._coarse = txn.row_count > KEY_LOCKS_MAX
+        self._locked = set()
+        async with conn.transaction():
+            await conn.execute(
+                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::text::pg_lsn, $2)",
+                format_lsn(txn.end_lsn),
+                pg_us_to_datetime(txn.commit_time),
+            )
+            relations = dict(txn.relations)
+            for change in txn.changes:
+                if isinstance(change, Relation):
+                    relations[change.relid] = change
+                elif isinstance(change, Truncate):
+                    await conn.execute(truncate_statement(change, relations, tables))
+                elif isinstance(change, Message):
+                    if on_message is not None:
+                        tables = await on_message(conn, change) or tables
+                elif isinstance(change, Type):
+                    continue
+                else:
+                    relation = relations[change.relid]
+                    table = target_table(relation, tables)
+                    await self._change(conn, txn, relation, table, change, remote, records)
+        for record in records:
+            key = (record.table, record.conflict.value)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return records
+
+    async def _change(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        change: Insert | Update | Delete,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        # Appliers of other sources may decide the same key at the same time, also when no row exists
+        # (row locks cannot serialize that): one advisory lock per (table, key), held to commit.
+        if isinstance(change, Insert):
+            await self._lock(conn, table, _row(relation, change.new))
+            await self._insert(conn, txn, relation, table, change, remote, records)
+        elif isinstance(change, Update):
+            keys = [_row(relation, change.new)]
+            if change.old is not None:
+                keys.append(_row(relation, change.old))
+            for values in keys:
+                await self._lock(conn, table, values)
+            await self._update(conn, txn, relation, table, change, remote, records)
+        else:
+            await self._lock(conn, table, _row(relation, change.old))
+            await self._delete(conn, txn, relation, table, change, remote, records)
+
+    async def _lock(self, conn: Any, table: TargetTable, values: Row) -> None:
+        if self._coarse:  # a big transaction: each table once, exclusively (statements.KEY_LOCKS_MAX)
+            if table.name not in self._locked:
+                self._locked.add(table.name)
+                await conn.execute(table_lock(table, exclusive=True))
+            return
+        if table.name not in self._locked:
+            self._locked.add(table.name)
+            await conn.execute(table_lock(table, exclusive=False))
+        await conn.execute(f"SELECT {key_lock(table, self._key_sql(table, values))}")
+
+    # ---------------------------------------------------------------- reading what is there
+
+    async def _local(self, conn: Any, table: TargetTable, where: str) -> _Local | None:
+        row = await conn.fetchrow(
+            f"SELECT to_jsonb(t)::text AS row, (c).timestamp AS ts, (c).roident AS origin,"
+            f" t.xmin = xid(pg_current_xact_id()) AS ours, t.ctid::text AS ctid"
+            f" FROM {table.qualified} t, LATERAL pg_catalog.pg_xact_commit_timestamp_origin(t.xmin) c"
+            f" WHERE {where} LIMIT 1 FOR UPDATE OF t"
+        )
+        if row is None:
+            return None
+        version = self._version(row["ts"], row["origin"])
+        mine = bool(row["ours"]) or version.node == self.source or self._before_pgmesh(row["origin"], version)
+        return _Local(json.loads(row["row"]), version, mine, row["ctid"])
+
+    def _before_pgmesh(self, roident: int | None, version: Version) -> bool:
+        """A row every node started with (unknown commit time, or older than pgmesh here): no conflict."""
+        if roident not in (None, 0):
+            return False
+        if version.commit_time is None:
+            return True
+        return self.installed_at is not None and version.commit_time < self.installed_at
+
+    async def _by_key(
+        self, conn: Any, relation: Relation, table: TargetTable, data: TupleData
+    ) -> _Local | None:
+        """The local row with the same key: the target's primary key, else the whole row."""
+        if table.pk:
+            values = _row(relation, data)
+            if all(values.get(k) is not None for k in table.pk):
+                return await self._local(conn, table, self._pk_where(table, values))
+        return await self._local(conn, table, identity_match(relation, data, full=True))
+
+    def _key_sql(self, table: TargetTable, values: Row) -> str:
+        parts = [f"({_lit(values.get(k))}::{table.types.get(k, 'text')})::text" for k in table.tombstone_key]
+        return f"ARRAY[{', '.join(parts)}]::text[]"
+
+    async def _tombstone(self, conn: Any, table: TargetTable, values: Row) -> _Local | None:
+        row = await conn.fetchrow(
+            "SELECT (c).timestamp AS ts, (c).roident AS origin,"
+            " xid(t.xid) = xid(pg_current_xact_id()) AS ours"
+            " FROM pgmesh.tombstones t, LATERAL pg_catalog.pg_xact_commit_timestamp_origin(xid(t.xid)) c"
+            f" WHERE t.table_name = $1 AND t.key = {self._key_sql(table, values)}",
+            table.name,
+        )
+        if row is None:
+            return None
+        version = self._version(row["ts"], row["origin"])
+        return _Local(None, version, bool(row["ours"]) or version.node == self.source)
+
+    # ---------------------------------------------------------------- deciding and recording
+
+    async def _decide(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        conflict: ConflictType,
+        local: _Local | None,
+        remote: Version,
+        remote_row: Row,
+        records: list[ConflictRecord],
+    ) -> Decision:
+        policy = self.config.policy(relation.schema, relation.name, conflict.value)
+        decision = resolve(
+            conflict,
+            local.version if local else None,
+            remote,
+            policy,
+            local_row=local.row if local else None,
+            remote_row=remote_row,
+        )
+        key = ",".join(str(remote_row.get(k)) for k in table.tombstone_key)
+        await conn.execute(
+            _RECORD,
+            self.source,
+            table.name,
+            key,
+            conflict.value,
+            decision.outcome.value,
+            decision.resolver,
+            decision.reason,
+            local.version.node if local else None,
+            pg_us_to_datetime(local.version.commit_time) if local and local.version.commit_time else None,
+            self.source,
+            pg_us_to_datetime(txn.commit_time),
+            format_lsn(txn.end_lsn),
+            json.dumps(local.row) if local and local.row is not None else None,
+            json.dumps(remote_row),
+        )
+        records.append(ConflictRecord(table.name, key, conflict, decision))
+        if decision.outcome is Outcome.ERROR:
+            raise ApplyError(
+                f"{conflict.value} on key ({key}): the rule for this table is error ({decision.reason})",
+                relation=table.name,
+                lsn=txn.end_lsn,
+                hint="resolve the row by hand on this node, or change the rule, then `pgmesh resume`",
+            )
+        return decision
+
+    # ---------------------------------------------------------------- writing
+
+    async def _write_row(
+        self, conn: Any, table: TargetTable, row: Mapping[str, Any], where: str | None
+    ) -> None:
+        """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
+        names = [k for k in row if k in table.columns]
+        if where is None:
+            cols = ", ".join(quote_ident(k) for k in names)
+            vals = ", ".join(_lit(row[k]) for k in names)
+            await conn.execute(
+                f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
+            )
+        else:
+            sets = ", ".join(f"{quote_ident(k)} = {_lit(row[k])}" for k in names)
+            await conn.execute(f"UPDATE {table.qualified} SET {sets} WHERE {where}")
+
+    def _pk_where(self, table: TargetTable, values: Mapping[str, Any]) -> str:
+        keys = table.pk or tuple(values)
+        return " AND ".join(
+            f"{quote_ident(k)} IS NULL" if values.get(k) is None else f"{quote_ident(k)} = {_lit(values[k])}"
+            for k in keys
+        )
+
+    async def _insert(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        change: Insert,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        new = _row(relation, change.new)
+        local = await self._by_key(conn, relation, table, change.new)
+        if local is not None:
+            decision = await self._decide(
+                conn, txn, relation, table, ConflictType.INSERT_EXISTS, local, remote, new, records
+            )
+            await self._overwrite(conn, table, decision, new, local.where)
+            return
+        if not await self._unique_clash(conn, txn, relation, table, new, remote, records, None):
+            return
+        tomb = await self._tombstone(conn, table, new)
+        if tomb is not None and not tomb.mine:
+            decision = await self._decide(
+                conn, txn, relation, table, ConflictType.INSERT_DELETED, tomb, remote, new, records
+            )
+            if decision.outcome is Outcome.KEEP_LOCAL:
+                return
+            new = dict(decision.row) if decision.row is not None else new
+        await self._write_row(conn, table, new, None)
+
+    async def _unique_clash(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        new: Row,
+        remote: Version,
+        records: list[ConflictRecord],
+        own: str | None,
+    ) -> bool:
+        """Another row holds a secondary unique value the remote row brings (insert_exists on that key).
+
+        Decided like an insert meeting it: when the remote version wins, the other row goes; when it
+        loses, the row the change would write goes (`own`, its WHERE; None when it is not here yet: an
+        insert, or an update re-creating a missing row, which is then not written), exactly as where the
+        change came from the other row's later arrival deletes it. True when the remote row may be
+        written.
+        """
+        for unique in table.uniques:
+            if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
+                continue
+            where = " AND ".join(f"{quote_ident(c)} = {_lit(new[c])}" for c in unique)
+            other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
+            if other is None:
+                continue
+            decision = await self._decide(
+                conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
+            )
+            if decision.outcome is Outcome.KEEP_LOCAL:
+                if own is not None:
+                    await conn.execute(f"DELETE FROM {table.qualified} WHERE {own}")
+                return False
+            await conn.execute(f"DELETE FROM {table.qualified} WHERE {other.where}")
+        return True
+
+    async def _overwrite(
+        self, conn: Any, table: TargetTable, decision: Decision, new: Row, where: str
+    ) -> None:
+        if decision.outcome is Outcome.APPLY_REMOTE:
+            await self._write_row(conn, table, new, where)
+        elif decision.outcome is Outcome.USE_ROW and decision.row is not None:
+            await self._write_row(conn, table, decision.row, where)
+
+    async def _update(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        change: Update,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        new = _row(relation, change.new)
+        key_row = change.old if change.old is not None else change.new
+        local = await self._by_key(conn, relation, table, key_row)
+        deltas = self.config.delta_columns(relation.schema, relation.name)
+        if local is None:
+            await self._update_missing(conn, txn, relation, table, change, new, remote, records)
+            return
+        if table.uniques and not await self._unique_clash(
+            conn, txn, relation, table, new, remote, records, local.where
+        ):
+            return
+        if local.mine:
+            await self._overwrite(conn, table, _APPLY, new, local.where)
+            return
+        decision = await self._decide(
+            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records
+        )
+        where = local.where
+        if deltas and change.old is not None:
+            await self._merge_deltas(conn, table, relation, change, deltas, where, decision)
+            return
+        await self._overwrite(conn, table, decision, new, where)
+
+    async def _merge_deltas(
+        self,
+        conn: Any,
+        table: TargetTable,
+        relation: Relation,
+        change: Update,
+        deltas: tuple[str, ...],
+        where: str,
+        decision: Decision,
+    ) -> None:
+        """Delta columns add the remote change; the other columns follow the decision."""
+        assert change.old is not None
+        old, new = _row(relation, change.old), _row(relation, change.new)
+        sets = []
+        for column in deltas:
+            if old.get(column) is not None and new.get(column) is not None:
+                kind = table.types.get(column, "numeric")
+                sets.append(
+                    f"{quote_ident(column)} = {quote_ident(column)} + ({_lit(new[column])}::{kind}"
+                    f" - {_lit(old[column])}::{kind})"
+                )
+        if decision.outcome is Outcome.APPLY_REMOTE:
+            sets += [
+                f"{quote_ident(k)} = {_lit(v)}"
+                for k, v in new.items()
+                if k not in deltas and k in table.columns
+            ]
+        if sets:
+            await conn.execute(f"UPDATE {table.qualified} SET {', '.join(sets)} WHERE {where}")
+
+    async def _update_missing(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        change: Update,
+        new: Row,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        tomb = await self._tombstone(conn, table, new)
+        conflict = ConflictType.UPDATE_DELETED if tomb is not None else ConflictType.UPDATE_MISSING
+        decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records)
+        if decision.outcome is Outcome.USE_ROW and decision.row is not None:
+            row = dict(decision.row)
+        elif decision.outcome is Outcome.APPLY_REMOTE:
+            if any(kind == KIND_UNCHANGED for kind in change.new.kinds):
+                logger.warning(
+                    "%s: cannot re-create row (%s) of %s: unchanged TOAST values were not sent",
+                    self.target,
+                    records[-1].key,
+                    table.name,
+                )
+                return
+            row = new
+        else:
+            return
+        # Re-created, the row may bring a secondary unique value another row took meanwhile: decided
+        # as where the row still exists (insert_exists against that row's version).
+        if await self._unique_clash(conn, txn, relation, table, row, remote, records, None):
+            await self._write_row(conn, table, row, None)
+
+    async def _delete(
+        self,
+        conn: Any,
+        txn: Transaction,
+        relation: Relation,
+        table: TargetTable,
+        change: Delete,
+        remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        old = _row(relation, change.old)
+        local = await self._by_key(conn, relation, table, change.old)
+        if local is not None and local.mine:
+            await conn.execute(f"DELETE FROM {table.qualified} WHERE {local.where}")
+            return
+        if local is None:
+            tomb = await self._tombstone(conn, table, old)
+            await self._decide(
+                conn, txn, relation, table, ConflictType.DELETE_MISSING, None, remote, old, records
+            )
+            if tomb is None or tomb.version.order() < remote.order():
+                await conn.execute(
+                    "INSERT INTO pgmesh.tombstones (table_name, key, xid)"
+                    f" VALUES ($1, {self._key_sql(table, old)}, pg_current_xact_id())"
+                    " ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid",
+                    table.name,
+                )
+            return
+        decision = await self._decide(
+            conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records
+        )
+        if decision.outcome is Outcome.APPLY_REMOTE:
+            await conn.execute(f"DELETE FROM {table.qualified} WHERE {local.where}")

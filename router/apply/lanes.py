@@ -1,0 +1,183 @@
+"""Parallel apply of one link: a batch's first transactions on several target sessions ("lanes") at once.
+
+`router.apply.parallel.plan_lanes` decides which transaction may run in which lane (pure planning); here the
+lanes are opened (lane 0 is the applier's main session, the others are opened on first use and live
+until the link disconnects), the transactions run, and their commits are kept in source commit order:
+each transaction holds a session advisory lock from before any lane starts until just after its
+COMMIT, a transaction whose predecessor ran in another lane waits for that lock and then checks that
+the origin's progress reached the predecessor's end, and every lane takes the source's replication
+origin just to commit (PostgreSQL 15: one session per origin at a time). What got applied is read
+back from the origin's progress.
+
+Must not: decide conflicts, retry or pause. A lane that fails rolls back and frees what it holds (its
+successors see it did not commit, and stop); the applier then applies the rest of the batch one by one,
+as without lanes. It works for its link's applier, on the applier's view of the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import zlib
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from protocol.lsn import format_lsn, parse_lsn
+from protocol.transactions import Transaction
+from router.apply.large import is_large
+from router.apply.parallel import plan_lanes
+from router.apply.scripts import transaction_segments
+from router.apply.sessions import LET_ORIGIN_GO, open_session
+from router.apply.statements import ApplyError, Prepared, quote_literal
+from router.errors import describe
+
+if TYPE_CHECKING:
+    from router.apply.applier import Applier
+
+__all__ = ["Lanes"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_COMMITTED = "pgmesh: the transaction before this one did not commit; "
+
+
+class _Lane:
+    """One session of a link's parallel apply, with its own prepared statements."""
+
+    __slots__ = ("conn", "prepared")
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+        self.prepared = Prepared()
+
+
+class Lanes:
+    """The parallel apply of one link's applier (`link.lanes` sessions, the main one included)."""
+
+    __slots__ = ("_extra", "_key", "_link", "_seq")
+
+    def __init__(self, link: Applier) -> None:
+        self._link = link
+        self._extra: list[_Lane] = []  # sessions besides the main one
+        self._key = zlib.crc32(link.origin.encode()) & 0x7FFFFFFF
+        self._seq = 0
+
+    def close(self) -> None:
+        """Drop the lanes' sessions (the main one is the applier's)."""
+        conns = [lane.conn for lane in self._extra]
+        self._extra = []
+        for extra in conns:
+            extra.terminate()
+
+    async def _sessions(self) -> list[_Lane]:
+        """Lane 0 is the main session; the others are opened on first use."""
+        link = self._link
+        assert link._conn is not None
+        while len(self._extra) < link.lanes - 1:
+            self._extra.append(_Lane(await open_session(link.target.dsn, link._installed_at)))
+        main = _Lane(link._conn)
+        main.prepared = link._prepared
+        return [main, *self._extra]
+
+    async def apply(self, batch: list[Transaction]) -> int:
+        """Run the batch's first transactions on several sessions at once, committed in source order;
+        return how many are applied (0: none ran, the caller applies the batch one by one).
+
+        Each transaction i holds a session advisory lock s_i from before any lane starts until just
+        after its COMMIT. A transaction whose predecessor runs in another lane waits for s_(i-1), then
+        checks that the origin's progress reached the predecessor's end (a lane that died releases its
+        locks without committing: its successors must not commit either). Every lane takes the origin
+        just to commit and gives it back at once (PostgreSQL 15: one session per origin at a time).
+        """
+        link = self._link
+        small = list(itertools.takewhile(lambda t: not is_large(t), batch))
+        lanes_of = plan_lanes(small, link._tables, link.lanes)
+        if len(set(lanes_of)) < 2:
+            return 0
+        lanes = await self._sessions()
+        key, origin = self._key, quote_literal(link.origin)
+        preludes: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
+        scripts: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
+        marks = {lane: lanes[lane].prepared.mark() for lane in preludes}
+        seqs: list[int] = []
+        txns: list[Transaction] = []
+        for i, (txn, lane) in enumerate(zip(batch, lanes_of, strict=False)):
+            seq = (self._seq + i) % 0x7FFFFFFF
+            before = [f"SELECT pg_catalog.pg_replication_origin_session_setup({origin})"]
+            if i and lanes_of[i - 1] != lane:
+                before.insert(0, f"SELECT pg_catalog.pg_advisory_xact_lock_shared({key}, {seqs[-1]})")
+                before.append(
+                    f"SELECT CASE WHEN pg_catalog.pg_replication_origin_progress({origin}, false)"
+                    f" >= '{format_lsn(txns[-1].end_lsn)}'::pg_lsn THEN 0 ELSE ('{_NOT_COMMITTED}'"
+                    " || pg_catalog.now())::int END"
+                )
+            after = (f"SELECT pg_catalog.pg_replication_origin_session_reset();\n"
+                     f"SELECT pg_catalog.pg_advisory_unlock({key}, {seq})")
+            try:
+                (script,) = transaction_segments(
+                    link._fit(txn), link._tables, prepared=lanes[lane].prepared,
+                    guard_origin=link._source_origin, prelude=preludes[lane], copy=False,
+                    at_commit=(";\n".join(before), after),
+                )
+            except ApplyError:
+                break  # the one-by-one path deals with it
+            assert isinstance(script, str)
+            scripts[lane].append(script)
+            seqs.append(seq)
+            txns.append(txn)
+        used = {lane for lane, lane_scripts in scripts.items() if lane_scripts}
+        if len(used) < 2:
+            used = set()
+        for lane, mark in marks.items():
+            if lane not in used:  # its PREPAREs are never sent
+                lanes[lane].prepared.forget_since(mark)
+        if not used:
+            return 0
+        self._seq += len(txns)
+        # Every lane's locks are held before any lane starts.
+        reset = "SELECT pg_catalog.pg_replication_origin_session_reset();\n" if link._origin_held else ""
+        link._origin_held = False
+        locks = {lane: [s for s, on in zip(seqs, lanes_of, strict=False) if on == lane] for lane in used}
+        await asyncio.gather(*(
+            lanes[lane].conn.execute(
+                (reset if lane == 0 else "")
+                + "SELECT " + ", ".join(f"pg_catalog.pg_advisory_lock({key}, {s})" for s in locks[lane])
+            )
+            for lane in used
+        ))
+        results = await asyncio.gather(*(
+            self._run(lanes[lane].conn, "".join(f"{p};\n" for p in preludes[lane])
+                      + "\n".join(scripts[lane]))
+            for lane in used
+        ))
+        await link._hold_origin()
+        assert link._conn is not None
+        row = await link._conn.fetchval(
+            "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", link.origin
+        )
+        done = parse_lsn(row) if row else 0
+        applied = [txn for txn in txns if txn.end_lsn <= done]
+        for txn in applied:
+            link._applied(txn)
+        link.parallel_batches += 1
+        link.parallel_transactions += len(applied)
+        if any(exc is not None for exc in results):
+            link._sequential_next = True  # the transaction that failed goes the careful way, alone
+        return len(applied)
+
+    async def _run(self, conn: asyncpg.Connection, script: str) -> asyncpg.PostgresError | None:
+        """One lane's script; on an error, roll back and free the origin and every lock it holds (its
+        successors then see that it did not commit, and stop)."""
+        try:
+            await conn.execute(script)
+        except asyncpg.PostgresError as exc:
+            with contextlib.suppress(asyncpg.PostgresError):
+                await conn.execute("ROLLBACK")
+            await conn.execute(f"{LET_ORIGIN_GO};\nSELECT pg_catalog.pg_advisory_unlock_all()")
+            if _NOT_COMMITTED not in str(exc):
+                logger.debug("link %s: a lane stopped: %s", self._link.name, describe(exc))
+            return exc
+        return None

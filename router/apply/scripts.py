@@ -1,0 +1,376 @@
+"""A decoded source transaction as the target's transaction: SQL scripts and COPY runs, no I/O.
+
+A source transaction becomes one script: BEGIN, the origin's `pg_replication_origin_xact_setup` with the
+source's commit end LSN and commit time, one statement per change (`router.apply.statements`), COMMIT. The
+script goes to the target in one round trip (simple query protocol), so a reader there sees all of it
+or none of it. In a large transaction, runs of inserts into one table go in by COPY instead
+(`CopyRun`), cutting the script into segments; a part of a transaction read back from a spill file may
+hold `RawInsert`s, whose rows go to COPY straight from the server's bytes.
+
+Must not: connect, retry, decide conflicts, or know which node it runs for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from operator import attrgetter
+from typing import Final
+
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    KIND_NULL,
+    KIND_TEXT,
+    Insert,
+    Message,
+    RawInsert,
+    Relation,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+)
+from protocol.pgoutput import decode_raw_insert, raw_copy_text, raw_tuple
+from protocol.transactions import SpilledChange, Transaction
+from router.apply.statements import (
+    KEY_LOCKS_MAX,
+    ApplyError,
+    Prepared,
+    TargetTable,
+    delete_statement,
+    guard,
+    insert_rows,
+    prepared_delete,
+    prepared_insert,
+    prepared_update,
+    setup_args,
+    table_lock,
+    target_table,
+    truncate_statement,
+    update_statement,
+    xact_setup_sql,
+)
+
+__all__ = [
+    "COPY_MIN_ROWS",
+    "COPY_RUN",
+    "INSERT_RUN",
+    "CopyRun",
+    "copy_text",
+    "transaction_script",
+    "transaction_segments",
+]
+
+INSERT_RUN = 1000  # rows per multi-row INSERT
+# A run of at least this many inserts into one table, in a transaction that locks whole tables (more
+# than KEY_LOCKS_MAX row changes), goes in as COPY when the target may take it (see `CopyRun`).
+COPY_MIN_ROWS: Final = 200
+COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
+_INSERT_TYPES: Final = frozenset((Insert, RawInsert))
+_RAW_ONLY: Final = frozenset((RawInsert,))
+_RELID: Final = attrgetter("relid")
+
+
+class CopyRun:
+    """A run of inserts into one table to load with COPY ... FROM STDIN (text format).
+
+    COPY cannot check tombstones: the applier loads it only when the table has none (checked after the
+    transaction took the table's exclusive lock, so no decider of another source can add one), and
+    otherwise runs `fallback()`, the guarded INSERT. An existing key still fails the COPY with a
+    unique violation, which sends the transaction to the careful path like any other conflict.
+    """
+
+    __slots__ = ("check_tombstones", "coarse", "relation", "rows", "table")
+
+    def __init__(
+        self,
+        relation: Relation,
+        table: TargetTable,
+        rows: list[Insert | RawInsert],
+        check_tombstones: bool,
+        coarse: bool,
+    ) -> None:
+        self.relation = relation
+        self.table = table
+        self.rows = rows
+        self.check_tombstones = check_tombstones
+        self.coarse = coarse
+
+    @property
+    def schema_and_name(self) -> tuple[str, str]:
+        return self.relation.schema, self.relation.name
+
+    @property
+    def columns(self) -> list[str]:
+        return [c.name for c in self.relation.columns]
+
+    def data(self) -> bytes:
+        return copy_text(self.relation, self.rows)
+
+    def fallback(self) -> str:
+        """The same rows as guarded INSERT statements (the table has tombstones)."""
+        rows, relation, table = _decoded(self.relation, self.rows), self.relation, self.table
+        return ";\n".join(
+            insert_rows(relation, table, rows[i : i + INSERT_RUN], self.check_tombstones, self.coarse)
+            for i in range(0, len(rows), INSERT_RUN)
+        )
+
+
+def _copy_escape(value: bytes) -> bytes:
+    return (
+        value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+    )
+
+
+def _unreadable(relation: Relation, exc: ProtocolError) -> ApplyError:
+    """The error for a row left undecoded by the source that does not read back (a damaged spill)."""
+    return ApplyError(f"an insert spilled to disk does not read back: {exc.detail}",
+                      relation=f"{relation.schema}.{relation.name}")
+
+
+def _decoded(relation: Relation, rows: list[Insert | RawInsert]) -> list[Insert]:
+    """`rows` with every RawInsert decoded (`rows` itself when it holds none)."""
+    if all(type(r) is Insert for r in rows):
+        return rows  # type: ignore[return-value]  # checked just above
+    try:
+        return [decode_raw_insert(r) if isinstance(r, RawInsert) else r for r in rows]
+    except ProtocolError as exc:
+        raise _unreadable(relation, exc) from exc
+
+
+def copy_text(relation: Relation, rows: Sequence[Insert | RawInsert]) -> bytes:
+    """COPY text-format lines for `rows` (pgoutput's text values are the types' output, which COPY's
+    input functions read back). Fast path: join everything, then check in C that no value needed
+    escaping; otherwise escape value by value. A RawInsert's row is read straight from its bytes."""
+    width = len(relation.columns)
+    if _RAW_ONLY.issuperset(map(type, rows)):  # every row undecoded (checked in C)
+        fast = raw_copy_text(rows, width)  # type: ignore[arg-type]  # all RawInserts, checked above
+        if fast is not None:
+            return fast
+    plain = bytes([KIND_TEXT]) * width
+    lines: list[bytes] = []
+    append = lines.append
+    join = b"\t".join
+    nulls = 0  # each written as \N: the only backslashes when no value needs escaping
+    try:
+        news = [raw_tuple(r) if isinstance(r, RawInsert) else r.new for r in rows]
+    except ProtocolError as exc:
+        raise _unreadable(relation, exc) from exc
+    for new in news:
+        if new.kinds == plain:
+            append(join(new.values))  # type: ignore[arg-type]  # all bytes: every kind is text
+        else:
+            nulls += new.kinds.count(KIND_NULL)
+            append(_copy_line(relation, new))
+    data = b"\n".join(lines) + b"\n"
+    if (
+        data.count(b"\t") == len(rows) * (width - 1)
+        and data.count(b"\n") == len(rows)
+        and data.count(b"\\") == nulls
+        and b"\r" not in data
+    ):
+        return data
+    return b"".join(_copy_line(relation, new, escape=True) + b"\n" for new in news)
+
+
+def _copy_line(relation: Relation, new: TupleData, *, escape: bool = False) -> bytes:
+    cells: list[bytes] = []
+    for i, kind in enumerate(new.kinds):
+        value = new.values[i]
+        if kind == KIND_NULL:
+            cells.append(b"\\N")
+        elif kind == KIND_TEXT and isinstance(value, bytes):
+            cells.append(_copy_escape(value) if escape else value)
+        else:
+            raise ApplyError(
+                f"column {relation.columns[i].name} arrived as {chr(kind)!r}, expected text",
+                relation=f"{relation.schema}.{relation.name}",
+            )
+    return b"\t".join(cells)
+
+
+def _one_run(changes: Sequence[SpilledChange]) -> bool:
+    """Whether `changes` are all inserts into one table (checked in C, not change by change)."""
+    return (
+        len(changes) > 1
+        and _INSERT_TYPES.issuperset(map(type, changes))
+        and len(set(map(_RELID, changes))) == 1
+    )
+
+
+def _preparable(table: TargetTable) -> bool:
+    """Whether a single guarded insert into `table` can go through `prepared_insert` (its key's
+    types are known), else a text INSERT (`insert_rows`)."""
+    return bool(table.types) and all(k in table.types for k in table.tombstone_key)
+
+
+def _keyed(relation: Relation, kind: str | None) -> bool:
+    """Whether rows are matched by key columns (prepared statements), not by whole rows."""
+    return kind != "O" and any(c.key for c in relation.columns)
+
+
+def transaction_script(
+    txn: Transaction,
+    tables: Mapping[tuple[str, str], TargetTable],
+    *,
+    origin_lsn: int | None = None,
+    prepared: Prepared | None = None,
+    guard_origin: int | None = None,
+    prelude: list[str] | None = None,
+) -> str:
+    """The whole target transaction for `txn` as one SQL script.
+
+    `tables` maps (schema, name) to the target's table; `origin_lsn` is what the origin records
+    (default: the transaction's end LSN, the position to resume from); with `prepared`, keyed updates
+    and deletes run as prepared statements of the session (PREPARE emitted on first use). With
+    `guard_origin` (the source's replication origin id on the target) every change raises instead of
+    applying when it meets a conflict (see `router.apply.statements.guard`): the applier then takes the
+    careful path.
+    New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
+    transaction that fails cannot take a prepared statement down with it), else inline.
+    """
+    (script,) = transaction_segments(
+        txn, tables, origin_lsn=origin_lsn, prepared=prepared, guard_origin=guard_origin, prelude=prelude,
+        copy=False,
+    )
+    assert isinstance(script, str)
+    return script
+
+
+def transaction_segments(
+    txn: Transaction,
+    tables: Mapping[tuple[str, str], TargetTable],
+    *,
+    origin_lsn: int | None = None,
+    prepared: Prepared | None = None,
+    guard_origin: int | None = None,
+    prelude: list[str] | None = None,
+    copy: bool = True,
+    relations: dict[int, Relation] | None = None,
+    begin: bool = True,
+    commit: bool = True,
+    at_commit: tuple[str, str] | None = None,
+    setup: bool = True,
+) -> list[str | CopyRun]:
+    """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
+    order, the first opening the transaction and the last committing it. With `copy` False (or no
+    run long enough) it is one script.
+
+    A transaction too big to hold at once is cut into parts by the caller: `begin` / `commit` say
+    whether this part opens / commits the target transaction, and `relations` (updated in place by
+    inline Relation messages) carries the relation descriptions from one part to the next. A part read
+    back from a spill file may hold `RawInsert`s (`router.stream.spool.iter_raw_chunks`): their rows go to
+    COPY straight from the server's bytes, or are decoded for an INSERT.
+
+    `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
+    replication origin only to commit (router.apply.lanes): the origin's `xact_setup` then goes
+    just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
+    opening part (the caller sends it before its own COMMIT).
+    """
+    prepares = prelude if prelude is not None else None
+    out: list[str] = []
+    args = setup_args(txn, origin_lsn)  # the origin's position and commit time, once per transaction
+    if prepared is None:
+        setup_sql = xact_setup_sql(txn, origin_lsn)
+    else:
+        setup_sql = prepared.setup(args, out if prepares is None else prepares)
+    if begin:
+        out.append("BEGIN")
+    # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
+    # single guarded insert: see `prepared_insert`).
+    pending = begin and at_commit is None and setup
+
+    def opening() -> None:
+        nonlocal pending
+        if pending:
+            out.append(setup_sql)
+            pending = False
+
+    segments: list[str | CopyRun] = []
+    origin_sql = None if guard_origin is None else f"'{guard_origin}'"
+    guarded = guard_origin is not None
+    coarse = txn.row_count > KEY_LOCKS_MAX
+    copy = copy and (coarse or not guarded)
+    if relations is None:
+        relations = dict(txn.relations)
+    run: list[Insert | RawInsert] = []
+    run_rel: Relation | None = None
+
+    def flush_run() -> None:
+        nonlocal pending
+        assert run_rel is not None
+        table = target_table(run_rel, tables)
+        if copy and len(run) >= COPY_MIN_ROWS:
+            opening()
+            if guarded:
+                out.append(table_lock(table, exclusive=True))
+            if out:
+                segments.append(";\n".join(out) + ";")
+                out.clear()
+            for i in range(0, len(run), COPY_RUN):
+                segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
+            return
+        rows = _decoded(run_rel, run)
+        sink = out if prepares is None else prepares
+        if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
+            with_setup = args if pending else None
+            pending = False
+            out.append(prepared_insert(run_rel, table, rows[0], prepared, sink, with_setup))
+            return
+        opening()
+        out.append(insert_rows(run_rel, table, rows, guarded, coarse))
+
+    changes: Sequence[SpilledChange] = txn.changes  # a part read back raw holds RawInserts, too
+    if copy and _one_run(changes):  # a part of a bulk load: one COPY run, without the loop below
+        run, run_rel = list(changes), relations[changes[0].relid]  # type: ignore[arg-type,union-attr]
+        changes = ()
+    for change in changes:
+        if isinstance(change, (Insert, RawInsert)):  # nearly every change of a large transaction
+            relation = relations[change.relid]
+            if run and (relation is not run_rel or (not copy and len(run) >= INSERT_RUN)):
+                flush_run()
+                run = []
+            run_rel = relation
+            run.append(change)
+            continue
+        if run:
+            flush_run()
+            run = []
+        if isinstance(change, Relation):
+            relations[change.relid] = change
+            continue
+        if isinstance(change, (Type, Message)):
+            continue
+        if isinstance(change, Truncate):
+            opening()
+            out.append(truncate_statement(change, relations, tables))
+            continue
+        relation = relations[change.relid]
+        table = target_table(relation, tables)
+        opening()
+        keyed = prepared is not None and _keyed(relation, change.old_kind)
+        if isinstance(change, Update):
+            if keyed:
+                assert prepared is not None
+                sink = out if prepares is None else prepares
+                out.append(prepared_update(relation, table, change, prepared, sink, guard_origin))
+            else:
+                out.append(guard(update_statement(relation, table, change), origin_sql))
+        elif keyed:
+            assert prepared is not None
+            sink = out if prepares is None else prepares
+            out.append(prepared_delete(relation, table, change, prepared, sink, guard_origin))
+        else:
+            out.append(guard(delete_statement(relation, table, change), origin_sql))
+    if run:
+        flush_run()
+    opening()  # a transaction (or opening part) without a statement still sets the origin up
+    if commit:
+        if at_commit is None:
+            out.append("COMMIT")
+        else:
+            out += [at_commit[0], setup_sql, "COMMIT", at_commit[1]]
+    if out:
+        segments.append(";\n".join(out) + ";")
+    return segments
+
+

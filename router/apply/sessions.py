@@ -1,0 +1,92 @@
+"""An applier's sessions on its target node: how one is opened and set up, how it holds an origin.
+
+Every session an applier opens on the target (the main one, the parallel lanes of `router.apply.lanes`, the
+side session of `router.apply.side`) is opened by `open_session`: `asyncpg_connect_args`, then
+`SESSION_SETUP`: `session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit
+= off` (as the native apply worker), UTC and ISO dates, and a lock timeout. A replication origin is held by
+one session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just let it go, and
+`LET_ORIGIN_GO` lets it go after a failure.
+
+Must not: build or run a transaction's SQL (router.apply.scripts, router.apply.applier), decide what an error
+means (router.errors), or keep a connection of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import psycopg.conninfo
+
+__all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
+
+SESSION_SETUP = """
+SET session_replication_role = replica;
+SET synchronous_commit = off;
+SET standard_conforming_strings = on;
+SET lock_timeout = '10s';
+SET TimeZone = 'UTC';
+SET DateStyle = 'ISO, YMD';
+SET IntervalStyle = 'postgres';
+SET extra_float_digits = 3;
+"""
+
+# A session that may hold the source's origin (a lane, the side session) lets it go after a failure.
+LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
+                 " WHERE pg_catalog.pg_replication_origin_session_is_setup()")
+
+
+def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments. Several hosts (`host=a,b port=5432,5433`,
+    with `target_session_attrs`) are passed on as lists, as libpq would try them."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    args: dict[str, Any] = {}
+    mapping = {
+        "user": "user", "password": "password", "dbname": "database", "passfile": "passfile",
+        "target_session_attrs": "target_session_attrs",
+    }
+    for key, target in mapping.items():
+        if params.get(key) is not None:
+            args[target] = str(params[key])
+    hosts = str(params["host"]).split(",") if params.get("host") is not None else []
+    ports = [int(p) for p in str(params["port"]).split(",")] if params.get("port") is not None else []
+    if hosts:
+        args["host"] = hosts[0] if len(hosts) == 1 else hosts
+    if ports:
+        # libpq: one port for every host, or one per host
+        args["port"] = ports[0] if len(ports) == 1 else ports
+    if params.get("sslmode") is not None:
+        args["ssl"] = params["sslmode"]
+    if params.get("connect_timeout") is not None:
+        args["timeout"] = float(str(params["connect_timeout"]))
+    if params.get("application_name") is not None:
+        args["server_settings"] = {"application_name": str(params["application_name"])}
+    return args
+
+
+async def open_session(dsn: str, installed_at: str | None = None) -> asyncpg.Connection:
+    """A new session on the target, set up as every applier session is (`SESSION_SETUP`), with
+    `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known. Closed again if the set-up fails."""
+    conn = await asyncpg.connect(**asyncpg_connect_args(dsn))
+    try:
+        await conn.execute(SESSION_SETUP)
+        if installed_at:
+            await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn
+
+
+async def take_origin(conn: asyncpg.Connection, origin: str) -> None:
+    """Set the session up with `origin`; a session that just ended may not have let it go yet (a moment
+    is allowed for that)."""
+    for attempt in range(50):
+        try:
+            await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", origin)
+            return
+        except asyncpg.ObjectInUseError:
+            if attempt == 49:
+                raise
+            await asyncio.sleep(0.1)

@@ -1,0 +1,315 @@
+"""The initial copy of `pgmesh join`: every row an exported snapshot shows on the donor, into the target,
+as a PySpark batch of parallel ctid-range COPY relays.
+
+Owns: the copy's API (`copy_snapshot` and its records), reading the tables' leaf relations and sizes on
+the donor under the snapshot, planning (through `router.cluster.sync.plan`), running the tasks on Spark
+(`router.cluster.sync.worker` is what each task does), progress reports, and turning a failed job into one
+`PgmeshError` naming the node role, the table and the SQL state.
+
+Must not: create schema, indexes, slots or replication origins (the caller copies the pre-data schema
+before and builds indexes and constraints after, e.g. `pg_dump --section=pre-data` / `post-data`), hold
+the snapshot (the caller keeps it importable), import pyspark at module level, or put a DSN in any
+message.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import msgspec
+import psycopg
+from psycopg import sql
+
+from router.cluster.sync.plan import DEFAULT_BLOCK_SIZE, CopyTask, Leaf, plan_tasks
+from router.cluster.sync.progress import CopyProgress, Poller, ProgressBar
+from router.cluster.sync.spark import local_parallelism, reuse_spark, spark_session, stop_spark
+from router.cluster.sync.worker import (
+    SNAPSHOT_HINT,
+    CopyJob,
+    Counters,
+    TaskFailure,
+    TaskOutcome,
+    run_partition,
+)
+from router.errors import PgmeshError, describe
+
+__all__ = [
+    "CopyProgress",
+    "CopyReport",
+    "CopyTable",
+    "ProgressBar",
+    "TableResult",
+    "copy_snapshot",
+    "read_leaves",
+    "reuse_spark",
+    "stop_spark",
+]
+
+logger = logging.getLogger(__name__)
+
+APPLICATION_NAME_PREFIX: Final = "pgmesh copy "
+_ERROR_LINE: Final = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+_LEAVES_SQL: Final = """
+SELECT n.nspname, c.relname, c.relkind,
+       pg_catalog.pg_relation_size(c.oid) / pg_catalog.current_setting('block_size')::bigint
+FROM pg_catalog.pg_partition_tree(%s::oid::regclass) t
+JOIN pg_catalog.pg_class c ON c.oid = t.relid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE t.isleaf
+ORDER BY t.level, n.nspname, c.relname
+"""
+_SIZE_SQL: Final = (
+    "SELECT pg_catalog.pg_relation_size(%s::oid) / pg_catalog.current_setting('block_size')::bigint"
+)
+_ROOT_SQL: Final = """
+SELECT c.oid, c.relkind FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %s AND c.relname = %s
+"""
+
+
+class CopyTable(msgspec.Struct, frozen=True):
+    """A table to copy: a plain table, or a partitioned table (each leaf partition is copied into the
+    partition of the same name on the target). `columns` are copied in this order and must have the
+    same names and types on both sides (binary COPY); leave out generated columns."""
+
+    schema: str
+    name: str
+    columns: tuple[str, ...]
+
+    @property
+    def relation(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+class TableResult(msgspec.Struct, frozen=True):
+    """One table's share: rows (the target's COPY counts), bytes (binary COPY stream), tasks run."""
+
+    schema: str
+    name: str
+    rows: int
+    bytes: int
+    tasks: int
+
+
+class CopyReport(msgspec.Struct, frozen=True):
+    """The whole copy. `seconds` is the wall time of `copy_snapshot` (Spark start-up included);
+    `retries` counts failed task attempts that Spark retried."""
+
+    tables: tuple[TableResult, ...]
+    rows: int
+    bytes: int
+    seconds: float
+    tasks: int
+    retries: int
+
+
+def copy_snapshot(
+    donor_dsn: str,
+    target_dsn: str,
+    snapshot: str,
+    tables: Sequence[CopyTable],
+    *,
+    spark_master: str = "local[*]",
+    partitions_per_table: int = 0,
+    spark_conf: Mapping[str, str] | None = None,
+    progress: Callable[[CopyProgress], None] | None = None,
+    max_task_failures: int = 4,
+    _fail_once_marker: str | None = None,
+) -> CopyReport:
+    """Copy every row of `tables` that `snapshot` (exported on the donor) shows into the target.
+
+    Blocking: run it in a thread. The snapshot must stay importable until this returns: the caller
+    keeps the connection that exported it (`pg_export_snapshot()` in an open REPEATABLE READ
+    transaction, or the replication connection that created the slot with `SNAPSHOT 'export'`) open
+    and idle for the whole call. Every task imports it (`SET TRANSACTION SNAPSHOT`).
+
+    The target must already hold the tables (same names, columns and types; the pre-data schema) and
+    should hold no indexes or constraints yet (build them after: post-data); the tables should be
+    empty: rows are appended. Each task loads in one target transaction with
+    `session_replication_role = replica` (no user triggers, no FK checks) and `synchronous_commit =
+    off`, so a failed attempt leaves nothing behind and Spark retries it (up to `max_task_failures`
+    attempts per task). Target sessions need a superuser.
+
+    `partitions_per_table` > 0 splits each relation (each leaf partition of a partitioned table) into
+    that many ctid ranges; 0 chooses from its size (one task below 8 MB). `progress` is called about
+    twice a second from a helper thread, and once at the end (`final`) from this one; `ProgressBar()`
+    is one for a terminal. `_fail_once_marker` is a test hook only: the first task attempt that creates
+    this file fails after its COPY, before COMMIT.
+
+    Raises `PgmeshError` (node "donor" or "target", the table, the SQL state) when a task still fails
+    after its retries, a table is missing, or the snapshot cannot be imported.
+    """
+    started = time.monotonic()
+    _check_arguments(snapshot, tables, partitions_per_table)
+    if not tables:
+        return CopyReport((), 0, 0, time.monotonic() - started, 0, 0)
+    leaves = read_leaves(donor_dsn, snapshot, tables)
+    job = CopyJob(
+        donor_dsn=donor_dsn,
+        target_dsn=target_dsn,
+        snapshot=snapshot,
+        application_name=(APPLICATION_NAME_PREFIX + snapshot)[:63],
+        tables=len(tables),
+        fail_once_marker=_fail_once_marker,
+    )
+    with spark_session(spark_master, spark_conf, max_task_failures=max_task_failures,
+                       worker_modules=(run_partition.__module__,)) as spark:
+        parallelism = local_parallelism(spark_master) or int(spark.sparkContext.defaultParallelism)
+        tasks = plan_tasks(leaves, [t.columns for t in tables], requested=partitions_per_table,
+                           parallelism=parallelism)
+        logger.info("initial copy: %d tables, %d relations, %d tasks, snapshot %s",
+                    len(tables), len(leaves), len(tasks), snapshot)
+        outcomes = _run_job(spark.sparkContext, job, tasks, len(tables), progress, started, max_task_failures)
+    return _report(tables, tasks, outcomes, time.monotonic() - started)
+
+
+def _check_arguments(snapshot: str, tables: Sequence[CopyTable], partitions_per_table: int) -> None:
+    if not snapshot:
+        raise PgmeshError("no snapshot to copy from", hint=SNAPSHOT_HINT)
+    if partitions_per_table < 0:
+        raise PgmeshError(f"partitions_per_table must be >= 0, not {partitions_per_table}")
+    seen: set[tuple[str, str]] = set()
+    for table in tables:
+        if not table.columns:
+            raise PgmeshError("no columns to copy", relation=table.relation)
+        if (table.schema, table.name) in seen:
+            raise PgmeshError("table listed twice: its rows would be copied twice", relation=table.relation)
+        seen.add((table.schema, table.name))
+
+
+def read_leaves(donor_dsn: str, snapshot: str, tables: Sequence[CopyTable]) -> list[Leaf]:
+    """The relations that hold each table's rows (itself, or its leaf partitions) and their sizes in
+    blocks, read on the donor in a transaction that imports `snapshot`."""
+    relation = None
+    try:
+        with psycopg.connect(donor_dsn, autocommit=True, application_name="pgmesh copy plan") as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            try:
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            except psycopg.Error as exc:
+                raise PgmeshError(f"cannot import snapshot {snapshot!r}: {describe(exc)}", node="donor",
+                                  sqlstate=exc.sqlstate, hint=SNAPSHOT_HINT) from None
+            row = conn.execute("SELECT pg_catalog.current_setting('block_size')::int").fetchone()
+            block_size = int(row[0]) if row is not None else DEFAULT_BLOCK_SIZE
+            leaves: list[Leaf] = []
+            for index, table in enumerate(tables):
+                relation = table.relation
+                leaves.extend(_table_leaves(conn, index, table, block_size))
+            conn.execute("COMMIT")
+    except psycopg.Error as exc:
+        raise PgmeshError(f"cannot plan the copy: {describe(exc)}", node="donor", relation=relation,
+                          sqlstate=exc.sqlstate) from None
+    names = [(leaf.schema, leaf.name) for leaf in leaves]
+    for name in names:
+        if names.count(name) > 1:
+            raise PgmeshError("listed twice (as a table and as a partition of another listed table)",
+                              node="donor", relation=".".join(name))
+    return leaves
+
+
+def _table_leaves(conn: psycopg.Connection[Any], index: int, table: CopyTable, block_size: int) -> list[Leaf]:
+    root = conn.execute(_ROOT_SQL, [table.schema, table.name]).fetchone()
+    if root is None:
+        raise PgmeshError("no such table on the donor", node="donor", relation=table.relation)
+    oid, relkind = root
+    if relkind not in ("r", "p"):
+        raise PgmeshError(f"not a table (relkind {relkind!r}): only tables and partitioned tables can be "
+                          "copied", node="donor", relation=table.relation)
+    if relkind == "r":  # a plain table (or itself a partition): pg_partition_tree would list it alone
+        row = conn.execute(_SIZE_SQL, [oid]).fetchone()
+        return [Leaf(index, table.schema, table.name, int(row[0]) if row else 0, block_size)]
+    leaves: list[Leaf] = []
+    for schema, name, kind, nblocks in conn.execute(_LEAVES_SQL, [oid]).fetchall():
+        if kind != "r":
+            raise PgmeshError(f"partition {schema}.{name} is not a plain table (relkind {kind!r}); "
+                              "foreign partitions cannot be copied", node="donor", relation=table.relation)
+        leaves.append(Leaf(index, schema, name, int(nblocks), block_size))
+    return leaves
+
+
+def _run_job(
+    sc: Any,
+    job: CopyJob,
+    tasks: Sequence[CopyTask],
+    ntables: int,
+    progress: Callable[[CopyProgress], None] | None,
+    started: float,
+    max_task_failures: int,
+) -> list[TaskOutcome]:
+    counters = sc.accumulator([0] * (3 + ntables), Counters())
+    table_tasks = [0] * ntables
+    for task in tasks:
+        table_tasks[task.table] += 1
+    poller = None
+    if progress is not None:
+        poller = Poller(progress, counters, table_tasks, target_dsn=job.target_dsn,
+                        application_name=job.application_name, started=started)
+        poller.start()
+    outcomes: list[TaskOutcome] = []
+    try:
+        if tasks:
+            rdd = sc.parallelize(list(tasks), len(tasks))
+            outcomes = rdd.mapPartitions(functools.partial(run_partition, job, counters)).collect()
+    except Exception as exc:
+        if poller is not None:
+            poller.stop()
+        raise _job_error(exc, max_task_failures) from None
+    if poller is not None:
+        exact = [len(outcomes), sum(o.rows for o in outcomes), sum(o.bytes for o in outcomes)]
+        per_table = [0] * ntables
+        for outcome in outcomes:
+            per_table[outcome.table] += 1
+        poller.stop([*exact, *per_table])
+    return outcomes
+
+
+def _job_error(exc: BaseException, max_task_failures: int) -> PgmeshError:
+    """One PgmeshError from a failed Spark job: the last task failure it carries, or a summary."""
+    text = str(exc)
+    record = TaskFailure.last_in(text)
+    if record is not None:
+        role = str(record.get("role") or "")
+        return PgmeshError(
+            f"initial copy failed on the {role}: {record.get('message')} (a task failed"
+            f" {max_task_failures} time(s); Spark gave up)",
+            node=role or None,
+            relation=record.get("relation"),
+            sqlstate=record.get("sqlstate"),
+            hint=record.get("hint"),
+        )
+    logger.debug("Spark copy job failed", exc_info=exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
+    summary = errors[-1] if errors else (lines[0] if lines else type(exc).__name__)
+    return PgmeshError(f"the Spark copy job failed: {summary[:300]}",
+                       hint="see the Spark output above; check Java (17+) and that Spark workers can run")
+
+
+def _report(
+    tables: Sequence[CopyTable], tasks: Sequence[CopyTask], outcomes: Sequence[TaskOutcome], seconds: float
+) -> CopyReport:
+    rows = [0] * len(tables)
+    nbytes = [0] * len(tables)
+    ntasks = [0] * len(tables)
+    for task in tasks:
+        ntasks[task.table] += 1
+    for outcome in outcomes:
+        rows[outcome.table] += outcome.rows
+        nbytes[outcome.table] += outcome.bytes
+    results = tuple(
+        TableResult(t.schema, t.name, rows[i], nbytes[i], ntasks[i]) for i, t in enumerate(tables)
+    )
+    return CopyReport(
+        tables=results,
+        rows=sum(rows),
+        bytes=sum(nbytes),
+        seconds=seconds,
+        tasks=len(tasks),
+        retries=sum(o.attempt for o in outcomes),
+    )

@@ -1,0 +1,355 @@
+"""What conflict handling needs on every node: the history table, tombstones, their trigger, two guards.
+
+Owns the DDL (and its idempotent installation) of:
+
+- `pgmesh.conflict_history`: one row per conflict decided on this node (written by the applier);
+- `pgmesh.tombstones` `(table_name, key text[], xid xid8)`: the last deletion of each key, written by
+  the `pgmesh.tombstone()` trigger, so that "no row here" can be told apart from "deleted, at this
+  version" (the deleting transaction's commit time and origin come from `xid`);
+- the `pgmesh_tombstone` AFTER DELETE trigger on every replicated table, enabled ALWAYS so that it also
+  fires for the router's replicated deletes (under `session_replication_role = replica`);
+- `pgmesh.expect_origin(xid, oid)` and `pgmesh.expect_rows(bigint, bigint)`: guards the applier's
+  statements call, raising SQLSTATE PGM01 / PGM02 when a row does not fit the change (a conflict).
+  expect_origin also accepts a row written by the calling transaction itself (top level, not in a
+  savepoint); it is PARALLEL RESTRICTED because finding that out is.
+
+The tombstone key is the deleted row's key columns, each cast to text under fixed settings (TimeZone
+UTC, DateStyle 'ISO, YMD', IntervalStyle postgres, extra_float_digits 3, bytea_output hex), as a text[]
+in key order; the key columns are the primary key, else the replica identity index, else (REPLICA
+IDENTITY FULL) every column in attnum order. A partition's deletes are recorded under the partition
+root's name, as the publication (publish_via_partition_root) names them.
+
+Must not: decide conflicts, prune tombstones, or touch user tables beyond the one trigger. Called by
+`router.cluster.catalog.install` inside its transaction; identifiers are quoted with `psycopg.sql`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, NamedTuple
+
+import psycopg
+from psycopg import sql
+
+from router.config import PGMESH_SCHEMA
+from router.errors import PgmeshError
+
+__all__ = [
+    "TOMBSTONE_SETTINGS",
+    "TRIGGER_NAME",
+    "choose_key_columns",
+    "install_conflict_catalog",
+    "tombstone_keys",
+]
+
+logger = logging.getLogger(__name__)
+
+Conn = psycopg.AsyncConnection[Any]
+TableName = tuple[str, str]
+
+TRIGGER_NAME: Final = "pgmesh_tombstone"
+# The settings the tombstone key's text is produced under: to compute the same key elsewhere (the
+# applier), cast each value to text in a session with exactly these settings.
+TOMBSTONE_SETTINGS: Final[Mapping[str, str]] = {
+    "TimeZone": "UTC",
+    "DateStyle": "ISO, YMD",
+    "IntervalStyle": "postgres",
+    "extra_float_digits": "3",
+    "bytea_output": "hex",
+}
+_COMMENT_PREFIX: Final = "pgmesh ddl "
+
+_TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = (
+    (
+        "conflict_history",
+        (
+            sql.SQL("""CREATE TABLE {schema}.conflict_history (
+  id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp(),
+  source text NOT NULL, table_name text NOT NULL, key text NOT NULL, conflict_type text NOT NULL,
+  resolution text NOT NULL, resolver text NOT NULL, reason text,
+  local_origin text, local_commit_time timestamptz, remote_origin text NOT NULL,
+  remote_commit_time timestamptz NOT NULL, remote_lsn pg_lsn, local_row jsonb, remote_row jsonb)"""),
+            sql.SQL("CREATE INDEX conflict_history_at_idx ON {schema}.conflict_history (at)"),
+        ),
+    ),
+    (
+        # When pgmesh was installed here: rows committed before it (and rows whose commit time is
+        # unknown) are the common starting point of every node, so a change to them is no conflict.
+        "node_info",
+        (
+            sql.SQL("CREATE TABLE {schema}.node_info (key text PRIMARY KEY, value text NOT NULL)"),
+            sql.SQL("INSERT INTO {schema}.node_info VALUES ('installed_at', clock_timestamp()::text)"),
+        ),
+    ),
+    (
+        "tombstones",
+        (
+            sql.SQL("""CREATE TABLE {schema}.tombstones (
+  table_name text NOT NULL, key text[] NOT NULL, xid xid8 NOT NULL, PRIMARY KEY (table_name, key))"""),
+        ),
+    ),
+)
+
+
+class _Function(NamedTuple):
+    name: str
+    args: sql.SQL  # argument types, as to_regprocedure and COMMENT ON FUNCTION take them
+    ddl: sql.SQL  # CREATE OR REPLACE FUNCTION ..., with {schema} for the schema
+
+
+_FUNCTIONS: Final = (
+    _Function(
+        "tombstone",
+        sql.SQL(""),
+        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.tombstone() RETURNS trigger LANGUAGE plpgsql
+SET TimeZone = 'UTC' SET DateStyle = 'ISO, YMD' SET IntervalStyle = 'postgres' SET extra_float_digits = 3
+SET bytea_output = 'hex' SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  root oid := pg_catalog.pg_partition_root(TG_RELID);
+  qualified text := TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME;
+  deleted_key text[];
+BEGIN
+  IF root IS NOT NULL AND root <> TG_RELID THEN  -- a partition: record it under the root's name
+    SELECT n.nspname || '.' || c.relname INTO qualified
+      FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.oid = root;
+  END IF;
+  EXECUTE (SELECT format('SELECT ARRAY[%s]::text[]', string_agg(format('($1).%I::text', a.col), ', '
+                          ORDER BY a.ord))
+             FROM unnest(TG_ARGV) WITH ORDINALITY AS a(col, ord))
+     INTO deleted_key USING OLD;
+  INSERT INTO {schema}.tombstones AS t (table_name, key, xid)
+  VALUES (qualified, deleted_key, pg_catalog.pg_current_xact_id())
+  ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid;
+  RETURN NULL;
+END
+$body$"""),
+    ),
+    _Function(
+        "expect_origin",
+        sql.SQL("xid, oid"),
+        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.expect_origin(row_xmin xid, expected oid)
+RETURNS boolean LANGUAGE plpgsql VOLATILE PARALLEL RESTRICTED AS $body$
+DECLARE
+  origin oid := (pg_catalog.pg_xact_commit_timestamp_origin(row_xmin)).roident;
+BEGIN
+  IF origin = expected THEN
+    RETURN true;
+  END IF;
+  -- Not committed yet: a row this very transaction wrote (under the origin it applies for) is no
+  -- conflict. Rows written in a subtransaction (a savepoint) are not recognised.
+  IF origin IS NULL AND row_xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id_if_assigned()) THEN
+    RETURN true;
+  END IF;
+  -- A row from before pgmesh (commit time unknown, or older than pgmesh's installation here, which the
+  -- applier sets as pgmesh.installed_at): the common starting point of every node, no conflict.
+  IF origin IS NULL OR origin = 0 THEN
+    IF pg_catalog.pg_xact_commit_timestamp(row_xmin) IS NULL
+       OR pg_catalog.pg_xact_commit_timestamp(row_xmin) < coalesce(
+            nullif(pg_catalog.current_setting('pgmesh.installed_at', true), ''), '-infinity')::timestamptz
+    THEN
+      RETURN true;
+    END IF;
+  END IF;
+  RAISE EXCEPTION 'pgmesh: conflict, row last written by another origin' USING ERRCODE = 'PGM01',
+    DETAIL = pg_catalog.format('row xmin %s: origin %s, committed at %s; expected origin %s', row_xmin,
+      coalesce(origin::text, 'unknown'),
+      coalesce(pg_catalog.pg_xact_commit_timestamp(row_xmin)::text, 'unknown'), expected);
+END
+$body$"""),
+    ),
+    _Function(
+        "expect_rows",
+        sql.SQL("bigint, bigint"),
+        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.expect_rows(got bigint, wanted bigint) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $body$
+BEGIN
+  IF got IS DISTINCT FROM wanted THEN
+    RAISE EXCEPTION 'pgmesh: conflict, % of % rows matched', got, wanted USING ERRCODE = 'PGM02';
+  END IF;
+END
+$body$"""),
+    ),
+)
+
+# Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.
+_KEYS_SQL: Final = """
+SELECT n.nspname, c.relname, c.relreplident::text,
+  ARRAY(SELECT a.attname::text FROM pg_index i
+        CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+        WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
+  ARRAY(SELECT a.attname::text FROM pg_index i
+        CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+        WHERE i.indrelid = c.oid AND i.indisreplident ORDER BY k.ord),
+  ARRAY(SELECT a.attname::text FROM pg_attribute a
+        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum),
+  t.tgargs, t.tgenabled::text
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_trigger t ON t.tgrelid = c.oid AND t.tgname = %(trigger)s AND t.tgparentid = 0
+WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%(schemas)s::text[], %(names)s::text[]))
+"""
+
+# pgmesh's triggers on the node: (schema, table, key columns).
+_TRIGGERS_SQL: Final = """
+SELECT n.nspname, c.relname, t.tgargs
+FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE t.tgname = %s AND t.tgparentid = 0 AND t.tgfoid = to_regprocedure(%s)
+ORDER BY 1, 2
+"""
+
+
+def choose_key_columns(
+    replident: str, primary: Sequence[str], identity: Sequence[str], columns: Sequence[str]
+) -> tuple[str, ...] | None:
+    """The columns tombstones key a table's rows by: its primary key, else its replica identity index,
+    else (REPLICA IDENTITY FULL) every column in attnum order; None when the table has no usable key."""
+    if primary:
+        return tuple(primary)
+    if replident == "i" and identity:
+        return tuple(identity)
+    if replident == "f" and columns:
+        return tuple(columns)
+    return None
+
+
+def _trigger_args(raw: bytes | None) -> tuple[str, ...] | None:
+    """pg_trigger.tgargs (each argument ends with a NUL byte) -> the arguments."""
+    if raw is None:
+        return None
+    return tuple(part.decode() for part in bytes(raw).split(b"\x00")[:-1])
+
+
+def _fingerprint(ddl: str) -> str:
+    return _COMMENT_PREFIX + hashlib.sha256(ddl.encode()).hexdigest()[:16]
+
+
+def _name(table: TableName) -> str:
+    return f"{table[0]}.{table[1]}"
+
+
+async def _ensure_tables(conn: Conn) -> list[str]:
+    done = []
+    for name, ddl in _TABLES:
+        cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{PGMESH_SCHEMA}.{name}"])
+        row = await cur.fetchone()
+        if row is not None and row[0]:
+            continue
+        for statement in ddl:
+            await conn.execute(statement.format(schema=sql.Identifier(PGMESH_SCHEMA)))
+        done.append(f"created table {PGMESH_SCHEMA}.{name}")
+    return done
+
+
+async def _ensure_functions(conn: Conn) -> list[str]:
+    """Create each function, or replace it when its definition changed (a fingerprint in its comment)."""
+    schema = sql.Identifier(PGMESH_SCHEMA)
+    created: list[str] = []
+    replaced: list[str] = []
+    for function in _FUNCTIONS:
+        name = f"{PGMESH_SCHEMA}.{function.name}"
+        signature = sql.SQL("{}.{}({})").format(schema, sql.Identifier(function.name), function.args)
+        ddl = function.ddl.format(schema=schema)
+        fingerprint = _fingerprint(ddl.as_string(conn))
+        cur = await conn.execute(
+            "SELECT to_regprocedure(%s) IS NOT NULL, obj_description(to_regprocedure(%s), 'pg_proc')",
+            [signature.as_string(conn)] * 2,
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        if row[0] and row[1] == fingerprint:
+            continue
+        await conn.execute(ddl)
+        comment = sql.SQL("COMMENT ON FUNCTION {} IS {}").format(signature, sql.Literal(fingerprint))
+        await conn.execute(comment)
+        (replaced if row[0] else created).append(name)
+    done = [f"created functions {', '.join(created)}"] if created else []
+    return done + ([f"replaced functions {', '.join(replaced)} (new definition)"] if replaced else [])
+
+
+def _create_trigger(table: TableName, key: Sequence[str]) -> sql.Composed:
+    return sql.SQL(
+        "CREATE TRIGGER {trigger} AFTER DELETE ON {table} FOR EACH ROW"
+        " EXECUTE FUNCTION {schema}.tombstone({args})"
+    ).format(
+        trigger=sql.Identifier(TRIGGER_NAME),
+        table=sql.Identifier(*table),
+        schema=sql.Identifier(PGMESH_SCHEMA),
+        args=sql.SQL(", ").join(sql.Literal(c) for c in key),
+    )
+
+
+async def _ensure_trigger(
+    conn: Conn, table: TableName, key: tuple[str, ...], have: tuple[str, ...] | None, enabled: str | None
+) -> str | None:
+    """Create, re-create (other key columns) or re-enable (ALWAYS) one table's trigger; what was done."""
+    ident = sql.Identifier(*table)
+    trigger = sql.Identifier(TRIGGER_NAME)
+    what: str | None = None
+    if have != key:
+        if have is not None:
+            await conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(trigger, ident))
+            change = f"{', '.join(have)} -> {', '.join(key)}"
+            what = f"re-created tombstone trigger on {_name(table)} (key {change})"
+        else:
+            what = f"created tombstone trigger on {_name(table)} (key {', '.join(key)})"
+        await conn.execute(_create_trigger(table, key))
+        enabled = None
+    if enabled != "A":
+        await conn.execute(sql.SQL("ALTER TABLE {} ENABLE ALWAYS TRIGGER {}").format(ident, trigger))
+        what = what or f"enabled tombstone trigger ALWAYS on {_name(table)}"
+    return what
+
+
+async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]:
+    params = {
+        "trigger": TRIGGER_NAME,
+        "schemas": [t[0] for t in tables],
+        "names": [t[1] for t in tables],
+    }
+    cur = await conn.execute(_KEYS_SQL, params)
+    found = {(r[0], r[1]): r[2:] for r in await cur.fetchall()}
+    done: list[str] = []
+    for table in tables:
+        if table not in found:
+            raise PgmeshError("the table is missing here", relation=_name(table))
+        replident, primary, identity, columns, tgargs, enabled = found[table]
+        key = choose_key_columns(replident, primary, identity, columns)
+        if key is None:
+            ident = sql.Identifier(*table).as_string(conn)
+            raise PgmeshError(
+                "no primary key, replica identity index or REPLICA IDENTITY FULL: deletions cannot be keyed",
+                relation=_name(table),
+                hint=f"add a primary key, or ALTER TABLE {ident} REPLICA IDENTITY FULL",
+            )
+        line = await _ensure_trigger(conn, table, key, _trigger_args(tgargs), enabled)
+        if line:
+            logger.debug("%s", line)
+            done.append(line)
+    for table in sorted(set(await tombstone_keys(conn)) - set(tables)):
+        await conn.execute(
+            sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(TRIGGER_NAME), sql.Identifier(*table))
+        )
+        done.append(f"dropped tombstone trigger from {_name(table)} (no longer replicated)")
+    return done
+
+
+async def tombstone_keys(conn: Conn) -> dict[TableName, tuple[str, ...]]:
+    """The tables carrying pgmesh's tombstone trigger on this node, with the key columns it records."""
+    cur = await conn.execute(_TRIGGERS_SQL, [TRIGGER_NAME, f"{PGMESH_SCHEMA}.tombstone()"])
+    return {(s, t): _trigger_args(args) or () for s, t, args in await cur.fetchall()}
+
+
+async def install_conflict_catalog(conn: Conn, tables: Sequence[TableName]) -> list[str]:
+    """History, tombstones, functions and one trigger per replicated table (idempotent): what changed.
+
+    Runs inside the caller's transaction, after the `pgmesh` schema exists.
+    """
+    done = await _ensure_tables(conn)
+    done += await _ensure_functions(conn)
+    done += await _ensure_triggers(conn, tables)
+    return done

@@ -1,0 +1,183 @@
+"""The `pgmesh` command line: parses arguments and calls into the router. No logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from router.errors import PgmeshError
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run a coroutine on uvloop (the router's event loop), falling back to asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a runtime dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from router.ops.demo import run_demo
+
+    return _run(run_demo(seconds=args.seconds, keep=args.keep))
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from router.config import load_config
+
+    return load_config(args.config)
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_init
+
+    return _run(cmd_init(_config(args)))
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_run
+
+    return _run(cmd_run(_config(args), reload=lambda: _config(args)))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_status
+
+    return _run(cmd_status(_config(args), as_json=args.json))
+
+
+def _cmd_pause(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_pause
+
+    return _run(cmd_pause(_config(args), args.target))
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_resume
+
+    return _run(cmd_resume(_config(args), args.target))
+
+
+def _cmd_sequences(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_sequences
+
+    return _run(
+        cmd_sequences(
+            _config(args),
+            args.action,
+            mode=getattr(args, "mode", None),
+            tables=getattr(args, "tables", ()),
+            as_json=getattr(args, "json", False),
+        )
+    )
+
+
+def _cmd_conflicts(args: argparse.Namespace) -> int:
+    from router.ops.control import cmd_conflicts
+
+    return _run(cmd_conflicts(_config(args), since=args.since, as_json=args.json, limit=args.limit))
+
+
+def _cmd_ddl(args: argparse.Namespace) -> int:
+    from router.ddl.capture import cmd_ddl
+
+    return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    from router.cluster.membership import cmd_join
+
+    return _run(cmd_join(_config(args), args.node, donor=args.donor, force=args.force))
+
+
+def _cmd_part(args: argparse.Namespace) -> int:
+    from router.cluster.membership import cmd_part
+
+    return _run(cmd_part(_config(args), args.node, clean=args.clean))
+
+
+def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    command: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+    command.add_argument("--config", required=True, metavar="PATH", help="the cluster's config.toml")
+    return command
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pgmesh", description="Active-active replication for stock PostgreSQL 15+."
+    )
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="throw-away local nodes, live decoded changes, a final check")
+    demo.add_argument("--seconds", type=float, default=10.0, help="how long to write (default 10)")
+    demo.add_argument("--keep", action="store_true", help="keep the nodes' directories afterwards")
+    demo.set_defaults(func=_cmd_demo)
+    _with_config(sub, "init", "check every node and install what pgmesh needs").set_defaults(func=_cmd_init)
+    _with_config(sub, "run", "run the router (SIGTERM / Ctrl-C stops it cleanly)").set_defaults(func=_cmd_run)
+    status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_cmd_status)
+    sequences = _with_config(sub, "sequences", "ids no two nodes hand out: show or convert sequences")
+    actions = sequences.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("status", help="per node: each sequence-backed column and its mode")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    convert = actions.add_parser("convert", help="make the columns snowflake or step/offset on every node")
+    convert.add_argument("--mode", choices=("snowflake", "step"), help="default: [sequences] mode")
+    convert.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
+    sequences.set_defaults(func=_cmd_sequences)
+    conflicts = _with_config(sub, "conflicts", "the conflicts every node recorded, newest last")
+    conflicts.add_argument("--since", metavar="WHEN", help="ISO timestamp, or an age: 10m, 2h, 1d")
+    conflicts.add_argument("--json", action="store_true", help="one JSON object per line")
+    conflicts.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (default 100)")
+    conflicts.set_defaults(func=_cmd_conflicts)
+    ddl = _with_config(sub, "ddl", "run a DDL statement on one node; pgmesh replays it on every other node")
+    ddl.add_argument("sql", metavar="SQL", help="the statement")
+    ddl.add_argument("--node", metavar="NODE", help="where to run it (default: the first node)")
+    ddl.add_argument("--wait", action="store_true",
+                     help="replication barrier: first wait until every link has caught up, then until"
+                     " the statement reached every node (needs `pgmesh run`)")
+    ddl.add_argument("--timeout", type=float, default=300.0, metavar="S", help="barrier limit (default 300)")
+    ddl.set_defaults(func=_cmd_ddl)
+    join = _with_config(sub, "join", "copy a donor into a new (empty) node listed in the config")
+    join.add_argument("node", metavar="NODE", help="the new node, as named in the config")
+    join.add_argument("--from", dest="donor", metavar="DONOR", help="the node to copy (default: first other)")
+    join.add_argument("--force", action="store_true", help="drop the new node's schemas if it holds tables")
+    join.set_defaults(func=_cmd_join)
+    part = _with_config(sub, "part", "the cluster forgets a node; its database stays usable on its own")
+    part.add_argument("node", metavar="NODE", help="the node to part")
+    part.add_argument("--clean", action="store_true", help="also remove pgmesh's objects from that node")
+    part.set_defaults(func=_cmd_part)
+    for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
+        command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
+        command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")
+        command.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except PgmeshError as exc:
+        print(f"pgmesh: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

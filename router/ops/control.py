@@ -1,0 +1,370 @@
+"""The operator's commands: init, run, status, pause, resume, conflicts, sequences.
+
+Each talks to a running router through its admin listener when there is one, and to the nodes when
+there is not: `status` then reads the origins' progress and the slots (state "down: router not
+running"), and `pause` / `resume` record the link's state in `pgmesh.links` on the target, which the
+router reads when it starts. `conflicts` always reads `pgmesh.conflict_history` from the nodes.
+`sequences` shows (`router.sequences.ids`) or converts (`router.sequences.convert`) sequence-backed columns.
+Rendering for the terminal lives here too; the CLI only parses arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import re
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TextIO
+
+import msgspec
+import psycopg
+
+from router.cluster.catalog import init_cluster
+from router.config import Config
+from router.errors import ConfigError, PgmeshError, describe
+from router.sequences import ids as sequences
+from router.sequences.convert import convert_sequences
+from router.service.admin import admin_request
+from router.service.supervisor import LinkStatus, Router, SourceStatus, StatusReport
+
+__all__ = [
+    "ConflictRow",
+    "cmd_conflicts",
+    "cmd_init",
+    "cmd_pause",
+    "cmd_resume",
+    "cmd_run",
+    "cmd_sequences",
+    "cmd_status",
+    "parse_since",
+    "read_conflicts",
+    "render_conflicts",
+    "render_status",
+]
+
+logger = logging.getLogger(__name__)
+
+
+async def cmd_init(config: Config, out: TextIO = sys.stdout) -> int:
+    try:
+        report, actions = await init_cluster(config)
+    except ConfigError as exc:
+        print(str(exc), file=out)
+        return 1
+    print(report.render(), file=out)
+    for line in actions:
+        print(line, file=out)
+    return 0 if report.ok else 1
+
+
+async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """The router until SIGTERM / SIGINT; `reload` re-reads the config after a hold (`pgmesh join`)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    router = Router(config, reload=reload)
+    await router.run(stop)
+    return 0
+
+
+async def admin(config: Config, method: str, path: str, limit: float = 5.0) -> tuple[int, bytes] | None:
+    """One request to the running router's admin listener; None when no router listens."""
+    host, port = config.admin_host_port
+    try:
+        return await admin_request(host, port, method, path, timeout=limit)
+    except OSError:
+        return None
+
+
+async def offline_status(config: Config) -> StatusReport:
+    """What the nodes say when no router is running: applied positions and slot positions."""
+    links: list[LinkStatus] = []
+    sources: list[SourceStatus] = []
+    for node in config.nodes:
+        try:
+            conn = await psycopg.AsyncConnection.connect(node.dsn, autocommit=True, connect_timeout=5)
+            async with conn:
+                links += await _offline_links(conn, config, node.name)
+                sources.append(await _offline_source(conn, config, node.name))
+        except psycopg.Error as exc:
+            sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, describe(exc)))
+    return StatusReport(config.cluster.name, False, links, sources)
+
+
+async def _offline_links(
+    conn: psycopg.AsyncConnection[Any], config: Config, target: str
+) -> list[LinkStatus]:
+    out = []
+    for source in config.node_names:
+        if source == target:
+            continue
+        cur = await conn.execute(
+            "SELECT pg_catalog.pg_replication_origin_progress(%s, true)::text,"
+            " (SELECT paused FROM pgmesh.links WHERE source = %s)",
+            [config.origin_name(source), source],
+        )
+        row = await cur.fetchone()
+        flushed = row[0] if row and row[0] else "0/0"
+        state = "paused" if row and row[1] else "down"
+        out.append(LinkStatus(source, target, state, flushed, flushed, None, 0, 0.0, 0, 0, 0, 0,
+                              "router not running"))
+    return out
+
+
+async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, node: str) -> SourceStatus:
+    cur = await conn.execute(
+        "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text FROM pg_catalog.pg_replication_slots"
+        " WHERE slot_name = %s",
+        [config.slot_name],
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return SourceStatus(node, "no slot", "?", "?", 0, 0, 0, "pgmesh is not installed; run `pgmesh init`")
+    return SourceStatus(node, "down", row[1], row[0] or "0/0", 0, 0, 0, "router not running")
+
+
+async def fetch_status(config: Config) -> StatusReport:
+    reply = await admin(config, "GET", "/status")
+    if reply is not None and reply[0] == 200:
+        return msgspec.json.decode(reply[1], type=StatusReport)
+    return await offline_status(config)
+
+
+def render_status(report: StatusReport) -> str:
+    lines = [f"cluster {report.cluster}: router {'running' if report.running else 'NOT running'}"]
+    lines.append(
+        f"{'link':<14} {'state':<12} {'applied':>12} {'committed at source':<23} {'lag bytes':>10}"
+        f" {'lag s':>7} {'queued':>7}  last error"
+    )
+    for link in sorted(report.links, key=lambda lk: (lk.source, lk.target)):
+        name = f"{link.source} -> {link.target}"
+        committed = (link.last_commit_time or "-").replace("T", " ")[:23]
+        lines.append(
+            f"{name:<14} {link.state:<12} {link.applied_lsn:>12} {committed:<23} {link.lag_bytes:>10} "
+            f"{link.lag_seconds:>7.2f} {link.queued:>7}  {link.last_error or ''}"
+        )
+    for source in report.sources:
+        lines.append(
+            f"source {source.node}: {source.state}, received {source.received_lsn}, confirmed "
+            f"{source.confirmed_lsn}, reconnects {source.reconnects}"
+            + (f", last error: {source.last_error}" if source.last_error else "")
+        )
+    return "\n".join(lines)
+
+
+async def cmd_status(config: Config, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+    report = await fetch_status(config)
+    if as_json:
+        print(msgspec.json.encode(report).decode(), file=out)
+    else:
+        print(render_status(report), file=out)
+    return 0
+
+
+async def _set_paused(config: Config, target: str | None, paused: bool) -> list[str]:
+    """Without a router: record the links' state on their targets."""
+    done = []
+    for node in config.nodes:
+        if target not in (None, node.name):
+            continue
+        conn = await psycopg.AsyncConnection.connect(node.dsn, autocommit=True, connect_timeout=5)
+        async with conn:
+            for source in config.node_names:
+                if source == node.name:
+                    continue
+                await conn.execute(
+                    "INSERT INTO pgmesh.links (source, paused, updated) VALUES (%s, %s, now())"
+                    " ON CONFLICT (source) DO UPDATE SET paused = excluded.paused, reason = NULL,"
+                    " updated = now()",
+                    [source, paused],
+                )
+                done.append(f"{source} -> {node.name}")
+    return done
+
+
+async def _pause_resume(config: Config, target: str | None, paused: bool, out: TextIO) -> int:
+    if target is not None:
+        config.node(target)  # a clear error for an unknown node
+    verb = "pause" if paused else "resume"
+    query = f"/{verb}" + (f"?target={target}" if target else "")
+    reply = await admin(config, "POST", query)
+    if reply is not None and reply[0] == 200:
+        links = msgspec.json.decode(reply[1])
+        print(f"{verb}d: {', '.join(links) if links else 'nothing'}", file=out)
+        return 0
+    if reply is not None:
+        print(f"the router refused: HTTP {reply[0]} {reply[1].decode(errors='replace')}", file=out)
+        return 1
+    links = await _set_paused(config, target, paused)
+    print(f"{verb}d (router not running; it will start that way): {', '.join(links)}", file=out)
+    return 0
+
+
+async def cmd_pause(config: Config, target: str | None, out: TextIO = sys.stdout) -> int:
+    return await _pause_resume(config, target, True, out)
+
+
+async def cmd_resume(config: Config, target: str | None, out: TextIO = sys.stdout) -> int:
+    return await _pause_resume(config, target, False, out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# conflicts: what every node recorded in pgmesh.conflict_history
+
+_AGE_RE: Final = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
+_AGE_UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_HISTORY_SQL: Final = """
+SELECT id, at, source, table_name, key, conflict_type, resolution, resolver, reason, local_origin,
+       local_commit_time, remote_origin, remote_commit_time, remote_lsn::text, local_row, remote_row
+FROM pgmesh.conflict_history
+WHERE at >= coalesce(%(since)s::timestamptz, '-infinity')
+ORDER BY at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+class ConflictRow(msgspec.Struct, frozen=True):
+    """One row of `pgmesh.conflict_history`, with the node that decided it (and recorded it)."""
+
+    node: str
+    id: int
+    at: dt.datetime
+    source: str
+    table_name: str
+    key: str
+    conflict_type: str
+    resolution: str
+    resolver: str
+    reason: str | None
+    local_origin: str | None
+    local_commit_time: dt.datetime | None
+    remote_origin: str
+    remote_commit_time: dt.datetime
+    remote_lsn: str | None
+    local_row: Any
+    remote_row: Any
+
+
+def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
+    """`--since`: an ISO timestamp (without a zone: local time) or an age such as 30s, 10m, 2h, 1d, 1w."""
+    now = now or dt.datetime.now(dt.UTC)
+    match = _AGE_RE.match(text)
+    if match:
+        return now - dt.timedelta(**{_AGE_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise PgmeshError(
+            f"--since {text!r} is neither an ISO timestamp nor an age",
+            hint="use e.g. 2024-05-01T10:00:00+00:00, or 10m, 2h, 1d",
+        ) from None
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+async def _node_conflicts(
+    node: str, dsn: str, since: dt.datetime | None, limit: int
+) -> list[ConflictRow] | str:
+    """The node's newest `limit` conflicts since `since`, or why they could not be read."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, connect_timeout=5)
+    except psycopg.Error as exc:
+        return f"down ({describe(exc)})"
+    try:
+        async with conn:
+            cur = await conn.execute(_HISTORY_SQL, {"since": since, "limit": limit})
+            return [ConflictRow(node, *row) for row in await cur.fetchall()]
+    except psycopg.errors.UndefinedTable:
+        return "has no pgmesh.conflict_history (run `pgmesh init`)"
+    except psycopg.Error as exc:
+        return f"could not be read ({describe(exc)})"
+
+
+async def read_conflicts(
+    config: Config, *, since: dt.datetime | None = None, limit: int = 100
+) -> tuple[list[ConflictRow], list[str]]:
+    """The newest `limit` conflicts over all nodes, oldest first; and one line per node not read."""
+    results = await asyncio.gather(
+        *(_node_conflicts(node.name, node.dsn, since, limit) for node in config.nodes)
+    )
+    rows: list[ConflictRow] = []
+    problems: list[str] = []
+    for node, result in zip(config.nodes, results, strict=True):
+        if isinstance(result, str):
+            problems.append(f"node {node.name}: {result}")
+        else:
+            rows.extend(result)
+    rows.sort(key=lambda r: (r.at, r.node, r.id))
+    return rows[-limit:], problems
+
+
+def _utc(when: dt.datetime) -> str:
+    return when.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def render_conflicts(rows: Sequence[ConflictRow]) -> str:
+    """A table, newest last: time (UTC), the node that decided, source, table, key, type, resolution."""
+    if not rows:
+        return "no conflicts recorded"
+    header = ("time (UTC)", "node", "source", "table", "key", "type", "resolution")
+    cells = [header] + [
+        (_utc(r.at), r.node, r.source, r.table_name, r.key, r.conflict_type, r.resolution) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+async def cmd_conflicts(
+    config: Config,
+    *,
+    since: str | None = None,
+    as_json: bool = False,
+    limit: int = 100,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Print the conflicts every node recorded (JSON lines with --json); 1 when a node could not be read."""
+    if limit < 1:
+        raise PgmeshError(f"--limit {limit}: must be at least 1")
+    rows, problems = await read_conflicts(config, since=parse_since(since) if since else None, limit=limit)
+    for line in problems:
+        print(line, file=err if as_json else out)
+    if as_json:
+        for row in rows:
+            print(msgspec.json.encode(row).decode(), file=out)
+    else:
+        print(render_conflicts(rows), file=out)
+    return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sequences: status and convert of the replicated tables' sequence-backed columns
+
+
+async def cmd_sequences(
+    config: Config,
+    action: str,
+    *,
+    mode: str | None = None,
+    tables: Sequence[str] = (),
+    as_json: bool = False,
+    out: TextIO | None = None,
+) -> int:
+    """`pgmesh sequences status|convert`; status returns 1 when a node was not read or modes differ."""
+    out = out or sys.stdout
+    if action == "status":
+        nodes = await sequences.read_status(config)
+        if as_json:
+            print(msgspec.json.encode(sequences.status_json(nodes)).decode(), file=out)
+        else:
+            print(sequences.render_status(nodes), file=out)
+        return 1 if any(n.error for n in nodes) or sequences.disagreements(nodes) else 0
+    for line in await convert_sequences(config, mode, tables):
+        print(line, file=out)
+    return 0

@@ -1,0 +1,542 @@
+"""`pgmesh run`: the router. Owns every long-lived task, the progress tick and the ordered shutdown.
+
+It builds, from the config and from what the nodes say (origin progress, paused links), one
+`ReplicationSource` + `SourcePump` per node and one `Applier` per link (source -> target), all in one
+`TaskGroup` on one event loop. A tick every `status_interval_ms` reads each target's flushed origin
+positions, confirms each source's slot up to the least durable of its links (never further), and
+re-attaches detached links by re-reading their source. Stopping (SIGTERM, Ctrl-C) stops the sources
+first, then the appliers, then does a last shielded progress tick so the slots are confirmed as far as
+the targets durably got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import psycopg
+
+from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.transactions import Transaction
+from router.apply.applier import Applier, LinkState
+from router.config import Config, NodeConfig
+from router.errors import ConfigError, describe
+from router.progress import LinkProgress, SourceProgress
+from router.service.admin import AdminServer
+from router.service.metrics import Metrics
+from router.stream.fanout import SourcePump
+from router.stream.linkqueue import LinkQueue
+from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.spool import Spool
+
+__all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
+
+logger = logging.getLogger(__name__)
+
+
+class LinkStatus(msgspec.Struct, frozen=True):
+    source: str
+    target: str
+    state: str
+    applied_lsn: str
+    flushed_lsn: str
+    last_commit_time: str | None
+    lag_bytes: int
+    lag_seconds: float
+    queued: int
+    applied_transactions: int
+    applied_rows: int
+    retries: int
+    last_error: str | None
+
+
+class SourceStatus(msgspec.Struct, frozen=True):
+    node: str
+    state: str
+    received_lsn: str
+    confirmed_lsn: str
+    transactions: int
+    echoes: int
+    reconnects: int
+    last_error: str | None
+
+
+class StatusReport(msgspec.Struct, frozen=True):
+    cluster: str
+    running: bool
+    links: list[LinkStatus]
+    sources: list[SourceStatus]
+
+
+class _Target:
+    """The router's monitoring connection to one node as a target (flushed origin progress)."""
+
+    def __init__(self, config: Config, node: NodeConfig) -> None:
+        self.config = config
+        self.node = node
+        self.conn: psycopg.AsyncConnection[Any] | None = None
+        self.error: str | None = None
+
+    async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        if self.conn is None or self.conn.closed:
+            self.conn = await psycopg.AsyncConnection.connect(
+                self.node.dsn, autocommit=True, application_name="pgmesh-monitor", connect_timeout=5
+            )
+        cur = await self.conn.execute(sql, params)
+        return await cur.fetchall() if cur.description else []
+
+    async def origin_progress(self) -> dict[str, int]:
+        """source node -> flushed position of its origin on this target."""
+        prefix = self.config.origin_name("")
+        rows = await self.query(
+            "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
+            " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)",
+            [prefix],
+        )
+        return {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
+
+    async def paused_sources(self) -> dict[str, str | None]:
+        rows = await self.query("SELECT source, reason FROM pgmesh.links WHERE paused")
+        return {r[0]: r[1] for r in rows}
+
+    async def set_paused(self, source: str, paused: bool, reason: str | None) -> None:
+        await self.query(
+            "INSERT INTO pgmesh.links (source, paused, reason, updated) VALUES (%s, %s, %s, now())"
+            " ON CONFLICT (source) DO UPDATE SET paused = excluded.paused, reason = excluded.reason,"
+            " updated = now()",
+            [source, paused, reason],
+        )
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                await self.conn.close()
+
+
+
+def _freeze_startup_objects() -> None:
+    """Leave what exists now (modules, configuration, the process's start-up state) out of every later
+    garbage collection: a full collection walks every tracked object, and with the start-up state in
+    its walk one took 55 ms in the bench process, stalling every link that long (lag p99)."""
+    gc.collect()
+    gc.freeze()
+
+class Router:
+    """The whole mesh in one process."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        source_options: SourceOptions | None = None,
+        clock: Callable[[], float] = time.time,
+        on_applied: Callable[[Applier, Transaction], None] | None = None,
+        metrics: Metrics | None = None,
+        admin: bool = True,
+        reload: Callable[[], Config] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics or Metrics()
+        self.admin: AdminServer | None = None
+        self._admin_enabled = admin
+        self._exported: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.source_options = source_options or SourceOptions(
+            status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
+            application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
+            spill_bytes=config.replication.spill_mb << 20, early_spilled=config.replication.early_apply,
+            early_streamed=config.replication.early_apply,
+        )
+        self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
+        self._on_applied_hook = on_applied
+        self.targets = {n.name: _Target(config, n) for n in config.nodes}
+        self.appliers: dict[tuple[str, str], Applier] = {}
+        self.pumps: dict[str, SourcePump] = {}
+        self.progress: dict[str, SourceProgress] = {}
+        self.running = False
+        self.started = asyncio.Event()
+        # A hold (`pgmesh join` with the router running): stop streaming, keep the admin listener,
+        # then re-read the config and start again on release.
+        self._reload = reload
+        self._hold = asyncio.Event()
+        self._held = asyncio.Event()
+        self._release = asyncio.Event()
+        self.not_members: set[str] = set()  # nodes in the config without pgmesh yet (a join to come)
+
+    # ------------------------------------------------------------ building
+
+    async def _load_state(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], str | None], set[str]]:
+        """Flushed origin positions, paused links, and the nodes that could not be reached.
+
+        A node that is down does not stop the others: the links into it start detached (position
+        unknown, so they hold their sources' slots) and catch up when it answers again.
+        """
+        flushed: dict[tuple[str, str], int] = {}
+        paused: dict[tuple[str, str], str | None] = {}
+        down: set[str] = set()
+        self.not_members = set()
+        for name, target in self.targets.items():
+            try:
+                await target.origin_progress()
+            except psycopg.errors.UndefinedTable:
+                self.not_members.add(name)  # listed, not installed: a node still to be joined
+                await target.close()
+                target.conn = None
+            except psycopg.Error:
+                pass  # reported below
+        if self.not_members:
+            if len(self.not_members) == len(self.targets) or len(self.targets) - len(self.not_members) < 2:
+                missing = ", ".join(sorted(self.not_members))
+                raise ConfigError(f"pgmesh is not installed on {missing}; run `pgmesh init`")
+            logger.warning("pgmesh is not installed on %s: left out until `pgmesh join` (or init) adds it",
+                           ", ".join(sorted(self.not_members)))
+        for name, target in self.targets.items():
+            if name in self.not_members:
+                continue
+            try:
+                progress = await target.origin_progress()
+                held = await target.paused_sources()
+            except psycopg.errors.UndefinedTable as exc:
+                raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
+            except psycopg.OperationalError as exc:
+                logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
+                               name, describe(exc))
+                target.error = describe(exc)
+                down.add(name)
+                continue
+            except psycopg.Error as exc:
+                raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
+            for source in self.config.node_names:
+                if source == name or source in self.not_members:
+                    continue
+                if source not in progress:
+                    raise ConfigError(
+                        f"node {name}: replication origin {self.config.origin_name(source)} is missing;"
+                        " run `pgmesh init`"
+                    )
+                flushed[(source, name)] = progress[source]
+                if source in held:
+                    paused[(source, name)] = held[source]
+        if len(down) == len(self.targets) - len(self.not_members):
+            raise ConfigError("no node is reachable; check the DSNs and that the servers are up")
+        return flushed, paused, down
+
+    def _build(
+        self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
+    ) -> None:
+        queue_max = self.config.replication.queue_max_transactions
+        members = [n for n in self.config.nodes if n.name not in self.not_members]
+        for source_node in members:
+            links: list[LinkProgress] = []
+            queues: dict[str, LinkQueue] = {}
+            for target_node in members:
+                if target_node is source_node:
+                    continue
+                key = (source_node.name, target_node.name)
+                link = LinkProgress(source_node.name, target_node.name, flushed.get(key, 0))
+                if target_node.name in down:
+                    link.detach(0)  # its position is unknown until the node answers
+                queue = LinkQueue(queue_max)
+                applier = Applier(self.config, source_node.name, target_node, queue, link,
+                                  on_applied=self._on_applied_hook, clock=self.clock)
+                if key in paused:
+                    applier.pause(paused[key] or "paused by the operator")
+                links.append(link)
+                queues[target_node.name] = queue
+                self.appliers[key] = applier
+            progress = SourceProgress(source_node.name, links)
+            source = ReplicationSource(
+                source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
+                options=self.source_options, start_lsn=progress.start_position(), clock=self.clock,
+                spool=self.spool,
+            )
+            self.progress[source_node.name] = progress
+            self.pumps[source_node.name] = SourcePump(source, progress, queues)
+
+    # ------------------------------------------------------------ running
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set; then shut down in order. A hold stops streaming until release."""
+        try:
+            while True:
+                flushed, paused, down = await self._load_state()
+                self._build(flushed, paused, down)
+                self.running = True
+                if self._admin_enabled and self.admin is None:
+                    host, port = self.config.admin_host_port
+                    self.admin = AdminServer(
+                        host, port, metrics=self.metrics, status=self.status, pause=self.pause,
+                        resume=self.resume, health=self.health, hold=self.hold, release=self.release,
+                    )
+                    await self.admin.start()
+                logger.info("cluster %s: router running with %d nodes and %d links",
+                            self.config.cluster.name, len(self.pumps), len(self.appliers))
+                _freeze_startup_objects()
+                await self._stream(stop)
+                self.spool.close()  # what was still queued is read again from the slots
+                self.running = False
+                if stop.is_set() or not await self._wait_release(stop):
+                    break
+        finally:
+            self.running = False
+            self.spool.close()
+            if self.admin is not None:
+                await self.admin.close()
+            for target in self.targets.values():
+                await target.close()
+
+    async def _stream(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as group:
+            applier_tasks = [
+                group.create_task(a.run(), name=f"apply {a.name}") for a in self.appliers.values()
+            ]
+            pump_tasks = [
+                group.create_task(self._pump_forever(p), name=f"source {p.node}")
+                for p in self.pumps.values()
+            ]
+            ticker = group.create_task(self._tick_forever(), name="progress")
+            self.started.set()
+            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waits:
+                    waiter.cancel()
+            await self._shutdown(pump_tasks, applier_tasks, ticker)
+
+    async def _wait_release(self, stop: asyncio.Event) -> bool:
+        """Held: slots released, admin still up. On release, re-read the config and rebuild."""
+        logger.warning("cluster %s: held (replication waits; writes go on) until released",
+                       self.config.cluster.name)
+        self._hold.clear()
+        self._held.set()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._release.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        self._held.clear()
+        self._release.clear()
+        if stop.is_set():
+            return False
+        for target in self.targets.values():
+            await target.close()
+        if self._reload is not None:
+            self.config = self._reload()
+        self.targets = {n.name: _Target(self.config, n) for n in self.config.nodes}
+        self.appliers, self.pumps, self.progress, self._exported = {}, {}, {}, {}
+        logger.info("cluster %s: released; starting again", self.config.cluster.name)
+        return True
+
+    async def hold(self, _target: str | None = None) -> list[str]:
+        """Stop streaming (every slot is left idle and confirmed to what the targets flushed)."""
+        if not self._held.is_set():
+            self._hold.set()
+            await asyncio.wait_for(self._held.wait(), 120)
+        return ["held"]
+
+    async def release(self, _target: str | None = None) -> list[str]:
+        self._release.set()
+        return ["released"]
+
+    async def _shutdown(self, pumps: list[asyncio.Task[None]], appliers: list[asyncio.Task[None]],
+                        ticker: asyncio.Task[None]) -> None:
+        logger.info("cluster %s: stopping", self.config.cluster.name)
+        await _cancel_all(pumps, "sources")  # 1. stop reading the sources
+        # 2. stop applying (what is not committed is simply applied again after a restart)
+        await _cancel_all([*appliers, ticker], "appliers")
+        for applier in self.appliers.values():
+            await applier.close()
+        # 3. the last word: confirm what the targets flushed, then close the sources
+        await asyncio.shield(self._final_tick())
+
+    async def _final_tick(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.tick(rewind=False)
+        for pump in self.pumps.values():
+            with contextlib.suppress(Exception):
+                await pump.source.send_status()
+            await pump.source.close()
+
+    async def _pump_forever(self, pump: SourcePump) -> None:
+        """A source that fails for good is reported and retried; the other nodes keep flowing."""
+        while True:
+            try:
+                await pump.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                pump.source.last_error = describe(exc)
+                pump.source.state = "error"
+                logger.error("node %s: source stopped: %s; retrying in 5 s", pump.node, describe(exc))
+                await pump.source.close()
+                await asyncio.sleep(5.0)
+
+    async def _tick_forever(self) -> None:
+        interval = self.config.replication.status_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("progress tick failed")
+
+    async def tick(self, *, rewind: bool = True) -> None:
+        """Read flushed positions, confirm sources, re-attach detached links."""
+        for name, target in self.targets.items():
+            if name in self.not_members:
+                continue
+            try:
+                positions = await target.origin_progress()
+                target.error = None
+            except (psycopg.Error, OSError) as exc:
+                target.error = describe(exc)
+                await target.close()
+                target.conn = None
+                continue
+            for source, lsn in positions.items():
+                applier = self.appliers.get((source, name))
+                if applier is not None:
+                    applier.progress.on_flushed(lsn)
+        for node, progress in self.progress.items():
+            pump = self.pumps[node]
+            pump.source.confirm(progress.confirmable())
+            if rewind:
+                ready = [
+                    link for link in progress.links
+                    if link.detached and self.appliers[(node, link.target)].ready_for_more
+                    and self.targets[link.target].error is None  # answered this tick's progress query
+                    and not len(pump.queues[link.target])
+                ]
+                if ready:
+                    pump.rewind_for(ready)
+        self._export_metrics()
+
+    def _export_metrics(self) -> None:
+        """Bring the metrics up to date with the appliers' and sources' own counters."""
+        m = self.metrics
+        status = {(link.source, link.target): link for link in self.status().links}
+        for key, applier in self.appliers.items():
+            labels = {"source": key[0], "target": key[1]}
+            now = (applier.applied_transactions, applier.applied_rows, applier.retries, applier.errors,
+                   applier.skipped, applier.early_transactions + applier.early_streams,
+                   applier.abandoned_transactions + applier.early_streams_dropped)
+            before = self._exported.get(key, (0, 0, 0, 0, 0, 0, 0))
+            for family, new, old in zip(
+                (m.applied_transactions_total, m.applied_rows_total, m.apply_retries_total,
+                 m.apply_errors_total, m.skipped_transactions_total, m.early_transactions_total,
+                 m.early_rolled_back_total), now, before, strict=True,
+            ):
+                if new > old:
+                    family.labels(**labels).inc(new - old)
+            self._exported[key] = now
+            link = status[key]
+            m.lag_bytes.labels(**labels).set(link.lag_bytes)
+            m.lag_seconds.labels(**labels).set(link.lag_seconds)
+            m.queue_transactions.labels(**labels).set(link.queued)
+            m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
+        for (source, target), applier in self.appliers.items():
+            for (table, kind), count in applier.conflict_counts().items():
+                child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
+                if count > child.get():
+                    child.inc(count - child.get())
+        for node, pump in self.pumps.items():
+            for family, new in ((m.echo_transactions_total, pump.echoes),
+                                (m.source_received_bytes_total, pump.source.bytes_received),
+                                (m.source_reconnects_total, pump.source.reconnects)):
+                child = family.labels(node=node)
+                if new > child.get():
+                    child.inc(new - child.get())
+
+    def health(self) -> tuple[bool, str]:
+        if not self.running:
+            return False, "the router is not running"
+        bad = [f"node {p.node}: {p.source.last_error}" for p in self.pumps.values()
+               if p.source.state == "error"]
+        bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
+                if a.state is LinkState.ERROR]
+        return (not bad, "; ".join(bad) if bad else "ok")
+
+    # ------------------------------------------------------------ control
+
+    async def pause(self, target: str | None) -> list[str]:
+        done = []
+        for (source, tgt), applier in self.appliers.items():
+            if target in (None, tgt):
+                applier.pause()
+                await self.targets[tgt].set_paused(source, True, None)
+                done.append(applier.name)
+        return done
+
+    async def resume(self, target: str | None) -> list[str]:
+        done = []
+        for (source, tgt), applier in self.appliers.items():
+            if target in (None, tgt):
+                await self.targets[tgt].set_paused(source, False, None)
+                applier.resume()
+                done.append(applier.name)
+        return done
+
+    def status(self) -> StatusReport:
+        now = self.clock()
+        links = [self._link_status(key, applier, now) for key, applier in self.appliers.items()]
+        sources = [
+            SourceStatus(
+                node=node, state=pump.source.state, received_lsn=format_lsn(pump.source.received_lsn),
+                confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.transactions,
+                echoes=pump.echoes, reconnects=pump.source.reconnects, last_error=pump.source.last_error,
+            )
+            for node, pump in self.pumps.items()
+        ]
+        return StatusReport(self.config.cluster.name, self.running, links, sources)
+
+    @staticmethod
+    def _lag_bytes(source: ReplicationSource, link: LinkProgress) -> int:
+        """WAL between what the source sent and what this link applied, when it has work pending."""
+        if not link.detached and link.enqueued <= link.applied:
+            return 0
+        return max(0, source.received_lsn - link.applied)
+
+    def _link_status(self, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:
+        source = self.pumps[key[0]].source
+        link = applier.progress
+        pending = applier.oldest_pending_commit_time()
+        lag_seconds = max(0.0, now - pg_us_to_datetime(pending).timestamp()) if pending is not None else 0.0
+        state = applier.state
+        if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
+            state = LinkState.CATCHING_UP
+        last = applier.last_commit_time
+        return LinkStatus(
+            source=key[0], target=key[1], state=state.value,
+            applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
+            last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
+            lag_bytes=self._lag_bytes(source, link),
+            lag_seconds=round(lag_seconds, 3), queued=applier.pending,
+            applied_transactions=applier.applied_transactions, applied_rows=applier.applied_rows,
+            retries=applier.retries, last_error=applier.last_error,
+        )
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]], what: str, limit: float = 10.0) -> None:
+    """Cancel and wait; a task that ignores its cancel for `limit` seconds is reported and cancelled again."""
+    for task in tasks:
+        task.cancel()
+    while True:
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        if not pending:
+            return
+        logger.warning("stopping %s: %d task(s) still running after %.0f s; cancelling again",
+                       what, len(pending), limit)
+        for task in pending:
+            task.cancel()

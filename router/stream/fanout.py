@@ -1,0 +1,189 @@
+"""The fan-out of one source: echo filter, per-link bounded queues, detach and re-read.
+
+A `SourcePump` reads its node's `ReplicationSource` and hands every committed transaction, in commit
+order, to the queue of each link out of that node. A transaction that carries a replication origin was
+applied here by pgmesh (or another replicator): it is an echo and goes nowhere. A link whose queue is
+full is detached when other links can still take more (a slow or dead target must not stall the
+others); when every link is full, the pump waits (backpressure reaches the walsender). A detached link
+gets everything it missed later by re-reading the source from its applied position; links that already
+have those transactions skip them. A transaction that spilled to disk carries a `SpillFile`: each link
+it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
+A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
+attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.
+Owns no database connection and no clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from protocol.lsn import format_lsn
+from protocol.messages import Delete, Insert, Message, Truncate, Update
+from protocol.transactions import Transaction
+from router.ddl.capture import has_ddl
+from router.progress import LinkProgress, SourceProgress
+from router.stream.linkqueue import LinkQueue
+from router.stream.source import EarlyStream, ReplicationSource
+from router.stream.spool import SpillFile, release
+
+__all__ = ["SourcePump"]
+
+_DATA_CHANGES = (Insert, Update, Delete, Truncate)
+
+logger = logging.getLogger(__name__)
+
+
+class SourcePump:
+    """Reads one source and feeds its links' queues."""
+
+    def __init__(
+        self,
+        source: ReplicationSource,
+        progress: SourceProgress,
+        queues: dict[str, LinkQueue],
+        *,
+        on_echo: Callable[[Transaction], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.progress = progress
+        self.queues = queues  # target node -> queue
+        self._on_echo = on_echo
+        self._reattach: list[LinkProgress] = []
+        # Per target: the transaction last handed out before its commit (its spill file) and where the
+        # link's `enqueued` stood before it. If the source loses it before the commit, the link must
+        # take it again when it is resent.
+        self._early: dict[str, tuple[SpillFile, int]] = {}
+        self.echoes = 0
+        self.transactions = 0
+
+    @property
+    def node(self) -> str:
+        return self.source.node
+
+    async def run(self) -> None:
+        items = self.source.stream()
+        try:
+            async for item in items:
+                if self._reattach:
+                    for link in self._reattach:
+                        link.reattach(self.progress.seen)
+                    self._reattach = []
+                if isinstance(item, Message):
+                    continue  # non-transactional logical messages carry nothing to apply (yet)
+                if isinstance(item, EarlyStream):
+                    self._announce(item)
+                    continue
+                await self._dispatch(item)
+                await asyncio.sleep(0)  # let the appliers start while a backlog is still being read
+        finally:
+            await items.aclose()
+
+    def _announce(self, item: EarlyStream) -> None:
+        """A streamed transaction in progress: the appliers of attached links may start on it."""
+        for link in self.progress.links:
+            if link.receiving:
+                item.spill.acquire()  # released by the applier (or the queue) that got it
+                self.queues[link.target].offer_side(item)
+
+    async def _dispatch(self, txn: Transaction) -> None:
+        spill = txn.spill
+        try:
+            await self._dispatch_one(txn)
+        finally:
+            if spill is not None and spill.pinned:
+                spill.pinned = False
+                spill.release()  # the source's, held from the announcement to this hand-out
+
+    async def _dispatch_one(self, txn: Transaction) -> None:
+        spill = txn.spill
+        if spill is not None and spill.early and spill.final is txn:
+            # The commit of a transaction handed out at its first spill: the links that took it then
+            # have it whole now (their appliers were waiting for this); nothing more to hand out.
+            for link in self.progress.links:
+                if link.target in spill.handed:
+                    link.enqueued = max(link.enqueued, txn.end_lsn)
+                    if self._early.get(link.target, (None, 0))[0] is spill:
+                        del self._early[link.target]
+            self.progress.on_seen(txn.end_lsn)
+            return
+        if spill is not None:
+            spill.acquire()  # the pump's own reference while it hands the transaction out
+        try:
+            await self._dispatch_to_links(txn)
+        finally:
+            if spill is not None:
+                spill.release()  # the last one when no link took it: the file goes
+        if spill is not None and spill.early:
+            return  # handed out before its commit: seen when the commit comes (above)
+        self.progress.on_seen(txn.end_lsn)
+
+    async def _dispatch_to_links(self, txn: Transaction) -> None:
+        if txn.origin is not None:
+            self.echoes += 1
+            if self._on_echo is not None:
+                self._on_echo(txn)
+        elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
+            pass  # nothing a target needs (a transactional message, a schema description only)
+        else:
+            self.transactions += 1
+            for link in self.progress.links:
+                early = self._early.get(link.target)
+                if early is not None and early[0].abandoned:
+                    # lost before its commit (the source reconnected): what comes now may be it again
+                    link.enqueued = min(link.enqueued, early[1])
+                    del self._early[link.target]
+                before = link.enqueued
+                if link.wants(txn.end_lsn):
+                    if txn.spill is not None:
+                        txn.spill.acquire()  # this link's applier releases it
+                    if not await self._hand(link, txn):
+                        release(txn)
+                    elif txn.spill is not None:
+                        txn.spill.handed.add(link.target)
+                        if txn.spill.early:
+                            self._early[link.target] = (txn.spill, before)
+
+    async def _hand(self, link: LinkProgress, txn: Transaction) -> bool:
+        """Queue `txn` for `link`; False when it was not queued (the link detached or no longer wants it)."""
+        queue = self.queues[link.target]
+        while not queue.offer(txn):
+            if self._others_want_and_can_take(link, txn):
+                link.detach(self.progress.seen)
+                queue.clear()  # releases the spill files of what it held
+                logger.warning(
+                    "link %s -> %s: queue full at %s; detached, it will re-read from %s",
+                    link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),
+                )
+                return False
+            await queue.wait_room()  # every link is behind: let backpressure reach the source
+            if not link.wants(txn.end_lsn):
+                return False
+        link.enqueued = txn.end_lsn
+        return True
+
+    def _others_want_and_can_take(self, link: LinkProgress, txn: Transaction) -> bool:
+        """Would waiting for this link hold back another link that needs this transaction now?
+
+        While a link re-reads what it missed, nobody else wants those transactions: it is simply
+        backpressure. Only a link that stalls another detaches.
+        """
+        return any(
+            other is not link
+            and other.receiving
+            and other.enqueued <= txn.end_lsn  # it has (or wants) this one: it needs the stream to move
+            and not self.queues[other.target].full
+            for other in self.progress.links
+        )
+
+    def rewind_for(self, links: list[LinkProgress]) -> int | None:
+        """Re-read the source so these detached links get what they missed; returns the position."""
+        if not links:
+            return None
+        position = max(min(link.applied for link in links), self.source.confirmed_lsn)
+        self.source.rewind(position)
+        self._reattach.extend(links)
+        logger.info("node %s: re-reading from %s for %s", self.node, format_lsn(position),
+                    ", ".join(link.target for link in links))
+        return position

@@ -1,0 +1,130 @@
+"""The queue of one link (source -> target): whole transactions from the fan-out to the applier.
+
+The fan-out (`router.stream.fanout.SourcePump`) `offer`s each committed transaction to the queue of every
+attached link; `offer` never blocks, and a full queue says no (the fan-out then detaches the link or
+waits). The link's applier (`router.apply.applier.Applier`) `get`s them in commit order, `take`s what is
+already queued to batch it, `peek`s at what comes next to build its scripts ahead, and puts back
+(`push_front`) what it took too early. Beside the queue, one slot holds a streamed transaction
+announced before its commit (`router.stream.source.EarlyStream`) for the applier's side session
+(`router.apply.side`). A transaction spilled to disk is held by one reference to its file, released by
+whoever takes it, or by `clear()`.
+
+Must not: read the source, talk to a database, or decide what is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+from protocol.transactions import Transaction
+from router.stream.source import EarlyStream
+from router.stream.spool import release
+
+__all__ = ["LinkQueue"]
+
+
+class LinkQueue:
+    """A bounded FIFO of transactions for one link. `offer` never blocks the fan-out.
+
+    Beside it, one slot for a streamed transaction announced before its commit (`offer_side`,
+    `get_side`): it holds one reference to its spill file, released by whoever takes it. `cleared`
+    counts `clear()`s (the link detached or restarted: what was announced may never come here).
+    """
+
+    __slots__ = ("_items", "_nonempty", "_room", "_side", "_side_ready", "cleared", "maxlen")
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self._items: collections.deque[Transaction] = collections.deque()
+        self._nonempty = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._side: EarlyStream | None = None
+        self._side_ready = asyncio.Event()
+        self.cleared = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def offer(self, txn: Transaction) -> bool:
+        if len(self._items) >= self.maxlen:
+            self._room.clear()
+            return False
+        self._items.append(txn)
+        self._nonempty.set()
+        return True
+
+    async def get(self) -> Transaction:
+        while not self._items:
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        txn = self._items.popleft()
+        if len(self._items) < self.maxlen:
+            self._room.set()
+        return txn
+
+    def push_front(self, txn: Transaction) -> None:
+        """Put back a transaction taken too early (may exceed maxlen briefly; the fan-out sees full)."""
+        self._items.appendleft(txn)
+        self._nonempty.set()
+
+    def peek(self, limit: int) -> Iterator[Transaction]:
+        """The first `limit` queued transactions, left in the queue."""
+        return itertools.islice(self._items, limit)
+
+    def take(self, limit: int) -> list[Transaction]:
+        """Up to `limit` queued transactions, without waiting."""
+        out: list[Transaction] = []
+        while self._items and len(out) < limit:
+            out.append(self._items.popleft())
+        if len(self._items) < self.maxlen:
+            self._room.set()
+        return out
+
+    async def wait_room(self) -> None:
+        await self._room.wait()
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.maxlen
+
+    def clear(self) -> None:
+        for txn in self._items:
+            release(txn)  # a transaction spilled to disk: this link no longer needs its file
+        self._items.clear()
+        self._room.set()
+        self.drop_side()
+        self.cleared += 1
+        self._side_ready.set()  # wakes the applier's side watch: what it started may never come
+
+    def offer_side(self, item: EarlyStream) -> None:
+        """Announce a streamed transaction in progress (the caller acquired its file for this link).
+        One waits here at most (the applier takes one at a time): a link that is down keeps no file."""
+        if self._side is not None:
+            item.spill.release()
+            return
+        self._side = item
+        self._side_ready.set()
+
+    async def get_side(self, wait_s: float) -> EarlyStream | None:
+        """The announcement waiting, or None after `wait_s` seconds (or a `clear()`) without one."""
+        if self._side is None:
+            self._side_ready.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._side_ready.wait()
+        item, self._side = self._side, None
+        return item
+
+    def drop_side(self) -> None:
+        item, self._side = self._side, None
+        if item is not None:
+            item.spill.release()
+
+    def oldest_commit_time(self) -> int | None:
+        return self._items[0].commit_time if self._items else None
+

@@ -1,0 +1,234 @@
+"""The metrics registry and the Prometheus text format it renders (pure: no server, no loop)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.service.metrics import (
+    CONTENT_TYPE,
+    LINK_STATES,
+    Counter,
+    Gauge,
+    Metrics,
+    Registry,
+    format_value,
+)
+
+
+def test_small_registry_renders_exactly() -> None:
+    registry = Registry()
+    applied = registry.counter("demo_applied_total", "Transactions applied.", ("source", "target"))
+    lag = registry.gauge("demo_lag_seconds", "Seconds behind.", ("source", "target"))
+    up = registry.gauge("demo_up", "1 while running.")
+    registry.counter("demo_empty_total", "Nothing yet.", ("node",))
+    applied.labels(source="b", target="a").inc()
+    applied.labels(source="a", target="b").inc(41)
+    applied.labels(source="a", target="b").inc()
+    lag.labels(source="a", target="b").set(0.25)
+    up.labels().set(1)
+
+    assert registry.render() == (
+        "# HELP demo_applied_total Transactions applied.\n"
+        "# TYPE demo_applied_total counter\n"
+        'demo_applied_total{source="a",target="b"} 42\n'
+        'demo_applied_total{source="b",target="a"} 1\n'
+        "# HELP demo_empty_total Nothing yet.\n"
+        "# TYPE demo_empty_total counter\n"
+        "# HELP demo_lag_seconds Seconds behind.\n"
+        "# TYPE demo_lag_seconds gauge\n"
+        'demo_lag_seconds{source="a",target="b"} 0.25\n'
+        "# HELP demo_up 1 while running.\n"
+        "# TYPE demo_up gauge\n"
+        "demo_up 1\n"
+    )
+
+
+def test_empty_registry_renders_nothing() -> None:
+    assert Registry().render() == ""
+
+
+def test_unlabelled_family_exposes_zero_until_touched() -> None:
+    registry = Registry()
+    registry.counter("demo_total", "Demo.")
+    assert registry.render().splitlines()[-1] == "demo_total 0"
+
+
+def test_label_values_are_escaped() -> None:
+    registry = Registry()
+    family = registry.gauge("demo", "Demo.", ("table",))
+    family.labels(table='we\\ird "t"\nname').set(1)
+    assert registry.render().splitlines()[-1] == 'demo{table="we\\\\ird \\"t\\"\\nname"} 1'
+
+
+def test_help_text_is_escaped() -> None:
+    registry = Registry()
+    registry.gauge("demo", 'back\\slash\nnew line, "quotes" kept')
+    assert registry.render().splitlines()[0] == '# HELP demo back\\\\slash\\nnew line, "quotes" kept'
+
+
+def test_labels_render_in_declared_order_whatever_the_keyword_order() -> None:
+    registry = Registry()
+    family = registry.counter("demo_total", "Demo.", ("target", "source", "type"))
+    family.labels(type="insert_exists", source="a", target="b").inc()
+    assert registry.render().splitlines()[-1] == 'demo_total{target="b",source="a",type="insert_exists"} 1'
+
+
+def test_label_values_are_converted_to_text() -> None:
+    family = Gauge("demo", "Demo.", ("n",))
+    family.labels(n=3).set(1)
+    assert family.labels(n="3").get() == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0, "0"),
+        (42, "42"),
+        (-3.0, "-3"),
+        (0.5, "0.5"),
+        (1e300, "1e+300"),
+        (1.5e-07, "1.5e-07"),
+        (2.0**53, "9007199254740992.0"),
+        (math.inf, "+Inf"),
+        (-math.inf, "-Inf"),
+        (math.nan, "NaN"),
+    ],
+)
+def test_values_format_like_prometheus(value: float, text: str) -> None:
+    assert format_value(value) == text
+
+
+def test_children_sort_stably_by_label_values() -> None:
+    family = Counter("demo_total", "Demo.", ("node",))
+    for node in ("c", "a", "b"):
+        family.labels(node=node).inc()
+    assert [key for key, _ in family.samples()] == [("a",), ("b",), ("c",)]
+
+
+def test_counter_and_gauge_children() -> None:
+    counter = Counter("demo_total", "Demo.", ("node",))
+    child = counter.labels(node="a")
+    child.inc()
+    child.inc(2.5)
+    assert counter.labels(node="a") is child
+    assert child.get() == 3.5
+    with pytest.raises(ValueError, match="only goes up"):
+        child.inc(-1)
+    gauge = Gauge("demo", "Demo.", ("node",)).labels(node="a")
+    gauge.set(10)
+    gauge.inc(2)
+    gauge.dec(5)
+    assert gauge.get() == 7
+
+
+@pytest.mark.parametrize("labels", [{}, {"source": "a"}, {"source": "a", "target": "b", "x": "c"}])
+def test_labels_must_match_the_declared_names(labels: dict[str, str]) -> None:
+    family = Counter("demo_total", "Demo.", ("source", "target"))
+    with pytest.raises(ValueError, match=r"demo_total takes labels \['source', 'target'\]"):
+        family.labels(**labels)
+
+
+@pytest.mark.parametrize(
+    ("name", "labelnames"),
+    [("1bad", ()), ("bad-name", ()), ("ok", ("bad-label",)), ("ok", ("__reserved",)), ("ok", ("a", "a"))],
+)
+def test_invalid_names_are_refused(name: str, labelnames: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match=r"invalid|duplicate"):
+        Counter(name, "Demo.", labelnames)
+
+
+def test_a_name_registers_once() -> None:
+    registry = Registry()
+    registry.counter("demo_total", "Demo.")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.gauge("demo_total", "Demo.")
+
+
+def test_remove_and_clear() -> None:
+    family = Gauge("demo", "Demo.", ("source", "target"))
+    family.labels(source="a", target="b").set(1)
+    family.labels(source="b", target="a").set(2)
+    family.labels(source="b", target="c").set(3)
+    family.remove(source="a", target="b")
+    family.remove(source="x", target="y")  # unknown: ignored
+    assert [key for key, _ in family.samples()] == [("b", "a"), ("b", "c")]
+    family.remove_where("target", "a")
+    assert [key for key, _ in family.samples()] == [("b", "c")]
+    assert family.find(source="b", target="c") is not None
+    assert family.find(source="c", target="b") is None
+    family.clear()
+    assert list(family.samples()) == []
+
+
+EXPECTED_PGMESH_METRICS = {
+    "pgmesh_applied_transactions_total": ("counter", ("source", "target")),
+    "pgmesh_applied_rows_total": ("counter", ("source", "target")),
+    "pgmesh_apply_retries_total": ("counter", ("source", "target")),
+    "pgmesh_apply_errors_total": ("counter", ("source", "target")),
+    "pgmesh_skipped_transactions_total": ("counter", ("source", "target")),
+    "pgmesh_early_transactions_total": ("counter", ("source", "target")),
+    "pgmesh_early_rolled_back_total": ("counter", ("source", "target")),
+    "pgmesh_echo_transactions_total": ("counter", ("node",)),
+    "pgmesh_lag_bytes": ("gauge", ("source", "target")),
+    "pgmesh_lag_seconds": ("gauge", ("source", "target")),
+    "pgmesh_queue_transactions": ("gauge", ("source", "target")),
+    "pgmesh_link_state": ("gauge", ("source", "target", "state")),
+    "pgmesh_source_received_bytes_total": ("counter", ("node",)),
+    "pgmesh_source_reconnects_total": ("counter", ("node",)),
+    "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
+}
+
+
+def test_pgmesh_metrics_are_all_declared_with_their_types_and_labels() -> None:
+    metrics = Metrics()
+    declared = {f.name: (f.kind, f.labelnames) for f in metrics.registry.families()}
+    assert declared == EXPECTED_PGMESH_METRICS
+    for name in EXPECTED_PGMESH_METRICS:
+        family = getattr(metrics, name.removeprefix("pgmesh_"))
+        assert family.name == name
+
+
+def test_fresh_metrics_render_help_and_type_only() -> None:
+    lines = Metrics().render().splitlines()
+    assert len(lines) == 2 * len(EXPECTED_PGMESH_METRICS)
+    assert all(line.startswith(("# HELP pgmesh_", "# TYPE pgmesh_")) for line in lines)
+    assert [line.split()[2] for line in lines if line.startswith("# TYPE")] == sorted(EXPECTED_PGMESH_METRICS)
+
+
+def test_link_state_is_one_hot() -> None:
+    metrics = Metrics()
+    assert metrics.link_state_of("a", "b") is None
+    metrics.set_link_state("a", "b", "catching_up")
+    metrics.set_link_state("a", "b", "streaming")
+    assert metrics.link_state_of("a", "b") == "streaming"
+    samples = [line for line in metrics.render().splitlines() if line.startswith("pgmesh_link_state{")]
+    assert samples == [
+        f'pgmesh_link_state{{source="a",target="b",state="{state}"}} {int(state == "streaming")}'
+        for state in sorted(LINK_STATES)
+    ]
+    with pytest.raises(ValueError, match="unknown link state 'stuck'"):
+        metrics.set_link_state("a", "b", "stuck")
+
+
+def test_forget_node_drops_every_series_naming_it() -> None:
+    metrics = Metrics()
+    metrics.applied_transactions_total.labels(source="a", target="b").inc()
+    metrics.applied_transactions_total.labels(source="b", target="c").inc()
+    metrics.lag_bytes.labels(source="c", target="a").set(5)
+    metrics.echo_transactions_total.labels(node="a").inc()
+    metrics.set_link_state("a", "c", "down")
+    metrics.forget_node("a")
+    samples = [line for line in metrics.render().splitlines() if not line.startswith("#")]
+    assert samples == ['pgmesh_applied_transactions_total{source="b",target="c"} 1']
+
+
+def test_metrics_do_not_share_state() -> None:
+    first, second = Metrics(), Metrics()
+    first.apply_retries_total.labels(source="a", target="b").inc()
+    assert second.apply_retries_total.find(source="a", target="b") is None
+
+
+def test_content_type_is_the_text_format() -> None:
+    assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")

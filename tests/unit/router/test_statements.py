@@ -1,0 +1,204 @@
+"""SQL generated for one source transaction (no server: the integration tests run it for real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Truncate, TupleData, Update
+from protocol.transactions import Transaction
+from router.apply.scripts import transaction_script
+from router.apply.statements import ApplyError, TargetTable, quote_ident, quote_literal
+
+REL = Relation(7, "public", "Odd ""Name", "d", (
+    Column("id", 23, -1, True), Column("note", 25, -1, False), Column("doc", 114, -1, False),
+))
+FULL = Relation(8, "s", "log", "f", (Column("a", 23, -1, True), Column("doc", 114, -1, True)))
+TABLES = {
+    ("public", "Odd Name"): TargetTable("public", "Odd Name", frozenset({"id", "note", "doc", "extra"})),
+    ("s", "log"): TargetTable("s", "log", frozenset({"a", "doc"})),
+}
+
+
+def txn(*changes: object, relations: tuple[Relation, ...] = (REL, FULL)) -> Transaction:
+    return Transaction(
+        xid=5, commit_lsn=0x100, end_lsn=0x1_0000_0200, commit_time=0, changes=list(changes),  # type: ignore[arg-type]
+        relations={r.relid: r for r in relations},
+    )
+
+
+def test_script_is_one_transaction_with_origin_setup() -> None:
+    script = transaction_script(txn(Insert(7, TupleData(b"tnt", (b"1", None, b'{"k": "it\'s"}')))), TABLES)
+    lines = script.split(";\n")
+    assert lines[0] == "BEGIN"
+    assert lines[1] == (
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00')"
+    )
+    assert lines[2] == (
+        'INSERT INTO "public"."Odd Name" ("id", "note", "doc") OVERRIDING SYSTEM VALUE'
+        ' VALUES (\'1\', NULL, \'{"k": "it\'\'s"}\')'
+    )
+    assert lines[-1] == "COMMIT;"
+
+
+def test_update_leaves_unchanged_toast_out_and_matches_old_key() -> None:
+    new = TupleData(b"ttu", (b"2", b"x", UNCHANGED_TOAST))
+    change = Update(7, new, TupleData(b"tnn", (b"1", None, None)), "K")
+    script = transaction_script(txn(change), TABLES)
+    assert 'UPDATE "public"."Odd Name" SET "id" = \'2\', "note" = \'x\' WHERE "id" = \'1\'' in script
+    assert '"doc"' not in script.split("UPDATE")[1]
+
+
+def test_full_identity_touches_exactly_one_row_and_compares_json_as_text() -> None:
+    change = Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")
+    script = transaction_script(txn(change), TABLES)
+    assert (
+        'DELETE FROM "s"."log" WHERE ctid = (SELECT ctid FROM "s"."log" WHERE "a" = \'1\''
+        ' AND "doc"::text = \'{}\' LIMIT 1)'
+    ) in script
+
+
+def test_truncate_flags() -> None:
+    script = transaction_script(txn(Truncate((7, 8), True, True)), TABLES)
+    assert 'TRUNCATE "public"."Odd Name", "s"."log" RESTART IDENTITY CASCADE' in script
+
+
+def test_missing_column_or_table_names_them() -> None:
+    tables = {("public", "Odd Name"): TargetTable("public", "Odd Name", frozenset({"id"}))}
+    with pytest.raises(ApplyError) as info:
+        transaction_script(txn(Insert(7, TupleData(b"ttt", (b"1", b"x", b"{}")))), tables)
+    assert "public.Odd Name" in str(info.value) and "note, doc" in str(info.value)
+    with pytest.raises(ApplyError, match="no such table"):
+        transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), tables)
+
+
+def test_binary_values_are_refused() -> None:
+    with pytest.raises(ApplyError, match="expected text"):
+        transaction_script(txn(Insert(7, TupleData(b"bnn", (b"\x00\x00\x00\x01", None, None)))), TABLES)
+
+
+def test_quoting() -> None:
+    assert quote_ident('a"b') == '"a""b"'
+    assert quote_literal("it's \\ fine") == "'it''s \\ fine'"
+
+
+def test_runs_of_inserts_become_one_statement() -> None:
+    rows = [Insert(7, TupleData(b"tnn", (str(i).encode(), None, None))) for i in range(3)]
+    script = transaction_script(txn(*rows), TABLES)
+    assert script.count("INSERT INTO") == 1
+    assert "VALUES ('0', NULL, NULL), ('1', NULL, NULL), ('2', NULL, NULL)" in script
+
+
+def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> None:
+    from router.apply.statements import Prepared
+
+    prepared = Prepared()
+    up = Update(7, TupleData(b"ttu", (b"1", b"x", UNCHANGED_TOAST)))
+    first = transaction_script(txn(up, Delete(7, TupleData(b"tnn", (b"1", None, None)), "K")), TABLES,
+                               prepared=prepared)
+    # the origin's xact_setup is prepared too, once per session
+    assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in first
+    assert "BEGIN;\nEXECUTE pgmesh_1('1/200', " in first
+    assert (
+        'PREPARE pgmesh_2 AS UPDATE "public"."Odd Name" SET "id" = $1, "note" = $2 WHERE "id" = $3'
+    ) in first
+    assert "EXECUTE pgmesh_2('1', 'x', '1')" in first
+    assert 'PREPARE pgmesh_3 AS DELETE FROM "public"."Odd Name" WHERE "id" = $1' in first
+    second = transaction_script(txn(up), TABLES, prepared=prepared)
+    assert "PREPARE" not in second and "EXECUTE pgmesh_2" in second and "EXECUTE pgmesh_1" in second
+    full = transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), TABLES, prepared=prepared)
+    assert "PREPARE" not in full and "ctid" in full  # whole-row matches stay plain SQL
+
+
+def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() -> None:
+    from router.apply.statements import KEY_LOCKS_MAX, Prepared
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    prepared = Prepared()
+    prelude: list[str] = []
+    one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
+    script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    # the origin's setup; the insert, unless a tombstone holds the key; the setup with the locks (the
+    # transaction's first statement)
+    assert len(prelude) == 3
+    assert prelude[0] == "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+    assert "EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
+    assert "pg_replication_origin_xact_setup($2, $3)" in prelude[2]
+    assert "pg_advisory_xact_lock_shared" in prelude[2] and "hashtextextended" in prelude[2]
+    assert script.startswith(
+        "BEGIN;\nEXECUTE pgmesh_3('1', '1/200', '2000-01-01 00:00:00.000000+00');\n"
+        "EXECUTE pgmesh_2('1', 'it''s', NULL);\nCOMMIT;"
+    )
+    again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert len(prelude) == 3 and "EXECUTE pgmesh_3" in again  # planned once per relation
+    # not the first statement: the setup alone, then the locks
+    update = Update(7, TupleData(b"ttn", (b"2", b"x", None)))
+    later = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert later.index("EXECUTE pgmesh_1(") < later.index("EXECUTE pgmesh_4(")  # the update
+    assert "SELECT pg_catalog.pg_advisory_xact_lock_shared" in prelude[-1]  # the locks, alone
+    assert later.index("EXECUTE pgmesh_4(") < later.index(f"EXECUTE {prelude[-1].split()[1]}('1')")
+    many = [Insert(7, TupleData(b"ttn", (str(i).encode(), b"x", None))) for i in range(KEY_LOCKS_MAX + 1)]
+    big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
+    assert "hashtextextended" not in big and big.count("INSERT INTO") == 1
+
+
+def _raw(insert: Insert) -> object:
+    """The RawInsert for `insert`: its row as pgoutput's TupleData bytes (text and null cells)."""
+    import struct
+
+    from protocol.messages import RawInsert
+
+    data = struct.pack(">h", len(insert.new.kinds))
+    for kind, value in zip(insert.new.kinds, insert.new.values, strict=True):
+        data += bytes([kind])
+        if isinstance(value, bytes):
+            data += struct.pack(">I", len(value)) + value
+    return RawInsert(insert.relid, data, insert.xid)
+
+
+def test_raw_inserts_read_back_from_a_spill_go_to_copy_and_insert_as_decoded_ones() -> None:
+    from router.apply.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    notes = [b"plain", b"tab\there", b"new\nline", b"back\\slash", None]
+    rows = [Insert(7, TupleData(b"t" + (b"t" if notes[i % 5] is not None else b"n") + b"n",
+                                (str(i).encode(), notes[i % 5], None)))
+            for i in range(COPY_MIN_ROWS + 50)]
+    raws = [_raw(r) for r in rows]
+    decoded = transaction_segments(txn(*rows), tables, guard_origin=3)
+    mixed = transaction_segments(txn(*raws[:10], *rows[10:20], *raws[20:]), tables, guard_origin=3)
+    assert [type(s) for s in mixed] == [type(s) for s in decoded] == [str, CopyRun, str]
+    assert isinstance(mixed[1], CopyRun) and isinstance(decoded[1], CopyRun)
+    assert mixed[1].data() == decoded[1].data()
+    assert b"tab\\there\t" in mixed[1].data() and b"\\N" in mixed[1].data()
+    assert mixed[1].fallback() == decoded[1].fallback()  # the guarded INSERT, when tombstones exist
+    # A run too short for COPY: an INSERT with the same literals.
+    short = transaction_segments(txn(*raws[:KEY], relations=(REL,)), tables, guard_origin=3)
+    assert short == transaction_segments(txn(*rows[:KEY], relations=(REL,)), tables, guard_origin=3)
+
+
+KEY = 3
+
+
+def test_a_raw_insert_that_does_not_read_back_names_its_table() -> None:
+    from protocol.messages import RawInsert
+    from router.apply.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    good = [_raw(Insert(7, TupleData(b"tnn", (str(i).encode(), None, None)))) for i in range(COPY_MIN_ROWS)]
+    damaged = RawInsert(7, good[0].data[:-1])  # type: ignore[attr-defined]  # one byte short
+    segments = transaction_segments(txn(*good, damaged), tables, guard_origin=3)
+    run = segments[1]
+    assert isinstance(run, CopyRun)
+    for build in (run.data, run.fallback):
+        with pytest.raises(ApplyError, match="does not read back") as caught:
+            build()
+        assert caught.value.relation == "public.Odd Name"
+    with pytest.raises(ApplyError, match="does not read back"):  # a short run: an INSERT
+        transaction_segments(txn(good[0], damaged), tables, guard_origin=3)
