@@ -54,7 +54,8 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
-from router.cluster.catalog import check_cluster, install, replicated_tables, uninstall
+from router.cluster.checks import check_cluster, replicated_tables
+from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
 from router.ops.control import admin

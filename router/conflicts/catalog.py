@@ -20,7 +20,7 @@ IDENTITY FULL) every column in attnum order. A partition's deletes are recorded 
 root's name, as the publication (publish_via_partition_root) names them.
 
 Must not: decide conflicts, prune tombstones, or touch user tables beyond the one trigger. Called by
-`router.cluster.catalog.install` inside its transaction; identifiers are quoted with `psycopg.sql`.
+`router.cluster.install.install` inside its transaction; identifiers are quoted with `psycopg.sql`.
 """
 
 from __future__ import annotations

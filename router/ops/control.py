@@ -23,7 +23,7 @@ from typing import Any, Final, TextIO
 import msgspec
 import psycopg
 
-from router.cluster.catalog import init_cluster
+from router.cluster.install import init_cluster
 from router.config import Config
 from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import psycopg
 
-from router.cluster.catalog import init_cluster
+from router.cluster.install import init_cluster
 from router.config import Config, parse_config
 from router.ops.control import render_status
 from router.service.supervisor import Router

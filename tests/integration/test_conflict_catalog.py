@@ -25,7 +25,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.catalog import check_cluster, init_cluster, install, uninstall
+from router.cluster.checks import check_cluster
+from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
 from router.conflicts.catalog import TOMBSTONE_SETTINGS, tombstone_keys
 from router.errors import ConfigError, PgmeshError

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.catalog import init_cluster
+from router.cluster.install import init_cluster
 from router.config import parse_config
 from router.ops.cli import main as pgmesh
 from router.testing.mesh import (

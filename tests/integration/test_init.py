@@ -1,6 +1,6 @@
 """`pgmesh init` on real PostgreSQL 15 nodes: the checks, the install, its idempotence, and refusals.
 
-Owns: proving that `router.cluster.catalog` installs exactly what it says (schema, links, publication, slot,
+Owns: proving that `router.cluster.install` installs exactly what it says (schema, links, publication, slot,
 origins) on every node, that a second install changes nothing, and that every bad input (a missing or
 different table, a table without a key, a wrong setting, a wrong password, a node that is down) is
 refused with a report naming the node and the table, never the password. Must not sleep or time anything.
@@ -18,16 +18,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.catalog import (
-    Check,
-    InitReport,
-    NodeFacts,
-    _node_checks,
-    check_cluster,
-    init_cluster,
-    install,
-    uninstall,
-)
+from router.cluster.checks import Check, InitReport, NodeFacts, _node_checks, check_cluster
+from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
 from router.errors import ConfigError, SlotError
 

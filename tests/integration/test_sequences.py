@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.catalog import init_cluster
+from router.cluster.install import init_cluster
 from router.errors import ConfigError, PgmeshError
 from router.ops.cli import main
 from router.sequences.convert import convert_sequences

@@ -1,16 +1,16 @@
-"""What pgmesh installs on a node, and how it checks that a node can take part.
+"""Whether a node can take part: the pre-flight checks of `pgmesh init`.
 
-Owns the pre-flight checks of `pgmesh init` (server version, the settings logical replication and
-commit timestamps need, free slots and WAL senders, the role's privileges, and that every replicated
-table exists on every node with the same columns and a key, and that tables with delta columns can
-have them), and the objects pgmesh keeps on each node: the `pgmesh` schema with its `links` table, the
-publication, the logical slot, one replication origin per other node, and (through
-`router.conflicts.catalog`) the conflict history, tombstones, their trigger and the applier's guards.
-Installing is idempotent; `uninstall` removes all of it from one node.
+Owns reading each node once (settings, role, slots and WAL senders in use, the candidate tables with
+their columns, key and replica identity) and the checks, pure functions of what was read: server
+version, the settings logical replication and commit timestamps need, free slots and WAL senders, the
+role's privileges, and that every replicated table exists on every node with the same columns and a
+key, and that tables with delta columns can have them. The report (`InitReport`) renders one block per
+node, one line per check, and what to do under each problem. Also the admin connection `pgmesh init`
+uses (`connect`), shared with `router.cluster.install`.
 
-Must not: stream or apply changes, decide retry policy (that is `router.errors.decide`), create or alter
-user tables (beyond the tombstone trigger), or ever put a DSN or a password into a message (psycopg
-errors go through `describe`).
+Must not: write anything to a node (installing is `router.cluster.install`'s), stream or apply
+changes, decide retry policy (that is `router.errors.decide`), or ever put a DSN or a password into a
+message (psycopg errors go through `describe`).
 Identifiers are always quoted with `psycopg.sql.Identifier`.
 """
 
@@ -18,26 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
 import psycopg
 from psycopg import sql
 
-from router.config import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
-from router.conflicts.catalog import install_conflict_catalog
-from router.ddl.capture import install_ddl_capture
-from router.errors import ConfigError, PgmeshError, SlotError, describe
+from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
+from router.errors import PgmeshError, describe
 
 __all__ = [
     "Check",
     "InitReport",
+    "NodeFacts",
+    "TableName",
     "check_cluster",
-    "init_cluster",
-    "install",
+    "connect",
     "replicated_tables",
-    "uninstall",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,7 +151,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
 # Connecting
 
 
-async def _connect(node: NodeConfig) -> Conn:
+async def connect(node: NodeConfig) -> Conn:
     """An autocommit admin connection; a DSN that does not parse is reported without echoing it."""
     try:
         return await psycopg.AsyncConnection.connect(
@@ -226,7 +224,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
 async def _probe(config: Config, node: NodeConfig) -> NodeFacts | Check:
     """The node's facts, or a failed `connect` check saying why it could not be read."""
     try:
-        conn = await _connect(node)
+        conn = await connect(node)
     except PgmeshError as exc:
         return Check(node.name, "connect", False, exc.message, hint=exc.hint)
     except (psycopg.Error, OSError) as exc:
@@ -467,245 +465,3 @@ async def check_cluster(config: Config) -> InitReport:
     report = InitReport(checks, tables, config.cluster.name)
     logger.info("init checks for cluster %s: %d problem(s)", config.cluster.name, len(report.problems))
     return report
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Installing
-
-
-_LINKS_DDL: Final = sql.SQL(
-    "CREATE TABLE IF NOT EXISTS {}.links (source text PRIMARY KEY, paused boolean NOT NULL DEFAULT false,"
-    " reason text, updated timestamptz NOT NULL DEFAULT now())"
-)
-
-
-async def _ensure_schema(conn: Conn) -> list[str]:
-    cur = await conn.execute(
-        "SELECT to_regnamespace(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-        [PGMESH_SCHEMA, f"{PGMESH_SCHEMA}.links"],
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    schema = sql.Identifier(PGMESH_SCHEMA)
-    await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
-    await conn.execute(_LINKS_DDL.format(schema))
-    done = [] if row[0] else [f"created schema {PGMESH_SCHEMA}"]
-    return done + ([] if row[1] else [f"created table {PGMESH_SCHEMA}.links"])
-
-
-async def _ensure_links(conn: Conn, config: Config, me: str) -> list[str]:
-    others = [n for n in config.node_names if n != me]
-    query = sql.SQL(
-        "INSERT INTO {}.links (source) SELECT unnest(%s::text[])"
-        " ON CONFLICT (source) DO NOTHING RETURNING source"
-    ).format(sql.Identifier(PGMESH_SCHEMA))
-    cur = await conn.execute(query, [others])
-    added = sorted(r[0] for r in await cur.fetchall())
-    return [f"added link rows for source {', '.join(added)}"] if added else []
-
-
-def _table_list(tables: Iterable[TableName]) -> sql.Composed:
-    return sql.SQL(", ").join(sql.Identifier(*t) for t in tables)
-
-
-async def _publication_tables(conn: Conn, name: str) -> set[TableName]:
-    cur = await conn.execute(
-        "SELECT n.nspname, c.relname FROM pg_publication p"
-        " JOIN pg_publication_rel r ON r.prpubid = p.oid JOIN pg_class c ON c.oid = r.prrelid"
-        " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE p.pubname = %s",
-        [name],
-    )
-    return {(s, t) for s, t in await cur.fetchall()}
-
-
-async def _ensure_publication(conn: Conn, config: Config, tables: Sequence[TableName]) -> list[str]:
-    name = config.publication_name
-    pub = sql.Identifier(name)
-    cur = await conn.execute("SELECT puballtables, pubviaroot FROM pg_publication WHERE pubname = %s", [name])
-    row = await cur.fetchone()
-    if row is None:
-        target = sql.SQL(" FOR TABLE {}").format(_table_list(tables)) if tables else sql.SQL("")
-        create = sql.SQL("CREATE PUBLICATION {}{} WITH (publish_via_partition_root = true)")
-        await conn.execute(create.format(pub, target))
-        return [f"created publication {name} for {len(tables)} tables"]
-    if row[0]:
-        raise PgmeshError(
-            f"publication {name} exists FOR ALL TABLES; pgmesh did not create it",
-            hint=f"drop it (DROP PUBLICATION {pub.as_string()}) and run init again",
-        )
-    done: list[str] = []
-    if not row[1]:
-        await conn.execute(
-            sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)").format(pub)
-        )
-        done.append(f"set publish_via_partition_root on publication {name}")
-    current = await _publication_tables(conn, name)
-    if current != set(tables):
-        verb, listed = ("SET", tables) if tables else ("DROP", sorted(current))
-        query = sql.SQL("ALTER PUBLICATION {} {} TABLE {}").format(pub, sql.SQL(verb), _table_list(listed))
-        await conn.execute(query)
-        added, dropped = len(set(tables) - current), len(current - set(tables))
-        done.append(f"publication {name}: added {added} tables, removed {dropped}")
-    return done
-
-
-async def _ensure_slot(conn: Conn, config: Config, node: str) -> list[str]:
-    name = config.slot_name
-    cur = await conn.execute(
-        "SELECT plugin, database, current_database() FROM pg_replication_slots WHERE slot_name = %s", [name]
-    )
-    row = await cur.fetchone()
-    if row is not None:
-        if row[0] != "pgoutput" or row[1] != row[2]:
-            raise SlotError(
-                f"slot {name} exists for plugin {row[0]!r} in database {row[1]!r}",
-                node=node,
-                hint=f"drop it (SELECT pg_drop_replication_slot('{name}')) or rename the cluster",
-            )
-        return []
-    await conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", [name])
-    return [f"created logical slot {name} (pgoutput)"]
-
-
-async def _ensure_origins(conn: Conn, config: Config, me: str) -> list[str]:
-    wanted = [config.origin_name(n) for n in config.node_names if n != me]
-    cur = await conn.execute("SELECT roname FROM pg_replication_origin WHERE roname = ANY(%s)", [wanted])
-    have = {r[0] for r in await cur.fetchall()}
-    missing = [o for o in wanted if o not in have]
-    for origin in missing:
-        await conn.execute("SELECT pg_replication_origin_create(%s)", [origin])
-    return [f"created replication origins {', '.join(missing)}"] if missing else []
-
-
-async def _install_node(config: Config, node: NodeConfig, tables: Sequence[TableName]) -> list[str]:
-    try:
-        async with await _connect(node) as conn:
-            async with conn.transaction():
-                await conn.execute("SET LOCAL pgmesh.ddl_local = on")  # pgmesh's own DDL is not replicated
-                done = await _ensure_schema(conn)
-                done += await _ensure_links(conn, config, node.name)
-                done += await _ensure_publication(conn, config, tables)
-                done += await install_conflict_catalog(conn, tables)
-                done += await install_ddl_capture(conn, config, tables)
-            # A logical slot cannot be created in a transaction that has written anything.
-            done += await _ensure_slot(conn, config, node.name)
-            done += await _ensure_origins(conn, config, node.name)
-    except psycopg.Error as exc:
-        raise PgmeshError(f"install failed: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-    except PgmeshError as exc:
-        if exc.node is None:
-            exc = PgmeshError(exc.message, node=node.name, sqlstate=exc.sqlstate, hint=exc.hint)
-        raise exc from None
-    if done:
-        return [f"node {node.name}: {line}" for line in done]
-    others = len(config.nodes) - 1
-    return [
-        f"node {node.name}: already installed, nothing changed (schema {PGMESH_SCHEMA}, {others} links,"
-        f" publication {config.publication_name} with {len(tables)} tables, slot {config.slot_name},"
-        f" {others} origins, conflict history, tombstone triggers on {len(tables)} tables)"
-    ]
-
-
-async def install(config: Config, report: InitReport) -> list[str]:
-    """Install pgmesh's objects on every node (idempotent); returns one line per thing done."""
-    if not report.ok:
-        raise ConfigError("refusing to install: the nodes are not ready\n" + report.render())
-    results = await asyncio.gather(
-        *(_install_node(config, node, report.tables) for node in config.nodes), return_exceptions=True
-    )
-    lines: list[str] = []
-    failures: list[str] = []
-    for result in results:
-        if isinstance(result, Exception):
-            failures.append(describe(result))
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            lines.extend(result)
-    if failures:
-        raise PgmeshError("install did not finish: " + "; ".join(failures))
-    from router.sequences.ids import install_sequences  # node ids and snowflake functions, once all are in
-
-    lines += await install_sequences(config)
-    for line in lines:
-        logger.info("%s", line)
-    return lines
-
-
-async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
-    """Check every node, then install; raises ConfigError with the report when a check failed."""
-    report = await check_cluster(config)
-    return report, await install(config, report)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Uninstalling one node
-
-
-async def _drop_slot(conn: Conn, config: Config, node: str) -> list[str]:
-    name = config.slot_name
-    cur = await conn.execute(
-        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
-        [name],
-    )
-    row = await cur.fetchone()
-    if row is None:
-        return []
-    if row[0] is not None:
-        raise SlotError(
-            f"slot {name} is in use by process {row[0]}; nothing was removed",
-            node=node,
-            hint="stop the router (or whatever streams from the slot) first",
-        )
-    await conn.execute("SELECT pg_drop_replication_slot(%s)", [name])
-    return [f"dropped slot {name}"]
-
-
-async def _drop_origins(conn: Conn, config: Config) -> list[str]:
-    names = [config.origin_name(n) for n in config.node_names]
-    names += [config.early_origin_name(n) for n in config.node_names]
-    cur = await conn.execute("SELECT roname FROM pg_replication_origin WHERE roname = ANY(%s)", [names])
-    found = sorted(r[0] for r in await cur.fetchall())
-    for origin in found:
-        await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
-    return [f"dropped replication origins {', '.join(found)}"] if found else []
-
-
-async def _drop_publication_and_schema(conn: Conn, config: Config) -> list[str]:
-    pub = config.publication_name
-    cur = await conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = %s), to_regnamespace(%s) IS NOT NULL",
-        [pub, PGMESH_SCHEMA],
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    done: list[str] = []
-    if row[0]:
-        await conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(pub)))
-        done.append(f"dropped publication {pub}")
-    if row[1]:
-        await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(PGMESH_SCHEMA)))
-        done.append(f"dropped schema {PGMESH_SCHEMA}")
-    return done
-
-
-async def uninstall(config: Config, node: str) -> list[str]:
-    """Remove pgmesh's slot, origins, publication and schema from one node (idempotent).
-
-    Refuses (SlotError, nothing removed) while something streams from the node's slot.
-    """
-    target = config.node(node)
-    try:
-        async with await _connect(target) as conn:
-            done = await _drop_slot(conn, config, node)
-            await conn.execute("SET pgmesh.ddl_local = on")  # removing pgmesh is not replicated
-            for name in ("pgmesh_ddl_capture", "pgmesh_ddl_refuse", "pgmesh_ddl_dropped"):
-                await conn.execute(sql.SQL("DROP EVENT TRIGGER IF EXISTS {}").format(sql.Identifier(name)))
-            done += await _drop_origins(conn, config)
-            done += await _drop_publication_and_schema(conn, config)
-    except psycopg.Error as exc:
-        raise PgmeshError(f"uninstall failed: {describe(exc)}", node=node, sqlstate=exc.sqlstate) from None
-    lines = [f"node {node}: {line}" for line in done] or [f"node {node}: nothing of pgmesh left to remove"]
-    for line in lines:
-        logger.info("%s", line)
-    return lines
