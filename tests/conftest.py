@@ -1,7 +1,7 @@
 """Test-suite wiring: makes the repository importable and registers the shared fixtures.
 
 Owns: sys.path set-up (only when the repository root is missing) and fixture registration.
-Must not: define fixtures or test logic itself (they live in fix_cluster.py and proxy.py).
+Must not: define fixtures or test logic itself (they live in fix_cluster.py, fix_mesh.py and proxy.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ if not any(Path(entry or ".").resolve() == ROOT for entry in sys.path):
     sys.path.insert(0, str(ROOT))
 
 from tests.fix_cluster import pg_backend, pg_nodes  # noqa: E402
+from tests.fix_mesh import mesh  # noqa: E402
 from tests.proxy import tcp_proxy  # noqa: E402
 
-__all__ = ["pg_backend", "pg_nodes", "tcp_proxy"]
+__all__ = ["mesh", "pg_backend", "pg_nodes", "tcp_proxy"]

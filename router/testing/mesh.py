@@ -1,16 +1,26 @@
-"""Helpers for tests that run the router over real nodes: config, schema, a running router, convergence."""
+"""Running the router over real nodes in tests, bench and the demo: config, schema, a set-up mesh, a
+running router, convergence, and the few process facts those tests read (a free port, peak memory).
+
+Owns: the config text every test cluster uses, `prepare_mesh` (the one set-up: the same schema on every
+node, a config, `pgmesh init`) and the `Mesh` it returns, `running_router`, and waiting on conditions.
+Must not: start or destroy servers (`router.testing.localnodes` and the test fixtures do), sleep for a
+fixed time to let something happen, or be imported by shipped code other than the demo.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from router.cluster.catalog import init_cluster
+from router.cluster.install import init_cluster
 from router.config import Config, parse_config
 from router.service.supervisor import Router
 from router.testing.compare import fingerprints, same_everywhere
@@ -46,14 +56,94 @@ async def fetch(dsn: str, query: str, params: Any = None) -> list[tuple[Any, ...
         return await cur.fetchall()
 
 
-async def setup_mesh(nodes: Sequence[Any], schema: str, **kw: Any) -> Config:
-    """Same schema on every node, then `pgmesh init`."""
-    for node in nodes:
+class Mesh:
+    """Nodes set up as one pgmesh cluster (schema, config, init), and spare nodes started beside them.
+
+    `nodes` are the members, in config order; `spares` were started with the same settings but hold
+    nothing (a node to join, or to replace one). `config` is made from the options, which are kept: a
+    config for other nodes (`config_for`) or a config file (`write_config`) says the same of the cluster.
+    """
+
+    __slots__ = ("admin_port", "cluster", "config", "extra", "nodes", "replication", "spares")
+
+    def __init__(
+        self,
+        nodes: Sequence[Any],
+        *,
+        spares: Sequence[Any] = (),
+        cluster: str = "t",
+        replication: str = "",
+        admin_port: int = 0,
+        extra: str = "",
+    ) -> None:
+        self.nodes = list(nodes)
+        self.spares = list(spares)
+        self.cluster = cluster
+        self.replication = replication
+        self.admin_port = admin_port
+        self.extra = extra
+        self.config = self.config_for(self.nodes)
+
+    @property
+    def all_nodes(self) -> list[Any]:
+        """Members, then spares."""
+        return [*self.nodes, *self.spares]
+
+    @property
+    def dsns(self) -> list[str]:
+        return [node.dsn() for node in self.nodes]
+
+    def node(self, name: str) -> Any:
+        for node in self.all_nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r} in this mesh")
+
+    def config_text(self, nodes: Sequence[Any] | None = None) -> str:
+        """The config.toml text for `nodes` (default: the members) with this mesh's options."""
+        return config_text(
+            self.nodes if nodes is None else nodes,
+            cluster=self.cluster,
+            replication=self.replication,
+            admin_port=self.admin_port,
+            extra=self.extra,
+        )
+
+    def config_for(self, nodes: Sequence[Any]) -> Config:
+        """This cluster's config over other nodes (after a join, or for a subset)."""
+        return parse_config(self.config_text(nodes))
+
+    def write_config(self, path: Path, nodes: Sequence[Any] | None = None, extra: str = "") -> Path:
+        """Write the config file the `pgmesh` command line reads; `extra` is appended."""
+        path.write_text(self.config_text(nodes) + extra)
+        return path
+
+
+async def prepare_mesh(
+    nodes: Sequence[Any],
+    schema: str = "",
+    *,
+    spares: Sequence[Any] = (),
+    cluster: str = "t",
+    replication: str = "",
+    admin_port: int = 0,
+    extra: str = "",
+    init: bool = True,
+) -> Mesh:
+    """The same schema on every node, their config, then `pgmesh init` (unless `init` is false)."""
+    for node in nodes if schema else ():
         await execute(node.dsn(), schema)
-    config = make_config(nodes, **kw)
-    report, _ = await init_cluster(config)
-    assert report.ok, report.render()
-    return config
+    mesh = Mesh(nodes, spares=spares, cluster=cluster, replication=replication, admin_port=admin_port,
+                extra=extra)
+    if init:
+        report, _ = await init_cluster(mesh.config)
+        assert report.ok, report.render()
+    return mesh
+
+
+async def setup_mesh(nodes: Sequence[Any], schema: str, **kw: Any) -> Config:
+    """Same schema on every node, then `pgmesh init`: the config."""
+    return (await prepare_mesh(nodes, schema, **kw)).config
 
 
 @contextlib.asynccontextmanager
@@ -97,3 +187,25 @@ async def converged(nodes: Sequence[Any], tables: Sequence[str]) -> bool:
 
 async def wait_converged(nodes: Sequence[Any], tables: Sequence[str], limit: float = 120.0) -> None:
     await wait_for(lambda: converged(nodes, tables), "all nodes to hold identical rows", limit)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now: an admin listener's, or a node that is down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def peak_rss_kb() -> int:
+    """VmHWM of this process (kB): the peak resident set since the last reset_peak_rss()."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def reset_peak_rss() -> int:
+    """Reset VmHWM to the current RSS where the kernel allows it; returns the current peak (kB)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return peak_rss_kb()

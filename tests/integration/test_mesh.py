@@ -8,17 +8,9 @@ import time
 from typing import Any
 
 import psycopg
-import pytest
 
-from router.testing.mesh import (
-    NODE_SETTINGS,
-    execute,
-    fetch,
-    running_router,
-    setup_mesh,
-    wait_converged,
-    wait_for,
-)
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
 CREATE TABLE accounts (id int PRIMARY KEY, owner text NOT NULL, balance numeric NOT NULL, note text);
@@ -63,17 +55,9 @@ async def scratch_with_truncate(node: Any) -> None:
         await conn.execute("INSERT INTO scratch SELECT i, 'second' FROM generate_series(1, 20) i")
 
 
-@pytest.fixture
-async def mesh(pg_nodes: Any) -> tuple[list[Any], Any]:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA)
-    return nodes, config
-
-
-async def test_three_nodes_converge_with_original_origin_and_commit_time(
-    mesh: tuple[list[Any], Any],
-) -> None:
-    nodes, config = mesh
+async def test_three_nodes_converge_with_original_origin_and_commit_time(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     async with running_router(config) as router:
         await asyncio.gather(
             *(workload(node, (i + 1) * 1_000_000, 40, i) for i, node in enumerate(nodes)),
@@ -114,8 +98,9 @@ async def test_three_nodes_converge_with_original_origin_and_commit_time(
                 assert row == (config.origin_name(source.name), committed)
 
 
-async def test_reader_never_sees_half_a_transaction_or_out_of_order(mesh: tuple[list[Any], Any]) -> None:
-    nodes, config = mesh
+async def test_reader_never_sees_half_a_transaction_or_out_of_order(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     a, b = nodes[0], nodes[1]
     async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
         for i in range(300):  # a backlog: each transaction writes two tables
@@ -148,9 +133,9 @@ async def test_reader_never_sees_half_a_transaction_or_out_of_order(mesh: tuple[
     assert not violations, violations[:3]
 
 
-async def test_apply_delay_holds_each_transaction(pg_nodes: Any) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA, replication="apply_delay_ms = 2000")
+async def test_apply_delay_holds_each_transaction(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, replication="apply_delay_ms = 2000")
+    nodes, config = m.nodes, m.config
     a, b = nodes
     async with running_router(config):
         commits = []
@@ -171,9 +156,9 @@ async def test_apply_delay_holds_each_transaction(pg_nodes: Any) -> None:
         assert seen[key] - commit >= 2.0, f"row {key} visible {seen[key] - commit:.3f} s after its commit"
 
 
-async def test_missing_column_pauses_only_that_link_until_resume(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA)
+async def test_missing_column_pauses_only_that_link_until_resume(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     a, b, c = nodes
     behind = "SET pgmesh.ddl_inner = on; "  # DDL pgmesh neither replicates nor records (docs/ddl.md)
     await execute(b.dsn(), behind + "ALTER TABLE scratch DROP COLUMN v")  # b drifts from the others

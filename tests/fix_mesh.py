@@ -1,0 +1,67 @@
+"""The `mesh` pytest fixture: real nodes set up as one pgmesh cluster, the set-up integration tests share.
+
+Owns: turning the fixture's arguments (how many nodes or their names, the schema, node settings, config
+options, spare nodes, whether to run init) into started nodes and a `router.testing.mesh.Mesh`.
+Must not: run a router (tests do, with `running_router`), or destroy nodes itself (`pg_nodes` does, at
+teardown, whatever the test's outcome).
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import pytest
+
+from router.testing.mesh import NODE_SETTINGS, Mesh, prepare_mesh
+from tests.fix_cluster import NodeFactory
+
+logger = logging.getLogger(__name__)
+
+MeshFactory = Callable[..., Awaitable[Mesh]]
+
+
+def node_names(nodes: int | Sequence[str]) -> list[str]:
+    """Names a, b, c, ... for a count; the names themselves otherwise."""
+    if isinstance(nodes, int):
+        return list(string.ascii_lowercase[:nodes])
+    return list(nodes)
+
+
+@pytest.fixture
+def mesh(pg_nodes: NodeFactory) -> MeshFactory:
+    """Factory: `await mesh(nodes=2, schema="", ...)` -> a `Mesh` whose nodes hold `schema` and pgmesh.
+
+    - `nodes`: how many (named a, b, c, ...) or their names, in config order;
+    - `schema`: SQL run on every member before init;
+    - `settings`: server settings for every node (default `NODE_SETTINGS`; `{}` for the defaults only),
+      `password`: scram-sha-256 for `postgres`;
+    - `spares`: names of nodes started with the same settings but left empty, outside the config;
+    - `cluster`, `replication`, `extra`, `admin_port`: the config (`router.testing.mesh.config_text`);
+    - `init`: false to stop before `pgmesh init` (the test runs it, and asserts on what it says).
+    """
+
+    async def make(
+        nodes: int | Sequence[str] = 2,
+        schema: str = "",
+        *,
+        settings: Mapping[str, str] = NODE_SETTINGS,
+        password: str | None = None,
+        spares: Sequence[str] = (),
+        cluster: str = "t",
+        replication: str = "",
+        extra: str = "",
+        admin_port: int = 0,
+        init: bool = True,
+    ) -> Mesh:
+        names = node_names(nodes)
+        started = pg_nodes(names=[*names, *spares], settings=settings, password=password)
+        members, spare = started[: len(names)], started[len(names) :]
+        logger.info("mesh %s over %s (spares: %s)", cluster, ", ".join(names), ", ".join(spares) or "none")
+        return await prepare_mesh(
+            members, schema, spares=spare, cluster=cluster, replication=replication, admin_port=admin_port,
+            extra=extra, init=init,
+        )
+
+    return make
