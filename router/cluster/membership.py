@@ -54,11 +54,12 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
+from router.cluster import pgbin
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
-from router.ops.control import admin
+from router.service.admin import ask_router
 from router.stream.source import ReplicationSource, SourceOptions
 
 __all__ = ["JoinReport", "cmd_join", "cmd_part", "join_node", "part_node"]
@@ -111,11 +112,9 @@ async def _one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | 
 
 def _tool(name: str) -> str:
     """A PostgreSQL client program: PGMESH_PG_BIN, the server's bindir, then PATH."""
-    from router.testing.localnodes import find_pg_bindir
-
     candidates = [os.environ.get("PGMESH_PG_BIN", "")]
     with contextlib.suppress(Exception):
-        candidates.append(str(find_pg_bindir()))
+        candidates.append(str(pgbin.find_pg_bindir()))
     for directory in candidates:
         if directory and os.access(Path(directory) / name, os.X_OK):
             return str(Path(directory) / name)
@@ -163,7 +162,7 @@ async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]
 
 async def _hold_router(config: Config, members: dict[str, Conn], busy: list[str]) -> bool:
     """Ask the running router to stop streaming for the join (writes go on); True once it has."""
-    answer = await admin(config, "POST", "/hold", limit=150.0)
+    answer = await ask_router(config, "POST", "/hold", limit=150.0)
     if answer is None or answer[0] != 200:
         raise PgmeshError(
             f"the router is streaming from {', '.join(busy)} and its admin listener"
@@ -174,7 +173,7 @@ async def _hold_router(config: Config, members: dict[str, Conn], busy: list[str]
     deadline = time.monotonic() + 60
     while await _router_streaming(members, config):
         if time.monotonic() > deadline:
-            await admin(config, "POST", "/release")
+            await ask_router(config, "POST", "/release")
             raise PgmeshError("the router held, but its slots stayed active for 60 s")
         await asyncio.sleep(0.1)
     logger.info("the router holds for the join: replication waits, writes go on")
@@ -284,7 +283,7 @@ async def join_node(
         for conn in conns.values():
             await conn.close()
         if held:  # the router re-reads the config and streams to and from the new node
-            await admin(config, "POST", "/release")
+            await ask_router(config, "POST", "/release")
     positions, snapshot_lsn, copied = report
     return JoinReport(
         node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,

@@ -28,7 +28,7 @@ from router.config import Config
 from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
-from router.service.admin import admin_request
+from router.service.admin import ask_router
 from router.service.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
 __all__ = [
@@ -71,15 +71,6 @@ async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) ->
     router = Router(config, reload=reload)
     await router.run(stop)
     return 0
-
-
-async def admin(config: Config, method: str, path: str, limit: float = 5.0) -> tuple[int, bytes] | None:
-    """One request to the running router's admin listener; None when no router listens."""
-    host, port = config.admin_host_port
-    try:
-        return await admin_request(host, port, method, path, timeout=limit)
-    except OSError:
-        return None
 
 
 async def offline_status(config: Config) -> StatusReport:
@@ -130,7 +121,7 @@ async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, no
 
 
 async def fetch_status(config: Config) -> StatusReport:
-    reply = await admin(config, "GET", "/status")
+    reply = await ask_router(config, "GET", "/status")
     if reply is not None and reply[0] == 200:
         return msgspec.json.decode(reply[1], type=StatusReport)
     return await offline_status(config)
@@ -193,7 +184,7 @@ async def _pause_resume(config: Config, target: str | None, paused: bool, out: T
         config.node(target)  # a clear error for an unknown node
     verb = "pause" if paused else "resume"
     query = f"/{verb}" + (f"?target={target}" if target else "")
-    reply = await admin(config, "POST", query)
+    reply = await ask_router(config, "POST", query)
     if reply is not None and reply[0] == 200:
         links = msgspec.json.decode(reply[1])
         print(f"{verb}d: {', '.join(links) if links else 'nothing'}", file=out)

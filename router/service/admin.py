@@ -3,7 +3,8 @@
 Owns: the admin socket, request parsing under a size limit and a timeout, the routes
 (`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause`, `POST /resume`, and `POST /hold` /
 `POST /release` for a join while the router runs) and how callback results
-and errors become responses; `admin_request`, the matching client.
+and errors become responses; `admin_request`, the matching client, and `ask_router` (None when no
+router listens where the config says).
 Must not: know how the router pauses a link or what status holds (it calls the callbacks it was given),
 keep a connection open after a response (every response says `Connection: close`), let one bad
 client stop the listener, or add authentication: it listens where it is told, loopback by default,
@@ -25,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 
+from router.config import Config
 from router.errors import PgmeshError
 from router.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.service.metrics import Metrics
@@ -484,6 +486,15 @@ async def admin_request(
             exc.errno, f"nothing listens on {where}: is the pgmesh router running?"
         ) from exc
     return _parse_response(raw, where)
+
+
+async def ask_router(config: Config, method: str, path: str, limit: float = 5.0) -> tuple[int, bytes] | None:
+    """One request to the running router's admin listener (`[admin] listen`); None when no router listens."""
+    host, port = config.admin_host_port
+    try:
+        return await admin_request(host, port, method, path, timeout=limit)
+    except OSError:
+        return None
 
 
 async def _exchange(host: str, port: int, request: bytes) -> bytes:

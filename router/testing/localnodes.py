@@ -1,13 +1,13 @@
 """Throw-away local PostgreSQL clusters for `pgmesh demo` and the integration tests.
 
-Owns: finding a PostgreSQL (>= 15) binary directory, one cached `initdb` template per process, copying it
+Owns: one cached `initdb` template per process (the binaries are `router.cluster.pgbin`'s), copying it
 into per-node data directories, their configuration (postgresql.conf additions, pg_hba.conf), free
 loopback ports, and starting / stopping / crashing / destroying those servers with `pg_ctl`.
 
 Must not: touch any cluster it did not create, run the server as root (when euid is 0 every server-side
 command runs as the `postgres` OS user through `runuser`), talk the replication protocol, or import
-anything outside the standard library. It is synchronous subprocess code, never called on the router's
-hot path.
+anything outside the standard library but `router.cluster.pgbin` (itself standard library only). It is
+synchronous subprocess code, never called on the router's hot path.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from router.cluster import pgbin
+
 logger = logging.getLogger(__name__)
 
-MIN_MAJOR = 15
 PG_OS_USER = "postgres"
 CONF_INCLUDE = "pgmesh.conf"
 START_TIMEOUT_S = 60
@@ -64,70 +65,13 @@ class LocalNodeError(RuntimeError):
 # Binaries and OS user
 
 
-def _major_version(bindir: Path) -> int | None:
-    """Major version of the `postgres` binary in `bindir`, or None when it is not a usable bindir."""
-    for tool in ("postgres", "initdb", "pg_ctl"):
-        if not os.access(bindir / tool, os.X_OK):
-            return None
-    try:
-        out = subprocess.run(
-            [str(bindir / "postgres"), "--version"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"\(PostgreSQL\)\s+(\d+)", out)
-    return int(match.group(1)) if match else None
-
-
-def _candidate_bindirs() -> Iterator[tuple[str, Path]]:
-    """Where to look, in order, as (how it was found, directory)."""
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        try:
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-            if out:
-                yield "pg_config --bindir", Path(out)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    versioned: list[tuple[int, Path]] = []
-    for path in Path("/usr/lib/postgresql").glob("*/bin"):
-        if path.parent.name.isdigit():
-            versioned.append((int(path.parent.name), path))
-    for _, path in sorted(versioned, reverse=True):
-        yield "/usr/lib/postgresql/*/bin", path
-    on_path = shutil.which("pg_ctl")
-    if on_path:
-        yield "PATH", Path(on_path).resolve().parent
-
-
 def find_pg_bindir() -> Path:
-    """The PostgreSQL (>= 15) binary directory: $PGMESH_PG_BINDIR, `pg_config --bindir`,
-    the highest /usr/lib/postgresql/*/bin, then PATH."""
-    explicit = os.environ.get("PGMESH_PG_BINDIR")
-    if explicit:
-        major = _major_version(Path(explicit))
-        if major is None or major < MIN_MAJOR:
-            found = "not a usable bindir" if major is None else f"version {major}"
-            raise LocalNodeError(
-                f"PGMESH_PG_BINDIR={explicit!r} does not hold postgres, initdb and pg_ctl of "
-                f"PostgreSQL >= {MIN_MAJOR} ({found}); fix or unset it"
-            )
-        return Path(explicit)
-    searched: list[str] = ["$PGMESH_PG_BINDIR (unset)"]
-    for how, path in _candidate_bindirs():
-        major = _major_version(path)
-        searched.append(f"{path} via {how} (version {major})")
-        if major is not None and major >= MIN_MAJOR:
-            return path
-    if shutil.which("pg_ctl") is None:
-        searched.append("PATH (no pg_ctl)")
-    raise LocalNodeError(
-        f"no PostgreSQL >= {MIN_MAJOR} binaries (postgres, initdb, pg_ctl) found; searched: "
-        + "; ".join(searched)
-        + ". Install PostgreSQL 15+ or set PGMESH_PG_BINDIR."
-    )
+    """The PostgreSQL (>= 15) binary directory (`router.cluster.pgbin.find_pg_bindir`); when there is none,
+    a LocalNodeError saying where it looked."""
+    try:
+        return pgbin.find_pg_bindir()
+    except pgbin.PgBinError as exc:
+        raise LocalNodeError(str(exc)) from None
 
 
 def _psql_path(bindir: Path) -> str:
