@@ -42,7 +42,8 @@ from router.apply.sessions import open_session, take_origin
 from router.apply.side import SideSession
 from router.apply.statements import ApplyError, Prepared, SchemaMismatch, TargetTable, quote_ident
 from router.config import Config, NodeConfig
-from router.ddl.capture import DDL_PREFIX, Drift, ddl_command, describe_command, has_ddl, reconcile
+from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
+from router.ddl.reconcile import Drift, reconcile
 from router.errors import Action, PgmeshError, decide, describe
 from router.progress import LinkProgress
 from router.stream.linkqueue import LinkQueue

@@ -31,7 +31,7 @@ from protocol.transactions import SpilledChange, Transaction
 from router.apply.large import Gone, growing_parts
 from router.apply.sessions import LET_ORIGIN_GO, open_session, take_origin
 from router.apply.statements import Prepared, quote_literal, xact_setup_sql
-from router.ddl.capture import has_ddl
+from router.ddl.messages import has_ddl
 from router.errors import describe
 from router.stream.source import EarlyStream
 from router.stream.spool import SpillFile

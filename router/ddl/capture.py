@@ -1,11 +1,12 @@
-"""DDL replication: capture on the node where a command runs, replay in commit order everywhere else.
+"""DDL replication, the capturing side: what pgmesh installs on every node (`install_ddl_capture`).
 
 PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every node:
 
 - an event trigger on `ddl_command_end` (`pgmesh.ddl_capture`, enabled ALWAYS) that writes the command's
   text, search_path, role and tag into the same transaction as a transactional logical message with
-  prefix `pgmesh.ddl` (`pg_logical_emit_message(true, ...)`), so it is decoded at its exact place in the
-  source's commit order; the applier runs it there (`router.apply.applier`), before the DML that follows it.
+  prefix `pgmesh.ddl` (`pg_logical_emit_message(true, ...)`; the format is `router.ddl.messages`), so it
+  is decoded at its exact place in the source's commit order; the applier runs it there
+  (`router.apply.applier`), before the DML that follows it.
   Commands the router itself applies run under a replication origin and are not captured again; neither
   is DDL run with `SET pgmesh.ddl_local = on` (per-node DDL, e.g. `pgmesh sequences`), on temporary
   objects, in the `pgmesh` schema or by an extension script;
@@ -15,12 +16,12 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
   warning, or refused (`new_table_without_key = "refuse"`);
 - `pgmesh.known_columns` / `pgmesh.column_changes`: what each table's columns were called, so that a
   column renamed or dropped by DDL is recognised when rows sent before the change arrive later from
-  another node (`reconcile` maps them); an unexplained missing column still pauses the link;
+  another node (`router.ddl.reconcile` maps them); an unexplained missing column still pauses the link;
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
   cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY) and query strings that
   mix DDL with transaction control.
 
-Also `pgmesh ddl`: run a statement cluster-wide on purpose, optionally behind a replication barrier.
+`pgmesh ddl` (a statement cluster-wide on purpose) is `router.ddl.command`.
 
 Must not: apply DDL itself (the applier does, through `apply_ddl`), decide retry policy, or put a DSN
 into a message. Identifiers in SQL built here are quoted (`psycopg.sql` / `format('%I')`).
@@ -28,71 +29,22 @@ into a message. Identifiers in SQL built here are quoted (`psycopg.sql` / `forma
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
-import msgspec
 import psycopg
 from psycopg import sql
 
-from protocol.lsn import format_lsn
-from protocol.messages import Delete, Insert, Message, RawInsert, Relation, TupleData, Update
-from protocol.pgoutput import decode_raw_insert
-from protocol.transactions import Transaction
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
-from router.errors import PgmeshError, describe
-from router.stream.spool import SpillFile
+from router.config import PGMESH_SCHEMA, Config
 
-__all__ = [
-    "DDL_PREFIX",
-    "LOCAL_SETTING",
-    "DdlCommand",
-    "barrier",
-    "cmd_ddl",
-    "ddl_command",
-    "glob_regex",
-    "has_ddl",
-    "install_ddl_capture",
-    "reconcile",
-]
+__all__ = ["LOCAL_SETTING", "glob_regex", "install_ddl_capture"]
 
 logger = logging.getLogger(__name__)
 
 Conn = psycopg.AsyncConnection[Any]
-Drift = Mapping[str, Mapping[str, str | None]]  # "schema.table" -> old column name -> new name / None
 
-DDL_PREFIX: Final = "pgmesh.ddl"
 LOCAL_SETTING: Final = "pgmesh.ddl_local"  # SET pgmesh.ddl_local = on: DDL that stays on this node
-
-
-class DdlCommand(msgspec.Struct, frozen=True):
-    """What the capture trigger records of one command (the message's JSON content)."""
-
-    sql: str
-    search_path: str
-    role: str
-    tag: str
-
-
-def has_ddl(txn: Transaction) -> bool:
-    spill = txn.spill
-    if isinstance(spill, SpillFile) and DDL_PREFIX in spill.message_prefixes:
-        return True  # in the part of the transaction spilled to disk
-    if len(txn.changes) == txn.row_count:
-        return False  # rows only (the common case, checked once per transaction on the apply path)
-    return any(isinstance(c, Message) and c.prefix == DDL_PREFIX for c in txn.changes)
-
-
-def ddl_command(message: Message) -> DdlCommand:
-    return msgspec.json.decode(message.content, type=DdlCommand)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# What is installed on each node
 
 
 def glob_regex(patterns: Sequence[str]) -> str:
@@ -352,183 +304,3 @@ async def install_ddl_capture(conn: Conn, config: Config, tables: Sequence[tuple
         [[sql.Identifier(*t).as_string(conn) for t in tables]],
     )
     return done
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Rows sent before a rename or drop
-
-
-def _follow(changes: Mapping[str, str | None], name: str) -> str | None:
-    seen = {name}
-    current: str | None = name
-    while current is not None and current in changes:
-        current = changes[current]
-        if current in seen:
-            break
-        if current is not None:
-            seen.add(current)
-    return current
-
-
-def reconcile(
-    txn: Transaction, columns: Mapping[tuple[str, str], frozenset[str]], drift: Drift
-) -> Transaction | None:
-    """`txn` with its rows fitted to the target's columns where DDL explains the difference.
-
-    A column the target lacks that pgmesh saw renamed here is sent under its new name; one it saw
-    dropped is left out. None when nothing needed fitting or a difference is not explained (the
-    caller then reports the missing column).
-    """
-    fitted: dict[int, tuple[Relation, list[int] | None]] = {}  # id(relation) -> (fitted, kept positions)
-
-    def fit(relation: Relation) -> tuple[Relation, list[int] | None] | None:
-        have = columns.get((relation.schema, relation.name))
-        if have is None or all(c.name in have for c in relation.columns):
-            return relation, None
-        changes = drift.get(f"{relation.schema}.{relation.name}", {})
-        kept: list[int] = []
-        out = []
-        for i, column in enumerate(relation.columns):
-            name: str | None = column.name
-            if name not in have:
-                name = _follow(changes, column.name)
-                if name is not None and name not in have:
-                    return None
-            if name is not None:
-                kept.append(i)
-                out.append(msgspec.structs.replace(column, name=name) if name != column.name else column)
-        return msgspec.structs.replace(relation, columns=tuple(out)), kept
-
-    def cut(data: TupleData | None, kept: list[int]) -> TupleData | None:
-        if data is None:
-            return None
-        return TupleData(bytes(data.kinds[i] for i in kept), tuple(data.values[i] for i in kept))
-
-    current: dict[int, tuple[Relation, list[int] | None]] = {}
-    relations: dict[int, Relation] = {}
-    changed = False
-    for relid, relation in txn.relations.items():
-        result = fit(relation)
-        if result is None:
-            return None
-        fitted[id(relation)] = result
-        current[relid] = result
-        relations[relid] = result[0]
-        changed = changed or result[1] is not None
-    changes: list[Any] = []
-    for change in txn.changes:
-        if isinstance(change, Relation):
-            result = fit(change)
-            if result is None:
-                return None
-            current[change.relid] = result
-            changed = changed or result[1] is not None
-            changes.append(result[0])
-        elif isinstance(change, (Insert, RawInsert, Update, Delete)) and (
-            kept := _kept(current, change.relid)
-        ):
-            if isinstance(change, RawInsert):  # a part read back raw from a spill file
-                change = decode_raw_insert(change)
-            if isinstance(change, Insert):
-                changes.append(msgspec.structs.replace(change, new=cut(change.new, kept)))
-            elif isinstance(change, Update):
-                new, old = cut(change.new, kept), cut(change.old, kept)
-                changes.append(msgspec.structs.replace(change, new=new, old=old))
-            else:
-                changes.append(msgspec.structs.replace(change, old=cut(change.old, kept)))
-        else:
-            changes.append(change)
-    if not changed:
-        return None
-    return msgspec.structs.replace(txn, changes=changes, relations=relations)
-
-
-def _kept(current: Mapping[int, tuple[Relation, list[int] | None]], relid: int) -> list[int] | None:
-    entry = current.get(relid)
-    return None if entry is None else entry[1]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# pgmesh ddl: on purpose, cluster-wide
-
-
-async def _connect(node: NodeConfig) -> Conn:
-    try:
-        return await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh ddl"
-        )
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-
-
-async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
-    """Wait until every node's slot is confirmed up to that node's WAL position when called: everything
-    committed anywhere before has been applied everywhere. Needs the router running."""
-    conns = {node.name: await _connect(node) for node in config.nodes}
-    try:
-        wanted: dict[str, int] = {}
-        for name, conn in conns.items():
-            cur = await conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
-            row = await cur.fetchone()
-            assert row is not None
-            wanted[name] = int(row[0])
-        deadline = time.monotonic() + limit
-        pending = dict(wanted)
-        while pending:
-            for name in list(pending):
-                cur = await conns[name].execute(
-                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots"
-                    " WHERE slot_name = %s",
-                    [config.slot_name],
-                )
-                row = await cur.fetchone()
-                if row is None:
-                    raise PgmeshError(
-                        f"slot {config.slot_name} is missing", node=name, hint="run pgmesh init"
-                    )
-                if row[0] is not None and int(row[0]) >= pending[name]:
-                    del pending[name]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                late = ", ".join(f"{n} (wants {format_lsn(lsn)})" for n, lsn in sorted(pending.items()))
-                raise PgmeshError(
-                    f"replication barrier not reached after {limit:.0f} s: {late}",
-                    hint="is `pgmesh run` running and every link streaming? see `pgmesh status`",
-                )
-            await asyncio.sleep(0.1)
-        return wanted
-    finally:
-        for conn in conns.values():
-            await conn.close()
-
-
-async def cmd_ddl(
-    config: Config, statement: str, *, node: str | None = None, wait: bool = False, limit: float = 300.0
-) -> int:
-    """Run `statement` on one node (default: the first); the capture trigger replicates it. With `wait`,
-    first let every link catch up, then wait until the statement has reached every node."""
-    target = next((n for n in config.nodes if node is None or n.name == node), None)
-    if target is None:
-        raise PgmeshError(f"no node {node!r} in the config")
-    if wait:
-        await barrier(config, limit)
-        print("barrier: every link has caught up")
-    async with await _connect(target) as conn:
-        try:
-            await conn.execute(statement.encode())  # the operator's own SQL, as given
-        except psycopg.Error as exc:
-            raise PgmeshError(
-                f"the statement failed: {describe(exc)}", node=target.name, sqlstate=exc.sqlstate
-            ) from None
-    print(f"node {target.name}: done")
-    if wait:
-        await barrier(config, limit)
-        print("barrier: applied on every node")
-    return 0
-
-
-def describe_command(command: DdlCommand, limit: int = 200) -> str:
-    text = " ".join(command.sql.split())
-    return json.dumps(text if len(text) <= limit else text[:limit] + "...")
-

@@ -89,7 +89,7 @@ def _cmd_conflicts(args: argparse.Namespace) -> int:
 
 
 def _cmd_ddl(args: argparse.Namespace) -> int:
-    from router.ddl.capture import cmd_ddl
+    from router.ddl.command import cmd_ddl
 
     return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
 

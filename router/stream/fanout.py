@@ -22,7 +22,7 @@ from collections.abc import Callable
 from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
-from router.ddl.capture import has_ddl
+from router.ddl.messages import has_ddl
 from router.progress import LinkProgress, SourceProgress
 from router.stream.linkqueue import LinkQueue
 from router.stream.source import EarlyStream, ReplicationSource

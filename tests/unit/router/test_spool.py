@@ -31,7 +31,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Change, Spill, SpilledChange, Transaction, TransactionAssembler
-from router.ddl.capture import DDL_PREFIX, has_ddl
+from router.ddl.messages import DDL_PREFIX, has_ddl
 from router.errors import PgmeshError
 from router.progress import LinkProgress, SourceProgress
 from router.stream.fanout import SourcePump

@@ -1,0 +1,102 @@
+"""`pgmesh ddl`: run a statement cluster-wide on purpose, optionally behind a replication barrier.
+
+The statement runs on one node (default: the first in the config); the capture trigger
+(`router.ddl.capture`) replicates it like any other DDL. With `--wait`, a barrier first lets every link
+catch up (every node's slot confirmed up to that node's WAL position when asked), and a second one
+returns once the statement has reached every node. The barrier needs the router running.
+
+Must not: parse arguments (that is `router.ops.cli`), replicate anything itself, or put a DSN into a
+message (psycopg errors go through `describe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import psycopg
+
+from protocol.lsn import format_lsn
+from router.config import Config, NodeConfig
+from router.errors import PgmeshError, describe
+
+__all__ = ["barrier", "cmd_ddl"]
+
+Conn = psycopg.AsyncConnection[Any]
+
+
+async def _connect(node: NodeConfig) -> Conn:
+    try:
+        return await psycopg.AsyncConnection.connect(
+            node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh ddl"
+        )
+    except psycopg.Error as exc:
+        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
+
+
+async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
+    """Wait until every node's slot is confirmed up to that node's WAL position when called: everything
+    committed anywhere before has been applied everywhere. Needs the router running."""
+    conns = {node.name: await _connect(node) for node in config.nodes}
+    try:
+        wanted: dict[str, int] = {}
+        for name, conn in conns.items():
+            cur = await conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+            row = await cur.fetchone()
+            assert row is not None
+            wanted[name] = int(row[0])
+        deadline = time.monotonic() + limit
+        pending = dict(wanted)
+        while pending:
+            for name in list(pending):
+                cur = await conns[name].execute(
+                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots"
+                    " WHERE slot_name = %s",
+                    [config.slot_name],
+                )
+                row = await cur.fetchone()
+                if row is None:
+                    raise PgmeshError(
+                        f"slot {config.slot_name} is missing", node=name, hint="run pgmesh init"
+                    )
+                if row[0] is not None and int(row[0]) >= pending[name]:
+                    del pending[name]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                late = ", ".join(f"{n} (wants {format_lsn(lsn)})" for n, lsn in sorted(pending.items()))
+                raise PgmeshError(
+                    f"replication barrier not reached after {limit:.0f} s: {late}",
+                    hint="is `pgmesh run` running and every link streaming? see `pgmesh status`",
+                )
+            await asyncio.sleep(0.1)
+        return wanted
+    finally:
+        for conn in conns.values():
+            await conn.close()
+
+
+async def cmd_ddl(
+    config: Config, statement: str, *, node: str | None = None, wait: bool = False, limit: float = 300.0
+) -> int:
+    """Run `statement` on one node (default: the first); the capture trigger replicates it. With `wait`,
+    first let every link catch up, then wait until the statement has reached every node."""
+    target = next((n for n in config.nodes if node is None or n.name == node), None)
+    if target is None:
+        raise PgmeshError(f"no node {node!r} in the config")
+    if wait:
+        await barrier(config, limit)
+        print("barrier: every link has caught up")
+    async with await _connect(target) as conn:
+        try:
+            await conn.execute(statement.encode())  # the operator's own SQL, as given
+        except psycopg.Error as exc:
+            raise PgmeshError(
+                f"the statement failed: {describe(exc)}", node=target.name, sqlstate=exc.sqlstate
+            ) from None
+    print(f"node {target.name}: done")
+    if wait:
+        await barrier(config, limit)
+        print("barrier: applied on every node")
+    return 0
