@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -12,8 +11,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from router.config import Config
-from router.testing.localnodes import LocalNode, create_nodes
-from router.testing.mesh import NODE_SETTINGS, running_router, setup_mesh, wait_converged
+from router.testing.localnodes import LocalNode
+from router.testing.mesh import Mesh, running_router, wait_converged
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
 NODES = ["a", "b", "c"]
@@ -30,15 +30,10 @@ toggle = st.tuples(st.sampled_from(["pause", "resume"]), st.sampled_from(LINKS))
 schedule = st.lists(st.one_of(write, write, toggle), min_size=5, max_size=40)
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[tuple[list[LocalNode], Config]]:
-    nodes = create_nodes(NODES, settings=NODE_SETTINGS)
-    try:
-        config = asyncio.run(setup_mesh(nodes, SCHEMA))
-        yield nodes, config
-    finally:
-        for node in nodes:
-            node.destroy()
+@pytest.fixture
+def three(mesh: MeshFactory) -> Mesh:
+    """One mesh for every example hypothesis plays (the test runs once: set up once)."""
+    return asyncio.run(mesh(nodes=NODES, schema=SCHEMA))
 
 
 async def run_write(conns: dict[str, Any], node: str, key: int, op: str, value: int) -> None:
@@ -91,8 +86,6 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(steps=schedule)
-def test_random_schedules_converge(
-    mesh: tuple[list[LocalNode], Config], steps: list[tuple[Any, ...]]
-) -> None:
-    nodes, config = mesh
+def test_random_schedules_converge(three: Mesh, steps: list[tuple[Any, ...]]) -> None:
+    nodes, config = three.nodes, three.config
     asyncio.run(play(nodes, config, steps))

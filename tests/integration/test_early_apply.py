@@ -20,16 +20,15 @@ from typing import Any
 import pytest
 
 from router.apply import large as large_apply
-from router.testing.localnodes import create_nodes
 from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE big (id int PRIMARY KEY, v text);"
 # The server must not stream these transactions in progress: decoded after their commit, whole.
@@ -37,93 +36,83 @@ SETTINGS = {**NODE_SETTINGS, "logical_decoding_work_mem": "1GB"}
 
 
 @pytest.mark.slow
-async def test_plain_transaction_is_applied_while_it_arrives() -> None:
-    nodes = create_nodes(["a", "b", "c"], settings=SETTINGS)
-    try:
-        a, b, c = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
-        async with running_router(config) as router:
-            await execute(
-                a.dsn(),
-                "INSERT INTO big SELECT i, 'row ' || i FROM generate_series(1, 200000) AS i",
-                "UPDATE big SET v = 'after' WHERE id = 7",
-            )
-            await wait_converged(nodes, ["big"], limit=240)
-            assert router.pumps["a"].source.early_transactions >= 1
-            for target in ("b", "c"):
-                applier = router.appliers[("a", target)]
-                assert applier.early_transactions >= 1, f"a -> {target} waited for the commit"
-                assert applier.abandoned_transactions == 0
-            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-        for node in (b, c):
-            (row,) = await fetch(node.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 7) FROM big")
-            assert row == (200000, "after")
-    finally:
-        for node in nodes:
-            node.destroy()
+async def test_plain_transaction_is_applied_while_it_arrives(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b, c = nodes
+    async with running_router(config) as router:
+        await execute(
+            a.dsn(),
+            "INSERT INTO big SELECT i, 'row ' || i FROM generate_series(1, 200000) AS i",
+            "UPDATE big SET v = 'after' WHERE id = 7",
+        )
+        await wait_converged(nodes, ["big"], limit=240)
+        assert router.pumps["a"].source.early_transactions >= 1
+        for target in ("b", "c"):
+            applier = router.appliers[("a", target)]
+            assert applier.early_transactions >= 1, f"a -> {target} waited for the commit"
+            assert applier.abandoned_transactions == 0
+        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+    for node in (b, c):
+        (row,) = await fetch(node.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 7) FROM big")
+        assert row == (200000, "after")
 
 
 @pytest.mark.slow
-async def test_transaction_lost_before_its_commit_is_applied_once() -> None:
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
-        async with running_router(config) as router:
-            source = router.pumps["a"].source
-            applier = router.appliers[("a", "b")]
-            await execute(a.dsn(), "INSERT INTO big SELECT i, 'row ' || i"
-                                   " FROM generate_series(1, 600000) AS i")
+async def test_transaction_lost_before_its_commit_is_applied_once(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        source = router.pumps["a"].source
+        applier = router.appliers[("a", "b")]
+        await execute(a.dsn(), "INSERT INTO big SELECT i, 'row ' || i"
+                               " FROM generate_series(1, 600000) AS i")
 
-            def started() -> bool:
-                return applier.early_transactions >= 1 or applier.applied_transactions >= 1
+        def started() -> bool:
+            return applier.early_transactions >= 1 or applier.applied_transactions >= 1
 
-            await wait_for(started, "a -> b to start on the big transaction", limit=120)
-            killed: list[Any] = await fetch(
-                a.dsn(), "SELECT pg_terminate_backend(pid) FROM pg_stat_replication"
-                         " WHERE application_name LIKE 'pgmesh%'")
-            await wait_converged(nodes, ["big"], limit=300)
-            lost = applier.abandoned_transactions
-            print(f"walsenders terminated: {len(killed)}; abandoned: {lost};"
-                  f" handed out early: {source.early_transactions}")
-            if applier.applied_transactions and not lost:
-                pytest.skip("the commit had already arrived when the walsender was terminated")
-            assert lost >= 1
-            await wait_for(lambda: router.spool.files == 0, "the spool files to go")
-        (row,) = await fetch(b.dsn(), "SELECT count(*), count(DISTINCT id) FROM big")
-        assert row == (600000, 600000)
-    finally:
-        for node in nodes:
-            node.destroy()
+        await wait_for(started, "a -> b to start on the big transaction", limit=120)
+        killed: list[Any] = await fetch(
+            a.dsn(), "SELECT pg_terminate_backend(pid) FROM pg_stat_replication"
+                     " WHERE application_name LIKE 'pgmesh%'")
+        await wait_converged(nodes, ["big"], limit=300)
+        lost = applier.abandoned_transactions
+        print(f"walsenders terminated: {len(killed)}; abandoned: {lost};"
+              f" handed out early: {source.early_transactions}")
+        if applier.applied_transactions and not lost:
+            pytest.skip("the commit had already arrived when the walsender was terminated")
+        assert lost >= 1
+        await wait_for(lambda: router.spool.files == 0, "the spool files to go")
+    (row,) = await fetch(b.dsn(), "SELECT count(*), count(DISTINCT id) FROM big")
+    assert row == (600000, 600000)
 
 
 @pytest.mark.slow
-async def test_conflict_inside_a_transaction_applied_early(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_conflict_inside_a_transaction_applied_early(
+    mesh: MeshFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """B holds one key of A's big transaction (written while the router was stopped): the COPY of an
     early part meets it, the link waits for the whole transaction and decides it on the careful path
     (row by row: hence a smaller transaction, and smaller parts so that some go in before the commit)."""
     monkeypatch.setattr(large_apply, "LARGE_PART_CHANGES", 1000)
-    nodes = create_nodes(["a", "b"], settings=SETTINGS)
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
-        await execute(b.dsn(), "INSERT INTO big VALUES (2000, 'b')")
-        # ~220 bytes a row: the 1 MB bound is passed after ~4,700 rows
-        await execute(a.dsn(), "INSERT INTO big SELECT i, repeat('x', 200) || i"
-                               " FROM generate_series(1, 8000) AS i")
-        async with running_router(config) as router:
-            await wait_converged(nodes, ["big"], limit=240)
-            applier = router.appliers[("a", "b")]
-            assert applier.conflicts >= 1
-            print(f"early: {router.pumps['a'].source.early_transactions}, applied early: "
-                  f"{applier.early_transactions}")
-            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-        for node in nodes:
-            rows = await fetch(node.dsn(), "SELECT count(*) FROM pgmesh.conflict_history"
-                                           " WHERE conflict_type = 'insert_exists'")
-            assert rows[0][0] >= 1
-        (row,) = await fetch(b.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 2000) FROM big")
-        assert row == (8000, "x" * 200 + "2000")  # A's insert committed later: last update wins
-    finally:
-        for node in nodes:
-            node.destroy()
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    await execute(b.dsn(), "INSERT INTO big VALUES (2000, 'b')")
+    # ~220 bytes a row: the 1 MB bound is passed after ~4,700 rows
+    await execute(a.dsn(), "INSERT INTO big SELECT i, repeat('x', 200) || i"
+                           " FROM generate_series(1, 8000) AS i")
+    async with running_router(config) as router:
+        await wait_converged(nodes, ["big"], limit=240)
+        applier = router.appliers[("a", "b")]
+        assert applier.conflicts >= 1
+        print(f"early: {router.pumps['a'].source.early_transactions}, applied early: "
+              f"{applier.early_transactions}")
+        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+    for node in nodes:
+        rows = await fetch(node.dsn(), "SELECT count(*) FROM pgmesh.conflict_history"
+                                       " WHERE conflict_type = 'insert_exists'")
+        assert rows[0][0] >= 1
+    (row,) = await fetch(b.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 2000) FROM big")
+    assert row == (8000, "x" * 200 + "2000")  # A's insert committed later: last update wins

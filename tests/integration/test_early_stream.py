@@ -22,43 +22,29 @@ before it. At its commit the side session commits it, in commit order, under the
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 import pytest
 
 from router.apply import large as large_apply
-from router.config import Config
 from router.service.supervisor import Router
-from router.testing.localnodes import create_nodes
 from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
     fetch,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE big (id int PRIMARY KEY, v text); CREATE TABLE small (id int PRIMARY KEY, v text);"
-# The server streams these transactions while they are in progress.
+# The server streams these transactions while they are in progress; the mesh spills them past 1 MB.
 SETTINGS = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
 ROWS = 60_000
 BIG = f"INSERT INTO big SELECT i, repeat('x', 40) || i FROM generate_series(1, {ROWS}) AS i"
-
-
-@contextlib.asynccontextmanager
-async def streaming_mesh(names: list[str]) -> AsyncIterator[tuple[list[Any], Config]]:
-    """Fresh nodes whose servers stream transactions in progress, in a mesh that spills past 1 MB."""
-    nodes = create_nodes(names, settings=SETTINGS)
-    try:
-        yield nodes, await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
-    finally:
-        for node in nodes:
-            node.destroy()
 
 
 @pytest.fixture(autouse=True)
@@ -83,44 +69,45 @@ async def side_started(router: Router, targets: Sequence[Any]) -> None:
 
 
 @pytest.mark.slow
-async def test_streamed_transaction_is_applied_before_its_commit() -> None:
-    async with streaming_mesh(["a", "b", "c"]) as (nodes, config):
-        a, b, c = nodes
-        async with running_router(config) as router:
-            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
-                await writer.execute(BIG)  # not committed yet
-                await side_started(router, [b, c])
-                await execute(a.dsn(), "INSERT INTO small VALUES (1, 'meanwhile')")
-                await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "the small one on b")
-                assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
-                await writer.execute("UPDATE big SET v = 'last' WHERE id = 7")
-                await writer.commit()
-                query = "SELECT pg_xact_commit_timestamp(xmin) FROM big WHERE id = 1"
-                ((when,),) = await fetch(a.dsn(), query)
-            await wait_converged(nodes, ["big", "small"], limit=240)
-            for node in (b, c):
-                applier = router.appliers[("a", node.name)]
-                assert applier.early_streams_committed == 1, (node.name, applier.early_streams_dropped)
-                assert applier.early_streams_dropped == 0
-            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-            # what the side sessions wrote came back from b and c as echoes, not as their own
-            for (source, target), applier in router.appliers.items():
-                assert applier.conflicts == 0, (source, target)
-                if source != "a":
-                    assert applier.applied_transactions == 0, (source, target)
-            assert router.pumps["b"].echoes >= 1 and router.pumps["c"].echoes >= 1
-
-            def exported() -> bool:
-                child = router.metrics.early_transactions_total.find(source="a", target="b")
-                return child is not None and child.get() >= 1
-
-            await wait_for(exported, "pgmesh_early_transactions_total on /metrics")
+async def test_streamed_transaction_is_applied_before_its_commit(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b, c = nodes
+    async with running_router(config) as router:
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+            await writer.execute(BIG)  # not committed yet
+            await side_started(router, [b, c])
+            await execute(a.dsn(), "INSERT INTO small VALUES (1, 'meanwhile')")
+            await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "the small one on b")
+            assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
+            await writer.execute("UPDATE big SET v = 'last' WHERE id = 7")
+            await writer.commit()
+            query = "SELECT pg_xact_commit_timestamp(xmin) FROM big WHERE id = 1"
+            ((when,),) = await fetch(a.dsn(), query)
+        await wait_converged(nodes, ["big", "small"], limit=240)
         for node in (b, c):
-            rows = await fetch(node.dsn(), "SELECT count(*), count(DISTINCT x.roname), min(t.timestamp),"
-                                           " max(v) FILTER (WHERE id = 7)"
-                                           " FROM big, pg_xact_commit_timestamp_origin(big.xmin) t"
-                                           " JOIN pg_replication_origin x ON x.roident = t.roident")
-            assert rows == [(ROWS, 1, when, "last")]
+            applier = router.appliers[("a", node.name)]
+            assert applier.early_streams_committed == 1, (node.name, applier.early_streams_dropped)
+            assert applier.early_streams_dropped == 0
+        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+        # what the side sessions wrote came back from b and c as echoes, not as their own
+        for (source, target), applier in router.appliers.items():
+            assert applier.conflicts == 0, (source, target)
+            if source != "a":
+                assert applier.applied_transactions == 0, (source, target)
+        assert router.pumps["b"].echoes >= 1 and router.pumps["c"].echoes >= 1
+
+        def exported() -> bool:
+            child = router.metrics.early_transactions_total.find(source="a", target="b")
+            return child is not None and child.get() >= 1
+
+        await wait_for(exported, "pgmesh_early_transactions_total on /metrics")
+    for node in (b, c):
+        rows = await fetch(node.dsn(), "SELECT count(*), count(DISTINCT x.roname), min(t.timestamp),"
+                                       " max(v) FILTER (WHERE id = 7)"
+                                       " FROM big, pg_xact_commit_timestamp_origin(big.xmin) t"
+                                       " JOIN pg_replication_origin x ON x.roident = t.roident")
+        assert rows == [(ROWS, 1, when, "last")]
 
 
 async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
@@ -128,22 +115,23 @@ async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
 
 
 @pytest.mark.slow
-async def test_rolled_back_streamed_transaction_leaves_nothing() -> None:
-    async with streaming_mesh(["a", "b"]) as (nodes, config):
-        a, b = nodes
-        async with running_router(config) as router:
-            applier = router.appliers[("a", "b")]
-            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
-                await writer.execute(BIG)
-                await side_started(router, [b])
-                await writer.rollback()
-            await wait_for(lambda: applier.early_streams_dropped == 1, "b to give it up")
-            await wait_for(lambda: not_writing(b.dsn()), "b's side transaction to end")
-            await execute(a.dsn(), "INSERT INTO small VALUES (1, 'after')")
-            await wait_converged(nodes, ["big", "small"])
-            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-            assert applier.early_streams_committed == 0
-        assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
+async def test_rolled_back_streamed_transaction_leaves_nothing(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        applier = router.appliers[("a", "b")]
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+            await writer.execute(BIG)
+            await side_started(router, [b])
+            await writer.rollback()
+        await wait_for(lambda: applier.early_streams_dropped == 1, "b to give it up")
+        await wait_for(lambda: not_writing(b.dsn()), "b's side transaction to end")
+        await execute(a.dsn(), "INSERT INTO small VALUES (1, 'after')")
+        await wait_converged(nodes, ["big", "small"])
+        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+        assert applier.early_streams_committed == 0
+    assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
 
 
 async def not_writing(dsn: str) -> bool:
@@ -151,68 +139,71 @@ async def not_writing(dsn: str) -> bool:
 
 
 @pytest.mark.slow
-async def test_earlier_commit_on_the_same_table_rolls_the_side_back() -> None:
-    async with streaming_mesh(["a", "b"]) as (nodes, config):
-        a, b = nodes
-        async with running_router(config) as router:
-            applier = router.appliers[("a", "b")]
-            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
-                await writer.execute(BIG)
-                await side_started(router, [b])
-                await execute(a.dsn(), f"INSERT INTO big VALUES ({ROWS + 1}, 'first')")
-                await wait_for(lambda: applier.early_streams_dropped == 1, "b to give the side one up")
-                await wait_for(lambda: fetch_count(b.dsn(), "big", 1), "the small one on b")
-                await writer.commit()
-            await wait_converged(nodes, ["big"], limit=240)
-            assert applier.early_streams_committed == 0
-        assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
+async def test_earlier_commit_on_the_same_table_rolls_the_side_back(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        applier = router.appliers[("a", "b")]
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+            await writer.execute(BIG)
+            await side_started(router, [b])
+            await execute(a.dsn(), f"INSERT INTO big VALUES ({ROWS + 1}, 'first')")
+            await wait_for(lambda: applier.early_streams_dropped == 1, "b to give the side one up")
+            await wait_for(lambda: fetch_count(b.dsn(), "big", 1), "the small one on b")
+            await writer.commit()
+        await wait_converged(nodes, ["big"], limit=240)
+        assert applier.early_streams_committed == 0
+    assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
 
 
 @pytest.mark.slow
-async def test_subtransaction_rolled_back_inside_a_streamed_transaction() -> None:
-    async with streaming_mesh(["a", "b"]) as (nodes, config):
-        a, b = nodes
-        async with running_router(config) as router:
-            applier = router.appliers[("a", "b")]
-            async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
-                await writer.execute(BIG)
-                await side_started(router, [b])
-                await writer.execute("SAVEPOINT s")
-                await writer.execute(f"INSERT INTO big SELECT i, 'gone' FROM generate_series({ROWS + 1},"
-                                     f" {ROWS + 20000}) AS i")
-                await writer.execute("ROLLBACK TO SAVEPOINT s")
-                await writer.execute(f"INSERT INTO big VALUES ({ROWS + 1}, 'kept')")
-                await writer.commit()
-            await wait_converged(nodes, ["big"], limit=240)
-            assert applier.early_streams_committed == 0 and applier.early_streams_dropped == 1
-            await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-        rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
-        assert rows == [(ROWS + 1, 0)]
+async def test_subtransaction_rolled_back_inside_a_streamed_transaction(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        applier = router.appliers[("a", "b")]
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+            await writer.execute(BIG)
+            await side_started(router, [b])
+            await writer.execute("SAVEPOINT s")
+            await writer.execute(f"INSERT INTO big SELECT i, 'gone' FROM generate_series({ROWS + 1},"
+                                 f" {ROWS + 20000}) AS i")
+            await writer.execute("ROLLBACK TO SAVEPOINT s")
+            await writer.execute(f"INSERT INTO big VALUES ({ROWS + 1}, 'kept')")
+            await writer.commit()
+        await wait_converged(nodes, ["big"], limit=240)
+        assert applier.early_streams_committed == 0 and applier.early_streams_dropped == 1
+        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
+    rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
+    assert rows == [(ROWS + 1, 0)]
 
 
 @pytest.mark.slow
-async def test_side_waits_for_a_table_while_the_commit_before_it_runs() -> None:
+async def test_side_waits_for_a_table_while_the_commit_before_it_runs(mesh: MeshFactory) -> None:
     """The main session is held (a row lock on B) while, on A, T1 writes `small` and the streamed
     transaction, whose side session is running, also writes `small` and commits. When B lets go, the
     main session applies T1 and then the streamed one's commit in one batch: the side session must
     wait for `small` while T1 runs and take it right after, or both would wait for each other."""
-    async with streaming_mesh(["a", "b"]) as (nodes, config):
-        a, b = nodes
-        async with running_router(config) as router:
-            applier = router.appliers[("a", "b")]
-            await execute(a.dsn(), "INSERT INTO small VALUES (0, 'start')")
-            await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "row 0 on b")
-            async with await psycopg.AsyncConnection.connect(b.dsn()) as holder, \
-                    await psycopg.AsyncConnection.connect(a.dsn()) as writer:
-                await holder.execute("SELECT * FROM small WHERE id = 0 FOR UPDATE")
-                await writer.execute(BIG)
-                await side_started(router, [b])
-                await execute(a.dsn(), "UPDATE small SET v = 't0' WHERE id = 0")  # held on b
-                await execute(a.dsn(), "INSERT INTO small VALUES (1, 't1')")
-                await writer.execute("INSERT INTO small VALUES (2, 'streamed')")
-                await writer.commit()
-                await wait_for(lambda: applier.pending >= 3, "t1 and the streamed commit queued behind t0")
-                await holder.rollback()
-            await wait_converged(nodes, ["big", "small"], limit=120)
-            assert applier.early_streams_committed == 1, applier.early_streams_dropped
-        assert await fetch(b.dsn(), "SELECT count(*) FROM small") == [(3,)]
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        applier = router.appliers[("a", "b")]
+        await execute(a.dsn(), "INSERT INTO small VALUES (0, 'start')")
+        await wait_for(lambda: fetch_count(b.dsn(), "small", 1), "row 0 on b")
+        async with await psycopg.AsyncConnection.connect(b.dsn()) as holder, \
+                await psycopg.AsyncConnection.connect(a.dsn()) as writer:
+            await holder.execute("SELECT * FROM small WHERE id = 0 FOR UPDATE")
+            await writer.execute(BIG)
+            await side_started(router, [b])
+            await execute(a.dsn(), "UPDATE small SET v = 't0' WHERE id = 0")  # held on b
+            await execute(a.dsn(), "INSERT INTO small VALUES (1, 't1')")
+            await writer.execute("INSERT INTO small VALUES (2, 'streamed')")
+            await writer.commit()
+            await wait_for(lambda: applier.pending >= 3, "t1 and the streamed commit queued behind t0")
+            await holder.rollback()
+        await wait_converged(nodes, ["big", "small"], limit=120)
+        assert applier.early_streams_committed == 1, applier.early_streams_dropped
+    assert await fetch(b.dsn(), "SELECT count(*) FROM small") == [(3,)]

@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import pytest
 
-from router.testing.localnodes import create_nodes
-from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
-from tests.integration.test_spill import peak_rss_kb, reset_peak_rss
+from router.testing.mesh import (
+    NODE_SETTINGS,
+    execute,
+    fetch,
+    peak_rss_kb,
+    reset_peak_rss,
+    running_router,
+    wait_converged,
+)
+from tests.fix_mesh import MeshFactory
 
 ROWS = 300_000
 SCHEMA = """
@@ -25,60 +32,54 @@ CREATE TABLE big (id int PRIMARY KEY, v text);
 CREATE TABLE plain (id int PRIMARY KEY, v text);
 CREATE TABLE marked (id int PRIMARY KEY, v text);
 """
+# A decodes with logical_decoding_work_mem = 64kB: the server streams the big transaction in progress.
+STREAMED = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
 
 
 @pytest.mark.slow
-async def test_transaction_larger_than_the_memory_bound() -> None:
-    nodes = create_nodes(["a", "b"], settings={**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"})
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication="spill_mb = 1")
-        async with running_router(config) as router:
-            before = reset_peak_rss()
-            await execute(a.dsn(), "INSERT INTO big SELECT i, 'row number ' || i"
-                                   f" FROM generate_series(1, {ROWS}) AS i")
-            await wait_converged(nodes, ["big"], limit=240)
-            grew_mb = (peak_rss_kb() - before) / 1024
-            applier = router.appliers[("a", "b")]
-            assert applier.copied_transactions >= 1 and applier.copied_rows > ROWS * 0.9  # short runs: INSERT
-            source = router.pumps["a"].source
-            assert source.spills > 0, "nothing spilled"
-            assert source.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
-            assert source.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
-            assert router.spool.files == 0, "the spool file outlived its transaction"
-        (count,) = await fetch(b.dsn(), "SELECT count(*) FROM big")
-        assert count[0] == ROWS
-        print(f"peak RSS grew by {grew_mb:.0f} MB")  # reported, not asserted: see the closing note
-    finally:
-        for node in nodes:
-            node.destroy()
+async def test_transaction_larger_than_the_memory_bound(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings=STREAMED, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        before = reset_peak_rss()
+        await execute(a.dsn(), "INSERT INTO big SELECT i, 'row number ' || i"
+                               f" FROM generate_series(1, {ROWS}) AS i")
+        await wait_converged(nodes, ["big"], limit=240)
+        grew_mb = (peak_rss_kb() - before) / 1024
+        applier = router.appliers[("a", "b")]
+        assert applier.copied_transactions >= 1 and applier.copied_rows > ROWS * 0.9  # short runs: INSERT
+        source = router.pumps["a"].source
+        assert source.spills > 0, "nothing spilled"
+        assert source.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
+        assert source.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
+        assert router.spool.files == 0, "the spool file outlived its transaction"
+    (count,) = await fetch(b.dsn(), "SELECT count(*) FROM big")
+    assert count[0] == ROWS
+    print(f"peak RSS grew by {grew_mb:.0f} MB")  # reported, not asserted: see the closing note
 
 
 @pytest.mark.slow
-async def test_copy_meets_a_conflict() -> None:
-    nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA)
-        async with running_router(config):
-            # a tombstone for `marked` on both nodes
-            await execute(a.dsn(), "INSERT INTO marked VALUES (5000, 'gone soon')")
-            await wait_converged(nodes, ["marked"])
-            await execute(b.dsn(), "DELETE FROM marked WHERE id = 5000")
-            await wait_converged(nodes, ["marked"])
-        await execute(b.dsn(), "INSERT INTO plain VALUES (500, 'b'); INSERT INTO marked VALUES (500, 'b')")
-        await execute(a.dsn(), "INSERT INTO plain SELECT i, 'a' FROM generate_series(1, 1000) AS i",
-                      "INSERT INTO marked SELECT i, 'a' FROM generate_series(1, 1000) AS i")
-        async with running_router(config) as router:
-            await wait_converged(nodes, ["plain", "marked"])
-            applier = router.appliers[("a", "b")]
-            assert applier.conflicts >= 2
-        for node in nodes:
-            rows = await fetch(node.dsn(), "SELECT table_name, conflict_type FROM pgmesh.conflict_history"
-                                           " WHERE conflict_type = 'insert_exists' ORDER BY 1")
-            assert {r[0] for r in rows} == {"public.plain", "public.marked"}, rows
-        (row,) = await fetch(b.dsn(), "SELECT v FROM plain WHERE id = 500")
-        assert row[0] == "a"  # A's insert committed later: last update wins, on both nodes
-    finally:
-        for node in nodes:
-            node.destroy()
+async def test_copy_meets_a_conflict(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config):
+        # a tombstone for `marked` on both nodes
+        await execute(a.dsn(), "INSERT INTO marked VALUES (5000, 'gone soon')")
+        await wait_converged(nodes, ["marked"])
+        await execute(b.dsn(), "DELETE FROM marked WHERE id = 5000")
+        await wait_converged(nodes, ["marked"])
+    await execute(b.dsn(), "INSERT INTO plain VALUES (500, 'b'); INSERT INTO marked VALUES (500, 'b')")
+    await execute(a.dsn(), "INSERT INTO plain SELECT i, 'a' FROM generate_series(1, 1000) AS i",
+                  "INSERT INTO marked SELECT i, 'a' FROM generate_series(1, 1000) AS i")
+    async with running_router(config) as router:
+        await wait_converged(nodes, ["plain", "marked"])
+        applier = router.appliers[("a", "b")]
+        assert applier.conflicts >= 2
+    for node in nodes:
+        rows = await fetch(node.dsn(), "SELECT table_name, conflict_type FROM pgmesh.conflict_history"
+                                       " WHERE conflict_type = 'insert_exists' ORDER BY 1")
+        assert {r[0] for r in rows} == {"public.plain", "public.marked"}, rows
+    (row,) = await fetch(b.dsn(), "SELECT v FROM plain WHERE id = 500")
+    assert row[0] == "a"  # A's insert committed later: last update wins, on both nodes

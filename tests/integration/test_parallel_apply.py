@@ -17,16 +17,14 @@ import re
 
 import pytest
 
-from router.testing.localnodes import create_nodes
 from router.testing.mesh import (
-    NODE_SETTINGS,
     execute,
     fetch,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
 CREATE TABLE kv (id int PRIMARY KEY, v int NOT NULL, u text UNIQUE);
@@ -54,32 +52,28 @@ def _backlog() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lanes", [1, 2])
-async def test_backlog_keeps_rows_and_source_order(lanes: int) -> None:
-    nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA, replication=f"apply_lanes = {lanes}")
-        await execute(b.dsn(), "SELECT pg_create_logical_replication_slot('order_check', 'test_decoding')")
-        scripts = _backlog()
-        await execute(a.dsn(), *scripts)
-        await execute(b.dsn(), "INSERT INTO kv VALUES (1004, -1, 'b-side')")  # A inserts 1004 too
-        async with running_router(config) as router:
-            await wait_converged(nodes, ["kv", "log"])
-            applier = router.appliers[("a", "b")]
-            await wait_for(lambda: applier.pending == 0, "the link a -> b to drain")
-            assert applier.conflicts + router.appliers[("b", "a")].conflicts > 0
-            if lanes > 1:
-                assert applier.parallel_batches > 0, "the lanes never ran"
-                assert applier.parallel_transactions > 0
-            else:
-                assert applier.scripts_ahead > 0, "no script was built ahead"
-        (chain,) = await fetch(b.dsn(), "SELECT v FROM kv WHERE id = 1")
-        assert chain[0] == 200  # 100 updates of the chain, 100 of the two-key transactions
-        rows = await fetch(b.dsn(), "SELECT data FROM pg_logical_slot_get_changes('order_check', NULL, NULL)")
-        seqs = [int(m.group(1)) for (data,) in rows
-                if (m := re.search(r"table public\.log: INSERT: seq\[integer\]:(\d+)", data))]
-        assert len(seqs) == len(scripts)
-        assert seqs == sorted(seqs), "B committed A's transactions out of order"
-    finally:
-        for node in nodes:
-            node.destroy()
+async def test_backlog_keeps_rows_and_source_order(mesh: MeshFactory, lanes: int) -> None:
+    two = await mesh(nodes=2, schema=SCHEMA, replication=f"apply_lanes = {lanes}")
+    nodes, config = two.nodes, two.config
+    a, b = nodes
+    await execute(b.dsn(), "SELECT pg_create_logical_replication_slot('order_check', 'test_decoding')")
+    scripts = _backlog()
+    await execute(a.dsn(), *scripts)
+    await execute(b.dsn(), "INSERT INTO kv VALUES (1004, -1, 'b-side')")  # A inserts 1004 too
+    async with running_router(config) as router:
+        await wait_converged(nodes, ["kv", "log"])
+        applier = router.appliers[("a", "b")]
+        await wait_for(lambda: applier.pending == 0, "the link a -> b to drain")
+        assert applier.conflicts + router.appliers[("b", "a")].conflicts > 0
+        if lanes > 1:
+            assert applier.parallel_batches > 0, "the lanes never ran"
+            assert applier.parallel_transactions > 0
+        else:
+            assert applier.scripts_ahead > 0, "no script was built ahead"
+    (chain,) = await fetch(b.dsn(), "SELECT v FROM kv WHERE id = 1")
+    assert chain[0] == 200  # 100 updates of the chain, 100 of the two-key transactions
+    rows = await fetch(b.dsn(), "SELECT data FROM pg_logical_slot_get_changes('order_check', NULL, NULL)")
+    seqs = [int(m.group(1)) for (data,) in rows
+            if (m := re.search(r"table public\.log: INSERT: seq\[integer\]:(\d+)", data))]
+    assert len(seqs) == len(scripts)
+    assert seqs == sorted(seqs), "B committed A's transactions out of order"

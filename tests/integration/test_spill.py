@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import resource
 import struct
 import time
 from collections.abc import AsyncGenerator
@@ -25,7 +24,7 @@ from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.stream.source import ReplicationSource, SourceOptions
 from router.stream.spool import SpillFile, Spool, iter_chunks, release
-from router.testing.mesh import wait_for
+from router.testing.mesh import peak_rss_kb, reset_peak_rss, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +35,6 @@ CREATE TABLE big (id int PRIMARY KEY, v text);
 CREATE PUBLICATION pub FOR ALL TABLES;
 """
 WORKLOAD = f"INSERT INTO big SELECT i, 'row number ' || i FROM generate_series(1, {ROWS}) AS i"
-
-
-def peak_rss_kb() -> int:
-    """VmHWM of this process (kB): the peak resident set since the last reset_peak_rss()."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def reset_peak_rss() -> int:
-    """Reset VmHWM to the current RSS where the kernel allows it; returns the current peak (kB)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-    return peak_rss_kb()
 
 
 async def execute(dsn: str, *statements: str) -> None:

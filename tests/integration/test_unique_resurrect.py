@@ -13,30 +13,26 @@ from __future__ import annotations
 
 import pytest
 
-from router.testing.localnodes import create_nodes
-from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
+from router.testing.mesh import execute, fetch, running_router, wait_converged
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
 
 
 @pytest.mark.slow
-async def test_update_recreating_a_deleted_row_meets_a_unique_value() -> None:
-    nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
-    try:
-        a, b = nodes
-        config = await setup_mesh(nodes, SCHEMA)
-        async with running_router(config):
-            await execute(a.dsn(), "INSERT INTO reg VALUES (1, 0, NULL), (2, 0, NULL)")
-            await wait_converged(nodes, ["reg"])
-        await execute(b.dsn(), "DELETE FROM reg WHERE id = 1")
-        await execute(b.dsn(), "UPDATE reg SET tag = 'x' WHERE id = 2")
-        await execute(a.dsn(), "UPDATE reg SET tag = 'x', v = 1 WHERE id = 1")
-        async with running_router(config) as router:
-            await wait_converged(nodes, ["reg"])
-            assert all(applier.last_error is None for applier in router.appliers.values())
-        for node in nodes:
-            rows = await fetch(node.dsn(), "SELECT id, v, tag FROM reg ORDER BY id")
-            assert rows == [(1, 1, "x")], (node.name, rows)
-    finally:
-        for node in nodes:
-            node.destroy()
+async def test_update_recreating_a_deleted_row_meets_a_unique_value(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config):
+        await execute(a.dsn(), "INSERT INTO reg VALUES (1, 0, NULL), (2, 0, NULL)")
+        await wait_converged(nodes, ["reg"])
+    await execute(b.dsn(), "DELETE FROM reg WHERE id = 1")
+    await execute(b.dsn(), "UPDATE reg SET tag = 'x' WHERE id = 2")
+    await execute(a.dsn(), "UPDATE reg SET tag = 'x', v = 1 WHERE id = 1")
+    async with running_router(config) as router:
+        await wait_converged(nodes, ["reg"])
+        assert all(applier.last_error is None for applier in router.appliers.values())
+    for node in nodes:
+        rows = await fetch(node.dsn(), "SELECT id, v, tag FROM reg ORDER BY id")
+        assert rows == [(1, 1, "x")], (node.name, rows)
