@@ -1,30 +1,32 @@
-"""`python -m bench`: list the benches in this package (run one with `python -m bench.NAME`);
-`python -m bench --all [options]` runs every system on every workload (bench.suite)."""
+"""`python -m bench`: list the benches (run one with `python -m bench.micro.NAME`);
+`python -m bench --all [options]` runs every system on every workload (bench.suite.runner).
+
+Owns: the command line's entry point and the listing. Must not: define or run a bench itself.
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import sys
-from pathlib import Path
+
+from bench import micro
 
 
 def main() -> int:
     if "--all" in sys.argv[1:]:
-        from bench import suite
+        from bench.suite import runner
 
-        return suite.main([a for a in sys.argv[1:] if a != "--all"])
-    here = Path(__file__).parent
-    for module in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
+        return runner.main([a for a in sys.argv[1:] if a != "--all"])
+    for module in sorted(pkgutil.iter_modules(micro.__path__), key=lambda m: m.name):
         if module.name.startswith("_"):
             continue
-        bench = importlib.import_module(f"bench.{module.name}")
-        if not hasattr(bench, "main"):
-            continue  # a helper module (bench.systems), not a bench
+        bench = importlib.import_module(f"bench.micro.{module.name}")
         doc = bench.__doc__ or ""
         summary = doc.strip().splitlines()[0] if doc.strip() else ""
-        print(f"python -m bench.{module.name:<10} {summary}")
-    print("python -m bench --all        every system on every workload: bench/RESULTS.md (see bench.suite)")
+        print(f"python -m bench.micro.{module.name:<10} {summary}")
+    print("python -m bench --all              every system on every workload: bench/RESULTS.md (bench.suite)")
+    print("python -m bench.suite.profile      where the CPU goes in each workload: bench/results/profiles/")
     return 0
 
 

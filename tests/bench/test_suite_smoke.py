@@ -1,4 +1,4 @@
-"""Smoke test of `python -m bench --all` (bench/suite.py): the report from made-up numbers, and one tiny
+"""Smoke test of `python -m bench --all` (bench/suite/): the report from made-up numbers, and one tiny
 real run of the native system (fresh nodes, a few hundred transactions; about 15 s)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import suite
-from bench.apply import Measurement
-from bench.systems import plan_workloads
+from bench.harness.runs import plan_workloads
+from bench.harness.workloads import Measurement
+from bench.suite import runner as suite
 from router.testing.localnodes import LocalNodeError, find_pg_bindir
 
 
@@ -46,7 +46,7 @@ def test_report_lists_not_run_and_errors(tmp_path: Path) -> None:
     assert "multimaster" not in planned["native"] and "bulk" not in planned["bucardo"]
     failures = [suite.Failure("pglogical", "tpcb", 0, "setup: RuntimeError: boom")]
     args = suite.parse_args([])
-    doc = suite.build_doc(args, "cmd", suite.SuiteSizes.for_scale(1.0), suite.SYSTEM_ORDER, suite.WORKLOADS,
+    doc = suite.build_doc(args, "cmd", suite.Sizes.for_scale(1.0), suite.SYSTEM_ORDER, suite.WORKLOADS,
                           _made_up(), failures, 1.0, not_run=not_run, system_seconds=[])
     text = suite.render_markdown(doc, "results")
     assert "| native | multimaster | tx/s | n/a | n/a | one-way replication only |" in text

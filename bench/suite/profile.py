@@ -1,13 +1,14 @@
 """Where the CPU goes during each bench workload: every PostgreSQL process, the router, py-spy's stacks.
 
-`python -m bench.profile [--system S ...] [--workload W ...] [--scale S] [--out DIR]`: one run per system
-on fresh nodes (bench.suite.run_once), its workloads in order. Inside each workload's timed window
-(bench.suite.Context.window) it measures the CPU of every PostgreSQL process of every node (utime + stime
-of the postmaster's children, read at the window's start, every TRACK_S and at its end, by process title:
-walsender, apply worker, pglogical, backend, background; what the postmaster's cutime + cstime gained beyond
-the last readings of children that exited is `exited`), the bench process's (for pgmesh: the router, on
-uvloop), the wall time and the CPU per unit of the workload; for pgmesh also `py-spy record` on this
-process: top functions by self and inclusive samples, and the collapsed stacks for a flame graph.
+`python -m bench.suite.profile [--system S ...] [--workload W ...] [--scale S] [--out DIR]`: one run per
+system on fresh nodes (bench.harness.runs.run_once), its workloads in order. Inside each workload's timed
+window (bench.harness.workloads.Context.window) it measures the CPU of every PostgreSQL process of every
+node (utime + stime of the postmaster's children, read at the window's start, every TRACK_S and at its end,
+by process title: walsender, apply worker, pglogical, backend, background; what the postmaster's cutime +
+cstime gained beyond the last readings of children that exited is `exited`), the bench process's (for
+pgmesh: the router, on uvloop), the wall time and the CPU per unit of the workload; for pgmesh also
+`py-spy record` on this process: top functions by self and inclusive samples, and the collapsed stacks
+for a flame graph.
 Files: DIR/<system>-<workload>.txt, DIR/<system>-<workload>.collapsed.txt[.gz], DIR/README.md.
 
 Owns: the window's measurements, the parsing of py-spy's collapsed stacks and these files. Must not: change
@@ -27,28 +28,28 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import suite
-from bench.apply import Measurement
-from bench.suite_report import PRIMARY, git_commit
-from bench.systems import SYSTEMS, SuiteSystem, plan_workloads
+from bench.harness.runs import SYSTEMS, plan_workloads, run_once
+from bench.harness.system import System
+from bench.harness.workloads import WORKLOAD_TIMEOUT_S, Measurement, Sizes
+from bench.harness.workloads import Window as WindowFactory
+from bench.suite.report import PRIMARY, git_commit
 
 WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag")
 DEFAULT_SYSTEMS = ("pgmesh2", "native")
 DEFAULT_WORKLOADS = ("tpcb", "bulk", "inserts", "visibility")
-OUT = Path(__file__).resolve().parent / "results" / "profiles"
+OUT = Path(__file__).resolve().parents[1] / "results" / "profiles"
 SPY_RATE = 250
 TOP = 30
 GZIP_OVER = 1 << 20
 CLK = os.sysconf("SC_CLK_TCK")
 TRACK_S = 0.25  # how often the window reads the nodes' processes (to place those that exit in it)
-LOOP = "Runner.run (asyncio/runners.py)"  # where uvloop runs (bench.apply.run_async)
+LOOP = "Runner.run (asyncio/runners.py)"  # where uvloop runs (bench.harness.nodes.run_async)
 # `send (router/apply/applier.py:120)` -> `send (router/apply/applier.py)`: by function
 LINE = re.compile(r":\d+\)$")
 # What a workload measures per unit: (unit, the Measurement detail that counts them).
@@ -233,7 +234,8 @@ class Window:
 
 
 class Profiler:
-    """Makes each workload's window (`windows` is bench.suite's Windows) and keeps what it measured."""
+    """Makes each workload's window (`windows` is a bench.harness.workloads.Windows) and keeps what it
+    measured."""
 
     __slots__ = ("done", "out", "spy_exe")
 
@@ -241,11 +243,11 @@ class Profiler:
         self.out, self.spy_exe = out, spy_exe
         self.done: dict[tuple[str, str], Window] = {}
 
-    def windows(self, system: SuiteSystem, workload: str) -> suite.Window:
+    def windows(self, system: System, workload: str) -> WindowFactory:
         return lambda: self._window(system, workload)
 
     @contextlib.asynccontextmanager
-    async def _window(self, system: SuiteSystem, workload: str) -> AsyncIterator[None]:
+    async def _window(self, system: System, workload: str) -> AsyncIterator[None]:
         result = self.done[(system.name, workload)] = Window(system.name, workload)
         postmasters = {n.name: int((n.datadir / "postmaster.pid").read_text().split()[0])
                        for n in system.nodes}
@@ -376,9 +378,11 @@ def readme_row(key: tuple[str, str], w: Window | None, m: Measurement | None, na
 
 def write_readme(out: Path, command: str, header: list[str], rows: list[str], names: Sequence[str]) -> None:
     lines = [
-        "# bench.profile: where the CPU goes in each bench workload", "", *[f"- {h}" for h in header], "",
-        "CPU seconds inside each workload's timed window (see bench/suite.py), from /proc/<pid>/stat of every"
-        " PostgreSQL process by its title (a child that exits in the window counts up to its last reading,"
+        "# bench.suite.profile: where the CPU goes in each bench workload", "",
+        *[f"- {h}" for h in header], "",
+        "CPU seconds inside each workload's timed window (see bench/harness/workloads.py), from"
+        " /proc/<pid>/stat of every PostgreSQL process by its title (a child that exits in the window"
+        " counts up to its last reading,"
         f" every {TRACK_S} s; `exited` is the rest); `bench CPU s`: the bench process, which for pgmesh is"
         " the router (on uvloop). µs per unit: nodes + bench process over the workload's transactions or"
         " rows. A target's `backend` includes the bench watcher's polling (a query per target every 5 ms)"
@@ -400,7 +404,7 @@ def write_readme(out: Path, command: str, header: list[str], rows: list[str], na
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     about = (__doc__ or "").splitlines()[0]
-    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=about)
+    parser = argparse.ArgumentParser(prog="python -m bench.suite.profile", description=about)
     parser.add_argument("--system", action="append", choices=tuple(SYSTEMS),
                         help=f"repeatable ({', '.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--workload", action="append", choices=WORKLOADS,
@@ -415,18 +419,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def profile_system(name: str, workloads: Sequence[str], args: argparse.Namespace, profiler: Profiler,
-                   scripts: Path, header: list[str], names: Sequence[str]) -> list[str]:
+                   header: list[str], names: Sequence[str]) -> list[str]:
     """One run of one system, each workload's file written; returns its README rows."""
-    sizes = suite.SuiteSizes.for_scale(args.scale)
-    limit = suite.WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
-    results, failures = suite.run_once(name, sizes, 0, workloads, scripts, limit, profiler.windows)
+    sizes = Sizes.for_scale(args.scale)
+    limit = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
+    results, failures = run_once(name, sizes, 0, workloads, limit, profiler.windows)
     done = {m.workload: m for m in results}
     errors = {f.workload: f.error for f in failures}
     sizes_of = {line.split(":")[0]: line for line in sizes.describe()}
     rows = []
     for workload in workloads:
         w, m, error = profiler.done.get((name, workload)), done.get(workload), errors.get(workload, "")
-        top = [f"# bench.profile: {name}, {workload}", *header, f"workload: {sizes_of[workload]}"]
+        top = [f"# bench.suite.profile: {name}, {workload}", *header, f"workload: {sizes_of[workload]}"]
         (args.out / f"{name}-{workload}.txt").write_text("\n".join(describe(top, w, m, error)) + "\n")
         rows.append(readme_row((name, workload), w, m, names, error))
         print(rows[-1])
@@ -444,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spy_exe = None if args.no_py_spy else spy_exe
     if spy_exe is None and not args.no_py_spy:
         print("py-spy not found (pip install -e '.[bench]'): CPU tables only, no stacks", file=sys.stderr)
-    command = shlex.join([".venv/bin/python", "-m", "bench.profile", *raw])
+    command = shlex.join([".venv/bin/python", "-m", "bench.suite.profile", *raw])
     header = [f"command: `{command}`", f"commit: {git_commit()}",
               f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
               f"machine: {os.cpu_count()} CPUs; py-spy: {'yes' if spy_exe else 'no'}"]
@@ -454,12 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     profiler = Profiler(args.out, spy_exe)
     names = sorted({n for s in systems for n in SYSTEMS[s].node_names}, key=lambda n: (len(n), n))
     rows: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="pgmesh-bench-profile-") as tmp:
-        (Path(tmp) / "insert.sql").write_text(suite.INSERT_SCRIPT)
-        for name in systems:
-            print(f"{name}: {', '.join(planned[name])}", file=sys.stderr)
-            rows += profile_system(name, planned[name], args, profiler, Path(tmp), header, names)
-    sizes = suite.SuiteSizes.for_scale(args.scale).describe()
+    for name in systems:
+        print(f"{name}: {', '.join(planned[name])}", file=sys.stderr)
+        rows += profile_system(name, planned[name], args, profiler, header, names)
+    sizes = Sizes.for_scale(args.scale).describe()
     write_readme(args.out, command, header + [f"workload {line}" for line in sizes
                                               if line.split(":")[0] in workloads], rows, names)
     print(f"wrote {args.out / 'README.md'}", file=sys.stderr)

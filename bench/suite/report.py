@@ -1,11 +1,11 @@
-"""The bench suite's report, from the document `bench.suite` builds (suite.json): RESULTS.md and the plots.
+"""The bench suite's report, from the document `bench.suite.runner` builds (suite.json): RESULTS.md, plots.
 
 Owns: the markdown (results table, pgmesh3-vs-pgmesh2 link table, per-system status, errors), the lag and
 throughput plots (matplotlib, optional), and the metric conventions they share with the suite (which
 metrics are lower-is-better or information only, each workload's primary metric, a per-link metric's base).
 
 Must not: run, time or measure anything, or read anything but the document it is given; the suite's
-numbers (summary, ratios, link checks) are computed in `bench.suite` and only formatted here.
+numbers (summary, ratios, link checks) are computed in `bench.suite.runner` and only formatted here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.systems import SYSTEMS
+from bench.harness.runs import SYSTEMS
 
 LOWER_IS_BETTER = ("p50 ms", "p99 ms", "visible s")
 INFO_ONLY = ("conflicts",)

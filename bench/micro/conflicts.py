@@ -7,8 +7,12 @@ those of a's updates meet a row last written by b (`update_origin_differs`): the
 raises, the transaction is rolled back and applied row by row with a decision and a history record.
 The timed window runs from router start until b's origin for a has reached a's last commit.
 
-    .venv/bin/python -m bench.conflicts                 # N = 10000, 2 runs
-    .venv/bin/python -m bench.conflicts --rows 2000 --runs 1
+    .venv/bin/python -m bench.micro.conflicts                 # N = 10000, 2 runs
+    .venv/bin/python -m bench.micro.conflicts --rows 2000 --runs 1
+
+Owns: this workload (the `kv` table, the conflicting share) and its table. Must not: judge a conflict
+itself (the router decides and records them; the count is read from b's conflict history), or touch a
+node it did not create.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ async def _seed(config: Config, a: LocalNode, b: LocalNode, rows: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.conflicts", description=__doc__.splitlines()[0])
+    about = (__doc__ or "").splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.conflicts", description=about)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args(argv)

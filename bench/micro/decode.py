@@ -21,17 +21,19 @@ between runs so neither always reads the WAL first. The headline is (b)/(a): row
 
 Reproduce (the node is created and destroyed by the script; nothing else is touched):
 
-    .venv/bin/python -m bench.decode                      # 200000 row changes, 3 runs
-    .venv/bin/python -m bench.decode --rows 20000 --runs 1 --json /tmp/decode.json
-    .venv/bin/python -m pyinstrument -m bench.decode --rows 50000 --runs 1   # where the time goes
+    .venv/bin/python -m bench.micro.decode                      # 200000 row changes, 3 runs
+    .venv/bin/python -m bench.micro.decode --rows 20000 --runs 1 --json /tmp/decode.json
+    .venv/bin/python -m pyinstrument -m bench.micro.decode --rows 50000 --runs 1   # where the time goes
 
 It needs PostgreSQL 15+ binaries (see `router.testing.localnodes.find_pg_bindir`) including `pg_recvlogical`.
+
+Owns: this workload, the four receivers' timings and the report. Must not: confirm past what it received,
+keep a slot it created (each run drops its slots), or touch a node it did not create.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -41,19 +43,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
+from bench.harness.nodes import client_env, run_async
 from protocol.lsn import format_lsn, parse_lsn
 from protocol.messages import Message
 from protocol.pgoutput import Decoder
 from protocol.transactions import Transaction, TransactionAssembler
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 from router.testing.localnodes import LocalNode, create_nodes, find_pg_bindir
-
-T = TypeVar("T")
 
 TABLE = "bench_t"
 PUBLICATION = "bench_pub"
@@ -176,13 +177,6 @@ class Timing:
     rows: int
 
 
-def _client_env() -> dict[str, str]:
-    """Our environment without libpq variables that could send pg_recvlogical elsewhere."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.setdefault("LC_ALL", "C")
-    return env
-
-
 def run_pg_recvlogical(bindir: Path, dsn: str, slot: str, end_lsn: int, rows: int) -> Timing:
     """(a): pg_recvlogical from `slot` into /dev/null until `end_lsn`; wall time of the whole process."""
     argv = [str(bindir / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--no-loop"]
@@ -192,7 +186,7 @@ def run_pg_recvlogical(bindir: Path, dsn: str, slot: str, end_lsn: int, rows: in
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
-        argv, capture_output=True, text=True, env=_client_env(), timeout=RECVLOGICAL_TIMEOUT_S
+        argv, capture_output=True, text=True, env=client_env(), timeout=RECVLOGICAL_TIMEOUT_S
     )
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -202,7 +196,7 @@ def run_pg_recvlogical(bindir: Path, dsn: str, slot: str, end_lsn: int, rows: in
     return Timing(seconds, cpu, rows)
 
 
-def _is_marker(item: Transaction | Message) -> bool:
+def _is_marker(item: object) -> bool:
     return isinstance(item, Message) and item.prefix == MARKER_PREFIX
 
 
@@ -297,17 +291,6 @@ class RunResult:
 
 def rate(timing: Timing) -> float:
     return timing.rows / timing.seconds if timing.seconds > 0 else float("inf")
-
-
-def run_async(factory: Callable[[], Coroutine[Any, Any, T]], loop: str) -> T:
-    """Run one coroutine on a fresh event loop of the chosen kind (loop start-up is not timed)."""
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if loop == "uvloop":
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(factory())
 
 
 def run_once(
@@ -421,7 +404,7 @@ def write_json(path: Path, workload: Workload, loop: str, results: Sequence[RunR
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.decode", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000, help="row changes per run (default 200000)")
     parser.add_argument("--runs", type=int, default=3, help="runs; min and median are reported (default 3)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")

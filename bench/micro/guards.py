@@ -25,8 +25,8 @@ keys; the figure is target wall time per transaction (the query's round trip / 2
   unguarded   plain prepared UPDATEs and INSERT, no conflict detection at all: the floor of this way of
               applying (what the guards cost is pgmesh minus this).
 
-    .venv/bin/python -m bench.guards                 # 8 batches per variant
-    .venv/bin/python -m bench.guards --batches 4 --variant pgmesh --variant plpgsql --variant unguarded
+    .venv/bin/python -m bench.micro.guards                 # 8 batches per variant
+    .venv/bin/python -m bench.micro.guards --batches 4 --variant pgmesh --variant plpgsql --variant unguarded
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.apply import NODE_SETTINGS, Pgmesh, prepare_node, run_async
+from bench.harness.nodes import NODE_SETTINGS, prepare_node, run_async
+from bench.harness.pgmesh import Pgmesh2
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
 from router.apply.scripts import transaction_script
@@ -194,7 +195,7 @@ def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str
 async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int) -> dict[str, list[float]]:
     for node in nodes:
         await prepare_node(node)
-    system = Pgmesh(nodes[0], nodes[1])
+    system = Pgmesh2(nodes)
     await system.setup()
     conn = await open_session(nodes[1].dsn())  # set up as the applier's sessions are
     try:
@@ -240,7 +241,7 @@ VARIANTS = ("pgmesh", "plpgsql", "setup", "setup_lock", "fused", "updates", "cte
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.guards", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.guards", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=8, help="batches of 250 transactions per variant")
     parser.add_argument("--variant", action="append", choices=VARIANTS, help="repeatable (default: all)")
     args = parser.parse_args(argv)

@@ -25,11 +25,13 @@ format through one walsender into a table that already has its primary key, so e
 updates the index; pgmesh loads binary COPY in parallel into a bare heap and builds the index once after.
 The table goes to stdout and, with --write, to bench/results/join.txt with the machine's details.
 
-    .venv/bin/python -m bench.join                    # 1,000,000 rows, 2 runs
-    .venv/bin/python -m bench.join --rows 200000 --runs 1
-    .venv/bin/python -m bench.join --tasks 4 --write  # 4 ctid ranges instead of the automatic choice
+    .venv/bin/python -m bench.micro.join                    # 1,000,000 rows, 2 runs
+    .venv/bin/python -m bench.micro.join --rows 200000 --runs 1
+    .venv/bin/python -m bench.micro.join --tasks 4 --write  # 4 ctid ranges instead of the automatic choice
 
-Nodes are created and destroyed by the script; nothing else is touched.
+Owns: the donor table, the three copy methods as timed here and join.txt. Must not: change how
+`pgmesh join` copies (it calls `router.cluster.sync` as the command does), or touch anything but the
+nodes it creates and destroys.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 
 import psycopg
 
+from bench.harness.nodes import client_env
 from router.cluster.sync.copy import CopyTable, copy_snapshot, reuse_spark
 from router.cluster.sync.spark import spark_session
 from router.cluster.sync.worker import run_partition
@@ -70,7 +73,7 @@ FILL = (
     " FROM generate_series(1, %s) g"
 )
 MASTER = "local[*]"
-RESULTS = Path(__file__).parent / "results" / "join.txt"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "join.txt"
 POLL_S = 0.02
 TIMEOUT_S = 1800.0
 METHODS = ("native", "pg_dump", "pgmesh total", "pgmesh no-start", "copy job")
@@ -81,12 +84,6 @@ class Run:
     seconds: dict[str, float] = field(default_factory=dict)
     details: dict[str, float] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
-
-
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.setdefault("LC_ALL", "C")
-    return env
 
 
 def tool(name: str) -> str:
@@ -101,7 +98,7 @@ def sql(node: LocalNode, query: str, params: Sequence[Any] | None = None) -> lis
 
 def pipe(dump: list[str], restore: list[str]) -> None:
     """`dump | restore`; raise with stderr when either fails."""
-    env = clean_env()
+    env = client_env()
     with subprocess.Popen(dump, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as producer:
         assert producer.stdout is not None
         done = subprocess.run(restore, stdin=producer.stdout, capture_output=True, env=env, check=False)
@@ -255,7 +252,7 @@ def describe_run(number: int, run: Run) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.join", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.join", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--tasks", type=int, default=0, help="ctid ranges for the table (0: automatic)")

@@ -12,8 +12,12 @@ pgoutput with streaming on sends the transaction in many stream blocks while it 
 
 Reproduce (the node is created and destroyed by the script):
 
-    .venv/bin/python -m bench.spill                 # 1,000,000 rows
-    .venv/bin/python -m bench.spill --rows 200000
+    .venv/bin/python -m bench.micro.spill                 # 1,000,000 rows
+    .venv/bin/python -m bench.micro.spill --rows 200000
+
+Owns: the big transaction, the per-bound child processes and the table. Must not: keep the node or its
+spill files (both are removed), or compare against anything but its own bounds (no native anchor: the
+server's own spilling is what logical_decoding_work_mem sets).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import psycopg
 
 from protocol.pgoutput import Decoder
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 from router.stream.spool import Spool
 from router.testing.localnodes import create_nodes
 
@@ -149,13 +154,13 @@ def child(argv: Sequence[str]) -> int:
 
 
 def run_child(*args: str) -> Any:
-    done = subprocess.run([sys.executable, "-m", "bench.spill", "--child", *args], check=True,
+    done = subprocess.run([sys.executable, "-m", "bench.micro.spill", "--child", *args], check=True,
                           capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.spill", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.spill", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,0 +1,133 @@
+"""The one-way systems a subscriber pulls: native logical replication and pglogical, a -> b.
+
+Owns: `Native` (CREATE PUBLICATION / CREATE SUBSCRIPTION) and `Pglogical` (pglogical 2 provider and
+subscriber): their setup on fresh nodes, switching replication on and off, the replication origin on b
+that tracks a, and telling a failed apply worker from a slow one.
+
+Must not: time or report anything, or take writes on b (both are one-way: `multimaster` is n/a).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from bench.harness.nodes import EXTRA_SCHEMA
+from bench.harness.system import System
+from router.testing.localnodes import LocalNode
+from router.testing.mesh import execute, fetch
+
+STOP_TIMEOUT_S = 60.0
+
+
+class Native(System):
+    """CREATE PUBLICATION FOR ALL TABLES on a, CREATE SUBSCRIPTION on b (copy_data = false); started and
+    stopped with ALTER SUBSCRIPTION ENABLE / DISABLE."""
+
+    name = "native"
+
+    async def setup(self) -> None:
+        await execute(self.a.dsn(), EXTRA_SCHEMA)
+        await execute(self.b.dsn(), EXTRA_SCHEMA)
+        await execute(self.a.dsn(), "CREATE PUBLICATION p FOR ALL TABLES")
+        connection = self.a.dsn().replace("'", "''")
+        await execute(
+            self.b.dsn(),
+            f"CREATE SUBSCRIPTION s CONNECTION '{connection}' PUBLICATION p"
+            " WITH (copy_data = false, enabled = false)",
+        )
+        rows = await fetch(self.b.dsn(), "SELECT 'pg_' || oid FROM pg_subscription WHERE subname = 's'")
+        self.origin = rows[0][0]
+
+    async def start(self) -> None:
+        await execute(self.b.dsn(), "ALTER SUBSCRIPTION s ENABLE")
+        self.running = True
+
+    async def stop(self) -> None:
+        """Disable the subscription and wait until its worker has exited and a's slot is free."""
+        if not self.running:
+            return
+        self.running = False
+        await execute(self.b.dsn(), "ALTER SUBSCRIPTION s DISABLE")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            workers = await fetch(
+                self.b.dsn(),
+                "SELECT count(*) FROM pg_stat_subscription WHERE subname = 's' AND pid IS NOT NULL",
+            )
+            active = await fetch(self.a.dsn(), "SELECT count(*) FROM pg_replication_slots WHERE active")
+            if workers[0][0] == 0 and active[0][0] == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("native: the subscription's worker did not stop within 60 s")
+
+    async def check(self) -> None:
+        rows = await fetch(
+            self.b.dsn(), "SELECT apply_error_count FROM pg_stat_subscription_stats WHERE subname = 's'"
+        )
+        if rows and rows[0][0]:
+            raise RuntimeError(f"native: the apply worker failed; see {self.b.logfile}")
+
+
+class Pglogical(System):
+    """pglogical 2: provider a, subscriber b, replication set `default` (all public tables), no initial
+    copy; started and stopped with pglogical.alter_subscription_enable / disable."""
+
+    name = "pglogical"
+
+    def __init__(self, nodes: Sequence[LocalNode]) -> None:
+        super().__init__(nodes)
+        self._down = 0
+
+    async def setup(self) -> None:
+        for node in (self.a, self.b):
+            await execute(node.dsn(), EXTRA_SCHEMA, "CREATE EXTENSION pglogical")
+            await execute(node.dsn(), "SELECT pglogical.create_node(%s, %s)", params=[node.name, node.dsn()])
+        await execute(self.a.dsn(),
+                      "SELECT pglogical.replication_set_add_all_tables('default', ARRAY['public'])")
+        await execute(
+            self.b.dsn(),
+            "SELECT pglogical.create_subscription('s', %s, synchronize_structure := false,"
+            " synchronize_data := false, forward_origins := '{}')",
+            params=[self.a.dsn()],
+        )
+        await self._wait_status("replicating")
+        rows = await fetch(self.b.dsn(), "SELECT slot_name FROM pglogical.show_subscription_status('s')")
+        self.origin = rows[0][0]  # pglogical names the origin on b after the slot on a
+        self.running = True
+        await self.stop()
+
+    async def _status(self) -> str:
+        rows = await fetch(self.b.dsn(), "SELECT status FROM pglogical.show_subscription_status('s')")
+        return str(rows[0][0]) if rows else "missing"
+
+    async def _wait_status(self, wanted: str) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (status := await self._status()) != wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"pglogical: the subscription is {status!r}, not {wanted!r}; see {self.b.logfile}"
+                )
+            await asyncio.sleep(0.05)
+
+    async def start(self) -> None:
+        await execute(self.b.dsn(), "SELECT pglogical.alter_subscription_enable('s', true)")
+        self.running = True
+
+    async def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        await execute(self.b.dsn(), "SELECT pglogical.alter_subscription_disable('s', true)")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (await fetch(self.a.dsn(), "SELECT count(*) FROM pg_replication_slots WHERE active"))[0][0]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("pglogical: the apply worker did not stop within 60 s")
+            await asyncio.sleep(0.05)
+
+    async def check(self) -> None:
+        """A worker that keeps failing shows 'down' (it restarts in between): three checks in a row."""
+        self._down = self._down + 1 if await self._status() == "down" else 0
+        if self._down >= 3:
+            raise RuntimeError(f"pglogical: the subscription is down; see {self.b.logfile}")

@@ -1,0 +1,9 @@
+"""One question each, beside its native anchor: `python -m bench.micro.<name>`.
+
+- `decode`: the source and decoder against `pg_recvlogical`.
+- `apply`: apply throughput and lag A -> B against native logical replication (the suite's workloads).
+- `guards`: the target's cost per TPC-B transaction by conflict-guard variant.
+- `conflicts`: apply throughput with 10% conflicting transactions beside none.
+- `spill`: one huge transaction through the source at several memory bounds.
+- `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
+"""

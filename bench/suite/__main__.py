@@ -1,0 +1,10 @@
+"""`python -m bench.suite [options]`: the same as `python -m bench --all [options]` (bench.suite.runner)."""
+
+from __future__ import annotations
+
+import sys
+
+from bench.suite.runner import main
+
+if __name__ == "__main__":
+    sys.exit(main())

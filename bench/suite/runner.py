@@ -1,0 +1,226 @@
+"""Every system on every workload, same nodes and settings, one report: `python -m bench --all`.
+
+Systems (bench/harness/): native, pglogical, bucardo, pgmesh2 and pgmesh3 (a's changes measured on
+a -> b and a -> c). Each gets fresh nodes per run with the same server settings
+(bench.harness.nodes.SETTINGS), `pgbench -i -s 1` and the same bench tables on every node; the system
+order alternates between runs. Workloads, in this order (bench/harness/workloads.py, sizes at --scale S):
+tpcb, bulk, inserts, visibility, lag, multimaster. Multimaster runs only on pgmesh2, pgmesh3 and bucardo
+(the others are one-way: n/a); its ratio column compares to pgmesh2. Bucardo skips bulk and visibility
+unless --include-slow (a 1M-row transaction takes it minutes).
+
+Targets are polled by the watcher process (bench/harness/watcher.py). A failure in one (system, workload,
+run) is recorded in the report and the suite goes on. Output: --out (default bench/RESULTS.md) and,
+beside it, results/suite.json, results/lag.png and results/throughput.png (rendered by
+bench.suite.report).
+
+    .venv/bin/python -m bench --all                                    # scale 1, 2 runs (~30 min)
+    .venv/bin/python -m bench --all --scale 0.05 --runs 1 --out /tmp/suite/RESULTS.md   # quick
+    .venv/bin/python -m bench.suite --only-system pgmesh3 --only-workload tpcb
+    .venv/bin/python -m bench.suite.profile    # where the CPU goes in each workload
+
+Owns: the command line, the runs across systems, the summary (min, median, ratio to the anchor), the
+pgmesh3-vs-pgmesh2 link check, and suite.json. Must not: define a system or a workload (bench.harness)
+or format the markdown and plots (bench.suite.report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.harness.nodes import SETTINGS, pgbench_ready
+from bench.harness.runs import Failure, plan_workloads, run_once
+from bench.harness.workloads import WORKLOAD_TIMEOUT_S, WORKLOADS, Measurement, Sizes
+from bench.suite.report import (
+    INFO_ONLY,
+    LOWER_IS_BETTER,
+    base_metric,
+    git_commit,
+    render_markdown,
+    results_table,
+    system_status,
+    write_plots,
+)
+from router.testing.localnodes import DEFAULT_SETTINGS, find_pg_bindir
+
+SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3")
+BENCH_DIR = Path(__file__).resolve().parents[1]
+
+__all__ = ["SYSTEM_ORDER", "WORKLOADS", "Failure", "Sizes", "build_doc", "link_check", "main", "parse_args",
+           "render_markdown", "summary", "write_plots"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Summary
+
+
+def summary(results: Sequence[Measurement], systems: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (workload, metric, system): min, median, and the ratio of the medians to the anchor
+    (native; pgmesh2 for multimaster), oriented so that higher is better."""
+    keys: list[tuple[str, str]] = []
+    for m in results:
+        keys.extend((m.workload, metric) for metric in m.values if (m.workload, metric) not in keys)
+    keys.sort(key=lambda k: (WORKLOADS.index(k[0]), base_metric(k[1]), k[1]))
+    medians: dict[tuple[str, str, str], float] = {}
+    rows: list[dict[str, Any]] = []
+    for workload, metric in keys:
+        for system in systems:
+            values = [m.values[metric] for m in results
+                      if m.system == system and m.workload == workload and metric in m.values]
+            if not values:
+                continue
+            medians[(workload, metric, system)] = statistics.median(values)
+            rows.append({"system": system, "workload": workload, "metric": metric, "min": min(values),
+                         "max": max(values), "median": statistics.median(values), "runs": len(values),
+                         "ratio": None})
+    for row in rows:
+        anchor = "pgmesh2" if row["workload"] == "multimaster" else "native"
+        base = medians.get((row["workload"], base_metric(row["metric"]), anchor))
+        if base_metric(row["metric"]) in INFO_ONLY or not base or not row["median"]:
+            continue
+        lower = base_metric(row["metric"]) in LOWER_IS_BETTER
+        row["ratio"] = base / row["median"] if lower else row["median"] / base
+    return rows
+
+
+def link_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pgmesh3's per-link medians against pgmesh2's (the target: each link within 20% of the 2-node rate)."""
+    two = {(r["workload"], r["metric"]): r["median"] for r in rows if r["system"] == "pgmesh2"}
+    out = []
+    for r in rows:
+        if r["system"] != "pgmesh3" or " a->" not in r["metric"] or r["workload"] == "multimaster":
+            continue
+        base = two.get((r["workload"], base_metric(r["metric"])))
+        if not base or not r["median"]:
+            continue
+        lower = base_metric(r["metric"]) in LOWER_IS_BETTER
+        ratio = base / r["median"] if lower else r["median"] / base
+        out.append({**r, "pgmesh2": base, "vs_pgmesh2": ratio, "within_20pct": ratio >= 0.8})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report: suite.json (RESULTS.md and the plots are bench.suite.report's)
+
+
+def _command_output(*argv: str) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine and the versions of the systems under test, for the report."""
+    model = memory = "unknown"
+    with contextlib.suppress(OSError, IndexError):
+        model = Path("/proc/cpuinfo").read_text().split("model name")[1].split(":", 1)[1].splitlines()[0]
+        model = model.strip()
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        memory = f"{kb / 1024 / 1024:.1f} GiB"
+    dpkg = ("dpkg-query", "-W", "-f", "${Version}")
+    return {
+        "cpus": os.cpu_count(), "cpu_model": model, "memory": memory, "platform": platform.platform(),
+        "python": platform.python_version(),
+        "postgres": _command_output(str(find_pg_bindir() / "postgres"), "--version"),
+        "pglogical": _command_output(*dpkg, "postgresql-15-pglogical"),
+        "bucardo": _command_output(*dpkg, "bucardo"),
+        "loop": "uvloop (pgmesh's router runs in the bench process)",
+    }
+
+
+def build_doc(args: argparse.Namespace, command: str, sizes: Sizes, systems: Sequence[str],
+              workloads: Sequence[str], results: Sequence[Measurement], failures: Sequence[Failure],
+              wall_s: float, **extra: Any) -> dict[str, Any]:
+    rows = summary(results, systems)
+    return {**extra,
+        "bench": "suite", "command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "wall_s": wall_s, "runs": args.runs, "sizes": asdict(sizes), "workload_sizes": sizes.describe(),
+        "systems": list(systems), "workloads": list(workloads), "machine": machine_facts(),
+        "server_settings": {**DEFAULT_SETTINGS, **SETTINGS},
+        "measurements": [asdict(m) for m in results], "failures": [asdict(f) for f in failures],
+        "summary": rows, "links": link_check(rows),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    about = (__doc__ or "").splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench --all", description=about)
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size factor (default 1)")
+    parser.add_argument("--runs", type=int, default=2, help="runs per system; min and median are reported")
+    parser.add_argument("--only-system", action="append", choices=SYSTEM_ORDER, metavar="SYSTEM",
+                        help=f"run only this system ({', '.join(SYSTEM_ORDER)}); repeatable")
+    parser.add_argument("--only-workload", action="append", choices=WORKLOADS, metavar="WORKLOAD",
+                        help=f"run only this workload ({', '.join(WORKLOADS)}); repeatable")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "RESULTS.md",
+                        help="the report; suite.json and the plots go to results/ beside it")
+    parser.add_argument("--include-slow", action="store_true",
+                        help="also run what a system skips by default for cost (bucardo: bulk, visibility)")
+    parser.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # from `python -m bench --all`
+    args = parser.parse_args(argv)
+    if args.scale <= 0 or args.runs < 1:
+        parser.error("--scale must be > 0 and --runs at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    command = shlex.join([".venv/bin/python", "-m", "bench", "--all", *[a for a in raw if a != "--all"]])
+    sizes = Sizes.for_scale(args.scale)
+    systems = [s for s in SYSTEM_ORDER if args.only_system is None or s in args.only_system]
+    workloads = [w for w in WORKLOADS if args.only_workload is None or w in args.only_workload]
+    if (missing := pgbench_ready()) is not None:
+        print(missing, file=sys.stderr)
+        return 2
+    planned, not_run = plan_workloads(systems, workloads, args.include_slow)
+    timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
+    began = time.perf_counter()
+    commit = git_commit()  # what is measured: the code as the run starts
+    results: list[Measurement] = []
+    failures: list[Failure] = []
+    spent: list[dict[str, Any]] = []
+    for run in range(args.runs):
+        for name in systems if run % 2 == 0 else systems[::-1]:
+            print(f"run {run}: {name} ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr)
+            took = time.perf_counter()
+            done, failed = run_once(name, sizes, run, planned[name], timeout)
+            spent.append({"system": name, "run": run, "seconds": round(time.perf_counter() - took, 1)})
+            results.extend(done)
+            failures.extend(failed)
+    wall = time.perf_counter() - began
+    doc = build_doc(args, command, sizes, systems, workloads, results, failures, wall, commit=commit,
+                    not_run=not_run, system_seconds=spent)
+    out: Path = args.out
+    outdir = out.parent / "results"
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "suite.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for problem in write_plots(doc, outdir):
+        print(problem, file=sys.stderr)
+    out.write_text(render_markdown(doc, "results"))
+    print("\n".join(results_table(doc)))
+    for system, text in system_status(doc).items():
+        print(f"{system}: {text}")
+    print(f"total wall time {wall:.0f} s ({wall / 60:.1f} min); report {out}, raw {outdir / 'suite.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
