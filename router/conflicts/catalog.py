@@ -1,6 +1,7 @@
 """What conflict handling needs on every node: the history table, tombstones, their trigger, two guards.
 
-Owns the DDL (and its idempotent installation) of:
+Owns the DDL (its text in `sql/*.sql` beside this module, package data) and its idempotent
+installation of:
 
 - `pgmesh.conflict_history`: one row per conflict decided on this node (written by the applier);
 - `pgmesh.tombstones` `(table_name, key text[], xid xid8)`: the last deletion of each key, written by
@@ -33,6 +34,7 @@ from typing import Any, Final, NamedTuple
 import psycopg
 from psycopg import sql
 
+from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA
 from router.errors import PgmeshError
 
@@ -61,35 +63,11 @@ TOMBSTONE_SETTINGS: Final[Mapping[str, str]] = {
 }
 _COMMENT_PREFIX: Final = "pgmesh ddl "
 
-_TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = (
-    (
-        "conflict_history",
-        (
-            sql.SQL("""CREATE TABLE {schema}.conflict_history (
-  id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp(),
-  source text NOT NULL, table_name text NOT NULL, key text NOT NULL, conflict_type text NOT NULL,
-  resolution text NOT NULL, resolver text NOT NULL, reason text,
-  local_origin text, local_commit_time timestamptz, remote_origin text NOT NULL,
-  remote_commit_time timestamptz NOT NULL, remote_lsn pg_lsn, local_row jsonb, remote_row jsonb)"""),
-            sql.SQL("CREATE INDEX conflict_history_at_idx ON {schema}.conflict_history (at)"),
-        ),
-    ),
-    (
-        # When pgmesh was installed here: rows committed before it (and rows whose commit time is
-        # unknown) are the common starting point of every node, so a change to them is no conflict.
-        "node_info",
-        (
-            sql.SQL("CREATE TABLE {schema}.node_info (key text PRIMARY KEY, value text NOT NULL)"),
-            sql.SQL("INSERT INTO {schema}.node_info VALUES ('installed_at', clock_timestamp()::text)"),
-        ),
-    ),
-    (
-        "tombstones",
-        (
-            sql.SQL("""CREATE TABLE {schema}.tombstones (
-  table_name text NOT NULL, key text[] NOT NULL, xid xid8 NOT NULL, PRIMARY KEY (table_name, key))"""),
-        ),
-    ),
+# The tables (created when missing) and functions (replaced when their text changed), each from
+# sql/<name>.sql beside this module (package data).
+_TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = tuple(
+    (file.removesuffix(".sql"), tuple(sql.SQL(text) for text in statements(__name__, file)))
+    for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql")
 )
 
 
@@ -99,79 +77,15 @@ class _Function(NamedTuple):
     ddl: sql.SQL  # CREATE OR REPLACE FUNCTION ..., with {schema} for the schema
 
 
+def _function(file: str, args: str) -> _Function:
+    (ddl,) = statements(__name__, file)
+    return _Function(file.removesuffix(".sql"), sql.SQL(args), sql.SQL(ddl))
+
+
 _FUNCTIONS: Final = (
-    _Function(
-        "tombstone",
-        sql.SQL(""),
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.tombstone() RETURNS trigger LANGUAGE plpgsql
-SET TimeZone = 'UTC' SET DateStyle = 'ISO, YMD' SET IntervalStyle = 'postgres' SET extra_float_digits = 3
-SET bytea_output = 'hex' SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  root oid := pg_catalog.pg_partition_root(TG_RELID);
-  qualified text := TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME;
-  deleted_key text[];
-BEGIN
-  IF root IS NOT NULL AND root <> TG_RELID THEN  -- a partition: record it under the root's name
-    SELECT n.nspname || '.' || c.relname INTO qualified
-      FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-     WHERE c.oid = root;
-  END IF;
-  EXECUTE (SELECT format('SELECT ARRAY[%s]::text[]', string_agg(format('($1).%I::text', a.col), ', '
-                          ORDER BY a.ord))
-             FROM unnest(TG_ARGV) WITH ORDINALITY AS a(col, ord))
-     INTO deleted_key USING OLD;
-  INSERT INTO {schema}.tombstones AS t (table_name, key, xid)
-  VALUES (qualified, deleted_key, pg_catalog.pg_current_xact_id())
-  ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid;
-  RETURN NULL;
-END
-$body$"""),
-    ),
-    _Function(
-        "expect_origin",
-        sql.SQL("xid, oid"),
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.expect_origin(row_xmin xid, expected oid)
-RETURNS boolean LANGUAGE plpgsql VOLATILE PARALLEL RESTRICTED AS $body$
-DECLARE
-  origin oid := (pg_catalog.pg_xact_commit_timestamp_origin(row_xmin)).roident;
-BEGIN
-  IF origin = expected THEN
-    RETURN true;
-  END IF;
-  -- Not committed yet: a row this very transaction wrote (under the origin it applies for) is no
-  -- conflict. Rows written in a subtransaction (a savepoint) are not recognised.
-  IF origin IS NULL AND row_xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id_if_assigned()) THEN
-    RETURN true;
-  END IF;
-  -- A row from before pgmesh (commit time unknown, or older than pgmesh's installation here, which the
-  -- applier sets as pgmesh.installed_at): the common starting point of every node, no conflict.
-  IF origin IS NULL OR origin = 0 THEN
-    IF pg_catalog.pg_xact_commit_timestamp(row_xmin) IS NULL
-       OR pg_catalog.pg_xact_commit_timestamp(row_xmin) < coalesce(
-            nullif(pg_catalog.current_setting('pgmesh.installed_at', true), ''), '-infinity')::timestamptz
-    THEN
-      RETURN true;
-    END IF;
-  END IF;
-  RAISE EXCEPTION 'pgmesh: conflict, row last written by another origin' USING ERRCODE = 'PGM01',
-    DETAIL = pg_catalog.format('row xmin %s: origin %s, committed at %s; expected origin %s', row_xmin,
-      coalesce(origin::text, 'unknown'),
-      coalesce(pg_catalog.pg_xact_commit_timestamp(row_xmin)::text, 'unknown'), expected);
-END
-$body$"""),
-    ),
-    _Function(
-        "expect_rows",
-        sql.SQL("bigint, bigint"),
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.expect_rows(got bigint, wanted bigint) RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $body$
-BEGIN
-  IF got IS DISTINCT FROM wanted THEN
-    RAISE EXCEPTION 'pgmesh: conflict, % of % rows matched', got, wanted USING ERRCODE = 'PGM02';
-  END IF;
-END
-$body$"""),
-    ),
+    _function("tombstone.sql", ""),
+    _function("expect_origin.sql", "xid, oid"),
+    _function("expect_rows.sql", "bigint, bigint"),
 )
 
 # Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.

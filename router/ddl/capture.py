@@ -1,6 +1,7 @@
 """DDL replication, the capturing side: what pgmesh installs on every node (`install_ddl_capture`).
 
-PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every node:
+PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every node (the functions in
+`sql/capture.sql`, the tables in `sql/columns.sql`, beside this module, package data):
 
 - an event trigger on `ddl_command_end` (`pgmesh.ddl_capture`, enabled ALWAYS) that writes the command's
   text, search_path, role and tag into the same transaction as a transactional logical message with
@@ -36,6 +37,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
+from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, Config
 
 __all__ = ["LOCAL_SETTING", "glob_regex", "install_ddl_capture"]
@@ -67,187 +69,9 @@ def glob_regex(patterns: Sequence[str]) -> str:
     return "^(" + "|".join(parts) + ")$" if parts else "^$.^"
 
 
-_TABLES: Final = (
-    sql.SQL("""CREATE TABLE IF NOT EXISTS {schema}.known_columns (
-  relid oid NOT NULL, attnum int2 NOT NULL, name text NOT NULL, PRIMARY KEY (relid, attnum))"""),
-    sql.SQL("""CREATE TABLE IF NOT EXISTS {schema}.column_changes (
-  table_name text NOT NULL, old_name text NOT NULL, new_name text,
-  at timestamptz NOT NULL DEFAULT clock_timestamp())"""),
-)
-
-_FUNCTIONS: Final = tuple(sql.SQL(part) for part in r"""
-CREATE OR REPLACE FUNCTION {schema}.ddl_setting(name text) RETURNS text LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT value FROM {schema}.node_info WHERE key = 'ddl.' || name
-$body$;
--- next
-CREATE OR REPLACE FUNCTION {schema}.ddl_applying() RETURNS boolean LANGUAGE sql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT pg_catalog.pg_replication_origin_session_is_setup()
-$body$;
--- next
-CREATE OR REPLACE FUNCTION {schema}.ddl_emit(content text) RETURNS void LANGUAGE sql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl', content)
-$body$;
--- next
--- One table a command created or altered: track its columns; in the replicated set, put it in the
--- publication with its tombstone trigger once it has a key.
-CREATE OR REPLACE FUNCTION {schema}.ddl_table(rel oid) RETURNS void LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  nsp text; tab text; kind "char"; part boolean; persist "char"; ident "char";
-  qualified text; key text[]; pub text; published boolean; col record;
-BEGIN
-  SELECT n.nspname, c.relname, c.relkind, c.relispartition, c.relpersistence, c.relreplident
-    INTO nsp, tab, kind, part, persist, ident
-    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = rel;
-  IF NOT FOUND OR kind NOT IN ('r', 'p') OR part OR persist <> 'p' THEN
-    RETURN;
-  END IF;
-  qualified := nsp || '.' || tab;
-  IF qualified !~ {schema}.ddl_setting('tables') OR qualified ~ {schema}.ddl_setting('exclude') THEN
-    RETURN;
-  END IF;
-  FOR col IN SELECT k.name AS was, a.attname::text AS now, a.attisdropped AS dropped
-               FROM {schema}.known_columns k
-               JOIN pg_attribute a ON a.attrelid = rel AND a.attnum = k.attnum
-              WHERE k.relid = rel AND (a.attisdropped OR a.attname <> k.name) LOOP
-    INSERT INTO {schema}.column_changes (table_name, old_name, new_name)
-    VALUES (qualified, col.was, CASE WHEN col.dropped THEN NULL ELSE col.now END);
-  END LOOP;
-  DELETE FROM {schema}.known_columns WHERE relid = rel;
-  INSERT INTO {schema}.known_columns
-  SELECT rel, a.attnum, a.attname FROM pg_attribute a
-   WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
-
-  SELECT array_agg(a.attname::text ORDER BY k.ord) INTO key
-    FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
-    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-   WHERE i.indrelid = rel AND i.indisprimary;
-  IF key IS NULL AND ident = 'i' THEN
-    SELECT array_agg(a.attname::text ORDER BY k.ord) INTO key
-      FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
-      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-     WHERE i.indrelid = rel AND i.indisreplident;
-  END IF;
-  IF key IS NULL AND ident = 'f' THEN
-    SELECT array_agg(a.attname::text ORDER BY a.attnum) INTO key
-      FROM pg_attribute a WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
-  END IF;
-  pub := {schema}.ddl_setting('publication');
-  SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
-                  WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
-  IF key IS NULL THEN
-    IF published THEN
-      RAISE EXCEPTION 'pgmesh: table % is replicated and would lose its key', qualified
-        USING ERRCODE = '0A000',
-              HINT = 'keep a primary key (or replica identity); to stop replicating it, '
-                     'exclude it in config.toml and run pgmesh init';
-    ELSIF {schema}.ddl_setting('new_table_without_key') = 'refuse' THEN
-      RAISE EXCEPTION 'pgmesh: table % has no primary key, replica identity index or REPLICA IDENTITY FULL',
-        qualified
-        USING ERRCODE = '0A000',
-              HINT = 'create it with a primary key (pgmesh cannot replicate its updates and deletes '
-                     'without one), or exclude it in config.toml';
-    END IF;
-    RAISE WARNING 'pgmesh: table % has no primary key: it stays local (not replicated) until it gets one',
-      qualified;
-    RETURN;
-  END IF;
-  IF NOT published THEN
-    EXECUTE format('ALTER PUBLICATION %I ADD TABLE %I.%I', pub, nsp, tab);
-  END IF;
-  EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
-  EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW '
-                 'EXECUTE FUNCTION {schema}.tombstone(%s)',
-                 nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
-  EXECUTE format('ALTER TABLE %I.%I ENABLE ALWAYS TRIGGER pgmesh_tombstone', nsp, tab);
-END
-$body$;
--- next
--- ddl_command_end: record the command in the transaction (unless it is local or replayed here).
--- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
-CREATE OR REPLACE FUNCTION {schema}.ddl_capture() RETURNS event_trigger LANGUAGE plpgsql AS $body$
-DECLARE
-  cmd record;
-  replicated boolean := false;
-  stamp text;
-BEGIN
-  IF coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') = 'on' THEN
-    RETURN;  -- DDL pgmesh itself runs from here (ALTER PUBLICATION, its trigger)
-  END IF;
-  PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'on', true);
-  replicated := coalesce(pg_catalog.current_setting('pgmesh.ddl_dropped', true), '') = 'on';
-  PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'off', true);
-  FOR cmd IN SELECT * FROM pg_catalog.pg_event_trigger_ddl_commands() LOOP
-    CONTINUE WHEN cmd.in_extension OR cmd.schema_name IS NOT NULL
-      AND (cmd.schema_name IN ('pgmesh', 'pgmesh_join') OR cmd.schema_name LIKE 'pg\_temp%'
-           OR cmd.schema_name LIKE 'pg\_toast%');
-    CONTINUE WHEN cmd.object_type IN ('publication', 'publication relation', 'publication namespace',
-                                      'subscription', 'event trigger');
-    replicated := true;
-    IF cmd.object_type IN ('table', 'table column') THEN
-      PERFORM {schema}.ddl_table(cmd.objid);
-    END IF;
-  END LOOP;
-  IF replicated AND {schema}.ddl_setting('replicate') = 'on' AND NOT {schema}.ddl_applying()
-     AND coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') NOT IN ('on', 'true', '1') THEN
-    -- one message per statement, also when a query string holds several commands
-    stamp := pg_catalog.statement_timestamp()::text || ' ' || pg_catalog.md5(pg_catalog.current_query());
-    IF stamp IS DISTINCT FROM pg_catalog.current_setting('pgmesh.ddl_stamp', true) THEN
-      PERFORM pg_catalog.set_config('pgmesh.ddl_stamp', stamp, true);
-      PERFORM {schema}.ddl_emit(pg_catalog.json_build_object(
-        'sql', pg_catalog.current_query(), 'search_path', pg_catalog.current_setting('search_path'),
-        'role', current_user, 'tag', tg_tag)::text);
-    END IF;
-  END IF;
-  PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'off', true);
-END
-$body$;
--- next
--- sql_drop: DROP commands are not listed at ddl_command_end; note here that one dropped something
--- replicated (ddl_command_end, which fires next, then captures the command).
-CREATE OR REPLACE FUNCTION {schema}.ddl_dropped() RETURNS event_trigger LANGUAGE plpgsql AS $body$
-BEGIN
-  IF coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') = 'on' THEN
-    RETURN;
-  END IF;
-  IF EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger_dropped_objects() d
-              WHERE d.original AND NOT d.is_temporary
-                AND coalesce(d.schema_name, '') NOT IN ('pgmesh', 'pgmesh_join')
-                AND coalesce(d.schema_name, '') NOT LIKE 'pg\_toast%'
-                AND d.object_type NOT IN ('publication', 'publication relation', 'publication namespace',
-                                          'subscription', 'event trigger')) THEN
-    PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'on', true);
-  END IF;
-END
-$body$;
--- next
--- ddl_command_start: refuse here what could not be replayed on the other nodes.
-CREATE OR REPLACE FUNCTION {schema}.ddl_refuse() RETURNS event_trigger LANGUAGE plpgsql AS $body$
-DECLARE
-  q text := pg_catalog.current_query();
-BEGIN
-  IF coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') = 'on'
-     OR coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') IN ('on', 'true', '1')
-     OR {schema}.ddl_setting('replicate') IS DISTINCT FROM 'on' OR {schema}.ddl_applying() THEN
-    RETURN;
-  END IF;
-  IF tg_tag IN ('CREATE INDEX', 'DROP INDEX') AND q ~* '\mconcurrently\M' THEN
-    RAISE EXCEPTION 'pgmesh: % CONCURRENTLY is not replicated (the other nodes replay DDL inside a '
-                    'transaction)', tg_tag
-      USING ERRCODE = '0A000',
-            HINT = 'run it without CONCURRENTLY, or run it on every node with SET pgmesh.ddl_local = on';
-  END IF;
-  IF q ~* ('(^|;)\s*(begin|start\s+transaction|commit|end|rollback|abort|savepoint|release'
-           '|prepare\s+transaction)\M') THEN
-    RAISE EXCEPTION 'pgmesh: DDL sent in one query string with transaction control is not replicated'
-      USING ERRCODE = '0A000', HINT = 'send BEGIN, each DDL statement and COMMIT as separate statements';
-  END IF;
-END
-$body$;
-""".split("\n-- next\n"))  # noqa: SIM905 (one SQL text, read as such)
+# known_columns and column_changes; the functions behind the event triggers (sql/*.sql, package data).
+_TABLES: Final = tuple(sql.SQL(text) for text in statements(__name__, "columns.sql"))
+_FUNCTIONS: Final = tuple(sql.SQL(text) for text in statements(__name__, "capture.sql"))
 
 _EVENT_TRIGGERS: Final = (
     ("pgmesh_ddl_capture", "ddl_command_end", "ddl_capture"),

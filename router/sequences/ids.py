@@ -5,7 +5,7 @@ Owns:
   `assign_node_ids` (run by `pgmesh init`) keeps the ids nodes have and gives a new node the smallest id
   no current node holds, so the id of a node that left is reused;
 - the functions `pgmesh.snowflake_nextval(regclass)`, `pgmesh.snowflake_parts(bigint)` and
-  `pgmesh.node_id()` on every node;
+  `pgmesh.node_id()` on every node (their text: `sql/*.sql` beside this module, package data);
 - the id layout (40 bits of milliseconds since 2025-01-01 UTC, 10 bits of node id, 14 bits of the
   column's own sequence) and the step/offset arithmetic (a node's values are node_id mod step), as pure
   functions;
@@ -31,6 +31,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
 
@@ -266,49 +267,19 @@ _SET_NODE_ID_SQL: Final = sql.SQL(
     "INSERT INTO {}.node_info (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING"
 )
 
-# (name, argument types, definition with {schema} and {epoch}). node_id() is SECURITY DEFINER so that a
-# role inserting into a converted table needs no privilege on node_info (only USAGE on the schema);
-# snowflake_nextval runs as its caller, so nextval() still checks the caller's right to the sequence.
+def _function(file: str, args: str) -> tuple[str, str, sql.SQL]:
+    (ddl,) = statements(__name__, file)
+    return file.removesuffix(".sql"), args, sql.SQL(ddl)
+
+
+# (name, argument types, definition with {schema} and {epoch}), each from sql/<name>.sql (package data).
+# node_id() is SECURITY DEFINER so that a role inserting into a converted table needs no privilege on
+# node_info (only USAGE on the schema); snowflake_nextval runs as its caller, so nextval() still checks
+# the caller's right to the sequence.
 _FUNCTIONS: Final = (
-    (
-        "node_id",
-        "",
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.node_id() RETURNS integer
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT i.value::integer FROM {schema}.node_info i WHERE i.key = 'node_id'
-$body$"""),
-    ),
-    (
-        "snowflake_nextval",
-        "regclass",
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.snowflake_nextval(seq regclass) RETURNS bigint
-LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  node bigint := {schema}.node_id();
-  ms bigint;
-BEGIN
-  IF node IS NULL OR node < 0 OR node > 1023 THEN
-    RAISE EXCEPTION 'pgmesh: node id not assigned; run pgmesh init' USING ERRCODE = 'PGMS0';
-  END IF;
-  ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - {epoch};
-  IF ms < 0 OR ms >= 1099511627776 THEN
-    RAISE EXCEPTION 'pgmesh: clock % is outside the snowflake range (2025 to 2059)', clock_timestamp()
-      USING ERRCODE = 'PGMS1';
-  END IF;
-  RETURN (ms << 24) | (node << 14) | (nextval(seq) % 16384);
-END
-$body$"""),
-    ),
-    (
-        "snowflake_parts",
-        "bigint",
-        sql.SQL("""CREATE OR REPLACE FUNCTION {schema}.snowflake_parts(
-  id bigint, OUT ms timestamptz, OUT node_id integer, OUT seq integer)
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT to_timestamp((((id >> 24) & 1099511627775) + {epoch})::double precision / 1000),
-         ((id >> 14) & 1023)::integer, (id & 16383)::integer
-$body$"""),
-    ),
+    _function("node_id.sql", ""),
+    _function("snowflake_nextval.sql", "regclass"),
+    _function("snowflake_parts.sql", "bigint"),
 )
 
 

@@ -1,0 +1,11 @@
+-- What each replicated table's columns were called (known_columns) and the renames and drops DDL made
+-- to them (column_changes), so that rows sent before a change are fitted to the columns after it
+-- (router/ddl/reconcile.py). Installed by router/ddl/capture.py (install_ddl_capture), which fills
+-- {schema} with pgmesh's schema, quoted as an identifier.
+
+CREATE TABLE IF NOT EXISTS {schema}.known_columns (
+  relid oid NOT NULL, attnum int2 NOT NULL, name text NOT NULL, PRIMARY KEY (relid, attnum));
+
+CREATE TABLE IF NOT EXISTS {schema}.column_changes (
+  table_name text NOT NULL, old_name text NOT NULL, new_name text,
+  at timestamptz NOT NULL DEFAULT clock_timestamp());
