@@ -60,7 +60,8 @@ from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
 from router.service.admin import ask_router
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 
 __all__ = ["JoinReport", "cmd_join", "cmd_part", "join_node", "part_node"]
 
