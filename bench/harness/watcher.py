@@ -22,12 +22,14 @@ import contextlib
 import multiprocessing
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from bench.harness.system import System
 from protocol.lsn import parse_lsn
+
+if TYPE_CHECKING:  # the watcher process imports this module: keep the router out of it
+    from bench.harness.system import System
 
 POLL_S = 0.005  # markers and convergence
 PROBE_POLL_S = 0.001  # lag probes: up to ~1 ms of polling granularity, the same for every system
