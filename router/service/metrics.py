@@ -17,7 +17,10 @@ import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
-from typing import Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from router.stream.state import SourceStats
 
 __all__ = [
     "CONTENT_TYPE",
@@ -344,6 +347,15 @@ class Metrics:
         self.source_reconnects_total = counter(
             PREFIX + "source_reconnects_total", "Replication connections to the node opened again.", ("node",)
         )
+
+    def observe_source(self, node: str, stats: SourceStats) -> None:
+        """Bring the node metrics of `node` up to its source's counters (read whole, as they are now)."""
+        for family, new in ((self.echo_transactions_total, stats.echoes),
+                            (self.source_received_bytes_total, stats.bytes_received),
+                            (self.source_reconnects_total, stats.reconnects)):
+            child = family.labels(node=node)
+            if new > child.get():
+                child.inc(new - child.get())
 
     def set_link_state(self, source: str, target: str, state: str) -> None:
         """Mark `state` as the link's current state: 1 for it, 0 for every other state."""

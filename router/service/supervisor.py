@@ -31,9 +31,11 @@ from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.metrics import Metrics
 from router.stream.fanout import SourcePump
+from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.source import ReplicationSource
 from router.stream.spool import Spool
+from router.stream.state import SourceState
 
 __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
@@ -375,9 +377,7 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                pump.source.last_error = describe(exc)
-                pump.source.state = "error"
-                logger.error("node %s: source stopped: %s; retrying in 5 s", pump.node, describe(exc))
+                pump.source.mark_error(describe(exc), detail="retrying in 5 s")
                 await pump.source.close()
                 await asyncio.sleep(5.0)
 
@@ -452,18 +452,13 @@ class Router:
                 if count > child.get():
                     child.inc(count - child.get())
         for node, pump in self.pumps.items():
-            for family, new in ((m.echo_transactions_total, pump.echoes),
-                                (m.source_received_bytes_total, pump.source.bytes_received),
-                                (m.source_reconnects_total, pump.source.reconnects)):
-                child = family.labels(node=node)
-                if new > child.get():
-                    child.inc(new - child.get())
+            m.observe_source(node, pump.stats)
 
     def health(self) -> tuple[bool, str]:
         if not self.running:
             return False, "the router is not running"
         bad = [f"node {p.node}: {p.source.last_error}" for p in self.pumps.values()
-               if p.source.state == "error"]
+               if p.source.state is SourceState.ERROR]
         bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
                 if a.state is LinkState.ERROR]
         return (not bad, "; ".join(bad) if bad else "ok")
@@ -493,9 +488,9 @@ class Router:
         links = [self._link_status(key, applier, now) for key, applier in self.appliers.items()]
         sources = [
             SourceStatus(
-                node=node, state=pump.source.state, received_lsn=format_lsn(pump.source.received_lsn),
-                confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.transactions,
-                echoes=pump.echoes, reconnects=pump.source.reconnects, last_error=pump.source.last_error,
+                node=node, state=pump.source.state.value, received_lsn=format_lsn(pump.source.received_lsn),
+                confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.stats.transactions,
+                echoes=pump.stats.echoes, reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
             )
             for node, pump in self.pumps.items()
         ]

@@ -24,9 +24,11 @@ from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.ddl.messages import has_ddl
 from router.progress import LinkProgress, SourceProgress
+from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
-from router.stream.source import EarlyStream, ReplicationSource
+from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
+from router.stream.state import StatView
 
 __all__ = ["SourcePump"]
 
@@ -36,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 class SourcePump:
-    """Reads one source and feeds its links' queues."""
+    """Reads one source and feeds its links' queues; counts into the source's `stats`."""
+
+    echoes = StatView()  # transactions that carried an origin, so went nowhere
+    transactions = StatView()  # transactions fanned out to the links
 
     def __init__(
         self,
@@ -47,6 +52,7 @@ class SourcePump:
         on_echo: Callable[[Transaction], None] | None = None,
     ) -> None:
         self.source = source
+        self.stats = source.stats
         self.progress = progress
         self.queues = queues  # target node -> queue
         self._on_echo = on_echo
@@ -55,8 +61,6 @@ class SourcePump:
         # link's `enqueued` stood before it. If the source loses it before the commit, the link must
         # take it again when it is resent.
         self._early: dict[str, tuple[SpillFile, int]] = {}
-        self.echoes = 0
-        self.transactions = 0
 
     @property
     def node(self) -> str:
@@ -121,13 +125,13 @@ class SourcePump:
 
     async def _dispatch_to_links(self, txn: Transaction) -> None:
         if txn.origin is not None:
-            self.echoes += 1
+            self.stats.echoes += 1
             if self._on_echo is not None:
                 self._on_echo(txn)
         elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
             pass  # nothing a target needs (a transactional message, a schema description only)
         else:
-            self.transactions += 1
+            self.stats.transactions += 1
             for link in self.progress.links:
                 early = self._early.get(link.target)
                 if early is not None and early[0].abandoned:

@@ -2,7 +2,7 @@
 the announcement of a streamed transaction before its commit (`EarlyStream`), IDENTIFY_SYSTEM's answer
 (`SystemInfo`), and the `publication_names` option's quoting.
 
-Must not: open a connection or read a stream (router.stream.source does).
+Must not: open a connection or read a stream (router.stream.connection and router.stream.source do).
 """
 
 from __future__ import annotations

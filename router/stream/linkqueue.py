@@ -5,7 +5,7 @@ attached link; `offer` never blocks, and a full queue says no (the fan-out then 
 waits). The link's applier (`router.apply.applier.Applier`) `get`s them in commit order, `take`s what is
 already queued to batch it, `peek`s at what comes next to build its scripts ahead, and puts back
 (`push_front`) what it took too early. Beside the queue, one slot holds a streamed transaction
-announced before its commit (`router.stream.source.EarlyStream`) for the applier's side session
+announced before its commit (`router.stream.items.EarlyStream`) for the applier's side session
 (`router.apply.side`). A transaction spilled to disk is held by one reference to its file, released by
 whoever takes it, or by `clear()`.
 
@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterator
 
 from protocol.transactions import Transaction
-from router.stream.source import EarlyStream
+from router.stream.items import EarlyStream
 from router.stream.spool import release
 
 __all__ = ["LinkQueue"]

@@ -1,6 +1,6 @@
 """A node's logical slot as its source reports it, and the snapshot exported when the slot was created.
 
-`router.stream.source.ReplicationSource` runs the slot commands on its replication connection
+`router.stream.connection.ReplicationConnection` runs the slot commands on its replication connection
 (CREATE_REPLICATION_SLOT, DROP_REPLICATION_SLOT) and reads the slot's row in `pg_replication_slots`;
 what it hands back is defined here: `SlotInfo` (that row), `SlotCreated` (the new slot's name and
 consistent point) and `ExportedSnapshot`. The replication connection that exports a snapshot loses it
@@ -8,7 +8,7 @@ at its next command, so `hold_snapshot` imports it at once on a holder connectio
 re-exports it; the re-exported name stays valid while the holder's transaction is open, whatever the
 source does next. `check_slot_name` is the rule for slot names.
 
-Must not: touch the replication connection (router.stream.source is the only code that does), or create,
+Must not: touch the replication connection (router.stream.connection is the only code that does), or create,
 drop or advance a slot.
 """
 

@@ -188,16 +188,18 @@ class SpillFile:
     """The spilled part of one transaction, on disk; shared by the links it went to.
 
     `acquire(n)` when handing the transaction to n holders; each calls `release()` once done (or when
-    it drops the transaction); the last release deletes the file. `discard()` deletes it now.
+    it drops the transaction); the last release deletes the file. `discard()` deletes it now. The spool
+    that made it writes it (`append`, then `seal` at the commit) and is told when it is deleted.
     """
 
     __slots__ = (
-        "_file", "_spool", "abandoned", "changed", "changes", "deleted", "early", "final", "handed", "live",
+        "_file", "_forget", "abandoned", "changed", "changes", "deleted", "early", "final", "handed", "live",
         "message_prefixes", "nbytes", "node", "path", "pinned", "refs", "size", "xid",
     )
 
-    def __init__(self, spool: Spool, node: str, xid: int, path: Path) -> None:
-        self._spool = spool
+    def __init__(self, node: str, xid: int, path: Path, *, forget: Callable[[SpillFile], None]) -> None:
+        """`forget`: called once when the file is deleted (its spool stops tracking it)."""
+        self._forget = forget
         self.node = node
         self.xid = xid
         self.path = path
@@ -212,7 +214,7 @@ class SpillFile:
         # (`final`: the whole Transaction) and when it is `abandoned` (aborted, or the source reconnected
         # before the commit: the server sends it again, whole). A plain transaction is also handed out
         # at its first spill (`early`; `handed`: the links it went to); a streamed one is only announced
-        # (router.stream.source.EarlyStream) and its commit is handed out as usual, the source's reference
+        # (router.stream.items.EarlyStream) and its commit is handed out as usual, the source's reference
         # held (`pinned`) until then.
         self.live = False
         self.early = False
@@ -293,10 +295,10 @@ class SpillFile:
         if self.live:
             self.abandon()  # whoever still reads it rolls back: the transaction comes again
         self.deleted = True
-        self._close()
+        self.seal()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._spool._forget(self)
+        self._forget(self)
 
     def frames(self, *, raw: bool = False) -> Iterator[list[SpilledChange]]:
         """The spilled changes, frame by frame, as written (aborted subtransactions included); `raw`
@@ -319,7 +321,9 @@ class SpillFile:
                     raise PgmeshError(f"spill file {self.path} (xid {self.xid}) is cut short", node=self.node)
                 yield _decode_frame(data, raw=raw)
 
-    def _write(self, changes: list[SpilledChange], nbytes: int, buf: bytearray) -> None:
+    def append(self, changes: list[SpilledChange], nbytes: int, buf: bytearray) -> None:
+        """Write `changes` (`nbytes` of payload as the server sent them) at the end, encoded through
+        `buf`; readers of a live file are told (`changed`). The spool's side: see `Spool.write`."""
         f = self._file
         if f is None:
             raise PgmeshError(f"spill file {self.path} of xid {self.xid} is closed", node=self.node)
@@ -336,7 +340,8 @@ class SpillFile:
         self.changes += len(changes)
         self.nbytes += nbytes
 
-    def _close(self) -> None:
+    def seal(self) -> None:
+        """Nothing more is written: close the file (it stays on disk for its readers)."""
         f, self._file = self._file, None
         if f is not None:
             f.close()
@@ -397,12 +402,12 @@ class Spool:
         handle = self._open.get(key)
         if handle is None:
             name = f"{_UNSAFE.sub('_', node)}-{spill.xid}-{next(self._seq)}.spill"
-            handle = self._open[key] = SpillFile(self, node, spill.xid, self.path / name)
+            handle = self._open[key] = SpillFile(node, spill.xid, self.path / name, forget=self._forget)
             self._live[handle.path] = handle
             self.files_written += 1
         before = handle.size
         try:
-            handle._write(spill.changes, spill.nbytes, self._buf)
+            handle.append(spill.changes, spill.nbytes, self._buf)
         finally:
             self._buf.clear()
         self.changes_written += len(spill.changes)
@@ -416,7 +421,7 @@ class Spool:
         """
         handle = self._open.pop((node, xid), None)
         if handle is not None:
-            handle._close()
+            handle.seal()
         return handle
 
     def drop(self, node: str, xid: int) -> None:

@@ -14,7 +14,8 @@ import pytest
 from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 from router.testing.mesh import wait_for
 
 SCHEMA = """

@@ -22,7 +22,8 @@ import pytest
 
 from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, Spool, iter_chunks, release
 from router.testing.mesh import peak_rss_kb, reset_peak_rss, wait_for
 

@@ -23,7 +23,8 @@ from typing import Any
 import psycopg
 
 from protocol.lsn import format_lsn
-from router.stream.source import ReplicationSource, SourceOptions
+from router.stream.items import SourceOptions
+from router.stream.source import ReplicationSource
 from router.testing.localnodes import create_nodes
 
 DATA = Path(__file__).parent / "data"
