@@ -87,8 +87,8 @@ async def stream_one(dsn: str, slot: str, bound: int) -> dict[str, Any]:
         cpu = time.process_time() - cpu
         growth = peak_rss_kb() - base
         result = {"rows": rows, "seconds": seconds, "cpu": cpu, "rss_growth_kb": growth,
-                  "spills": source.spills, "spilled_bytes": spool.bytes_written,
-                  "held_max": source.spill_peak_bytes}
+                  "spills": source.stats.spills, "spilled_bytes": spool.bytes_written,
+                  "held_max": source.stats.spill_peak_bytes}
         spool.close()
     return result
 
