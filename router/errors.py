@@ -1,36 +1,62 @@
 """The router's errors, and the one place that decides what to do about any failure.
 
-Every error pgmesh raises on purpose is a `PgmeshError` carrying what a person needs to act: the node,
-the relation, the WAL position, the SQL state and a hint. `decide()` maps any exception (ours,
-psycopg's, asyncpg's, the operating system's) to an `Action`: retry after a backoff, pause the link
-that hit it, or fail the command. No other module chooses a retry policy.
+Every error class of `router/` lives here (`protocol/errors.py` has the decoder's). Each pgmesh error is a
+`PgmeshError` carrying what a person needs to act: the node, the relation, the WAL position, the SQL state
+and a hint. Its text is rendered from those fields when it is printed; context is added by copy,
+`raise exc.at(node=..., lsn=...) from exc`, never by changing an error that was raised.
+
+`decide()` maps any exception (ours, psycopg's, asyncpg's, the operating system's) to an `Action`: retry
+after a backoff, pause the link that hit it, or fail the command. Beside it, named, the appliers' own
+rules: a connection asyncpg found closed is retried and a missing table or column is waited for
+(`decide_link`, `SchemaWait`); which server errors mean the fast path met a conflict (`is_conflict`), that
+the target's tables changed (`tables_changed`), and how often a careful apply is tried again after a
+unique violation (`retry_unique`). No other module chooses a retry policy.
+
+Must not: do I/O, or import asyncpg (the command line does not load it; its errors are recognised once
+it is loaded).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Final
+import sys
+from typing import TYPE_CHECKING, Final, Self
 
 import psycopg
 
 from protocol.errors import ProtocolError
 from protocol.lsn import format_lsn
 
+if TYPE_CHECKING:
+    from protocol.transactions import Transaction
+
 __all__ = [
+    "CONFLICT_STATES",
+    "SCHEMA_STATES",
+    "SCHEMA_WAIT_S",
+    "UNIQUE_ATTEMPTS",
     "Action",
+    "ApplyError",
     "ConfigError",
     "ConnectionLost",
+    "LostBeforeCommit",
     "PgmeshError",
+    "SchemaMismatch",
+    "SchemaWait",
     "SlotError",
     "SourceError",
     "decide",
+    "decide_link",
     "decide_sqlstate",
     "describe",
+    "is_conflict",
+    "retry_unique",
+    "tables_changed",
 ]
 
 
 class PgmeshError(Exception):
-    """A failure with its context. `str()` is one line a DBA can act on."""
+    """A failure with its context. `str()` is one line a DBA can act on, rendered from the fields."""
 
     def __init__(
         self,
@@ -42,15 +68,15 @@ class PgmeshError(Exception):
         sqlstate: str | None = None,
         hint: str | None = None,
     ) -> None:
+        super().__init__(message)
         self.message = message
         self.node = node
         self.lsn = lsn
         self.relation = relation
         self.sqlstate = sqlstate
         self.hint = hint
-        super().__init__(self._render())
 
-    def _render(self) -> str:
+    def __str__(self) -> str:
         context = []
         if self.node is not None:
             context.append(f"node {self.node}")
@@ -67,6 +93,20 @@ class PgmeshError(Exception):
             text = f"{text} (hint: {self.hint})"
         return text
 
+    def at(self, *, node: str | None = None, lsn: int | None = None, relation: str | None = None) -> Self:
+        """A copy of this error with the context it does not carry yet (what the raiser said stays:
+        it knew best). This error itself is left as it is."""
+        twin = type(self).__new__(type(self))
+        twin.args = self.args
+        twin.__dict__.update(self.__dict__)
+        if twin.node is None:
+            twin.node = node
+        if twin.lsn is None:
+            twin.lsn = lsn
+        if twin.relation is None:
+            twin.relation = relation
+        return twin
+
 
 class ConfigError(PgmeshError):
     """The configuration is wrong; nothing was started."""
@@ -82,6 +122,24 @@ class SlotError(SourceError):
 
 class ConnectionLost(PgmeshError):
     """A connection dropped or timed out; the work is resumed after a reconnect."""
+
+
+class ApplyError(PgmeshError):
+    """A change that cannot be applied as is (schema mismatch, missing column, binary value)."""
+
+
+class SchemaMismatch(ApplyError):
+    """The target lacks a table or column the change names (possibly DDL still on its way here)."""
+
+
+class LostBeforeCommit(PgmeshError):
+    """A transaction handed out before its commit (or announced, streamed) that the source lost before the
+    commit came: aborted, or to be sent again, whole, after a reconnect. Whoever applied part of it
+    rolls that back; the transaction is applied when it comes again."""
+
+    def __init__(self, txn: Transaction) -> None:
+        super().__init__(f"transaction {txn.xid} was lost by the source before its commit arrived")
+        self.txn = txn
 
 
 class Action(enum.Enum):
@@ -139,6 +197,76 @@ def decide(exc: BaseException) -> Action:
     if isinstance(exc, (psycopg.OperationalError, OSError, TimeoutError, EOFError)):
         return Action.RETRY
     return Action.FAIL
+
+
+# ---------------------------------------------------------------- the appliers' own rules
+
+# How long a link retries a SchemaMismatch before it pauses: rows of a node that already ran another
+# node's DDL can arrive before that DDL does (from a third node, still on its way).
+SCHEMA_WAIT_S: Final = 60.0
+# SQLSTATEs of a conflict met by the fast path (a guard fired, or a key is already there): the
+# transaction is rolled back and applied the careful way (router.apply.careful).
+CONFLICT_STATES: Final = frozenset({"PGM01", "PGM02", "23505"})
+# The target's tables changed under a link (DDL run there): undefined column / table, datatype mismatch.
+# The link reads the target's tables again, once, and tries the transaction again.
+SCHEMA_STATES: Final = frozenset({"42703", "42P01", "42804"})
+# A careful apply that meets a unique violation (a local session inserted the same key between its read
+# and its write) is read and decided again, now seeing that row: this many attempts in all.
+UNIQUE_ATTEMPTS: Final = 5
+_UNIQUE_VIOLATION: Final = "23505"
+
+
+class SchemaWait:
+    """Since when a link has met a SchemaMismatch: it retries until `limit` seconds have passed."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def done(self) -> None:
+        """A transaction was applied: the next mismatch starts a new wait."""
+        self.since = None
+
+    def allows(self, now: float, limit: float) -> bool:
+        """Whether to retry again now (else pause, and the next mismatch starts a new wait)."""
+        if self.since is None:
+            self.since = now
+        if now - self.since < limit:
+            return True
+        self.since = None
+        return False
+
+
+def _closed_by_asyncpg(exc: BaseException) -> bool:
+    asyncpg = sys.modules.get("asyncpg")  # not loaded: the exception is none of its
+    return asyncpg is not None and isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+
+
+def decide_link(exc: BaseException, schema: SchemaWait, *, now: float, schema_wait_s: float) -> Action:
+    """`decide` for a link's applier: a session asyncpg found closed is opened again; a SchemaMismatch is
+    retried for `schema_wait_s` (SCHEMA_WAIT_S unless set) and then pauses the link, naming table and
+    column; anything else as `decide` says."""
+    if _closed_by_asyncpg(exc):
+        return Action.RETRY
+    if isinstance(exc, SchemaMismatch):
+        return Action.RETRY if schema.allows(now, schema_wait_s) else Action.PAUSE
+    return decide(exc)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """The fast path met a conflict (CONFLICT_STATES): apply that transaction the careful way."""
+    return sqlstate_of(exc) in CONFLICT_STATES
+
+
+def tables_changed(exc: BaseException) -> bool:
+    """The target's tables changed since the link read them (SCHEMA_STATES): read them again, once."""
+    return sqlstate_of(exc) in SCHEMA_STATES
+
+
+def retry_unique(exc: BaseException, attempt: int) -> bool:
+    """Attempt `attempt` of a careful apply met a unique violation: try again (UNIQUE_ATTEMPTS in all)."""
+    return sqlstate_of(exc) == _UNIQUE_VIOLATION and attempt < UNIQUE_ATTEMPTS
 
 
 def describe(exc: BaseException) -> str:

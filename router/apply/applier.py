@@ -8,21 +8,23 @@ commit time, and the origin's progress moves atomically with the data. On every 
 applier reads that progress and skips what the target already has: nothing twice, nothing skipped.
 
 Deadlocks, serialization failures, lock timeouts and lost connections are retried with backoff
-(`router.errors.decide` says which); any other error pauses this link only, with node, table and LSN,
-until `resume()`. The applier never reads the source and never confirms anything to it: the router's
-progress tick reads the flushed origin positions and confirms the source.
+(`router.errors.decide_link` says which); any other error pauses this link only, with node, table and
+LSN, until `resume()`. The applier never reads the source and never confirms anything to it: the
+router's progress tick reads the flushed origin positions and confirms the source.
 
-Beside it: `router.stream.linkqueue` (the queue it reads), `router.apply.sessions` (a session on the target:
-set-up, the origin), `router.apply.large` (a transaction too big for a batch, in parts), `router.apply.lanes`
-(parallel apply) and `router.apply.side` (a streamed transaction applied on a side session before its commit).
+The applier owns the loop and its control state (the transactions in hand, the batch size, the link's
+state); its helpers get the link's `LinkSession` (router.apply.link: the target session and its view of
+the target), never the applier, and what they decide for the loop comes back as a return value:
+`router.apply.large` (a transaction too big for a batch, in parts), `router.apply.lanes` (parallel
+apply), `router.apply.side` (a streamed transaction applied on a side session before its commit) and
+`router.apply.careful` (row by row, with conflicts). Its state and counters: `router.apply.state`.
+Beside it: `router.stream.linkqueue` (the queue it reads).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import json
 import logging
 import random
 import time
@@ -31,75 +33,49 @@ from typing import Any
 
 import asyncpg
 
-from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.messages import Message
 from protocol.transactions import Transaction
 from router.apply.careful import CarefulApplier
 from router.apply.lanes import Lanes
-from router.apply.large import Abandoned, LargeApply, is_large, whole_transaction
+from router.apply.large import LargeApply
+from router.apply.link import LinkSession
+from router.apply.parts import is_large, whole_transaction
 from router.apply.scripts import transaction_script
-from router.apply.sessions import open_session, take_origin
 from router.apply.side import SideSession
-from router.apply.statements import ApplyError, Prepared, SchemaMismatch, TargetTable, quote_ident
+from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
+from router.apply.statements import TargetTable, quote_ident
 from router.config import Config, NodeConfig
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
-from router.ddl.reconcile import Drift, reconcile
-from router.errors import Action, PgmeshError, decide, describe
+from router.errors import (
+    SCHEMA_WAIT_S,
+    UNIQUE_ATTEMPTS,
+    Action,
+    ApplyError,
+    LostBeforeCommit,
+    PgmeshError,
+    SchemaWait,
+    decide_link,
+    describe,
+    is_conflict,
+    retry_unique,
+    tables_changed,
+)
 from router.progress import LinkProgress
 from router.stream.linkqueue import LinkQueue
 from router.stream.spool import materialize, release
 
-__all__ = ["Applier", "LinkState"]
+__all__ = ["Applier"]
 
 # Transactions sent to the target in one round trip: each stays its own target transaction (its own
 # BEGIN, origin setup and COMMIT), so every row keeps its source commit time; only the trips are shared.
 BATCH_TRANSACTIONS = 256
 BATCH_BYTES = 4 << 20
-# How long a link waits for a table or column its rows name to appear on the target (DDL from a third
-# node still on its way) before it pauses.
-SCHEMA_WAIT_S = 60.0
 
 logger = logging.getLogger(__name__)
 
-# Columns renamed or dropped by DDL on the target, oldest first (router.ddl.capture).
-_DRIFT_QUERY = """
-SELECT table_name, old_name, new_name FROM pgmesh.column_changes
-WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
-"""
 
-# Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
-# and the other unique keys (plain column lists, not partial, not on expressions).
-_TABLES_QUERY = """
-SELECT n.nspname, c.relname,
-  (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod)) ORDER BY a.attnum)
-     FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
-  (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
-       SELECT jsonb_agg(a.attname ORDER BY k.ord)
-       FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
-     FROM pg_catalog.pg_index i
-     WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text
-FROM pg_catalog.pg_class c
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
-  AND n.nspname NOT LIKE 'pg\\_%'
-"""
-
-# SQLSTATEs of a conflict met by the fast path: a guard fired, or a key is already there.
-_CONFLICT_STATES = frozenset({"PGM01", "PGM02", "23505"})
-# The target's tables changed under us (DDL run there): undefined column / table, datatype mismatch.
-_SCHEMA_STATES = frozenset({"42703", "42P01", "42804"})
-
-
-class LinkState(enum.Enum):
-    STREAMING = "streaming"
-    PAUSED = "paused"
-    CATCHING_UP = "catching up"
-    DOWN = "down"
-    ERROR = "error"
-
-
-class Applier:
+class Applier(LinkView):
     """Applies one source's transactions to one target, in order, exactly once."""
 
     def __init__(
@@ -117,63 +93,36 @@ class Applier:
         self.source = source
         self.target = target
         self.origin = config.origin_name(source)
-        self._source_origin: int | None = None
+        self.stats = LinkStats()
+        self.link = LinkSession(config, source, target, self.stats)
+        self.condition = LinkCondition(self.link.name)
         self._careful = CarefulApplier(config, source, target.name, {})
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
         self._clock = clock
         self._on_applied = on_applied
-        self._conn: asyncpg.Connection | None = None
-        self._tables: dict[tuple[str, str], TargetTable] = {}
-        self._schema_wait_since: float | None = None  # since when a missing table / column is awaited
+        self._schema = SchemaWait()  # since when a missing table / column is awaited
         self.schema_wait = SCHEMA_WAIT_S
         self._reloaded_for = -1  # the transaction that last made us re-read the target's tables
-        self._drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.capture.reconcile)
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
-        self._prepared = Prepared()
-        # Scripts built while the previous batch ran on the target, by id(): see _build_ahead.
-        self._ahead: dict[int, tuple[Transaction, str]] = {}
-        self.scripts_ahead = 0  # scripts built ahead and then sent (for the bench)
-        self.early_transactions = 0  # large transactions whose apply began before their commit arrived
-        self.abandoned_transactions = 0  # of those, lost by the source before the commit (sent again)
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
         # doubled after a clean batch, up to BATCH_TRANSACTIONS.
         self._batch_limit = BATCH_TRANSACTIONS
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
-        self.state = LinkState.DOWN
-        self.last_error: str | None = None
-        self.last_commit_time: int | None = None  # source commit time of the last applied transaction
-        self.retries = 0
-        self.errors = 0
-        self.skipped = 0
-        self.applied_transactions = 0
-        self.applied_rows = 0
-        self.conflicts = 0
-        self.ddl_applied = 0
-        self.copied_transactions = 0  # large transactions applied in parts (COPY where possible)
-        self.copied_rows = 0
-        self._large = LargeApply(self)
+        self._large = LargeApply(self.link)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
         self.lanes = max(1, config.replication.apply_lanes)
-        self._parallel = Lanes(self)
-        self._origin_held = False
-        self._installed_at: str | None = None
-        self._sequential_next = False
-        self.parallel_batches = 0
-        self.parallel_transactions = 0
+        self._parallel = Lanes(self.link, self.lanes)
         # Streamed transactions applied before their commit on a side session (router.apply.side).
-        self._side = SideSession(self)
-        self.early_streams = 0  # streamed transactions a side session began before their commit
-        self.early_streams_committed = 0  # of those, committed there in their place in commit order
-        self.early_streams_dropped = 0  # of those, rolled back (then applied the normal way, or aborted)
+        self._side = SideSession(self.link, self._large, queue, progress, self._resumed)
 
     @property
     def name(self) -> str:
-        return f"{self.source} -> {self.target.name}"
+        return self.link.name
 
     # ------------------------------------------------------------ control
 
@@ -181,12 +130,11 @@ class Applier:
         self.user_paused = True
         self._resumed.clear()
         self._side.drop("the link was paused")  # holds no transaction open while paused
-        self.state = LinkState.PAUSED
-        self.last_error = None if reason.startswith("paused by") else reason
+        self.condition.move(LinkState.PAUSED, None if reason.startswith("paused by") else reason)
 
     def resume(self) -> None:
         self.user_paused = False
-        self.last_error = None
+        self.condition.move(self.condition.state, None)
         self._resumed.set()
 
     @property
@@ -217,124 +165,51 @@ class Applier:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                action = self._classify(exc)
+                action = decide_link(exc, self._schema, now=time.monotonic(), schema_wait_s=self.schema_wait)
                 await self._disconnect()
                 if action is Action.RETRY:
-                    self.retries += 1
-                    self.state = LinkState.DOWN
-                    self.last_error = describe(exc)
-                    logger.warning("link %s: %s; retrying in %.1f s", self.name, self.last_error, backoff)
+                    self.stats.retries += 1
+                    self.condition.move(LinkState.DOWN, describe(exc))
+                    logger.debug("link %s: retrying in %.1f s", self.name, backoff)
                     await asyncio.sleep(backoff * (0.5 + random.random() / 2))
                     backoff = min(backoff * 2, 10.0)
                 else:
                     self._hold(exc)
 
-    def _classify(self, exc: Exception) -> Action:
-        if isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc):
-            return Action.RETRY
-        if isinstance(exc, SchemaMismatch):
-            # Rows of a node that already ran another node's DDL can arrive before that DDL does:
-            # wait a while for it, then pause naming the table and column.
-            now = time.monotonic()
-            if self._schema_wait_since is None:
-                self._schema_wait_since = now
-            if now - self._schema_wait_since < self.schema_wait:
-                return Action.RETRY
-            self._schema_wait_since = None
-            return Action.PAUSE
-        return decide(exc)
-
     def _hold(self, exc: Exception) -> None:
         """Pause this link with the error; `resume()` retries the same transaction."""
-        self.errors += 1
+        self.stats.errors += 1
         lsn = self._held[0].end_lsn if self._held else None
         if isinstance(exc, PgmeshError):
-            exc.node = exc.node or self.target.name
-            exc.lsn = exc.lsn or lsn
-            text = exc._render()
+            text = str(exc.at(node=self.target.name, lsn=lsn))
         else:
             text = f"node {self.target.name}, LSN {format_lsn(lsn or 0)}: {describe(exc)}"
-        self.last_error = f"applying {self.source}'s transaction: {text}"
-        self.state = LinkState.ERROR
         self._resumed.clear()
         self._side.drop("the link paused on an error")
-        logger.error("link %s paused: %s (fix it, then `pgmesh resume`)", self.name, self.last_error)
+        self.condition.move(LinkState.ERROR, f"applying {self.source}'s transaction: {text}")
 
     async def _connect(self) -> None:
-        self._conn = await open_session(self.target.dsn)  # installed_at: set by _load_origins
-        self._prepared = Prepared()  # a new session has no prepared statements
-        self._ahead = {}
-        await self._conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
-        self._origin_held = True
-        row = await self._conn.fetchval(
-            "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
-        )
-        if self.progress.restart_at(parse_lsn(row) if row else 0):
+        link = self.link
+        if self.progress.restart_at(await link.open()):
             logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
                            self.name, format_lsn(self.progress.applied))
             self.queue.clear()
             for txn in self._held:
                 release(txn)
             self._held = []
-        await self._load_tables()
-        await self._load_origins()
-        self.state = LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING
-        self.last_error = None
+        await link.load_tables()
+        nodes, installed_at = await link.load_origins()
+        self._careful.origin_nodes = nodes
+        if installed_at is not None:
+            self._careful.installed_at = installed_at
+        self.condition.move(LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING, None)
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))
-
-    async def _load_tables(self) -> None:
-        assert self._conn is not None
-        tables = {}
-        for schema, name, columns_json, keys_json in await self._conn.fetch(_TABLES_QUERY):
-            types = {col: kind for col, kind in json.loads(columns_json or "[]")}
-            keys = json.loads(keys_json or "[]")
-            pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
-            replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
-            uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
-            table = TargetTable(schema, name, frozenset(types), types, pk, uniques)
-            # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
-            table.tombstone_key = pk or replident or tuple(types)
-            tables[(schema, name)] = table
-        self._tables = tables
-        self._ahead = {}  # built for the tables as they were
-        drift: dict[str, dict[str, str | None]] = {}
-        for table_name, old, new in await self._conn.fetch(_DRIFT_QUERY):
-            drift.setdefault(table_name, {})[old] = new
-        self._drift = drift
-
-    async def _load_origins(self) -> None:
-        """This source's origin id here, and every pgmesh origin's node (for conflict versions)."""
-        assert self._conn is not None
-        prefix = self.config.origin_name("")
-        rows = await self._conn.fetch(
-            "SELECT roident, roname FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, $1)",
-            prefix,
-        )
-        nodes = {int(r["roident"]): str(r["roname"])[len(prefix):] for r in rows}
-        self._source_origin = next((ident for ident, node in nodes.items() if node == self.source), None)
-        self._careful.origin_nodes = nodes
-        installed = await self._conn.fetchval(
-            "SELECT CASE WHEN to_regclass('pgmesh.node_info') IS NOT NULL THEN"
-            " (SELECT value FROM pgmesh.node_info WHERE key = 'installed_at') END"
-        )
-        self._installed_at = installed
-        if installed:  # rows older than this are every node's common start: no conflict (expect_origin)
-            await self._conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed)
-            self._careful.installed_at = datetime_to_pg_us(
-                await self._conn.fetchval("SELECT $1::text::timestamptz", installed)
-            )
 
     async def _disconnect(self) -> None:
         self._side.drop("the link reconnects")
         self._parallel.close()
-        conn, self._conn = self._conn, None
-        self._origin_held = False
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 5)
-            if not conn.is_closed():
-                conn.terminate()
+        await self.link.close()
 
     async def close(self) -> None:
         await self._disconnect()
@@ -360,7 +235,7 @@ class Applier:
             for txn in self._held:
                 if txn.end_lsn <= self.progress.applied:
                     release(txn)
-            self.skipped += len(self._held) - len(fresh)
+            self.stats.skipped += len(self._held) - len(fresh)
             self._held = fresh
             if fresh:
                 await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
@@ -369,7 +244,8 @@ class Applier:
                 finally:
                     self._side.main_done()
             self._held = []
-            self.state = LinkState.CATCHING_UP if len(self.queue) > 1000 else LinkState.STREAMING
+            backlog = len(self.queue) > 1000
+            self.condition.move(LinkState.CATCHING_UP if backlog else LinkState.STREAMING, keep_error=True)
 
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
@@ -390,32 +266,26 @@ class Applier:
             await asyncio.sleep(wait)
 
     def _script(self, txn: Transaction, prelude: list[str]) -> str:
-        ahead = self._ahead.pop(id(txn), None)
+        link = self.link
+        ahead = link.ahead.pop(id(txn), None)
         if ahead is not None and ahead[0] is txn:
-            self.scripts_ahead += 1
+            self.stats.scripts_ahead += 1
             return ahead[1]
-        mark = self._prepared.mark()
+        mark = link.prepared.mark()
         size = len(prelude)
         try:
             return transaction_script(
-                txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude
+                txn, link.tables, prepared=link.prepared, guard_origin=link.source_origin, prelude=prelude
             )
         except ApplyError:
-            self._prepared.forget_since(mark)  # its PREPAREs are never sent
+            link.prepared.forget_since(mark)  # its PREPAREs are never sent
             del prelude[size:]
-            fitted = self._fit(txn)
+            fitted = link.fit(txn)
             if fitted is txn:
                 raise
         return transaction_script(
-            fitted, self._tables, prepared=self._prepared, guard_origin=self._source_origin, prelude=prelude
+            fitted, link.tables, prepared=link.prepared, guard_origin=link.source_origin, prelude=prelude
         )
-
-    def _fit(self, txn: Transaction) -> Transaction:
-        """`txn` with rows sent before a replicated rename or drop fitted to the target (router.ddl)."""
-        if not self._drift:
-            return txn
-        columns = {key: table.columns for key, table in self._tables.items()}
-        return reconcile(txn, columns, self._drift) or txn
 
     async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
         """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
@@ -425,19 +295,19 @@ class Applier:
         size = 0
         for i, txn in enumerate(batch):
             if has_ddl(txn) or is_large(txn):
-                break  # applied on its own (_apply_batch)
+                break  # applied on its own (_apply_first)
             try:
                 script = self._script(txn, prelude)
             except ApplyError:
                 if i:
                     break  # apply what comes before it first
-                await self._load_tables()  # the target's schema may have changed since we looked
+                await self.link.load_tables()  # the target's schema may have changed since we looked
                 script = self._script(txn, prelude)
             scripts.append(script)
             size += len(script)
             if size >= BATCH_BYTES:
                 break
-        self._ahead = {}
+        self.link.ahead = {}
         return prelude, scripts
 
     def _build_ahead(self) -> None:
@@ -449,10 +319,11 @@ class Applier:
         cache away (a reconnect, the tables read again, a conflict) never leaves a PREPARE unsent;
         `_script` takes a cached script only for the very transaction object it was built from.
         """
-        self._ahead = {}
+        link = self.link
+        link.ahead = {}
         if self.apply_delay > 0 or self.lanes > 1:
             return
-        mark = self._prepared.mark()
+        mark = link.prepared.mark()
         size = 0
         try:
             for txn in self.queue.peek(self._batch_limit):
@@ -460,23 +331,23 @@ class Applier:
                     break
                 prelude: list[str] = []
                 script = transaction_script(
-                    txn, self._tables, prepared=self._prepared, guard_origin=self._source_origin,
+                    txn, link.tables, prepared=link.prepared, guard_origin=link.source_origin,
                     prelude=prelude,
                 )
                 if prelude:  # a new prepared statement: left to the batch that sends it
-                    self._prepared.forget_since(mark)
+                    link.prepared.forget_since(mark)
                     break
-                self._ahead[id(txn)] = (txn, script)
+                link.ahead[id(txn)] = (txn, script)
                 size += len(script)
                 if size >= BATCH_BYTES:
                     break
         except ApplyError:
-            self._prepared.forget_since(mark)  # built the normal way, which handles it
+            link.prepared.forget_since(mark)  # built the normal way, which handles it
 
     async def _send(self, text: str) -> None:
         """Run one batch's SQL on the target, building the next batch's scripts meanwhile."""
-        assert self._conn is not None
-        task = asyncio.ensure_future(self._conn.execute(text))
+        assert self.link.conn is not None
+        task = asyncio.ensure_future(self.link.conn.execute(text))
         try:
             await asyncio.sleep(0)  # the task sends the query
             if not task.done():
@@ -487,36 +358,48 @@ class Applier:
                 task.cancel()
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
-        assert self._conn is not None
-        if self._side.current is not None:
-            self._side.gate(batch)
-        if self.lanes > 1 and len(batch) > 1 and not self._sequential_next and not is_large(batch[0]):
-            try:
-                done = await self._parallel.apply(batch)
-            except BaseException:
-                await self._after_failure()
-                raise
-            if done:
-                self._held = batch[done:]
-                if self._held:
-                    await self._apply_batch(self._held)
-                return
-        self._sequential_next = False
-        await self._hold_origin()
+        """Apply `batch` (the transactions in hand, `_held`) a step at a time: each step applies the first
+        of them (several in lanes, or one alone, or a run in one round trip) and leaves the rest in hand."""
+        assert self.link.conn is not None
+        self._held = batch
+        sequential = False  # a lane failed: the next step goes without lanes
+        while self._held:
+            batch = self._held
+            if self._side.current is not None:
+                self._side.gate(batch)
+            if self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0]):
+                try:
+                    run = await self._parallel.apply(batch)
+                except BaseException:
+                    await self._after_failure()
+                    raise
+                if run.applied:
+                    for txn in batch[: run.applied]:
+                        self._applied(txn)
+                    self._held = batch[run.applied :]
+                    sequential = run.failed  # the transaction that failed goes the careful way, alone
+                    continue
+            sequential = False
+            await self._apply_first(batch)
+
+    async def _apply_first(self, batch: list[Transaction]) -> None:
+        """One step without lanes: the batch's first transaction with DDL or a large one alone, else as
+        many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
+        the batch back in smaller batches). Leaves what is still to apply in `_held`."""
+        await self.link.take_origin()
         if has_ddl(batch[0]):
             try:
                 await self._apply_carefully(batch[0])
             except BaseException:
                 await self._after_failure()
-                await self._reload_tables()
+                await self.link.reload_tables()
                 raise
             self._held = batch[1:]
-            if self._held:
-                await self._apply_batch(self._held)
             return
         try:
             if is_large(batch[0]):
-                batch[0] = await self._large.apply(batch[0])  # the whole one, if it came early
+                if not await self._side.commit(batch[0]):  # applied ahead: committed there
+                    batch[0] = await self._large.apply(batch[0])  # the whole one, if it came early
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
@@ -524,28 +407,15 @@ class Applier:
                 done = len(scripts)
         except asyncpg.PostgresError as exc:
             await self._after_failure()
-            if exc.sqlstate in _SCHEMA_STATES and self._held and self._held[0].end_lsn != self._reloaded_for:
-                # DDL run on the target itself since the tables were read: read them again, once
-                self._reloaded_for = self._held[0].end_lsn
-                await self._reload_tables()
-                await self._apply_batch(self._held)
-                return
-            if exc.sqlstate not in _CONFLICT_STATES or not self._held or self._conn is None:
-                raise
-            await self._apply_carefully(self._held[0])  # the transaction that met a conflict
-            self._held = self._held[1:]
-            self._batch_limit = max(16, self._batch_limit // 2)
-            for txn in reversed(self._held[self._batch_limit :]):
-                self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
-            self._held = self._held[: self._batch_limit]
-        except Abandoned as gone:
+            await self._after_conflict(exc)
+        except LostBeforeCommit as lost:
             await self._after_failure()  # rolls back what was applied of it
-            if self._held and (self._held[0] is gone.txn or self._held[0] is whole_transaction(gone.txn)):
+            if self._held and (self._held[0] is lost.txn or self._held[0] is whole_transaction(lost.txn)):
                 release(self._held.pop(0))
-            self.abandoned_transactions += 1
+            self.stats.abandoned_transactions += 1
             logger.info("link %s: transaction %s (commit at %s) lost by the source before its commit"
                         " arrived; rolled back on %s, it will be applied when resent", self.name,
-                        gone.txn.xid, format_lsn(gone.txn.commit_lsn), self.target.name)
+                        lost.txn.xid, format_lsn(lost.txn.commit_lsn), self.target.name)
         except BaseException:
             await self._after_failure()
             raise
@@ -554,16 +424,24 @@ class Applier:
                 self._applied(txn)
             self._held = batch[done:]
             self._batch_limit = min(BATCH_TRANSACTIONS, self._batch_limit * 2)
-        if self._held:
-            await self._apply_batch(self._held)
 
-    async def _hold_origin(self) -> None:
-        """The main session takes the source's origin back after lanes or a side session had it (a
-        session that just ended may not have let it go yet: a moment is allowed for that)."""
-        if self._origin_held or self._conn is None:
+    async def _after_conflict(self, exc: asyncpg.PostgresError) -> None:
+        """The batch failed on the target (rolled back): read the tables again if DDL changed them here
+        (once per transaction), or apply the transaction that met a conflict the careful way; else raise."""
+        held = self._held
+        if tables_changed(exc) and held and held[0].end_lsn != self._reloaded_for:
+            # DDL run on the target itself since the tables were read: read them again, once
+            self._reloaded_for = held[0].end_lsn
+            await self.link.reload_tables()
             return
-        await take_origin(self._conn, self.origin)
-        self._origin_held = True
+        if not is_conflict(exc) or not held or self.link.conn is None:
+            raise exc
+        await self._apply_carefully(whole_transaction(held[0]))  # the transaction that met a conflict
+        self._held = held[1:]
+        self._batch_limit = max(16, self._batch_limit // 2)
+        for txn in reversed(self._held[self._batch_limit :]):
+            self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
+        self._held = self._held[: self._batch_limit]
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start."""
@@ -573,39 +451,32 @@ class Applier:
         """Row by row, with conflict detection and resolution, in its own target transaction.
 
         A local session may insert the same key between our read and our write (a unique violation):
-        the whole transaction is read and decided again, now seeing that row.
+        the whole transaction is read and decided again, now seeing that row (`router.errors.retry_unique`).
         """
-        assert self._conn is not None
+        link = self.link
+        assert link.conn is not None
         whole = materialize(txn)  # a transaction spilled to disk is read back whole, for this path only
         ddl = has_ddl(whole)
         reloaded = False
-        for attempt in range(1, 6):
+        for attempt in range(1, UNIQUE_ATTEMPTS + 1):
             try:
                 records = await self._careful.apply(
-                    self._conn, self._fit(whole), self._tables, self._run_ddl if ddl else None
+                    link.conn, link.fit(whole), link.tables, self._run_ddl if ddl else None
                 )
                 break
-            except asyncpg.UniqueViolationError:
-                if attempt == 5:
-                    raise
-                self.retries += 1
             except asyncpg.PostgresError as exc:
-                if exc.sqlstate not in _SCHEMA_STATES or reloaded:
+                if retry_unique(exc, attempt):
+                    self.stats.retries += 1
+                elif tables_changed(exc) and not reloaded:
+                    reloaded = True  # DDL run on the target itself since the tables were read
+                    await link.reload_tables()
+                else:
                     raise
-                reloaded = True  # DDL run on the target itself since the tables were read
-                await self._reload_tables()
-        self.conflicts += len(records)
+        self.stats.conflicts += len(records)
         if ddl:
-            self.ddl_applied += 1
-            await self._reload_tables()
+            self.stats.ddl_applied += 1
+            await link.reload_tables()
         self._applied(txn)
-
-    async def _reload_tables(self) -> None:
-        """What the target has now, after DDL (applied or rolled back). Prepared statements stay: they
-        are keyed by the source's relation description, and a changed relation is a new one."""
-        if self._conn is None or self._conn.is_closed():
-            return
-        await self._load_tables()
 
     async def _run_ddl(self, conn: Any, message: Message) -> dict[tuple[str, str], TargetTable] | None:
         """One captured DDL command, inside the target transaction, as its user under its search_path."""
@@ -632,20 +503,17 @@ class Applier:
             ) from None
         await conn.execute("SELECT set_config('search_path', $1, true)", path)
         logger.info("link %s: applied %s from %s", self.name, command.tag, self.source)
-        await self._load_tables()
-        return self._tables
+        await self.link.load_tables()
+        return self.link.tables
 
     async def _after_failure(self) -> None:
         """Roll back the failed transaction; learn which of the batch's transactions committed before it."""
-        conn = self._conn
-        if conn is None or conn.is_closed():
+        link = self.link
+        if link.conn is None or link.conn.is_closed():
             return  # the next connect reads the origin's progress
         with contextlib.suppress(Exception):
-            await conn.execute("ROLLBACK")
-            row = await conn.fetchval(
-                "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", self.origin
-            )
-            done = parse_lsn(row) if row else 0
+            await link.conn.execute("ROLLBACK")
+            done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
             self._held = [whole_transaction(t) for t in self._held]
             for txn in self._held:
@@ -655,10 +523,11 @@ class Applier:
 
     def _applied(self, txn: Transaction) -> None:
         release(txn)
-        self._schema_wait_since = None
+        self._schema.done()
         self.progress.on_applied(txn.end_lsn)
-        self.last_commit_time = txn.commit_time
-        self.applied_transactions += 1
-        self.applied_rows += txn.row_count
+        stats = self.stats
+        stats.last_commit_time = txn.commit_time
+        stats.applied_transactions += 1
+        stats.applied_rows += txn.row_count
         if self._on_applied is not None:
             self._on_applied(self, txn)

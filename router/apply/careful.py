@@ -34,7 +34,6 @@ from protocol.messages import (
 from protocol.transactions import Transaction
 from router.apply.statements import (
     KEY_LOCKS_MAX,
-    ApplyError,
     TargetTable,
     identity_match,
     key_lock,
@@ -46,6 +45,7 @@ from router.apply.statements import (
 )
 from router.config import Config
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
+from router.errors import ApplyError
 
 __all__ = ["CarefulApplier", "ConflictRecord"]
 

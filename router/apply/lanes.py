@@ -9,9 +9,10 @@ the origin's progress reached the predecessor's end, and every lane takes the so
 origin just to commit (PostgreSQL 15: one session per origin at a time). What got applied is read
 back from the origin's progress.
 
-Must not: decide conflicts, retry or pause. A lane that fails rolls back and frees what it holds (its
-successors see it did not commit, and stop); the applier then applies the rest of the batch one by one,
-as without lanes. It works for its link's applier, on the applier's view of the target.
+Must not: decide conflicts, retry, pause, or record what was applied. A lane that fails rolls back and
+frees what it holds (its successors see it did not commit, and stop); `Lanes.apply` says how many of the
+batch are applied and whether one failed, and the applier records them and applies the rest one by one,
+as without lanes. It works on its link's `LinkSession` (router.apply.link), never on the applier.
 """
 
 from __future__ import annotations
@@ -21,23 +22,21 @@ import contextlib
 import itertools
 import logging
 import zlib
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import asyncpg
 
-from protocol.lsn import format_lsn, parse_lsn
+from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
-from router.apply.large import is_large
+from router.apply.link import LinkSession
 from router.apply.parallel import plan_lanes
+from router.apply.parts import is_large
 from router.apply.scripts import transaction_segments
-from router.apply.sessions import LET_ORIGIN_GO, open_session
-from router.apply.statements import ApplyError, Prepared, quote_literal
-from router.errors import describe
+from router.apply.sessions import LET_ORIGIN_GO
+from router.apply.statements import Prepared, quote_literal
+from router.errors import ApplyError, describe
 
-if TYPE_CHECKING:
-    from router.apply.applier import Applier
-
-__all__ = ["Lanes"]
+__all__ = ["LaneRun", "Lanes"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +53,22 @@ class _Lane:
         self.prepared = Prepared()
 
 
+class LaneRun(NamedTuple):
+    """What one `Lanes.apply` did: the batch's first `applied` transactions committed; `failed`: a lane
+    failed (the transaction after those goes the careful way, alone, before lanes run again)."""
+
+    applied: int
+    failed: bool
+
+
 class Lanes:
-    """The parallel apply of one link's applier (`link.lanes` sessions, the main one included)."""
+    """The parallel apply of one link (`lanes` sessions, the link's main session included)."""
 
-    __slots__ = ("_extra", "_key", "_link", "_seq")
+    __slots__ = ("_extra", "_key", "_link", "_seq", "lanes")
 
-    def __init__(self, link: Applier) -> None:
+    def __init__(self, link: LinkSession, lanes: int) -> None:
         self._link = link
+        self.lanes = lanes
         self._extra: list[_Lane] = []  # sessions besides the main one
         self._key = zlib.crc32(link.origin.encode()) & 0x7FFFFFFF
         self._seq = 0
@@ -75,16 +83,16 @@ class Lanes:
     async def _sessions(self) -> list[_Lane]:
         """Lane 0 is the main session; the others are opened on first use."""
         link = self._link
-        assert link._conn is not None
-        while len(self._extra) < link.lanes - 1:
-            self._extra.append(_Lane(await open_session(link.target.dsn, link._installed_at)))
-        main = _Lane(link._conn)
-        main.prepared = link._prepared
+        assert link.conn is not None
+        while len(self._extra) < self.lanes - 1:
+            self._extra.append(_Lane(await link.open_other()))
+        main = _Lane(link.conn)
+        main.prepared = link.prepared
         return [main, *self._extra]
 
-    async def apply(self, batch: list[Transaction]) -> int:
+    async def apply(self, batch: list[Transaction]) -> LaneRun:
         """Run the batch's first transactions on several sessions at once, committed in source order;
-        return how many are applied (0: none ran, the caller applies the batch one by one).
+        say how many are applied (0: none ran, the caller applies the batch one by one).
 
         Each transaction i holds a session advisory lock s_i from before any lane starts until just
         after its COMMIT. A transaction whose predecessor runs in another lane waits for s_(i-1), then
@@ -94,9 +102,9 @@ class Lanes:
         """
         link = self._link
         small = list(itertools.takewhile(lambda t: not is_large(t), batch))
-        lanes_of = plan_lanes(small, link._tables, link.lanes)
+        lanes_of = plan_lanes(small, link.tables, self.lanes)
         if len(set(lanes_of)) < 2:
-            return 0
+            return LaneRun(0, False)
         lanes = await self._sessions()
         key, origin = self._key, quote_literal(link.origin)
         preludes: dict[int, list[str]] = {lane: [] for lane in set(lanes_of)}
@@ -118,8 +126,8 @@ class Lanes:
                      f"SELECT pg_catalog.pg_advisory_unlock({key}, {seq})")
             try:
                 (script,) = transaction_segments(
-                    link._fit(txn), link._tables, prepared=lanes[lane].prepared,
-                    guard_origin=link._source_origin, prelude=preludes[lane], copy=False,
+                    link.fit(txn), link.tables, prepared=lanes[lane].prepared,
+                    guard_origin=link.source_origin, prelude=preludes[lane], copy=False,
                     at_commit=(";\n".join(before), after),
                 )
             except ApplyError:
@@ -135,11 +143,10 @@ class Lanes:
             if lane not in used:  # its PREPAREs are never sent
                 lanes[lane].prepared.forget_since(mark)
         if not used:
-            return 0
+            return LaneRun(0, False)
         self._seq += len(txns)
         # Every lane's locks are held before any lane starts.
-        reset = "SELECT pg_catalog.pg_replication_origin_session_reset();\n" if link._origin_held else ""
-        link._origin_held = False
+        reset = link.let_origin_go_sql()
         locks = {lane: [s for s, on in zip(seqs, lanes_of, strict=False) if on == lane] for lane in used}
         await asyncio.gather(*(
             lanes[lane].conn.execute(
@@ -153,20 +160,12 @@ class Lanes:
                       + "\n".join(scripts[lane]))
             for lane in used
         ))
-        await link._hold_origin()
-        assert link._conn is not None
-        row = await link._conn.fetchval(
-            "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", link.origin
-        )
-        done = parse_lsn(row) if row else 0
-        applied = [txn for txn in txns if txn.end_lsn <= done]
-        for txn in applied:
-            link._applied(txn)
-        link.parallel_batches += 1
-        link.parallel_transactions += len(applied)
-        if any(exc is not None for exc in results):
-            link._sequential_next = True  # the transaction that failed goes the careful way, alone
-        return len(applied)
+        await link.take_origin()
+        done = await link.origin_progress()
+        applied = sum(1 for txn in txns if txn.end_lsn <= done)  # a prefix: committed in order
+        link.stats.parallel_batches += 1
+        link.stats.parallel_transactions += applied
+        return LaneRun(applied, any(exc is not None for exc in results))
 
     async def _run(self, conn: asyncpg.Connection, script: str) -> asyncpg.PostgresError | None:
         """One lane's script; on an error, roll back and free the origin and every lock it holds (its

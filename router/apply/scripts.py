@@ -33,7 +33,6 @@ from protocol.pgoutput import decode_raw_insert, raw_copy_text, raw_tuple
 from protocol.transactions import SpilledChange, Transaction
 from router.apply.statements import (
     KEY_LOCKS_MAX,
-    ApplyError,
     Prepared,
     TargetTable,
     delete_statement,
@@ -49,6 +48,7 @@ from router.apply.statements import (
     update_statement,
     xact_setup_sql,
 )
+from router.errors import ApplyError
 
 __all__ = [
     "COPY_MIN_ROWS",

@@ -1,6 +1,6 @@
 """The side session of one link: a streamed transaction applied on the target before its commit.
 
-A streamed transaction announced before its commit (router.stream.source.EarlyStream, handed over by
+A streamed transaction announced before its commit (router.stream.items.EarlyStream, handed over by
 `LinkQueue.get_side`) is applied on a second session (the "side" session) as its spill file grows, in
 one open target transaction, while the applier's main session goes on with what commits before it.
 When its commit comes to the head of the queue, the main session hands the origin over and the side
@@ -12,8 +12,8 @@ conflict, an abort, a reconnect) rolls the side transaction back, and the transa
 normal way at its commit.
 
 Must not: commit anything out of commit order, or hold a transaction open while its link is paused,
-stopped or reconnecting (the applier drops the side session then). It works for its link's applier, on
-the applier's view of the target, and counts what it did in the applier's `early_streams*`.
+stopped or reconnecting (the applier drops the side session then). It works on its link's `LinkSession`
+(router.apply.link), never on the applier, and counts what it did in the link's `stats.early_streams*`.
 """
 
 from __future__ import annotations
@@ -21,23 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 import asyncpg
 
-from protocol.lsn import parse_lsn
 from protocol.messages import Message, Relation, Truncate
 from protocol.transactions import SpilledChange, Transaction
-from router.apply.large import Gone, growing_parts
-from router.apply.sessions import LET_ORIGIN_GO, open_session, take_origin
+from router.apply.large import LargeApply
+from router.apply.link import LinkSession
+from router.apply.parts import growing_parts
+from router.apply.sessions import LET_ORIGIN_GO, take_origin
 from router.apply.statements import Prepared, quote_literal, xact_setup_sql
 from router.ddl.messages import has_ddl
-from router.errors import describe
-from router.stream.source import EarlyStream
+from router.errors import LostBeforeCommit, describe
+from router.progress import LinkProgress
+from router.stream.items import EarlyStream
+from router.stream.linkqueue import LinkQueue
 from router.stream.spool import SpillFile
-
-if TYPE_CHECKING:
-    from router.apply.applier import Applier
 
 __all__ = ["SideSession", "SideTransaction"]
 
@@ -80,12 +79,22 @@ def _side_check(part: list[SpilledChange]) -> None:
 
 
 class SideSession:
-    """At most one streamed transaction of a link applied ahead of its commit (`current`)."""
+    """At most one streamed transaction of a link applied ahead of its commit (`current`). It takes the
+    announcements from the link's `queue`, drops one the target has already (`progress`), and starts none
+    while the link is paused (`resumed` not set) or applies with a delay."""
 
-    __slots__ = ("_link", "_main_idle", "_main_tables", "current")
+    __slots__ = ("_large", "_link", "_main_idle", "_main_tables", "_progress", "_queue", "_resumed",
+                 "current", "enabled")
 
-    def __init__(self, link: Applier) -> None:
+    def __init__(self, link: LinkSession, large: LargeApply, queue: LinkQueue, progress: LinkProgress,
+                 resumed: asyncio.Event) -> None:
         self._link = link
+        self._large = large
+        self._queue = queue
+        self._progress = progress
+        self._resumed = resumed
+        replication = link.config.replication
+        self.enabled = replication.early_apply and replication.apply_delay_ms <= 0
         self.current: SideTransaction | None = None
         self._main_tables: frozenset[tuple[str, str]] = frozenset()  # the main session's batch writes these
         self._main_idle = asyncio.Event()
@@ -96,24 +105,23 @@ class SideSession:
         self._main_idle.set()
 
     def _wanted(self) -> bool:
-        link = self._link
-        return (link.config.replication.early_apply and link.apply_delay <= 0 and link._conn is not None
-                and link._resumed.is_set() and self.current is None)
+        return (self.enabled and self._link.conn is not None and self._resumed.is_set()
+                and self.current is None)
 
     async def watch(self) -> None:
         """Start a side session on each announced streamed transaction (one at a time); drop one whose
         commit will not come to this link (aborted, resent, the link re-reads, applied already)."""
         link = self._link
         while True:
-            item = await link.queue.get_side(1.0)
+            item = await self._queue.get_side(1.0)
             self._check()
             if item is None:
                 continue
             if not self._wanted() or item.spill.abandoned or item.spill.deleted:
                 item.spill.release()
                 continue
-            side = self.current = SideTransaction(item, link.queue.cleared)
-            link.early_streams += 1
+            side = self.current = SideTransaction(item, self._queue.cleared)
+            link.stats.early_streams += 1
             side.task = asyncio.create_task(self._run(side), name=f"side apply {link.name}")
 
     def _check(self) -> None:
@@ -123,9 +131,9 @@ class SideSession:
         final = side.spill.final
         if side.spill.abandoned:
             self.drop("the source transaction was aborted, or it will be sent again")
-        elif self._link.queue.cleared != side.generation:
+        elif self._queue.cleared != side.generation:
             self.drop("the link re-reads its source")
-        elif final is not None and final.end_lsn <= self._link.progress.applied:
+        elif final is not None and final.end_lsn <= self._progress.applied:
             self.drop("the target has it already")
 
     async def _run(self, side: SideTransaction) -> None:
@@ -146,7 +154,7 @@ class SideSession:
         open (the main session commits it: `finish`). Returns once all of it is applied."""
         link = self._link
         spill, txn = side.spill, side.item.txn
-        conn = side.conn = await open_session(link.target.dsn, link._installed_at)
+        conn = side.conn = await link.open_other()
         # Its rows are written under an origin of their own (the main session holds the source's): the
         # target's walsender streams them as an echo, not as a transaction of this node.
         early = link.config.early_origin_name(link.source)
@@ -160,15 +168,15 @@ class SideSession:
             async with contextlib.aclosing(growing_parts(txn, relations)) as parts:
                 async for part, final in parts:
                     if spill.abandoned:
-                        raise Gone
+                        raise LostBeforeCommit(txn)
                     if final is not None and final.aborted_subxids:
                         raise _SideStop("a subtransaction of it was aborted")
                     _side_check(part)
                     await self._take_tables(side, relations)
-                    await link._large.apply_part(txn, part, relations, tombstones, first, False,
-                                                 setup=False, side=side)
+                    await self._large.apply_part(txn, part, relations, tombstones, first, False,
+                                                 setup=False, side=(conn, side.prepared))
                     first = False
-        except Gone:
+        except LostBeforeCommit:
             raise _SideStop("the source transaction was aborted, or it will be sent again") from None
         if first:
             raise _SideStop("nothing of it was applied before its commit")
@@ -202,11 +210,22 @@ class SideSession:
         self._main_tables = frozenset(names)
         self._main_idle.set()  # the side session re-checks: what it waited for may be free now
 
-    async def finish(self, side: SideTransaction, txn: Transaction) -> bool:
-        """`txn`'s commit is next: commit the side session's transaction now, under the origin (handed
-        over by the main session); False when it cannot be (the caller applies `txn` the normal way)."""
+    async def commit(self, txn: Transaction) -> bool:
+        """`txn`'s commit is next: if the side session applied it ahead, commit it there now; False when
+        it did not, or cannot (the caller applies `txn` the normal way)."""
+        side = self.current
+        if side is None or txn.spill is None or side.spill is not txn.spill:
+            return False
+        committed = await self._finish(side, txn)
+        if committed:
+            self._link.stats.copied_transactions += 1
+        return committed
+
+    async def _finish(self, side: SideTransaction, txn: Transaction) -> bool:
+        """Commit the side session's transaction now, under the origin (handed over by the main
+        session); False when it cannot be."""
         link = self._link
-        main = link._conn
+        main = link.conn
         assert main is not None
         side.finishing = True
         committed = False
@@ -218,9 +237,7 @@ class SideSession:
             conn = side.conn
             if side.why is not None or conn is None:
                 return False
-            if link._origin_held:
-                await main.execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
-                link._origin_held = False
+            await link.let_origin_go()
             try:
                 await conn.execute(
                     "SELECT pg_catalog.pg_replication_origin_session_reset();\n"
@@ -237,15 +254,12 @@ class SideSession:
                 side.why = f"its session was lost while committing: {describe(exc)}"
                 conn.terminate()
                 side.conn = None
-                await link._hold_origin()
-                row = await main.fetchval(
-                    "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text", link.origin
-                )
-                committed = bool(row) and parse_lsn(row) >= txn.end_lsn
+                await link.take_origin()
+                committed = await link.origin_progress() >= txn.end_lsn
             return committed
         finally:
             self.drop(side.why, committed=committed)
-            await link._hold_origin()
+            await link.take_origin()
 
     def drop(self, why: str | None, *, committed: bool = False) -> None:
         """End the side session: its transaction committed, or rolled back (`why`)."""
@@ -262,8 +276,8 @@ class SideSession:
         side.spill.release()
         link = self._link
         if committed:
-            link.early_streams_committed += 1
+            link.stats.early_streams_committed += 1
             return
-        link.early_streams_dropped += 1
+        link.stats.early_streams_dropped += 1
         logger.info("link %s: streamed transaction %s no longer applied ahead of its commit: %s", link.name,
                     side.item.txn.xid, why or "stopped")

@@ -34,13 +34,11 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
-from router.errors import PgmeshError
+from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
     "KEY_LOCKS_MAX",
-    "ApplyError",
     "Prepared",
-    "SchemaMismatch",
     "TargetTable",
     "delete_statement",
     "guard",
@@ -66,14 +64,6 @@ _OVERRIDING: Final = "OVERRIDING SYSTEM VALUE"
 
 # Types without a btree equality operator: compared through their text form in identity matches.
 _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
-
-
-class ApplyError(PgmeshError):
-    """A change that cannot be applied as is (schema mismatch, missing column, binary value)."""
-
-
-class SchemaMismatch(ApplyError):
-    """The target lacks a table or column the change names (possibly DDL still on its way here)."""
 
 
 def quote_ident(name: str) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 if TYPE_CHECKING:
+    from router.apply.state import LinkStats
     from router.stream.state import SourceStats
 
 __all__ = [
@@ -357,6 +358,18 @@ class Metrics:
             if new > child.get():
                 child.inc(new - child.get())
 
+    def observe_link(self, source: str, target: str, stats: LinkStats, before: LinkStats | None) -> None:
+        """Add to the link metrics of source -> target what its applier counted (read whole) since
+        `before`, its counters when last observed (None: since it started). The metrics carry on when
+        the router builds its appliers again (a hold and release), whose counters start from zero."""
+        families = (self.applied_transactions_total, self.applied_rows_total, self.apply_retries_total,
+                    self.apply_errors_total, self.skipped_transactions_total, self.early_transactions_total,
+                    self.early_rolled_back_total)
+        old = _link_counts(before) if before is not None else (0,) * len(families)
+        for family, new, was in zip(families, _link_counts(stats), old, strict=True):
+            if new > was:
+                family.labels(source=source, target=target).inc(new - was)
+
     def set_link_state(self, source: str, target: str, state: str) -> None:
         """Mark `state` as the link's current state: 1 for it, 0 for every other state."""
         if state not in LINK_STATES:
@@ -383,3 +396,10 @@ class Metrics:
     def render(self) -> str:
         """Every pgmesh metric in the Prometheus text exposition format 0.0.4."""
         return self.registry.render()
+
+
+def _link_counts(stats: LinkStats) -> tuple[int, ...]:
+    """A link's counters in the order of `Metrics.observe_link`'s families (early: both kinds)."""
+    return (stats.applied_transactions, stats.applied_rows, stats.retries, stats.errors, stats.skipped,
+            stats.early_transactions + stats.early_streams,
+            stats.abandoned_transactions + stats.early_streams_dropped)

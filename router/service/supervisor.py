@@ -24,7 +24,8 @@ import psycopg
 
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
-from router.apply.applier import Applier, LinkState
+from router.apply.applier import Applier
+from router.apply.state import LinkState, LinkStats
 from router.config import Config, NodeConfig
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
@@ -148,7 +149,7 @@ class Router:
         self.metrics = metrics or Metrics()
         self.admin: AdminServer | None = None
         self._admin_enabled = admin
-        self._exported: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._exported: dict[tuple[str, str], LinkStats] = {}  # each link's counters when last exported
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
@@ -429,18 +430,8 @@ class Router:
         status = {(link.source, link.target): link for link in self.status().links}
         for key, applier in self.appliers.items():
             labels = {"source": key[0], "target": key[1]}
-            now = (applier.applied_transactions, applier.applied_rows, applier.retries, applier.errors,
-                   applier.skipped, applier.early_transactions + applier.early_streams,
-                   applier.abandoned_transactions + applier.early_streams_dropped)
-            before = self._exported.get(key, (0, 0, 0, 0, 0, 0, 0))
-            for family, new, old in zip(
-                (m.applied_transactions_total, m.applied_rows_total, m.apply_retries_total,
-                 m.apply_errors_total, m.skipped_transactions_total, m.early_transactions_total,
-                 m.early_rolled_back_total), now, before, strict=True,
-            ):
-                if new > old:
-                    family.labels(**labels).inc(new - old)
-            self._exported[key] = now
+            m.observe_link(key[0], key[1], applier.stats, self._exported.get(key))
+            self._exported[key] = msgspec.structs.replace(applier.stats)  # a copy, as they are now
             link = status[key]
             m.lag_bytes.labels(**labels).set(link.lag_bytes)
             m.lag_seconds.labels(**labels).set(link.lag_seconds)
@@ -511,15 +502,16 @@ class Router:
         state = applier.state
         if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
             state = LinkState.CATCHING_UP
-        last = applier.last_commit_time
+        stats = applier.stats
+        last = stats.last_commit_time
         return LinkStatus(
             source=key[0], target=key[1], state=state.value,
             applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
             last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
             lag_bytes=self._lag_bytes(source, link),
             lag_seconds=round(lag_seconds, 3), queued=applier.pending,
-            applied_transactions=applier.applied_transactions, applied_rows=applier.applied_rows,
-            retries=applier.retries, last_error=applier.last_error,
+            applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
+            retries=stats.retries, last_error=applier.last_error,
         )
 
 

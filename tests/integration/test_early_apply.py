@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from router.apply import large as large_apply
+from router.apply import parts as large_apply
 from router.testing.mesh import (
     NODE_SETTINGS,
     execute,

@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.apply import large as large_apply
+from router.apply import parts as large_apply
 from router.service.supervisor import Router
 from router.testing.mesh import (
     NODE_SETTINGS,

@@ -7,7 +7,8 @@ import pytest
 from protocol.messages import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Truncate, TupleData, Update
 from protocol.transactions import Transaction
 from router.apply.scripts import transaction_script
-from router.apply.statements import ApplyError, TargetTable, quote_ident, quote_literal
+from router.apply.statements import TargetTable, quote_ident, quote_literal
+from router.errors import ApplyError
 
 REL = Relation(7, "public", "Odd ""Name", "d", (
     Column("id", 23, -1, True), Column("note", 25, -1, False), Column("doc", 114, -1, False),

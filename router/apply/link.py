@@ -1,0 +1,199 @@
+"""What the apply helpers get of their link: `LinkSession`, the link's main session on the target and its
+view of the target, a narrow handle instead of the `Applier`.
+
+The applier (router.apply.applier) creates one per link and hands it to its helpers (router.apply.lanes,
+router.apply.large, router.apply.side). It holds the main session (`conn`), whether that session holds
+the source's replication origin (`origin_held`; one session per origin at a time, PostgreSQL 15), the
+session's prepared statements, the target's tables and the columns DDL renamed or dropped there
+(`drift`), the source's origin id here (the guards' `guard_origin`), `installed_at` (set up in every
+session), the scripts built ahead for the next batch (`ahead`, thrown away whenever the tables are read
+again), and the link's counters (`stats`). Its methods: open and close the main session, read the
+target's tables and origins, fit a transaction to the target after DDL, take and let go the origin,
+read the origin's progress, and open another session set up alike.
+
+Must not: apply, retry, pause, or decide anything about the loop (what a helper decides for the loop
+comes back to the applier as a return value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import asyncpg
+
+from protocol.lsn import datetime_to_pg_us, parse_lsn
+from protocol.transactions import Transaction
+from router.apply.sessions import open_session, take_origin
+from router.apply.state import LinkStats
+from router.apply.statements import Prepared, TargetTable
+from router.config import Config, NodeConfig
+from router.ddl.reconcile import Drift, reconcile
+
+__all__ = ["LinkSession"]
+
+# Columns renamed or dropped by DDL on the target, oldest first (router.ddl.capture).
+_DRIFT_QUERY = """
+SELECT table_name, old_name, new_name FROM pgmesh.column_changes
+WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
+"""
+
+# Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
+# and the other unique keys (plain column lists, not partial, not on expressions).
+_TABLES_QUERY = """
+SELECT n.nspname, c.relname,
+  (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod)) ORDER BY a.attnum)
+     FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
+  (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
+       SELECT jsonb_agg(a.attname ORDER BY k.ord)
+       FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
+     FROM pg_catalog.pg_index i
+     WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text
+FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
+  AND n.nspname NOT LIKE 'pg\\_%'
+"""
+
+_PROGRESS = "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text"
+_RESET = "SELECT pg_catalog.pg_replication_origin_session_reset()"
+
+
+class LinkSession:
+    """One link's main session on its target and its view of that target (see the module docstring)."""
+
+    __slots__ = (
+        "ahead", "config", "conn", "drift", "installed_at", "name", "origin", "origin_held", "prepared",
+        "source", "source_origin", "stats", "tables", "target",
+    )
+
+    def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
+        self.config = config
+        self.source = source
+        self.target = target
+        self.origin = config.origin_name(source)
+        self.name = f"{source} -> {target.name}"
+        self.stats = stats
+        self.conn: asyncpg.Connection | None = None
+        self.origin_held = False
+        self.prepared = Prepared()
+        self.tables: dict[tuple[str, str], TargetTable] = {}
+        self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
+        self.source_origin: int | None = None
+        self.installed_at: str | None = None
+        # Scripts built while the previous batch ran on the target, by id() (Applier._build_ahead).
+        self.ahead: dict[int, tuple[Transaction, str]] = {}
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.is_closed()
+
+    async def open(self) -> int:
+        """Open the main session, holding the source's origin; returns the origin's progress here."""
+        self.conn = await open_session(self.target.dsn)  # installed_at: set by load_origins
+        self.prepared = Prepared()  # a new session has no prepared statements
+        self.ahead = {}
+        await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
+        self.origin_held = True
+        return await self.origin_progress()
+
+    async def close(self) -> None:
+        """Close the main session (terminated when it does not close in 5 s)."""
+        conn, self.conn = self.conn, None
+        self.origin_held = False
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
+            if not conn.is_closed():
+                conn.terminate()
+
+    async def origin_progress(self) -> int:
+        """How far the source's origin got on the target (committed, not necessarily flushed)."""
+        assert self.conn is not None
+        row = await self.conn.fetchval(_PROGRESS, self.origin)
+        return parse_lsn(row) if row else 0
+
+    async def load_tables(self) -> None:
+        """Read the target's tables and the columns DDL renamed or dropped there."""
+        assert self.conn is not None
+        tables = {}
+        for schema, name, columns_json, keys_json in await self.conn.fetch(_TABLES_QUERY):
+            types = {col: kind for col, kind in json.loads(columns_json or "[]")}
+            keys = json.loads(keys_json or "[]")
+            pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
+            replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
+            uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
+            table = TargetTable(schema, name, frozenset(types), types, pk, uniques)
+            # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
+            table.tombstone_key = pk or replident or tuple(types)
+            tables[(schema, name)] = table
+        self.tables = tables
+        self.ahead = {}  # built for the tables as they were
+        drift: dict[str, dict[str, str | None]] = {}
+        for table_name, old, new in await self.conn.fetch(_DRIFT_QUERY):
+            drift.setdefault(table_name, {})[old] = new
+        self.drift = drift
+
+    async def reload_tables(self) -> None:
+        """What the target has now, after DDL (applied or rolled back). Prepared statements stay: they
+        are keyed by the source's relation description, and a changed relation is a new one."""
+        if self.connected:
+            await self.load_tables()
+
+    async def load_origins(self) -> tuple[dict[int, str], int | None]:
+        """This source's origin id here (`source_origin`) and `installed_at` (set up in the session);
+        returns every pgmesh origin's node by id, and `installed_at` in PostgreSQL microseconds."""
+        assert self.conn is not None
+        prefix = self.config.origin_name("")
+        rows = await self.conn.fetch(
+            "SELECT roident, roname FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, $1)",
+            prefix,
+        )
+        nodes = {int(r["roident"]): str(r["roname"])[len(prefix):] for r in rows}
+        self.source_origin = next((ident for ident, node in nodes.items() if node == self.source), None)
+        installed = await self.conn.fetchval(
+            "SELECT CASE WHEN to_regclass('pgmesh.node_info') IS NOT NULL THEN"
+            " (SELECT value FROM pgmesh.node_info WHERE key = 'installed_at') END"
+        )
+        self.installed_at = installed
+        if not installed:
+            return nodes, None
+        # rows older than this are every node's common start: no conflict (expect_origin)
+        await self.conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed)
+        return nodes, datetime_to_pg_us(await self.conn.fetchval("SELECT $1::text::timestamptz", installed))
+
+    def fit(self, txn: Transaction) -> Transaction:
+        """`txn` with rows sent before a replicated rename or drop fitted to the target (router.ddl)."""
+        if not self.drift:
+            return txn
+        columns = {key: table.columns for key, table in self.tables.items()}
+        return reconcile(txn, columns, self.drift) or txn
+
+    async def take_origin(self) -> None:
+        """The main session takes the source's origin back after lanes or a side session had it (a
+        session that just ended may not have let it go yet: a moment is allowed for that)."""
+        if self.origin_held or self.conn is None:
+            return
+        await take_origin(self.conn, self.origin)
+        self.origin_held = True
+
+    async def let_origin_go(self) -> None:
+        """The main session lets the source's origin go (another session commits under it next)."""
+        if self.origin_held:
+            assert self.conn is not None
+            await self.conn.execute(_RESET)
+            self.origin_held = False
+
+    def let_origin_go_sql(self) -> str:
+        """The SQL that lets the main session's origin go, for the caller to send first on the main
+        session ('' when it does not hold it); from now on the origin counts as let go."""
+        if not self.origin_held:
+            return ""
+        self.origin_held = False
+        return _RESET + ";\n"
+
+    async def open_other(self) -> asyncpg.Connection:
+        """Another session on the target, set up as the main one (a lane, the side session)."""
+        return await open_session(self.target.dsn, self.installed_at)

@@ -1,0 +1,157 @@
+"""A link's state and counters: where it is (`LinkState`, moved only by `LinkCondition.move`, along the
+allowed `TRANSITIONS`) and what it did (`LinkStats`, one struct per link that the supervisor reads whole
+for `pgmesh status` and the metrics).
+
+`LinkView` lets the applier answer `applier.state`, `applier.last_error` and `applier.<counter>` as it
+always has (tests, the bench and the operator commands read them there); nothing writes through it.
+
+Must not: do I/O, decide what a failure means (router.errors), or keep anything but the state, the
+last error and the counters.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgspec
+
+__all__ = ["TRANSITIONS", "LinkCondition", "LinkState", "LinkStats", "LinkView"]
+
+logger = logging.getLogger(__name__)
+
+
+class LinkState(enum.Enum):
+    STREAMING = "streaming"
+    PAUSED = "paused"
+    CATCHING_UP = "catching up"
+    DOWN = "down"
+    ERROR = "error"
+
+
+_S = LinkState
+_RUNNING: Final = frozenset({_S.STREAMING, _S.CATCHING_UP})
+# Where a link may go from each state. Every state may fail (DOWN: retried; ERROR: paused until
+# `pgmesh resume`) and may be paused by the operator. STREAMING <-> CATCHING_UP follow the backlog after
+# each batch. A link runs again (STREAMING or CATCHING_UP) from DOWN, PAUSED or ERROR when it
+# (re)connects, and from PAUSED also when it was resumed before it lost its session.
+TRANSITIONS: Final[Mapping[LinkState, frozenset[LinkState]]] = {
+    _S.DOWN: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+    _S.STREAMING: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+    _S.CATCHING_UP: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+    _S.PAUSED: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+}
+
+# How a move into each state is logged: level, what the link does, what comes after the error.
+_LOG: Final[Mapping[LinkState, tuple[int, str, str]]] = {
+    _S.DOWN: (logging.WARNING, "is down", "; retrying"),
+    _S.ERROR: (logging.ERROR, "paused", " (fix it, then `pgmesh resume`)"),
+    _S.PAUSED: (logging.INFO, "paused", ""),
+    _S.STREAMING: (logging.DEBUG, "streaming", ""),
+    _S.CATCHING_UP: (logging.DEBUG, "catching up", ""),
+}
+
+
+class LinkCondition:
+    """Where one link is (`state`) and the error that stopped it last (`last_error`)."""
+
+    __slots__ = ("last_error", "name", "state")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = LinkState.DOWN
+        self.last_error: str | None = None
+
+    def move(self, state: LinkState, error: str | None = None, *, keep_error: bool = False) -> None:
+        """The one way to change the state: checks the transition, records `error` (or keeps the last
+        one with `keep_error`) and logs the change once."""
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"link {self.name}: no move from {self.state.value} to {state.value}")
+        if keep_error:
+            error = self.last_error
+        moved = state is not self.state
+        if not moved and error == self.last_error:
+            return
+        self.state, self.last_error = state, error
+        if moved or error is not None:  # an error cleared (`pgmesh resume`) is no news
+            level, what, after = _LOG[state]
+            logger.log(level, "link %s %s%s%s", self.name, what, f": {error}" if error else "", after)
+
+
+class LinkStats(msgspec.Struct):
+    """What one link did since the router started (read whole: `Router.status`, the metrics)."""
+
+    applied_transactions: int = 0
+    applied_rows: int = 0
+    last_commit_time: int | None = None  # source commit time of the last applied transaction
+    retries: int = 0
+    errors: int = 0  # failures that paused the link
+    skipped: int = 0  # transactions the target had already (resent after a restart)
+    conflicts: int = 0
+    ddl_applied: int = 0
+    copied_transactions: int = 0  # large transactions applied in parts (COPY where possible)
+    copied_rows: int = 0
+    scripts_ahead: int = 0  # scripts built while the previous batch ran, then sent (for the bench)
+    parallel_batches: int = 0
+    parallel_transactions: int = 0
+    early_transactions: int = 0  # large transactions whose apply began before their commit arrived
+    abandoned_transactions: int = 0  # of those, lost by the source before the commit (sent again)
+    early_streams: int = 0  # streamed transactions a side session began before their commit
+    early_streams_committed: int = 0  # of those, committed there in their place in commit order
+    early_streams_dropped: int = 0  # of those, rolled back (then applied the normal way, or aborted)
+
+
+class _Stat:
+    """`owner.<name>`: the LinkStats field of that name, read-only (a write would hide the counter)."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, view: Any, owner: type | None = None) -> int:
+        value: int = getattr(view.stats, self.name)
+        return value
+
+    def __set__(self, view: Any, value: int) -> None:
+        raise AttributeError(f"{self.name} is counted in the link's stats (stats.{self.name})")
+
+
+class LinkView:
+    """A link's state and counters, read on the applier: `applier.conflicts` is `applier.stats.conflicts`."""
+
+    stats: LinkStats
+    condition: LinkCondition
+
+    @property
+    def state(self) -> LinkState:
+        return self.condition.state
+
+    @property
+    def last_error(self) -> str | None:
+        return self.condition.last_error
+
+    @property
+    def last_commit_time(self) -> int | None:
+        return self.stats.last_commit_time
+
+    applied_transactions = _Stat()
+    applied_rows = _Stat()
+    retries = _Stat()
+    errors = _Stat()
+    skipped = _Stat()
+    conflicts = _Stat()
+    ddl_applied = _Stat()
+    copied_transactions = _Stat()
+    copied_rows = _Stat()
+    scripts_ahead = _Stat()
+    parallel_batches = _Stat()
+    parallel_transactions = _Stat()
+    early_transactions = _Stat()
+    abandoned_transactions = _Stat()
+    early_streams = _Stat()
+    early_streams_committed = _Stat()
+    early_streams_dropped = _Stat()
