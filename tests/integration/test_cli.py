@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,8 @@ from typing import Any
 
 from router.ops.demo import run_demo
 from router.service.admin import admin_request
-from router.testing.mesh import NODE_SETTINGS, config_text, execute, fetch, wait_for
+from router.testing.mesh import execute, fetch, free_port, wait_for
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE items (id int PRIMARY KEY, v text);"
 
@@ -24,13 +24,6 @@ def pgmesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def status_json(config: Path) -> dict[str, Any]:
@@ -48,14 +41,11 @@ def links_by_name(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {f"{lk['source']}->{lk['target']}": lk for lk in status["links"]}
 
 
-async def test_init_run_status_pause_resume_metrics_and_sigterm(pg_nodes: Any, tmp_path: Path) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    a, b = nodes
-    for node in nodes:
-        await execute(node.dsn(), SCHEMA)
+async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactory, tmp_path: Path) -> None:
     port = free_port()
-    config = tmp_path / "config.toml"
-    config.write_text(config_text(nodes, admin_port=port))
+    m = await mesh(nodes=2, schema=SCHEMA, admin_port=port, init=False)  # init: by the command line
+    a, b = m.nodes
+    config = m.write_config(tmp_path / "config.toml")
 
     first = pgmesh("init", "--config", str(config))
     assert first.returncode == 0, first.stdout + first.stderr
@@ -122,16 +112,6 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(pg_nodes: Any, t
 
 async def _has(node: Any, key: int) -> bool:
     return bool(await fetch(node.dsn(), "SELECT 1 FROM items WHERE id = %s", [key]))
-
-
-def test_config_errors_are_one_line_with_key_and_line(tmp_path: Path) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text('[cluster]\nname = "x"\n[[nodes]]\nname = "a"\ndsn = "host=h"\n'
-                      '[[nodes]]\nname = "b"\ndsn = "host=h"\n[replication]\napply_delay_ms = "soon"\n')
-    result = pgmesh("status", "--config", str(config))
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert f"{config}:10" in line and "apply_delay_ms" in line
 
 
 async def test_demo_converges() -> None:

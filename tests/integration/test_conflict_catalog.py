@@ -15,7 +15,6 @@ import asyncio
 import datetime as dt
 import io
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -29,8 +28,10 @@ from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
 from router.conflicts.catalog import TOMBSTONE_SETTINGS, tombstone_keys
-from router.errors import ConfigError, PgmeshError
-from router.ops.control import cmd_conflicts, parse_since
+from router.errors import ConfigError
+from router.ops.control import cmd_conflicts
+from router.testing.mesh import free_port
+from tests.fix_mesh import MeshFactory
 
 Nodes = Callable[..., list[Any]]
 
@@ -118,12 +119,6 @@ async def conflict_objects(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
     }
 
 
-def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def pgmesh(*args: str) -> tuple[int | None, str, str]:
     """Run the `pgmesh` command line: (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
@@ -133,26 +128,12 @@ async def pgmesh(*args: str) -> tuple[int | None, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
-async def setup(
-    pg_nodes: Nodes, cluster: str, schema: str = SCHEMA, extra: str = ""
-) -> tuple[list[Any], Config]:
-    nodes = pg_nodes(2, names=["a", "b"])
-    for node in nodes:
-        await execute(node.dsn(), schema)
-    config = config_for(cluster, [(n.name, n.dsn()) for n in nodes], extra)
-    report, _ = await init_cluster(config)
-    assert report.ok, report.render()
-    return nodes, config
-
-
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def test_init_creates_history_tombstones_guards_and_triggers_once(pg_nodes: Nodes) -> None:
-    nodes = pg_nodes(2, names=["a", "b"])
-    for node in nodes:
-        await execute(node.dsn(), SCHEMA)
-    config = config_for("cc", [(n.name, n.dsn()) for n in nodes])
+async def test_init_creates_history_tombstones_guards_and_triggers_once(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings={}, cluster="cc", init=False)
+    nodes, config = m.nodes, m.config
 
     report, lines = await init_cluster(config)
 
@@ -221,8 +202,9 @@ async def test_init_creates_history_tombstones_guards_and_triggers_once(pg_nodes
         assert await conflict_objects(node.dsn()) == before[node.name]
 
 
-async def test_init_repairs_triggers_and_functions_that_drifted(pg_nodes: Nodes) -> None:
-    nodes, config = await setup(pg_nodes, "fix")
+async def test_init_repairs_triggers_and_functions_that_drifted(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings={}, cluster="fix")
+    nodes, config = m.nodes, m.config
     a = nodes[0].dsn()
     # Drift behind pgmesh's back (its DDL event trigger, which would repair both at once, switched off
     # for the session): loose gets a primary key (its deletions are keyed by it from now on), and
@@ -257,8 +239,9 @@ async def test_init_repairs_triggers_and_functions_that_drifted(pg_nodes: Nodes)
     assert await rows(nodes[1].dsn(), "SELECT 1 FROM pg_trigger WHERE tgname = 'pgmesh_tombstone'") == []
 
 
-async def test_tombstone_trigger_records_local_and_replicated_deletes(pg_nodes: Nodes) -> None:
-    nodes, config = await setup(pg_nodes, "tomb")
+async def test_tombstone_trigger_records_local_and_replicated_deletes(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, settings={}, cluster="tomb")
+    nodes, config = m.nodes, m.config
     a = nodes[0].dsn()
     # Session settings that would change the text of these values: the trigger's own settings win.
     odd = (
@@ -319,8 +302,11 @@ async def test_tombstone_trigger_records_local_and_replicated_deletes(pg_nodes: 
     assert replicated == [(["1"], source_time, origin), (["2"], source_time, origin)]
 
 
-async def test_guards_raise_pgm01_and_pgm02(pg_nodes: Nodes) -> None:
-    nodes, config = await setup(pg_nodes, "guard", "CREATE TABLE items (id int PRIMARY KEY, v text);")
+async def test_guards_raise_pgm01_and_pgm02(mesh: MeshFactory) -> None:
+    m = await mesh(
+        nodes=2, schema="CREATE TABLE items (id int PRIMARY KEY, v text);", settings={}, cluster="guard"
+    )
+    nodes, config = m.nodes, m.config
     a = nodes[0].dsn()
     origin = config.origin_name("b")
     roident = (await rows(a, "SELECT roident FROM pg_replication_origin WHERE roname = %s", [origin]))[0][0]
@@ -401,8 +387,11 @@ async def test_init_refuses_delta_columns_a_table_cannot_have(pg_nodes: Nodes) -
     assert "✓ delta_columns" in report.render()
 
 
-async def test_conflicts_command_lists_every_nodes_history(pg_nodes: Nodes, tmp_path: Path) -> None:
-    nodes, _ = await setup(pg_nodes, "hist", "CREATE TABLE items (id int PRIMARY KEY, v text);")
+async def test_conflicts_command_lists_every_nodes_history(mesh: MeshFactory, tmp_path: Path) -> None:
+    m = await mesh(
+        nodes=2, schema="CREATE TABLE items (id int PRIMARY KEY, v text);", settings={}, cluster="hist"
+    )
+    nodes = m.nodes
     record = (
         "INSERT INTO pgmesh.conflict_history (at, source, table_name, key, conflict_type, resolution,"
         " resolver, reason, local_origin, local_commit_time, remote_origin, remote_commit_time, remote_lsn,"
@@ -418,7 +407,7 @@ async def test_conflicts_command_lists_every_nodes_history(pg_nodes: Nodes, tmp_
     await execute(
         b, record, ["30 minutes", "a", "3", "delete_missing", "keep_local", None, "a", "30 minutes"]
     )
-    down = f"host=127.0.0.1 port={closed_port()} dbname=app user=postgres connect_timeout=2"
+    down = f"host=127.0.0.1 port={free_port()} dbname=app user=postgres connect_timeout=2"
     config = config_for("hist", [("a", a), ("b", b), ("c", down)])
 
     out = io.StringIO()
@@ -463,15 +452,3 @@ async def test_conflicts_command_lists_every_nodes_history(pg_nodes: Nodes, tmp_
     assert [line.split()[5] for line in stdout.splitlines()[1:]] == ["3", "2"]
     code, _, stderr = await pgmesh("conflicts", "--config", str(path), "--since", "yesterday")
     assert code == 2 and "--since 'yesterday'" in stderr
-
-
-def test_since_takes_ages_and_iso_timestamps() -> None:
-    now = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.UTC)
-    assert parse_since("10m", now) == now - dt.timedelta(minutes=10)
-    assert parse_since("2h", now) == now - dt.timedelta(hours=2)
-    assert parse_since("1d", now) == now - dt.timedelta(days=1)
-    assert parse_since("2024-04-30T08:00:00+00:00", now) == dt.datetime(2024, 4, 30, 8, tzinfo=dt.UTC)
-    assert parse_since("2024-04-30 08:00:00Z", now) == dt.datetime(2024, 4, 30, 8, tzinfo=dt.UTC)
-    assert parse_since("2024-04-30", now).tzinfo is not None  # no zone: local time
-    with pytest.raises(PgmeshError, match="neither an ISO timestamp nor an age"):
-        parse_since("10 parsecs", now)

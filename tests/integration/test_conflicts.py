@@ -9,7 +9,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, setup_mesh, wait_converged
+from router.testing.mesh import execute, fetch, running_router, wait_converged
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
 CREATE TABLE kv (id int PRIMARY KEY, v int NOT NULL, who text NOT NULL, email text UNIQUE);
@@ -67,10 +68,10 @@ async def dump_differences(nodes: list[Any], router: Any) -> None:
 
 
 @pytest.mark.parametrize("resolver", ["last_update_wins", "node_priority"])
-async def test_conflicting_writes_on_three_nodes_converge(pg_nodes: Any, resolver: str) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+async def test_conflicting_writes_on_three_nodes_converge(mesh: MeshFactory, resolver: str) -> None:
     extra = f'[conflicts]\nresolver = "{resolver}"\nnode_priority = ["b", "a", "c"]\n'
-    config = await setup_mesh(nodes, SCHEMA, extra=extra)
+    m = await mesh(nodes=3, schema=SCHEMA, extra=extra)
+    nodes, config = m.nodes, m.config
     a = nodes[0]
     await execute(a.dsn(), f"INSERT INTO kv SELECT i, 0, 'seed', NULL FROM generate_series(1, {KEYS}) i")
     async with running_router(config) as router:
@@ -102,10 +103,10 @@ async def test_conflicting_writes_on_three_nodes_converge(pg_nodes: Any, resolve
     assert emails == (True,)
 
 
-async def test_inventory_delta_columns_add_up(pg_nodes: Any) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
+async def test_inventory_delta_columns_add_up(mesh: MeshFactory) -> None:
     extra = '[[tables]]\nname = "public.inventory"\ndelta_columns = ["qty"]\n'
-    config = await setup_mesh(nodes, SCHEMA, extra=extra)
+    m = await mesh(nodes=2, schema=SCHEMA, extra=extra)
+    nodes, config = m.nodes, m.config
     a, b = nodes
     await execute(a.dsn(), "INSERT INTO inventory VALUES (1, 'widget', 10)")
     async with running_router(config) as router:

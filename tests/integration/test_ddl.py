@@ -13,15 +13,14 @@ from router.cluster.install import init_cluster
 from router.config import parse_config
 from router.ops.cli import main as pgmesh
 from router.testing.mesh import (
-    NODE_SETTINGS,
     config_text,
     execute,
     fetch,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 PG_DUMP = "/usr/lib/postgresql/15/bin/pg_dump"
 
@@ -68,10 +67,10 @@ async def everywhere(nodes: list[Any], query: str, expected: Any) -> None:
     await wait_for(check, f"{query} = {expected} on every node", 60)
 
 
-async def test_ddl_from_every_node_under_writes_converges(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+async def test_ddl_from_every_node_under_writes_converges(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     a, b, c = nodes
-    config = await setup_mesh(nodes, SCHEMA)
     steps = [
         (a, "ALTER TABLE t ADD COLUMN c int DEFAULT 7", "SELECT count(*) FROM pg_attribute"
          " WHERE attrelid = 't'::regclass AND attname = 'c'"),
@@ -117,14 +116,14 @@ async def test_ddl_from_every_node_under_writes_converges(pg_nodes: Any) -> None
         assert published == [("n",), ("s2",), ("t",)], published
 
 
-async def test_truncate_on_one_node_empties_every_node(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, """
+async def test_truncate_on_one_node_empties_every_node(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema="""
         CREATE TABLE parent (id int PRIMARY KEY, v text);
         CREATE TABLE child (id int PRIMARY KEY, parent int REFERENCES parent (id));
         CREATE TABLE counter (id serial PRIMARY KEY, v text);
         CREATE TABLE ident (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text);
     """)
+    nodes, config = m.nodes, m.config
     async with running_router(config):
         await execute(nodes[0].dsn(), "INSERT INTO parent SELECT g, 'p' FROM generate_series(1, 100) g")
         await wait_converged(nodes, ["parent"])
@@ -142,9 +141,9 @@ async def test_truncate_on_one_node_empties_every_node(pg_nodes: Any) -> None:
         assert await fetch(node.dsn(), "SELECT v FROM parent") == [("after",)]
 
 
-async def test_refused_commands_fail_where_they_are_issued(pg_nodes: Any) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    await setup_mesh(nodes, "CREATE TABLE t (id int PRIMARY KEY, v text);")
+async def test_refused_commands_fail_where_they_are_issued(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    nodes = m.nodes
     a = nodes[0].dsn()
     refused = psycopg.errors.FeatureNotSupported
     with pytest.raises(refused, match="CREATE INDEX CONCURRENTLY is not replicated"):
@@ -171,9 +170,9 @@ async def test_refused_commands_fail_where_they_are_issued(pg_nodes: Any) -> Non
         await execute(a, "CREATE TABLE nokey2 (v text)")
 
 
-async def test_unexplained_missing_column_pauses_the_link_naming_table_and_column(pg_nodes: Any) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, "CREATE TABLE t (id int PRIMARY KEY, v text, w int);")
+async def test_unexplained_missing_column_pauses_the_link_naming_table_and_column(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text, w int);")
+    nodes, config = m.nodes, m.config
     a, b = nodes
     async with running_router(config) as router:
         link = router.appliers[("a", "b")]
@@ -197,9 +196,9 @@ async def _has(dsn: str, query: str, expected: Any) -> bool:
     return await fetch(dsn, query) == expected
 
 
-async def test_pgmesh_ddl_behind_a_barrier(pg_nodes: Any, tmp_path: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, "CREATE TABLE t (id int PRIMARY KEY, v text);")
+async def test_pgmesh_ddl_behind_a_barrier(mesh: MeshFactory, tmp_path: Any) -> None:
+    m = await mesh(nodes=3, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    nodes, config = m.nodes, m.config
     path = tmp_path / "config.toml"
     path.write_text(config_text(nodes))
     async with running_router(config):

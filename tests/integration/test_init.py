@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -18,10 +17,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.checks import Check, InitReport, NodeFacts, _node_checks, check_cluster
+from router.cluster.checks import Check, InitReport, check_cluster
 from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
 from router.errors import ConfigError, SlotError
+from router.testing.mesh import free_port
 
 Nodes = Callable[..., list[Any]]
 
@@ -123,13 +123,6 @@ async def wait_for(check: Callable[[], Awaitable[bool]], what: str, limit: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (the kernel just handed it out and we closed it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,7 +255,7 @@ async def test_wal_level_replica_and_a_role_that_is_not_superuser_are_refused(pg
 
 async def test_wrong_password_a_down_node_and_a_bad_dsn_are_failed_checks(pg_nodes: Nodes) -> None:
     a, b = pg_nodes(2, names=["a", "b"], password="s3cret-Pw")
-    down = f"host=127.0.0.1 port={closed_port()} dbname=app user=postgres password=also-s3cret"
+    down = f"host=127.0.0.1 port={free_port()} dbname=app user=postgres password=also-s3cret"
     garbled = "host=127.0.0.1 password=zz9 qq7"
     nodes = [("a", a.dsn()), ("b", b.dsn(password="wr0ng-Pw")), ("c", down), ("d", garbled)]
     config = config_for("auth", nodes)
@@ -282,25 +275,3 @@ async def test_wrong_password_a_down_node_and_a_bad_dsn_are_failed_checks(pg_nod
     with pytest.raises(ConfigError) as refused:
         await install(config, report)
     assert "wr0ng-Pw" not in str(refused.value)
-
-
-def facts(**settings: str) -> NodeFacts:
-    base = {"server_version": "15.20", "server_version_num": "150020", "wal_level": "logical"}
-    base |= {"track_commit_timestamp": "on", "max_replication_slots": "2", "max_wal_senders": "2"}
-    return NodeFacts(base | settings, "postgres", True, 2, None, "app", 1, {})
-
-
-def test_output_plugin_libraries_and_slot_counts_without_a_server() -> None:
-    """Checks a local 15.18 cannot show: Debian's plugin allow-list, and a node with every slot taken."""
-    config = config_for("pure", [("a", "host=x"), ("b", "host=y")])
-    checks = {c.check: c for c in _node_checks("a", facts(output_plugin_libraries="test_decoding"), config)}
-    assert not checks["output_plugin_libraries"].ok
-    assert "pgoutput" in (checks["output_plugin_libraries"].hint or "")
-    assert not checks["replication_slots"].ok  # 2 of 2 used, pgmesh's own slot not among them
-    assert "at least 3" in (checks["replication_slots"].hint or "")
-    assert checks["wal_senders"].ok
-    checks = {
-        c.check: c for c in _node_checks("a", facts(output_plugin_libraries="pgoutput, wal2json"), config)
-    }
-    assert checks["output_plugin_libraries"].ok
-    assert "output_plugin_libraries" not in {c.check for c in _node_checks("a", facts(), config)}

@@ -13,15 +13,14 @@ from typing import Any
 import psycopg
 
 from router.testing.mesh import (
-    NODE_SETTINGS,
     config_text,
     execute,
     fetch,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
 CREATE TABLE kv (id bigint PRIMARY KEY, v int NOT NULL, note text);
@@ -48,9 +47,9 @@ def start_router(config_path: Path, log: Path) -> subprocess.Popen[bytes]:
     )
 
 
-async def test_sigkill_mid_stream_then_restart(pg_nodes: Any, tmp_path: Path) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    await setup_mesh(nodes, SCHEMA)
+async def test_sigkill_mid_stream_then_restart(mesh: MeshFactory, tmp_path: Path) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA)
+    nodes = m.nodes
     config_path = tmp_path / "config.toml"
     config_path.write_text(config_text(nodes))
     log = tmp_path / "router.log"
@@ -81,9 +80,9 @@ async def test_sigkill_mid_stream_then_restart(pg_nodes: Any, tmp_path: Path) ->
         assert kv[0] == 5000
 
 
-async def test_node_crash_others_keep_replicating_then_catch_up(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA, replication="queue_max_transactions = 200")
+async def test_node_crash_others_keep_replicating_then_catch_up(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA, replication="queue_max_transactions = 200")
+    nodes, config = m.nodes, m.config
     a, b, c = nodes
     async with running_router(config) as router:
         await asyncio.gather(writes(a, 1_000_000, 100), writes(b, 2_000_000, 100), writes(c, 3_000_000, 100))
@@ -102,9 +101,9 @@ async def test_node_crash_others_keep_replicating_then_catch_up(pg_nodes: Any) -
     assert count[0] == 150 + 600
 
 
-async def test_locks_and_deadlocks_on_target_are_retried(pg_nodes: Any) -> None:
-    nodes = pg_nodes(2, names=["a", "b"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA)
+async def test_locks_and_deadlocks_on_target_are_retried(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     a, b = nodes
     await execute(a.dsn(), "INSERT INTO kv VALUES (1, 0, NULL), (2, 0, NULL)")
     async with running_router(config) as router:
@@ -137,9 +136,9 @@ async def test_locks_and_deadlocks_on_target_are_retried(pg_nodes: Any) -> None:
     assert rows == [(1, 1, None), (2, 1, None)]
 
 
-async def test_router_starts_while_a_node_is_down(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SCHEMA)
+async def test_router_starts_while_a_node_is_down(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
     a, b, c = nodes
     await writes(c, 3_000_000, 20)  # written before the router ever ran
     await asyncio.to_thread(c.stop, "immediate")

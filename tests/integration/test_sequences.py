@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import io
 import json
-import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,16 +28,16 @@ from router.ops.cli import main
 from router.sequences.convert import convert_sequences
 from router.sequences.ids import assign_node_ids
 from router.testing.mesh import (
-    NODE_SETTINGS,
     config_text,
     execute,
     fetch,
+    free_port,
     make_config,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
+from tests.fix_mesh import MeshFactory
 
 TOTAL = 100_000
 SINGLES = 60  # per node, between the big statements
@@ -99,13 +98,6 @@ async def wait_for_rows(nodes: list[Any], table: str, expected: int) -> None:
     await wait_for(everywhere, f"{expected} rows in {table} on every node", limit=120)
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def assert_links_clean(router: Any) -> None:
     status = router.status()
     assert [(lk.source, lk.target, lk.last_error) for lk in status.links if lk.last_error] == []
@@ -124,10 +116,10 @@ async def sequences_cli(config_file: Path, *args: str) -> tuple[int, str]:
 
 
 async def test_snowflake_ids_from_three_nodes_never_collide_and_follow_time(
-    pg_nodes: Any, tmp_path: Path
+    mesh: MeshFactory, tmp_path: Path
 ) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    config = await setup_mesh(nodes, SNOWFLAKE_SCHEMA)
+    m = await mesh(nodes=3, schema=SNOWFLAKE_SCHEMA)
+    nodes, config = m.nodes, m.config
     node_ids = await assign_node_ids(config)  # assigned by init; read back unchanged
     assert node_ids == {"a": 0, "b": 1, "c": 2}
 
@@ -196,11 +188,11 @@ async def test_snowflake_ids_from_three_nodes_never_collide_and_follow_time(
 
 
 async def test_step_ids_are_each_nodes_offset_and_restart_above_every_id(
-    pg_nodes: Any, tmp_path: Path
+    mesh: MeshFactory, tmp_path: Path
 ) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    m = await mesh(nodes=3, schema=STEP_SCHEMA, extra=STEP_CONFIG)
+    nodes, config = m.nodes, m.config
     _, b, c = nodes
-    config = await setup_mesh(nodes, STEP_SCHEMA, extra=STEP_CONFIG)
 
     # Snowflake needs bigint and a default: refused, naming node, table and column, and what to do.
     with pytest.raises(PgmeshError) as refused:
@@ -261,11 +253,13 @@ async def test_step_ids_are_each_nodes_offset_and_restart_above_every_id(
         assert "nextval('tickets_id_seq'::regclass)" in block and "identity (by default)" in block
 
 
-async def test_node_ids_are_distinct_and_a_replaced_nodes_id_is_reused(pg_nodes: Any) -> None:
-    a, b, c = pg_nodes(3, names=["a", "b", "c"])
-    for node in (a, b, c):
-        await execute(node.dsn(), "CREATE TABLE t (id bigserial PRIMARY KEY)")
-    config = make_config([a, b, c])
+async def test_node_ids_are_distinct_and_a_replaced_nodes_id_is_reused(mesh: MeshFactory) -> None:
+    m = await mesh(
+        nodes=3, schema="CREATE TABLE t (id bigserial PRIMARY KEY)", settings={}, spares=["d"], init=False
+    )
+    a, b, c = m.nodes
+    (d,) = m.spares  # started empty beside the mesh: it replaces b below
+    config = m.config
     _, lines = await init_cluster(config)
     assert [line for line in lines if "node id" in line] == [
         "node a: node id 0 (assigned)", "node b: node id 1 (assigned)", "node c: node id 2 (assigned)"
@@ -275,7 +269,6 @@ async def test_node_ids_are_distinct_and_a_replaced_nodes_id_is_reused(pg_nodes:
     assert not [line for line in again if "node id" in line or "functions" in line]
 
     # b leaves; d takes its place and gets b's id, the smallest no current node holds.
-    (d,) = pg_nodes(1, names=["d"])
     await execute(d.dsn(), "CREATE TABLE t (id bigserial PRIMARY KEY)")
     replaced = make_config([a, c, d])
     _, lines = await init_cluster(replaced)
@@ -296,7 +289,7 @@ async def test_node_ids_are_distinct_and_a_replaced_nodes_id_is_reused(pg_nodes:
     assert await fetch(d.dsn(), "SELECT p.node_id FROM t, pgmesh.snowflake_parts(t.id) p") == [(1,)]
 
     # Converting needs every node: one that cannot be reached stops it before anything changes.
-    down = SimpleNamespace(name="e", dsn=lambda: f"host=127.0.0.1 port={closed_port()} dbname=app")
+    down = SimpleNamespace(name="e", dsn=lambda: f"host=127.0.0.1 port={free_port()} dbname=app")
     with pytest.raises(PgmeshError, match=r"node e: cannot connect"):
         await convert_sequences(make_config([a, c, down]), "step")
     default = "SELECT pg_get_expr(adbin, adrelid) FROM pg_attrdef WHERE adrelid = 't'::regclass"
