@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Final, Protocol
+from typing import Final, Protocol, overload
 
 import msgspec
 
@@ -133,6 +133,14 @@ class StatView:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: _HasStats, owner: type | None = None) -> int:
+    @overload
+    def __get__(self, obj: None, owner: type) -> StatView: ...
+
+    @overload
+    def __get__(self, obj: _HasStats, owner: type | None = None) -> int: ...
+
+    def __get__(self, obj: _HasStats | None, owner: type | None = None) -> int | StatView:
+        if obj is None:
+            return self  # on the class: the view itself
         value: int = getattr(obj.stats, self.name)
         return value
