@@ -67,6 +67,7 @@ async def dump_differences(nodes: list[Any], router: Any) -> None:
         print(link)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resolver", ["last_update_wins", "node_priority"])
 async def test_conflicting_writes_on_three_nodes_converge(mesh: MeshFactory, resolver: str) -> None:
     extra = f'[conflicts]\nresolver = "{resolver}"\nnode_priority = ["b", "a", "c"]\n'

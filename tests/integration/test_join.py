@@ -12,16 +12,17 @@ import pytest
 from router.cluster.membership import join_node, part_node
 from router.errors import PgmeshError
 from router.testing.mesh import (
-    NODE_SETTINGS,
     execute,
     fetch,
+    free_port,
     make_config,
     running_router,
-    setup_mesh,
     wait_converged,
     wait_for,
 )
-from tests.integration.test_cli import free_port
+from tests.fix_mesh import MeshFactory
+
+pytestmark = pytest.mark.slow  # each join copies with Spark (a JVM); the first one takes about 45 s
 
 BIG_ROWS = 1_000_000
 SCHEMA = """
@@ -55,14 +56,14 @@ async def writer(node: Any, base: int, stop: asyncio.Event, seed: int) -> int:
     return written
 
 
-async def test_join_a_fourth_node_under_writes_then_part_it(pg_nodes: Any) -> None:
-    nodes = pg_nodes(4, names=["a", "b", "c", "d"], settings=NODE_SETTINGS)
+async def test_join_a_fourth_node_under_writes_then_part_it(mesh: MeshFactory) -> None:
+    # the same starting rows everywhere (before pgmesh: no conflicts); the join finds the running
+    # router through its admin listener
+    m = await mesh(nodes=3, schema=SCHEMA + SEED, spares=["d"], admin_port=free_port())
+    nodes = m.all_nodes
     a, b, c, d = nodes
-    for node in nodes[:3]:  # the same starting rows everywhere (before pgmesh: no conflicts)
-        await execute(node.dsn(), SCHEMA, SEED)
-    port = free_port()  # the join finds the running router through its admin listener
-    three = await setup_mesh(nodes[:3], "SELECT 1", admin_port=port)
-    four = make_config(nodes, admin_port=port)  # config.toml after d was added to it
+    three = m.config
+    four = m.config_for(nodes)  # config.toml after d was added to it
     stop = asyncio.Event()
     writers = [asyncio.create_task(writer(n, (i + 1) * 1_000_000, stop, i)) for i, n in enumerate(nodes[:3])]
     try:
@@ -115,12 +116,12 @@ async def test_join_a_fourth_node_under_writes_then_part_it(pg_nodes: Any) -> No
     assert c is nodes[2]
 
 
-async def test_a_join_stopped_midway_is_retried_and_refusals_are_clear(pg_nodes: Any) -> None:
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
-    a, b, c = nodes
+async def test_a_join_stopped_midway_is_retried_and_refusals_are_clear(mesh: MeshFactory) -> None:
     schema = "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (k text PRIMARY KEY, n bigserial);"
-    await setup_mesh(nodes[:2], schema)
-    config = make_config(nodes)
+    m = await mesh(nodes=2, schema=schema, spares=["c"])
+    nodes = m.all_nodes
+    a, b, c = nodes
+    config = m.config_for(nodes)
     async with running_router(make_config(nodes[:2])):
         await execute(a.dsn(), "INSERT INTO t SELECT g, 'a' FROM generate_series(1, 5000) g")
         await execute(b.dsn(), "INSERT INTO u (k) SELECT 'k' || g FROM generate_series(1, 300) g")
@@ -145,20 +146,18 @@ async def test_a_join_stopped_midway_is_retried_and_refusals_are_clear(pg_nodes:
     await execute(b.dsn(), "SELECT 1")
 
 
-async def test_a_join_killed_with_sigkill_mid_copy_is_retried(pg_nodes: Any, tmp_path: Any) -> None:
+async def test_a_join_killed_with_sigkill_mid_copy_is_retried(mesh: MeshFactory, tmp_path: Any) -> None:
     import os
     import signal
     import subprocess
     import sys
 
-    from router.testing.mesh import config_text
-
-    nodes = pg_nodes(3, names=["a", "b", "c"], settings=NODE_SETTINGS)
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);", spares=["c"])
+    nodes = m.all_nodes
     a, _, c = nodes
-    await setup_mesh(nodes[:2], "CREATE TABLE t (id int PRIMARY KEY, v text);")
     await execute(a.dsn(), "INSERT INTO t SELECT g, repeat('v', 200) FROM generate_series(1, 400000) g")
-    path = tmp_path / "config.toml"
-    path.write_text(config_text(nodes) + '\n[sync]\nspark_master = "local[2]"\npartitions_per_table = 4\n')
+    sync = '\n[sync]\nspark_master = "local[2]"\npartitions_per_table = 4\n'
+    path = m.write_config(tmp_path / "config.toml", nodes, extra=sync)
     process = subprocess.Popen(  # noqa: ASYNC220 (started once; the loop goes on while it runs)
         [sys.executable, "-m", "router", "join", "c", "--config", str(path)],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

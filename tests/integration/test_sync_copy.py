@@ -23,6 +23,8 @@ from router.cluster.sync.copy import CopyProgress, CopyReport, CopyTable, copy_s
 from router.errors import PgmeshError
 from router.testing.localnodes import find_pg_bindir
 
+pytestmark = pytest.mark.slow  # Spark (a JVM) for the module
+
 MASTER = "local[2]"
 PASSWORD = "s3cret-pw"
 MIXED_ROWS = 200_000
