@@ -92,7 +92,6 @@ class Applier(LinkView):
         self.config = config
         self.source = source
         self.target = target
-        self.origin = config.origin_name(source)
         self.stats = LinkStats()
         self.link = LinkSession(config, source, target, self.stats)
         self.condition = LinkCondition(self.link.name)

@@ -1,7 +1,7 @@
 """Parallel apply of one link: a batch's first transactions on several target sessions ("lanes") at once.
 
 `router.apply.parallel.plan_lanes` decides which transaction may run in which lane (pure planning); here the
-lanes are opened (lane 0 is the applier's main session, the others are opened on first use and live
+lanes are opened (lane 0 is the link's main session, the others are opened on first use and live
 until the link disconnects), the transactions run, and their commits are kept in source commit order:
 each transaction holds a session advisory lock from before any lane starts until just after its
 COMMIT, a transaction whose predecessor ran in another lane waits for that lock and then checks that
@@ -74,7 +74,7 @@ class Lanes:
         self._seq = 0
 
     def close(self) -> None:
-        """Drop the lanes' sessions (the main one is the applier's)."""
+        """Drop the lanes' sessions (the main one is the link's)."""
         conns = [lane.conn for lane in self._extra]
         self._extra = []
         for extra in conns:
