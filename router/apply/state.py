@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final, overload
 
 import msgspec
 
@@ -112,11 +112,19 @@ class _Stat:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, view: Any, owner: type | None = None) -> int:
+    @overload
+    def __get__(self, view: None, owner: type) -> _Stat: ...
+
+    @overload
+    def __get__(self, view: LinkView, owner: type | None = None) -> int: ...
+
+    def __get__(self, view: LinkView | None, owner: type | None = None) -> int | _Stat:
+        if view is None:
+            return self  # read on the class: the descriptor itself
         value: int = getattr(view.stats, self.name)
         return value
 
-    def __set__(self, view: Any, value: int) -> None:
+    def __set__(self, view: LinkView, value: int) -> None:
         raise AttributeError(f"{self.name} is counted in the link's stats (stats.{self.name})")
 
 
