@@ -79,6 +79,7 @@ async def play(nodes: list[LocalNode], config: Config, steps: list[tuple[Any, ..
             await conn.close()
 
 
+@pytest.mark.slow  # 25 schedules on three nodes: about 12 s with the set-up
 @settings(
     max_examples=25,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],

@@ -35,7 +35,6 @@ SCHEMA = "CREATE TABLE big (id int PRIMARY KEY, v text);"
 SETTINGS = {**NODE_SETTINGS, "logical_decoding_work_mem": "1GB"}
 
 
-@pytest.mark.slow
 async def test_plain_transaction_is_applied_while_it_arrives(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -58,7 +57,6 @@ async def test_plain_transaction_is_applied_while_it_arrives(mesh: MeshFactory) 
         assert row == (200000, "after")
 
 
-@pytest.mark.slow
 async def test_transaction_lost_before_its_commit_is_applied_once(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -88,7 +86,6 @@ async def test_transaction_lost_before_its_commit_is_applied_once(mesh: MeshFact
     assert row == (600000, 600000)
 
 
-@pytest.mark.slow
 async def test_conflict_inside_a_transaction_applied_early(
     mesh: MeshFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

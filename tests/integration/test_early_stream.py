@@ -68,7 +68,6 @@ async def side_started(router: Router, targets: Sequence[Any]) -> None:
                        f"{node.name} to hold the open transaction", limit=120)
 
 
-@pytest.mark.slow
 async def test_streamed_transaction_is_applied_before_its_commit(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -114,7 +113,6 @@ async def fetch_count(dsn: str, table: str, wanted: int) -> bool:
     return (await fetch(dsn, f"SELECT count(*) FROM {table}"))[0][0] == wanted
 
 
-@pytest.mark.slow
 async def test_rolled_back_streamed_transaction_leaves_nothing(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -138,7 +136,6 @@ async def not_writing(dsn: str) -> bool:
     return not await writing_open_transaction(dsn)
 
 
-@pytest.mark.slow
 async def test_earlier_commit_on_the_same_table_rolls_the_side_back(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -157,7 +154,6 @@ async def test_earlier_commit_on_the_same_table_rolls_the_side_back(mesh: MeshFa
     assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
 
 
-@pytest.mark.slow
 async def test_subtransaction_rolled_back_inside_a_streamed_transaction(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -180,7 +176,6 @@ async def test_subtransaction_rolled_back_inside_a_streamed_transaction(mesh: Me
     assert rows == [(ROWS + 1, 0)]
 
 
-@pytest.mark.slow
 async def test_side_waits_for_a_table_while_the_commit_before_it_runs(mesh: MeshFactory) -> None:
     """The main session is held (a row lock on B) while, on A, T1 writes `small` and the streamed
     transaction, whose side session is running, also writes `small` and commits. When B lets go, the

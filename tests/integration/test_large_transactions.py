@@ -13,8 +13,6 @@ with COPY, and conflicts met by COPY decided like any other.
 
 from __future__ import annotations
 
-import pytest
-
 from router.testing.mesh import (
     NODE_SETTINGS,
     execute,
@@ -36,7 +34,6 @@ CREATE TABLE marked (id int PRIMARY KEY, v text);
 STREAMED = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
 
 
-@pytest.mark.slow
 async def test_transaction_larger_than_the_memory_bound(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, settings=STREAMED, replication="spill_mb = 1")
     nodes, config = m.nodes, m.config
@@ -59,7 +56,6 @@ async def test_transaction_larger_than_the_memory_bound(mesh: MeshFactory) -> No
     print(f"peak RSS grew by {grew_mb:.0f} MB")  # reported, not asserted: see the closing note
 
 
-@pytest.mark.slow
 async def test_copy_meets_a_conflict(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA)
     nodes, config = m.nodes, m.config

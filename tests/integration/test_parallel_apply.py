@@ -50,7 +50,6 @@ def _backlog() -> list[str]:
             for seq, statement in enumerate(out, 1)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lanes", [1, 2])
 async def test_backlog_keeps_rows_and_source_order(mesh: MeshFactory, lanes: int) -> None:
     two = await mesh(nodes=2, schema=SCHEMA, replication=f"apply_lanes = {lanes}")

@@ -11,15 +11,12 @@ Both nodes end with row 1 holding 'x' and no row 2.
 
 from __future__ import annotations
 
-import pytest
-
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE reg (id int PRIMARY KEY, v int NOT NULL, tag text UNIQUE);"
 
 
-@pytest.mark.slow
 async def test_update_recreating_a_deleted_row_meets_a_unique_value(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA)
     nodes, config = m.nodes, m.config
