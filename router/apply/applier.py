@@ -133,8 +133,14 @@ class Applier(LinkView):
 
     def resume(self) -> None:
         self.user_paused = False
-        self.condition.move(self.condition.state, None)
+        if self.condition.state is LinkState.PAUSED and self.link.connected:
+            self.condition.move(self._running(), None)  # a paused link is streaming again at once
+        else:
+            self.condition.move(self.condition.state, None)  # reconnecting says when it runs again
         self._resumed.set()
+
+    def _running(self, backlog: int = 0) -> LinkState:
+        return LinkState.CATCHING_UP if len(self.queue) > backlog else LinkState.STREAMING
 
     @property
     def pending(self) -> int:
@@ -201,7 +207,7 @@ class Applier(LinkView):
         self._careful.origin_nodes = nodes
         if installed_at is not None:
             self._careful.installed_at = installed_at
-        self.condition.move(LinkState.CATCHING_UP if len(self.queue) else LinkState.STREAMING, None)
+        self.condition.move(self._running(), None)
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))
 
@@ -243,8 +249,8 @@ class Applier(LinkView):
                 finally:
                     self._side.main_done()
             self._held = []
-            backlog = len(self.queue) > 1000
-            self.condition.move(LinkState.CATCHING_UP if backlog else LinkState.STREAMING, keep_error=True)
+            if self._resumed.is_set():  # paused while the batch ran: it stays paused
+                self.condition.move(self._running(backlog=1000), keep_error=True)
 
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
