@@ -378,8 +378,8 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                await pump.source.close()  # closed first: the state says "error" until the retry
                 pump.source.mark_error(describe(exc), detail="retrying in 5 s")
-                await pump.source.close()
                 await asyncio.sleep(5.0)
 
     async def _tick_forever(self) -> None:
