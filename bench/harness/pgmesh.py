@@ -7,7 +7,7 @@ settling between workloads (the router reads the echoes the last workload left i
 and the counters it reports (applied transactions and rows per link, conflicts on every link).
 
 Must not: time or report anything, or reach into the router beyond its public surface (`Router.run`,
-`started`, `health()`, `appliers` and their counters).
+`started`, `health()`, `appliers` and their `stats`).
 """
 
 from __future__ import annotations
@@ -136,10 +136,10 @@ class Pgmesh2(System):
             return {**self._last, "stuck_shutdowns_so_far": self.stuck_shutdowns}
         counts: dict[str, int] = {}
         for target in self.targets:
-            applier = self.router.appliers[(self.a.name, target.name)]
+            stats = self.router.appliers[(self.a.name, target.name)].stats
             link = f" a->{target.name}" if len(self.targets) > 1 else ""
-            counts[f"applied_transactions{link}"] = applier.applied_transactions
-            counts[f"applied_rows{link}"] = applier.applied_rows
+            counts[f"applied_transactions{link}"] = stats.applied_transactions
+            counts[f"applied_rows{link}"] = stats.applied_rows
         counts["stuck_shutdowns_so_far"] = self.stuck_shutdowns
         counts["conflicts_so_far"] = self.conflicts() or 0
         return counts
@@ -148,7 +148,7 @@ class Pgmesh2(System):
         """Conflicts decided on every link since the router started (None while it is stopped)."""
         if self.router is None:
             return None
-        return sum(applier.conflicts for applier in self.router.appliers.values())
+        return sum(applier.stats.conflicts for applier in self.router.appliers.values())
 
 
 class Pgmesh3(Pgmesh2):
