@@ -7,5 +7,6 @@
 - `workloads`: each workload defined once (tpcb, bulk, inserts, visibility, lag, multimaster) and timed.
 - `runs`: one system, one run on fresh nodes (`run_once`), failures recorded.
 
-Used by `bench.suite` and `bench.micro`; runs nothing when imported, and imports nothing from `tests`.
+Owns nothing itself. Must not: run anything when imported, or import from `tests` (the throw-away
+clusters come from `router.testing`). Used by `bench.suite` and `bench.micro`.
 """

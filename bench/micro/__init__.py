@@ -6,4 +6,7 @@
 - `conflicts`: apply throughput with 10% conflicting transactions beside none.
 - `spill`: one huge transaction through the source at several memory bounds.
 - `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
+
+Owns nothing itself. Must not: define a system or a workload the suite also runs (those are
+`bench.harness`'s; `apply` reports a slice of them).
 """

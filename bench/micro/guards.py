@@ -27,6 +27,10 @@ keys; the figure is target wall time per transaction (the query's round trip / 2
 
     .venv/bin/python -m bench.micro.guards                 # 8 batches per variant
     .venv/bin/python -m bench.micro.guards --batches 4 --variant pgmesh --variant plpgsql --variant unguarded
+
+Owns: the variants' SQL, the TPC-B changes as pgoutput sends them, and the table. Must not: build the
+`pgmesh` variant's SQL itself (`router.apply.scripts.transaction_script` does, as for the applier), or
+touch a node it did not create.
 """
 
 from __future__ import annotations
