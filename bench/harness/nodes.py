@@ -3,7 +3,7 @@
 Owns: the server settings every system's nodes get (`NODE_SETTINGS`; `SETTINGS` adds pglogical's
 preload when it is installed), the bench tables each system creates at setup (`EXTRA_SCHEMA`), running
 pgbench from the PostgreSQL bindir without the caller's libpq variables (`client_env`, `pgbench`,
-`pgbench_field`), a node's pgbench tables (`prepare_node`), the marker rows a backlog ends with, a
+`pgbench_field`), a node's pgbench tables (`pgbench_init`), the marker rows a backlog ends with, a
 CHECKPOINT, a node's server CPU from /proc, and the uvloop event loop the router runs on in a bench
 (`run_async`).
 
@@ -102,7 +102,7 @@ def pgbench_ready() -> str | None:
     return None
 
 
-async def prepare_node(node: LocalNode) -> None:
+async def pgbench_init(node: LocalNode) -> None:
     """pgbench tables at scale 1 (identical rows on every node) and pgbench_history with a key."""
     await pgbench("-i", "-s", "1", "-q", node.dsn())
     await execute(node.dsn(), "ALTER TABLE pgbench_history ADD COLUMN hid bigserial PRIMARY KEY")

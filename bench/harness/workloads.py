@@ -38,8 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.nodes import add_marker, checkpoint, pgbench, pgbench_tps, pgbench_txns, server_cpu_seconds
-from bench.harness.nodes import prepare_node as prepare_pgbench
+from bench.harness.nodes import (
+    add_marker,
+    checkpoint,
+    pgbench,
+    pgbench_init,
+    pgbench_tps,
+    pgbench_txns,
+    server_cpu_seconds,
+)
 from bench.harness.system import System
 from bench.harness.watcher import PROBE_INTERVAL_S, Watcher
 from router.testing.mesh import execute, fetch
@@ -169,7 +176,7 @@ async def prepare(system: System) -> None:
     """Every data node: pgbench's tables (identical rows), the workloads' tables and the multimaster
     seed; then the system's own setup (which adds the marker, probe and bulk tables)."""
     for node in system.data_nodes:
-        await prepare_pgbench(node)
+        await pgbench_init(node)
         await execute(node.dsn(), SCHEMA, MM_SEED)
     await system.setup()
 

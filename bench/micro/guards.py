@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.harness.nodes import NODE_SETTINGS, prepare_node, run_async
+from bench.harness.nodes import NODE_SETTINGS, pgbench_init, run_async
 from bench.harness.pgmesh import Pgmesh2
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
@@ -198,7 +198,7 @@ def _batch(variant: str, first_hid: int, origin: int, rng: random.Random) -> str
 
 async def measure(nodes: list[LocalNode], variants: Sequence[str], batches: int) -> dict[str, list[float]]:
     for node in nodes:
-        await prepare_node(node)
+        await pgbench_init(node)
     system = Pgmesh2(nodes)
     await system.setup()
     conn = await open_session(nodes[1].dsn())  # set up as the applier's sessions are
