@@ -160,9 +160,7 @@ async def _install_node(config: Config, node: NodeConfig, tables: Sequence[Table
     except psycopg.Error as exc:
         raise PgmeshError(f"install failed: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
     except PgmeshError as exc:
-        if exc.node is None:
-            exc = PgmeshError(exc.message, node=node.name, sqlstate=exc.sqlstate, hint=exc.hint)
-        raise exc from None
+        raise exc.at(node=node.name) from None
     if done:
         return [f"node {node.name}: {line}" for line in done]
     others = len(config.nodes) - 1
