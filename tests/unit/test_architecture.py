@@ -10,7 +10,9 @@ Walks the AST of every module under `router/`, `protocol/` and `bench/`; nothing
 - only `router/ops/demo.py`, tests and bench import `router.testing` (throw-away clusters);
 - no module over 600 lines;
 - no attribute access `x._name` on an object the module did not create: `self._x`, `cls._x`, a
-  module's own private names and the short allow-list below are the only private reads.
+  module's own private names and the short allow-list below are the only private reads;
+- every error class of `router/` lives in `router/errors.py`, but for a module's private control-flow
+  signals (`_Name`, never raised out of their module) and the short allow-list below.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     # PySpark has no public way to end the JVM it launched (SparkSession.stop leaves it running).
     ("router.cluster.sync.spark", "_gateway"): "py4j gateway of the JVM pyspark launched",
     ("router.cluster.sync.spark", "_jvm"): "cleared with the gateway, as SparkContext.stop would",
+}
+
+
+# Public exception classes that live outside router/errors.py, each with its reason.
+ERRORS_ELSEWHERE: dict[str, str] = {
+    "router.testing.localnodes.LocalNodeError": "the throw-away cluster harness imports only the stdlib",
+    "router.cluster.pgbin.PgBinError": "stdlib only: the harness uses it without the rest of pgmesh",
+    "router.cluster.sync.worker.TaskFailure": "a tagged record that survives Spark's wrapping of errors",
 }
 
 
@@ -214,6 +224,26 @@ def test_no_private_attribute_read_across_objects() -> None:
                 continue
             bad.append(f"{name}:{line}: {obj}.{attr}")
     assert not bad, "private attributes read on objects the module did not create:\n" + "\n".join(bad)
+
+
+def exception_classes(tree: ast.Module) -> Iterator[str]:
+    """Names of the classes whose bases name an Exception or Error (the direct ones are enough here)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = [ast.unparse(b) for b in node.bases]
+            if any(b.endswith(("Exception", "Error", "Failure", "Lost", "Mismatch")) for b in bases):
+                yield node.name
+
+
+def test_error_classes_live_in_router_errors() -> None:
+    bad = []
+    for name, path in ROUTER.items():
+        if name == "router.errors":
+            continue
+        for cls in exception_classes(parse(path)):
+            if not cls.startswith("_") and f"{name}.{cls}" not in ERRORS_ELSEWHERE:
+                bad.append(f"{name}.{cls}")
+    assert not bad, f"error classes outside router/errors.py: {bad}"
 
 
 def test_the_rules_see_the_tree() -> None:
