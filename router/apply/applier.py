@@ -129,6 +129,8 @@ class Applier(LinkView):
         self.user_paused = True
         self._resumed.clear()
         self._side.drop("the link was paused")  # holds no transaction open while paused
+        if self.condition.state is LinkState.ERROR:
+            return  # held already: its error stays in view (TRANSITIONS)
         self.condition.move(LinkState.PAUSED, None if reason.startswith("paused by") else reason)
 
     def resume(self) -> None:

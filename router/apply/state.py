@@ -33,16 +33,18 @@ class LinkState(enum.Enum):
 
 _S = LinkState
 _RUNNING: Final = frozenset({_S.STREAMING, _S.CATCHING_UP})
-# Where a link may go from each state. Every state may fail (DOWN: retried; ERROR: paused until
-# `pgmesh resume`) and may be paused by the operator. STREAMING <-> CATCHING_UP follow the backlog after
-# each batch. A link runs again (STREAMING or CATCHING_UP) from DOWN, PAUSED or ERROR when it
-# (re)connects, and from PAUSED also when it was resumed before it lost its session.
+# Where a link may go from each state. Every state may fail (DOWN: retried; ERROR: held until
+# `pgmesh resume`). The operator may pause a link in any state but ERROR: a link held on an error stays
+# in ERROR, its error in view, until it is resumed (pausing it only keeps it held after that).
+# STREAMING <-> CATCHING_UP follow the backlog after each batch. A link runs again (STREAMING or
+# CATCHING_UP) from DOWN, PAUSED or ERROR when it (re)connects, and from PAUSED also at once when it is
+# resumed while connected.
 TRANSITIONS: Final[Mapping[LinkState, frozenset[LinkState]]] = {
     _S.DOWN: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
     _S.STREAMING: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
     _S.CATCHING_UP: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
     _S.PAUSED: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
-    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
+    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR}),
 }
 
 # How a move into each state is logged: level, what the link does, what comes after the error.

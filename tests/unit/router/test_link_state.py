@@ -12,8 +12,17 @@ from router.apply.state import TRANSITIONS, LinkCondition, LinkState, LinkStats,
 
 def test_every_state_has_its_transitions() -> None:
     assert set(TRANSITIONS) == set(LinkState)
-    for targets in TRANSITIONS.values():
-        assert LinkState.ERROR in targets and LinkState.PAUSED in targets and LinkState.DOWN in targets
+    for state, targets in TRANSITIONS.items():
+        assert LinkState.ERROR in targets and LinkState.DOWN in targets
+        assert (LinkState.PAUSED in targets) is (state is not LinkState.ERROR)
+
+
+def test_a_link_held_on_an_error_is_not_paused_over_it() -> None:
+    link = LinkCondition("a -> b")
+    link.move(LinkState.ERROR, "node b: no column w")
+    with pytest.raises(RuntimeError, match="no move from error to paused"):
+        link.move(LinkState.PAUSED, None)
+    assert (link.state, link.last_error) == (LinkState.ERROR, "node b: no column w")
 
 
 def test_move_records_the_error_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
