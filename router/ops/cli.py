@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -171,12 +173,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone away shows here, not as an "Exception ignored" at exit
+        return code
     except PgmeshError as exc:
         print(f"pgmesh: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _reader_gone()
     except KeyboardInterrupt:
         return 130
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed early (`pgmesh status | head -1`): end quietly, with the exit code of a
+    command killed by SIGPIPE (141, as `cat` gives). What is still buffered goes to /dev/null, so the
+    interpreter's last flush cannot fail again; SIGPIPE itself stays ignored (the router's sockets)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (an embedding caller's object)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
