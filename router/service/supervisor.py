@@ -456,7 +456,18 @@ class Router:
 
     # ------------------------------------------------------------ control
 
+    def _check_target(self, target: str | None) -> None:
+        """A pause / resume of a node the config does not name is refused in the CLI's words (the admin
+        listener makes the `LookupError` a 404), never answered with an empty list of links."""
+        if target is None:
+            return
+        try:
+            self.config.node(target)
+        except ConfigError as exc:
+            raise LookupError(str(exc)) from exc
+
     async def pause(self, target: str | None) -> list[str]:
+        self._check_target(target)
         done = []
         for (source, tgt), applier in self.appliers.items():
             if target in (None, tgt):
@@ -466,6 +477,7 @@ class Router:
         return done
 
     async def resume(self, target: str | None) -> list[str]:
+        self._check_target(target)
         done = []
         for (source, tgt), applier in self.appliers.items():
             if target in (None, tgt):

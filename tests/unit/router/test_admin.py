@@ -15,8 +15,11 @@ import msgspec
 import pytest
 import uvloop
 
+from router.config import parse_config
+from router.errors import ConfigError
 from router.service.admin import AdminServer, admin_request
 from router.service.metrics import Metrics
+from router.service.supervisor import Router as Supervisor
 
 HOST = "127.0.0.1"
 
@@ -447,3 +450,34 @@ def test_serves_on_uvloop(router: Router) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
     assert router.calls == [("pause", "b")]
+
+
+CONFIG = """
+[cluster]
+name = "demo"
+[[nodes]]
+name = "a"
+dsn = "host=127.0.0.1 port=1 user=u dbname=d"
+[[nodes]]
+name = "b"
+dsn = "host=127.0.0.1 port=1 user=u dbname=d"
+"""
+
+
+@pytest.mark.parametrize("verb", ["pause", "resume"])
+async def test_the_router_refuses_a_node_not_in_its_config_with_404(verb: str) -> None:
+    """The real router's callbacks (no link built, no node reached): `?target=zz` is 404 with the same
+    words the CLI prints for `pgmesh pause --target zz`, never 200 `[]`; a node of the config is not."""
+    config = parse_config(CONFIG)
+    supervisor = Supervisor(config, admin=False)
+    server = AdminServer(HOST, 0, metrics=supervisor.metrics, status=supervisor.status,
+                         pause=supervisor.pause, resume=supervisor.resume, health=supervisor.health)
+    async with server as admin:
+        status, body = await admin_request(HOST, admin.port, "POST", f"/{verb}?target=zz")
+        assert status == 404
+        with pytest.raises(ConfigError) as cli_says:
+            config.node("zz")
+        assert error_of(body) == str(cli_says.value)
+        assert "'zz'" in error_of(body)
+        assert await admin_request(HOST, admin.port, "POST", f"/{verb}?target=b") == (200, b"[]\n")
+        assert (await admin_request(HOST, admin.port, "GET", "/status"))[0] == 200
