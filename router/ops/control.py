@@ -159,24 +159,48 @@ async def cmd_status(config: Config, *, as_json: bool, out: TextIO = sys.stdout)
 
 
 async def _set_paused(config: Config, target: str | None, paused: bool) -> list[str]:
-    """Without a router: record the links' state on their targets."""
-    done = []
-    for node in config.nodes:
-        if target not in (None, node.name):
+    """Without a router: record the links' state on their targets. Every target is connected first, so
+    a node that is down changes nothing; the error names it (and what was done, if a write fails)."""
+    verb = "paused" if paused else "resumed"
+    conns: list[tuple[str, psycopg.AsyncConnection[Any]]] = []
+    try:
+        for node in config.nodes:
+            if target not in (None, node.name):
+                continue
+            try:
+                conn = await psycopg.AsyncConnection.connect(node.dsn, autocommit=True, connect_timeout=5)
+            except psycopg.Error as exc:
+                raise PgmeshError(
+                    f"cannot connect ({describe(exc)}); nothing {verb}", node=node.name,
+                    hint="bring the node up, or start `pgmesh run`, and run this again",
+                ) from None
+            conns.append((node.name, conn))
+        done: list[str] = []
+        for name, conn in conns:
+            try:
+                await _record_paused(conn, config, name, paused, done)
+            except psycopg.Error as exc:
+                raise PgmeshError(f"cannot record the links' state ({describe(exc)}); {verb} so far: "
+                                  f"{', '.join(done) or 'nothing'}", node=name) from None
+        return done
+    finally:
+        for _, conn in conns:
+            await conn.close()
+
+
+async def _record_paused(
+    conn: psycopg.AsyncConnection[Any], config: Config, target: str, paused: bool, done: list[str]
+) -> None:
+    for source in config.node_names:
+        if source == target:
             continue
-        conn = await psycopg.AsyncConnection.connect(node.dsn, autocommit=True, connect_timeout=5)
-        async with conn:
-            for source in config.node_names:
-                if source == node.name:
-                    continue
-                await conn.execute(
-                    "INSERT INTO pgmesh.links (source, paused, updated) VALUES (%s, %s, now())"
-                    " ON CONFLICT (source) DO UPDATE SET paused = excluded.paused, reason = NULL,"
-                    " updated = now()",
-                    [source, paused],
-                )
-                done.append(f"{source} -> {node.name}")
-    return done
+        await conn.execute(
+            "INSERT INTO pgmesh.links (source, paused, updated) VALUES (%s, %s, now())"
+            " ON CONFLICT (source) DO UPDATE SET paused = excluded.paused, reason = NULL,"
+            " updated = now()",
+            [source, paused],
+        )
+        done.append(f"{source} -> {target}")
 
 
 async def _pause_resume(config: Config, target: str | None, paused: bool, out: TextIO) -> int:

@@ -82,3 +82,14 @@ def test_a_reader_that_reads_one_line_ends_the_command_quietly(tmp_path: Path) -
     assert first.startswith("cluster x: router NOT running")
     assert stderr == ""
     assert code in (0, 128 + signal.SIGPIPE)  # 0 when every line was written before the reader left
+
+
+@pytest.mark.parametrize("verb", ["pause", "resume"])
+def test_pause_without_router_and_a_node_down_is_one_line_naming_the_node(tmp_path: Path, verb: str) -> None:
+    """No router listens, so the links' state is recorded on the nodes: one that cannot be reached is
+    named on one line of stderr (exit 2), with what to do, never a psycopg traceback."""
+    result = pgmesh(verb, "--config", str(_unreachable_cluster(tmp_path)))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("pgmesh: node a: ") and "Connection refused" in line
+    assert f"nothing {verb}d" in line
