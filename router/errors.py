@@ -269,14 +269,26 @@ def retry_unique(exc: BaseException, attempt: int) -> bool:
     return sqlstate_of(exc) == _UNIQUE_VIOLATION and attempt < UNIQUE_ATTEMPTS
 
 
+def _table(schema: object, table: object) -> str:
+    """`table s.t: ` when the server named the table the error is about (a constraint, a column)."""
+    if not isinstance(table, str) or not table:
+        return ""
+    return f"table {schema}.{table}: " if isinstance(schema, str) and schema else f"table {table}: "
+
+
 def describe(exc: BaseException) -> str:
-    """One line for a log or a status row: never a DSN or a password."""
+    """One line for a log or a status row: the table the server named, the message, the SQL state;
+    never a DSN or a password."""
     if isinstance(exc, PgmeshError):
         return str(exc)
     if isinstance(exc, psycopg.Error):
         diag = exc.diag
         primary = diag.message_primary or str(exc).splitlines()[0]
         state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
-        return f"{primary}{state}"
+        return f"{_table(diag.schema_name, diag.table_name)}{primary}{state}"
     first = str(exc).splitlines()[0] if str(exc) else ""
+    code = getattr(exc, "sqlstate", None)
+    if isinstance(code, str) and first:  # a server error from asyncpg: its fields, read by name
+        where = _table(getattr(exc, "schema_name", None), getattr(exc, "table_name", None))
+        return f"{where}{first} (SQLSTATE {code})"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -22,6 +22,7 @@ from router.errors import (
     SchemaWait,
     decide,
     decide_link,
+    describe,
     is_conflict,
     retry_unique,
     tables_changed,
@@ -89,3 +90,16 @@ def test_a_link_retries_a_closed_session() -> None:
 @pytest.mark.parametrize("cls", [ApplyError, SchemaMismatch, ConnectionLost])
 def test_every_error_is_a_pgmesh_error(cls: type[PgmeshError]) -> None:
     assert issubclass(cls, PgmeshError)
+
+
+def test_describe_names_the_table_a_server_error_is_about() -> None:
+    fields = {"M": 'duplicate key value violates unique constraint "t_pkey"', "C": "23505", "s": "public",
+              "t": "t", "n": "t_pkey", "D": "Key (a)=(1) already exists."}
+    exc = asyncpg.UniqueViolationError.new(fields)
+    assert describe(exc) == (
+        'table public.t: duplicate key value violates unique constraint "t_pkey" (SQLSTATE 23505)'
+    )
+    assert describe(asyncpg.UniqueViolationError.new({"M": "no table here", "C": "23505"})) == (
+        "no table here (SQLSTATE 23505)"
+    )
+    assert describe(ValueError("plain\nsecond line")) == "ValueError: plain"
