@@ -33,7 +33,10 @@ from protocol.messages import (
 )
 from protocol.transactions import Transaction
 from router.apply.statements import (
+    COMMIT_ALIAS,
     KEY_LOCKS_MAX,
+    TABLE_ALIAS,
+    TOMBSTONE_ALIAS,
     TargetTable,
     identity_match,
     key_lock,
@@ -47,7 +50,14 @@ from router.config import Config
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
 from router.errors import ApplyError
 
-__all__ = ["CarefulApplier", "ConflictRecord"]
+__all__ = [
+    "CarefulApplier",
+    "ConflictRecord",
+    "read_row_sql",
+    "read_tombstone_sql",
+    "row_where",
+    "write_row_sql",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,52 @@ INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, res
   local_origin, local_commit_time, remote_origin, remote_commit_time, remote_lsn, local_row, remote_row)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::text::jsonb, $14::text::jsonb)
 """
+
+
+T, C, TS = TABLE_ALIAS, COMMIT_ALIAS, TOMBSTONE_ALIAS  # pgmesh's aliases (router.apply.statements)
+
+
+def read_row_sql(table: TargetTable, where: str) -> str:
+    """The first row of `table` matching `where` (columns qualified by TABLE_ALIAS), locked, with its
+    version: labels pgmesh_row (jsonb as text), pgmesh_ts, pgmesh_origin, pgmesh_ours, pgmesh_ctid."""
+    return (
+        f'SELECT pg_catalog.to_jsonb({T}.*)::text AS "pgmesh_row", {C}."timestamp" AS "pgmesh_ts",'
+        f' {C}.roident AS "pgmesh_origin",'
+        f' {T}.xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours",'
+        f' {T}.ctid::text AS "pgmesh_ctid"'
+        f" FROM {table.qualified} AS {T}, LATERAL pg_catalog.pg_xact_commit_timestamp_origin({T}.xmin) AS {C}"
+        f" WHERE {where} LIMIT 1 FOR UPDATE OF {T}"
+    )
+
+
+def read_tombstone_sql(key_sql: str) -> str:
+    """The tombstone of key `key_sql` in table $1, with its version (labels as `read_row_sql`'s)."""
+    return (
+        f'SELECT {C}."timestamp" AS "pgmesh_ts", {C}.roident AS "pgmesh_origin",'
+        f' pg_catalog.xid({TS}.xid) = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours"'
+        f" FROM pgmesh.tombstones AS {TS},"
+        f" LATERAL pg_catalog.pg_xact_commit_timestamp_origin(pg_catalog.xid({TS}.xid)) AS {C}"
+        f" WHERE {TS}.table_name = $1 AND {TS}.key = {key_sql}"
+    )
+
+
+def row_where(values: Mapping[str, Any], columns: tuple[str, ...]) -> str:
+    """`columns` of TABLE_ALIAS equal to (or, for None, NULL as) `values`."""
+    return " AND ".join(
+        f"{T}.{quote_ident(k)} {'IS NULL' if values.get(k) is None else '= ' + _lit(values[k])}"
+        for k in columns
+    )
+
+
+def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None) -> str:
+    """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
+    names = [k for k in row if k in table.columns]
+    if where is None:
+        cols = ", ".join(quote_ident(k) for k in names)
+        vals = ", ".join(_lit(row[k]) for k in names)
+        return f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
+    sets = ", ".join(f"{quote_ident(k)} = {_lit(row[k])}" for k in names)
+    return f"UPDATE {table.qualified} AS {T} SET {sets} WHERE {where}"
 
 
 _APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
@@ -106,7 +162,7 @@ class _Local:
         self.row = row
         self.version = version
         self.mine = mine  # written by the source itself (or by this very transaction)
-        self.where = f"ctid = {quote_literal(ctid)}" if ctid else "false"  # exactly that row
+        self.where = f"{T}.ctid = {quote_literal(ctid)}" if ctid else "false"  # exactly that row
 
 
 class CarefulApplier:
@@ -212,17 +268,13 @@ class CarefulApplier:
     # ---------------------------------------------------------------- reading what is there
 
     async def _local(self, conn: Any, table: TargetTable, where: str) -> _Local | None:
-        row = await conn.fetchrow(
-            f"SELECT to_jsonb(t)::text AS row, (c).timestamp AS ts, (c).roident AS origin,"
-            f" t.xmin = xid(pg_current_xact_id()) AS ours, t.ctid::text AS ctid"
-            f" FROM {table.qualified} t, LATERAL pg_catalog.pg_xact_commit_timestamp_origin(t.xmin) c"
-            f" WHERE {where} LIMIT 1 FOR UPDATE OF t"
-        )
+        row = await conn.fetchrow(read_row_sql(table, where))
         if row is None:
             return None
-        version = self._version(row["ts"], row["origin"])
-        mine = bool(row["ours"]) or version.node == self.source or self._before_pgmesh(row["origin"], version)
-        return _Local(json.loads(row["row"]), version, mine, row["ctid"])
+        version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
+        origin = row["pgmesh_origin"]
+        mine = bool(row["pgmesh_ours"]) or version.node == self.source or self._before_pgmesh(origin, version)
+        return _Local(json.loads(row["pgmesh_row"]), version, mine, row["pgmesh_ctid"])
 
     def _before_pgmesh(self, roident: int | None, version: Version) -> bool:
         """A row every node started with (unknown commit time, or older than pgmesh here): no conflict."""
@@ -239,7 +291,7 @@ class CarefulApplier:
         if table.pk:
             values = _row(relation, data)
             if all(values.get(k) is not None for k in table.pk):
-                return await self._local(conn, table, self._pk_where(table, values))
+                return await self._local(conn, table, row_where(values, table.pk))
         return await self._local(conn, table, identity_match(relation, data, full=True))
 
     def _key_sql(self, table: TargetTable, values: Row) -> str:
@@ -247,17 +299,11 @@ class CarefulApplier:
         return f"ARRAY[{', '.join(parts)}]::text[]"
 
     async def _tombstone(self, conn: Any, table: TargetTable, values: Row) -> _Local | None:
-        row = await conn.fetchrow(
-            "SELECT (c).timestamp AS ts, (c).roident AS origin,"
-            " xid(t.xid) = xid(pg_current_xact_id()) AS ours"
-            " FROM pgmesh.tombstones t, LATERAL pg_catalog.pg_xact_commit_timestamp_origin(xid(t.xid)) c"
-            f" WHERE t.table_name = $1 AND t.key = {self._key_sql(table, values)}",
-            table.name,
-        )
+        row = await conn.fetchrow(read_tombstone_sql(self._key_sql(table, values)), table.name)
         if row is None:
             return None
-        version = self._version(row["ts"], row["origin"])
-        return _Local(None, version, bool(row["ours"]) or version.node == self.source)
+        version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
+        return _Local(None, version, bool(row["pgmesh_ours"]) or version.node == self.source)
 
     # ---------------------------------------------------------------- deciding and recording
 
@@ -316,23 +362,7 @@ class CarefulApplier:
         self, conn: Any, table: TargetTable, row: Mapping[str, Any], where: str | None
     ) -> None:
         """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
-        names = [k for k in row if k in table.columns]
-        if where is None:
-            cols = ", ".join(quote_ident(k) for k in names)
-            vals = ", ".join(_lit(row[k]) for k in names)
-            await conn.execute(
-                f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
-            )
-        else:
-            sets = ", ".join(f"{quote_ident(k)} = {_lit(row[k])}" for k in names)
-            await conn.execute(f"UPDATE {table.qualified} SET {sets} WHERE {where}")
-
-    def _pk_where(self, table: TargetTable, values: Mapping[str, Any]) -> str:
-        keys = table.pk or tuple(values)
-        return " AND ".join(
-            f"{quote_ident(k)} IS NULL" if values.get(k) is None else f"{quote_ident(k)} = {_lit(values[k])}"
-            for k in keys
-        )
+        await conn.execute(write_row_sql(table, row, where))
 
     async def _insert(
         self,
@@ -386,7 +416,7 @@ class CarefulApplier:
         for unique in table.uniques:
             if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
                 continue
-            where = " AND ".join(f"{quote_ident(c)} = {_lit(new[c])}" for c in unique)
+            where = row_where(new, unique)
             other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
             if other is None:
                 continue
@@ -395,9 +425,9 @@ class CarefulApplier:
             )
             if decision.outcome is Outcome.KEEP_LOCAL:
                 if own is not None:
-                    await conn.execute(f"DELETE FROM {table.qualified} WHERE {own}")
+                    await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {own}")
                 return False
-            await conn.execute(f"DELETE FROM {table.qualified} WHERE {other.where}")
+            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {other.where}")
         return True
 
     async def _overwrite(
@@ -459,7 +489,7 @@ class CarefulApplier:
             if old.get(column) is not None and new.get(column) is not None:
                 kind = table.types.get(column, "numeric")
                 sets.append(
-                    f"{quote_ident(column)} = {quote_ident(column)} + ({_lit(new[column])}::{kind}"
+                    f"{quote_ident(column)} = {T}.{quote_ident(column)} + ({_lit(new[column])}::{kind}"
                     f" - {_lit(old[column])}::{kind})"
                 )
         if decision.outcome is Outcome.APPLY_REMOTE:
@@ -469,7 +499,7 @@ class CarefulApplier:
                 if k not in deltas and k in table.columns
             ]
         if sets:
-            await conn.execute(f"UPDATE {table.qualified} SET {', '.join(sets)} WHERE {where}")
+            await conn.execute(f"UPDATE {table.qualified} AS {T} SET {', '.join(sets)} WHERE {where}")
 
     async def _update_missing(
         self,
@@ -517,7 +547,7 @@ class CarefulApplier:
         old = _row(relation, change.old)
         local = await self._by_key(conn, relation, table, change.old)
         if local is not None and local.mine:
-            await conn.execute(f"DELETE FROM {table.qualified} WHERE {local.where}")
+            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
             return
         if local is None:
             tomb = await self._tombstone(conn, table, old)
@@ -527,7 +557,7 @@ class CarefulApplier:
             if tomb is None or tomb.version.order() < remote.order():
                 await conn.execute(
                     "INSERT INTO pgmesh.tombstones (table_name, key, xid)"
-                    f" VALUES ($1, {self._key_sql(table, old)}, pg_current_xact_id())"
+                    f" VALUES ($1, {self._key_sql(table, old)}, pg_catalog.pg_current_xact_id())"
                     " ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid",
                     table.name,
                 )
@@ -536,4 +566,4 @@ class CarefulApplier:
             conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records
         )
         if decision.outcome is Outcome.APPLY_REMOTE:
-            await conn.execute(f"DELETE FROM {table.qualified} WHERE {local.where}")
+            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")

@@ -37,7 +37,11 @@ from protocol.transactions import Transaction
 from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
+    "COMMIT_ALIAS",
     "KEY_LOCKS_MAX",
+    "RESERVED_NAMES",
+    "TABLE_ALIAS",
+    "TOMBSTONE_ALIAS",
     "Prepared",
     "TargetTable",
     "delete_statement",
@@ -64,6 +68,20 @@ _OVERRIDING: Final = "OVERRIDING SYSTEM VALUE"
 
 # Types without a btree equality operator: compared through their text form in identity matches.
 _NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
+
+
+# pgmesh's own names in the SQL it generates. Every column reference is qualified by its table's alias
+# (and every function call by its schema), so that no user column, whatever its name, resolves in place
+# of one of them; the aliases are quoted `pgmesh_` names besides (issue 17: a user column `c` once took
+# the place of the lateral commit timestamp `c` in `(c).timestamp`).
+TABLE_ALIAS: Final = '"pgmesh_t"'  # the replicated table
+VALUES_ALIAS: Final = '"pgmesh_v"'  # the rows of a guarded insert, columns "pgmesh_c0", "pgmesh_c1", ...
+TOMBSTONE_ALIAS: Final = '"pgmesh_ts"'  # pgmesh.tombstones
+COMMIT_ALIAS: Final = '"pgmesh_c"'  # pg_xact_commit_timestamp_origin(xmin): "timestamp", roident
+FULL_ALIAS: Final = '"pgmesh_f"'  # the replicated table again, in a REPLICA IDENTITY FULL match
+RESERVED_NAMES: Final = frozenset(
+    {"pgmesh_t", "pgmesh_v", "pgmesh_ts", "pgmesh_c", "pgmesh_f", "pgmesh_w"}
+)  # (and the row labels of router.apply.careful, and the columns "pgmesh_c<i>" of pgmesh_v)
 
 
 def quote_ident(name: str) -> str:
@@ -142,15 +160,16 @@ def _check_columns(relation: Relation, table: TargetTable) -> None:
         )
 
 
-def identity_match(relation: Relation, row: TupleData, *, full: bool) -> str:
-    """WHERE clause matching the row by its key columns, or by every column under REPLICA IDENTITY FULL."""
+def identity_match(relation: Relation, row: TupleData, *, full: bool, alias: str = TABLE_ALIAS) -> str:
+    """WHERE clause matching the row by its key columns, or by every column under REPLICA IDENTITY FULL;
+    the columns qualified by `alias`, the table's alias in the statement."""
     parts = []
     for i, column in enumerate(relation.columns):
         if not full and not column.key:
             continue
         if row.kinds[i] == KIND_UNCHANGED:
             continue
-        name = quote_ident(column.name)
+        name = f"{alias}.{quote_ident(column.name)}"
         literal = _literal(relation, row, i)
         if literal == "NULL":
             parts.append(f"{name} IS NULL")
@@ -168,8 +187,11 @@ def _where(
 ) -> str:
     if kind == "O" and old is not None:
         # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
-        match = identity_match(relation, old, full=True)
-        return f"ctid = (SELECT ctid FROM {table.qualified} WHERE {match} LIMIT 1)"
+        match = identity_match(relation, old, full=True, alias=FULL_ALIAS)
+        return (
+            f"{TABLE_ALIAS}.ctid = (SELECT {FULL_ALIAS}.ctid FROM {table.qualified} AS {FULL_ALIAS}"
+            f" WHERE {match} LIMIT 1)"
+        )
     return identity_match(relation, old if old is not None else new, full=False)
 
 
@@ -178,8 +200,8 @@ def _origin_check(origin: str) -> str:
     goes to `pgmesh.expect_origin`, which accepts it or raises PGM01. The common case never calls
     PL/pgSQL (a function call per row was a third of a guarded update's cost on the target)."""
     return (
-        f"CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin(xmin)).roident = {origin} THEN true"
-        f" ELSE pgmesh.expect_origin(xmin, {origin}) END"
+        f"CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin({TABLE_ALIAS}.xmin)).roident = {origin}"
+        f" THEN true ELSE pgmesh.expect_origin({TABLE_ALIAS}.xmin, {origin}) END"
     )
 
 
@@ -187,8 +209,8 @@ def _rows_check(wanted: int | str) -> str:
     """The final SELECT of a guarded statement: `pgmesh.expect_rows` raises PGM02 unless the
     `pgmesh_w` CTE returned exactly `wanted` rows (only called when the count is off)."""
     return (
-        f"SELECT CASE WHEN count(*) = {wanted} THEN NULL"
-        f" ELSE pgmesh.expect_rows(count(*), {wanted}) END FROM pgmesh_w"
+        f"SELECT CASE WHEN pg_catalog.count(*) = {wanted} THEN NULL"
+        f" ELSE pgmesh.expect_rows(pg_catalog.count(*), {wanted}) END FROM pgmesh_w"
     )
 
 
@@ -212,12 +234,12 @@ def update_statement(relation: Relation, table: TargetTable, change: Update) -> 
         if change.new.kinds[i] != KIND_UNCHANGED
     ]
     where = _where(relation, table, change.old, change.new, change.old_kind)
-    return f"UPDATE {table.qualified} SET {', '.join(sets)} WHERE {where}"
+    return f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {', '.join(sets)} WHERE {where}"
 
 
 def delete_statement(relation: Relation, table: TargetTable, change: Delete) -> str:
     where = _where(relation, table, change.old, change.old, change.old_kind)
-    return f"DELETE FROM {table.qualified} WHERE {where}"
+    return f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
 
 
 _SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
@@ -316,8 +338,10 @@ def prepared_update(
 
     def build() -> str:
         assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
-        where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, len(sets) + 1))
-        statement = f"UPDATE {table.qualified} SET {assignments} WHERE {where}"
+        where = " AND ".join(
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, len(sets) + 1)
+        )
+        statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
         return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
 
     mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
@@ -341,8 +365,10 @@ def prepared_delete(
     keys = [i for i, c in enumerate(cols) if c.key]
 
     def build() -> str:
-        where = " AND ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, 1))
-        statement = f"DELETE FROM {table.qualified} WHERE {where}"
+        where = " AND ".join(
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, 1)
+        )
+        statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
         return guard(statement, None if origin is None else f"${len(keys) + 1}")
 
     name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
@@ -387,13 +413,18 @@ def insert_rows(
     values = ", ".join("(" + ", ".join(_literal(relation, r.new, i) for i in width) + ")" for r in rows)
     if not guarded or not table.types:
         return f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} VALUES {values}"
-    aliases = ", ".join(f"c{i}" for i in width)
+    aliases = ", ".join(f'"pgmesh_c{i}"' for i in width)
     position = {c.name: i for i, c in enumerate(relation.columns)}
-    picks = ", ".join(f"v.c{i}::{table.types.get(c.name, 'text')}" for i, c in enumerate(relation.columns))
-    key = ", ".join(f"v.c{position[k]}::{table.types[k]}::text" for k in table.tombstone_key if k in position)
+    v, ts = VALUES_ALIAS, TOMBSTONE_ALIAS
+    picks = ", ".join(
+        f'{v}."pgmesh_c{i}"::{table.types.get(c.name, "text")}' for i, c in enumerate(relation.columns)
+    )
+    key = ", ".join(
+        f'{v}."pgmesh_c{position[k]}"::{table.types[k]}::text' for k in table.tombstone_key if k in position
+    )
     where = (
-        f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name = {quote_literal(table.name)}"
-        f" AND t.key = ARRAY[{key}]::text[])"
+        f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones AS {ts}"
+        f" WHERE {ts}.table_name = {quote_literal(table.name)} AND {ts}.key = ARRAY[{key}]::text[])"
     )
     # The careful path's lock per (table, key), taken in a statement of its own so that the insert's
     # tombstone check runs on a snapshot taken after the lock: an applier of another source deciding
@@ -403,11 +434,12 @@ def insert_rows(
     else:
         lock = (
             f"{table_lock(table, exclusive=False)};\n"
-            f"SELECT count({key_lock(table, f'ARRAY[{key}]::text[]')}) FROM (VALUES {values}) AS v({aliases})"
+            f"SELECT pg_catalog.count({key_lock(table, f'ARRAY[{key}]::text[]')})"
+            f" FROM (VALUES {values}) AS {v}({aliases})"
         )
     statement = (
         f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
-        f" FROM (VALUES {values}) AS v({aliases})"
+        f" FROM (VALUES {values}) AS {v}({aliases})"
         f" WHERE {where} RETURNING 1"
     )
     return f"{lock};\nWITH pgmesh_w AS ({statement}) {_rows_check(len(rows))}"
@@ -474,8 +506,9 @@ def _plan_insert(
         # folding the call) is cheaper for the target than counting through a data-modifying CTE.
         return (
             f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
-            f" WHERE CASE WHEN EXISTS (SELECT 1 FROM pgmesh.tombstones t WHERE t.table_name ="
-            f" {quote_literal(table.name)} AND t.key = ARRAY[{keys}]::text[])"
+            f" WHERE CASE WHEN EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
+            f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
+            f" AND {TOMBSTONE_ALIAS}.key = ARRAY[{keys}]::text[])"
             " THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
         )
 

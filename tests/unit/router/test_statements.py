@@ -45,7 +45,10 @@ def test_update_leaves_unchanged_toast_out_and_matches_old_key() -> None:
     new = TupleData(b"ttu", (b"2", b"x", UNCHANGED_TOAST))
     change = Update(7, new, TupleData(b"tnn", (b"1", None, None)), "K")
     script = transaction_script(txn(change), TABLES)
-    assert 'UPDATE "public"."Odd Name" SET "id" = \'2\', "note" = \'x\' WHERE "id" = \'1\'' in script
+    assert (
+        'UPDATE "public"."Odd Name" AS "pgmesh_t" SET "id" = \'2\', "note" = \'x\''
+        ' WHERE "pgmesh_t"."id" = \'1\''
+    ) in script
     assert '"doc"' not in script.split("UPDATE")[1]
 
 
@@ -53,8 +56,9 @@ def test_full_identity_touches_exactly_one_row_and_compares_json_as_text() -> No
     change = Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")
     script = transaction_script(txn(change), TABLES)
     assert (
-        'DELETE FROM "s"."log" WHERE ctid = (SELECT ctid FROM "s"."log" WHERE "a" = \'1\''
-        ' AND "doc"::text = \'{}\' LIMIT 1)'
+        'DELETE FROM "s"."log" AS "pgmesh_t" WHERE "pgmesh_t".ctid = (SELECT "pgmesh_f".ctid'
+        ' FROM "s"."log" AS "pgmesh_f" WHERE "pgmesh_f"."a" = \'1\' AND "pgmesh_f"."doc"::text = \'{}\''
+        ' LIMIT 1)'
     ) in script
 
 
@@ -100,10 +104,13 @@ def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> N
     assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in first
     assert "BEGIN;\nEXECUTE pgmesh_1('1/200', " in first
     assert (
-        'PREPARE pgmesh_2 AS UPDATE "public"."Odd Name" SET "id" = $1, "note" = $2 WHERE "id" = $3'
+        'PREPARE pgmesh_2 AS UPDATE "public"."Odd Name" AS "pgmesh_t" SET "id" = $1, "note" = $2'
+        ' WHERE "pgmesh_t"."id" = $3'
     ) in first
     assert "EXECUTE pgmesh_2('1', 'x', '1')" in first
-    assert 'PREPARE pgmesh_3 AS DELETE FROM "public"."Odd Name" WHERE "id" = $1' in first
+    assert (
+        'PREPARE pgmesh_3 AS DELETE FROM "public"."Odd Name" AS "pgmesh_t" WHERE "pgmesh_t"."id" = $1'
+    ) in first
     second = transaction_script(txn(up), TABLES, prepared=prepared)
     assert "PREPARE" not in second and "EXECUTE pgmesh_2" in second and "EXECUTE pgmesh_1" in second
     full = transaction_script(txn(Delete(8, TupleData(b"tt", (b"1", b"{}")), "O")), TABLES, prepared=prepared)
