@@ -18,9 +18,15 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
 - `pgmesh.known_columns` / `pgmesh.column_changes`: what each table's columns were called, so that a
   column renamed or dropped by DDL is recognised when rows sent before the change arrive later from
   another node (`router.ddl.reconcile` maps them); an unexplained missing column still pauses the link;
+- on every partition of a replicated partitioned table, the statement trigger `pgmesh_truncate`, and
+  on the root `pgmesh_truncate_start` / `_end` (`truncate_capture`): the publication publishes via the
+  root, so pgoutput never sends a TRUNCATE of one partition; the trigger writes it as a command message
+  (`TRUNCATE ONLY ... CASCADE`, tag TRUNCATE), replayed like DDL; a TRUNCATE of the root itself travels
+  as pgoutput's Truncate alone;
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
   cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY) and query strings that
-  mix DDL with transaction control.
+  mix DDL with transaction control (`ddl_statements` splits a query string into its top-level statements
+  as the server does: a function body, a DO block, a string or a comment is not transaction control).
 
 `pgmesh ddl` (a statement cluster-wide on purpose) is `router.ddl.command`.
 
@@ -118,6 +124,15 @@ async def install_ddl_capture(conn: Conn, config: Config, tables: Sequence[tuple
         # also under session_replication_role = replica (the router's sessions): new tables join there
         await conn.execute(sql.SQL("ALTER EVENT TRIGGER {} ENABLE ALWAYS").format(sql.Identifier(trigger)))
         done.append(f"created event trigger {trigger} ({event})")
+    names = [sql.Identifier(*t).as_string(conn) for t in tables]
+    # TRUNCATE of one partition travels as a command (pgoutput sends only the root's): its triggers
+    await conn.execute(
+        sql.SQL(
+            "SELECT {schema}.truncate_triggers(c.oid) FROM pg_class c"
+            " WHERE c.oid = ANY(%s::regclass[]) AND c.relkind = 'p'"
+        ).format(schema=schema),
+        [names],
+    )
     await conn.execute(
         sql.SQL(
             "INSERT INTO {schema}.known_columns"
@@ -125,6 +140,6 @@ async def install_ddl_capture(conn: Conn, config: Config, tables: Sequence[tuple
             " WHERE a.attrelid = ANY(%s::regclass[]) AND a.attnum > 0 AND NOT a.attisdropped"
             " ON CONFLICT (relid, attnum) DO UPDATE SET name = excluded.name"
         ).format(schema=schema),
-        [[sql.Identifier(*t).as_string(conn) for t in tables]],
+        [names],
     )
     return done

@@ -21,6 +21,83 @@ SET search_path = pg_catalog, pg_temp AS $body$
   SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl', content)
 $body$;
 
+-- TRUNCATE of one partition. The publication publishes via the partition root, and pgoutput then sends
+-- a TRUNCATE only for the roots it names: one of a partition alone (or of a partitioned partition) never
+-- reaches the other nodes. So every partition (relkind 'r') of a published partitioned table has the
+-- statement trigger pgmesh_truncate (BEFORE TRUNCATE), which writes `TRUNCATE ONLY partition CASCADE`
+-- as a command message ('pgmesh.ddl', tag TRUNCATE), replayed at its place like DDL. The root has
+-- pgmesh_truncate_start / _end (BEFORE / AFTER TRUNCATE, argument 'root'), marking in the transaction
+-- the statement that truncates the root: pgoutput carries that one, and its partitions write nothing.
+-- CASCADE: the source's TRUNCATE succeeded, so every table referencing the partition was truncated there
+-- too. Nothing for sessions applying changes (an origin set up; the router's also run with
+-- session_replication_role = replica, where these triggers do not fire).
+CREATE OR REPLACE FUNCTION {schema}.truncate_capture() RETURNS trigger LANGUAGE plpgsql AS $body$
+DECLARE
+  marks text := coalesce(pg_catalog.current_setting('pgmesh.truncating', true), '');
+  root oid;
+BEGIN
+  IF {schema}.ddl_applying() THEN
+    RETURN NULL;
+  END IF;
+  IF tg_nargs > 0 AND tg_argv[0] = 'root' THEN
+    IF marks = '' THEN
+      marks := ',';
+    END IF;
+    IF tg_when = 'BEFORE' THEN
+      marks := marks || tg_relid::text || ',';
+    ELSE
+      marks := pg_catalog.replace(marks, ',' || tg_relid::text || ',', ',');
+    END IF;
+    PERFORM pg_catalog.set_config('pgmesh.truncating', marks, true);
+    RETURN NULL;
+  END IF;
+  root := pg_catalog.pg_partition_root(tg_relid);
+  IF root IS NULL OR root = tg_relid OR pg_catalog.strpos(marks, ',' || root::text || ',') > 0 THEN
+    RETURN NULL;  -- detached (a table of its own now), or its root is truncated by this statement
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel r
+                   JOIN pg_catalog.pg_publication p ON p.oid = r.prpubid
+                  WHERE p.pubname = {schema}.ddl_setting('publication') AND r.prrelid = root) THEN
+    RETURN NULL;
+  END IF;
+  PERFORM {schema}.ddl_emit(pg_catalog.json_build_object(
+    'sql', pg_catalog.format('TRUNCATE ONLY %I.%I CASCADE', tg_table_schema, tg_table_name),
+    'search_path', pg_catalog.current_setting('search_path'), 'role', current_user,
+    'tag', 'TRUNCATE')::text);
+  RETURN NULL;
+END
+$body$;
+
+-- The TRUNCATE triggers on a published partitioned table (or a partition of one) and everything under
+-- it; idempotent, so installing them again on every ALTER of the root is cheap.
+CREATE OR REPLACE FUNCTION {schema}.truncate_triggers(rel oid) RETURNS void LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  t record;
+  wanted text[];
+  trig text;
+BEGIN
+  FOR t IN SELECT c.oid, c.relkind, c.relispartition, n.nspname, c.relname
+             FROM pg_partition_tree(rel) p JOIN pg_class c ON c.oid = p.relid
+             JOIN pg_namespace n ON n.oid = c.relnamespace LOOP
+    IF t.relkind = 'r' AND t.relispartition THEN
+      wanted := ARRAY['pgmesh_truncate'];
+    ELSIF t.relkind = 'p' AND NOT t.relispartition THEN
+      wanted := ARRAY['pgmesh_truncate_start', 'pgmesh_truncate_end'];
+    ELSE
+      CONTINUE;
+    END IF;
+    FOREACH trig IN ARRAY wanted LOOP
+      CONTINUE WHEN EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = t.oid AND tgname = trig);
+      EXECUTE format('CREATE TRIGGER %I %s TRUNCATE ON %I.%I FOR EACH STATEMENT '
+                     'EXECUTE FUNCTION {schema}.truncate_capture(%s)', trig,
+                     CASE WHEN trig = 'pgmesh_truncate_end' THEN 'AFTER' ELSE 'BEFORE' END,
+                     t.nspname, t.relname, CASE WHEN trig = 'pgmesh_truncate' THEN '' ELSE 'root' END);
+    END LOOP;
+  END LOOP;
+END
+$body$;
+
 -- One table a command created or altered: track its columns; in the replicated set, put it in the
 -- publication with its tombstone trigger once it has a key.
 CREATE OR REPLACE FUNCTION {schema}.ddl_table(rel oid) RETURNS void LANGUAGE plpgsql SECURITY DEFINER
@@ -32,7 +109,19 @@ BEGIN
   SELECT n.nspname, c.relname, c.relkind, c.relispartition, c.relpersistence, c.relreplident
     INTO nsp, tab, kind, part, persist, ident
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = rel;
-  IF NOT FOUND OR kind NOT IN ('r', 'p') OR part OR persist <> 'p' THEN
+  IF NOT FOUND THEN
+    RETURN;
+  END IF;
+  pub := {schema}.ddl_setting('publication');
+  IF part THEN
+    -- a partition: its root stands for it in the publication; it gets the TRUNCATE trigger
+    IF EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+                WHERE p.pubname = pub AND r.prrelid = pg_partition_root(rel)) THEN
+      PERFORM {schema}.truncate_triggers(rel);
+    END IF;
+    RETURN;
+  END IF;
+  IF kind NOT IN ('r', 'p') OR persist <> 'p' THEN
     RETURN;
   END IF;
   qualified := nsp || '.' || tab;
@@ -65,7 +154,6 @@ BEGIN
     SELECT array_agg(a.attname::text ORDER BY a.attnum) INTO key
       FROM pg_attribute a WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
   END IF;
-  pub := {schema}.ddl_setting('publication');
   SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
                   WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
   IF key IS NULL THEN
@@ -93,6 +181,9 @@ BEGIN
                  'EXECUTE FUNCTION {schema}.tombstone(%s)',
                  nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
   EXECUTE format('ALTER TABLE %I.%I ENABLE ALWAYS TRIGGER pgmesh_tombstone', nsp, tab);
+  IF kind = 'p' THEN
+    PERFORM {schema}.truncate_triggers(rel);
+  END IF;
 END
 $body$;
 
@@ -154,6 +245,153 @@ BEGIN
 END
 $body$;
 
+-- The leading words (lower case, at most four, joined by a space) of each top-level statement of a query
+-- string, as the server splits it: what stands in quotes, dollar quotes, quoted identifiers and
+-- comments is skipped, and a ';' inside parentheses or inside the BEGIN ATOMIC ... END body of a CREATE
+-- FUNCTION / PROCEDURE (counted as psql counts it) does not end a statement.
+CREATE OR REPLACE FUNCTION {schema}.ddl_statements(q text) RETURNS SETOF text LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  ch text;
+  code int;
+  state text := 'code';
+  prev text := '';
+  word text := '';
+  lw text;
+  words text[] := ARRAY[]::text[];
+  delim text := '';
+  tail text := '';
+  nest int := 0;
+  parens int := 0;
+  depth int := 0;
+  backslash boolean := current_setting('standard_conforming_strings') = 'off';
+  escaping boolean := false;
+BEGIN
+  FOREACH ch IN ARRAY string_to_array(coalesce(q, '') || E'\n', NULL) LOOP
+    IF state = 'squote' THEN
+      IF ch = '''' THEN
+        state := 'squote_end';
+      ELSIF ch = E'\\' AND escaping THEN
+        state := 'squote_bs';
+      END IF;
+      CONTINUE;
+    ELSIF state = 'squote_bs' THEN
+      state := 'squote';
+      CONTINUE;
+    ELSIF state = 'squote_end' THEN
+      IF ch = '''' THEN
+        state := 'squote';
+        CONTINUE;
+      END IF;
+      state := 'code';
+    ELSIF state = 'dquote' THEN
+      IF ch = '"' THEN
+        state := 'dquote_end';
+      END IF;
+      CONTINUE;
+    ELSIF state = 'dquote_end' THEN
+      IF ch = '"' THEN
+        state := 'dquote';
+        CONTINUE;
+      END IF;
+      state := 'code';
+    ELSIF state = 'line' THEN
+      IF ch IN (E'\n', E'\r') THEN
+        state := 'code';
+      END IF;
+      CONTINUE;
+    ELSIF state = 'block' THEN
+      IF prev = '*' AND ch = '/' THEN
+        nest := nest - 1;
+        ch := '';
+        IF nest = 0 THEN
+          state := 'code';
+        END IF;
+      ELSIF prev = '/' AND ch = '*' THEN
+        nest := nest + 1;
+        ch := '';
+      END IF;
+      prev := ch;
+      CONTINUE;
+    ELSIF state = 'dollar' THEN
+      tail := right(tail || ch, length(delim));
+      IF tail = delim THEN
+        state := 'code';
+      END IF;
+      CONTINUE;
+    ELSIF state = 'dtag' THEN
+      code := ascii(ch);
+      IF ch = '$' THEN
+        delim := delim || '$';
+        tail := '';
+        state := 'dollar';
+        CONTINUE;
+      ELSIF code = 95 OR code BETWEEN 65 AND 90 OR code BETWEEN 97 AND 122 OR code >= 128
+            OR code BETWEEN 48 AND 57 AND delim <> '$' THEN
+        delim := delim || ch;
+        CONTINUE;
+      END IF;
+      state := 'code';  -- not a dollar quote ($1, ...)
+    END IF;
+    -- code: outside quotes and comments
+    code := ascii(ch);
+    IF code = 95 OR code BETWEEN 65 AND 90 OR code BETWEEN 97 AND 122 OR code >= 128
+       OR code BETWEEN 48 AND 57 OR code = 36 AND word <> '' THEN
+      word := word || ch;
+      prev := ch;
+      CONTINUE;
+    END IF;
+    IF word <> '' THEN
+      lw := lower(word);
+      IF cardinality(words) < 4 THEN
+        words := words || lw;
+      END IF;
+      IF words[1] = 'create' AND (words[2] IN ('function', 'procedure')
+           OR words[2] = 'or' AND words[3] = 'replace' AND words[4] IN ('function', 'procedure'))
+         AND parens = 0 THEN
+        IF lw = 'begin' OR lw = 'case' AND depth > 0 THEN
+          depth := depth + 1;
+        ELSIF lw = 'end' AND depth > 0 THEN
+          depth := depth - 1;
+        END IF;
+      END IF;
+      escaping := backslash OR lw = 'e' AND ch = '''';
+      word := '';
+    ELSE
+      escaping := backslash;
+    END IF;
+    IF ch = '''' THEN
+      state := 'squote';
+    ELSIF ch = '"' THEN
+      state := 'dquote';
+    ELSIF ch = '$' THEN
+      state := 'dtag';
+      delim := '$';
+    ELSIF ch = '-' AND prev = '-' THEN
+      state := 'line';
+      ch := '';
+    ELSIF ch = '*' AND prev = '/' THEN
+      state := 'block';
+      nest := 1;
+      ch := '';
+    ELSIF ch = '(' THEN
+      parens := parens + 1;
+    ELSIF ch = ')' THEN
+      parens := greatest(parens - 1, 0);
+    ELSIF ch = ';' AND parens = 0 AND depth = 0 THEN
+      IF cardinality(words) > 0 THEN
+        RETURN NEXT array_to_string(words, ' ');
+      END IF;
+      words := ARRAY[]::text[];
+    END IF;
+    prev := ch;
+  END LOOP;
+  IF cardinality(words) > 0 THEN
+    RETURN NEXT array_to_string(words, ' ');
+  END IF;
+END
+$body$;
+
 -- ddl_command_start: refuse here what could not be replayed on the other nodes.
 CREATE OR REPLACE FUNCTION {schema}.ddl_refuse() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
@@ -164,14 +402,21 @@ BEGIN
      OR {schema}.ddl_setting('replicate') IS DISTINCT FROM 'on' OR {schema}.ddl_applying() THEN
     RETURN;
   END IF;
-  IF tg_tag IN ('CREATE INDEX', 'DROP INDEX') AND q ~* '\mconcurrently\M' THEN
+  IF tg_tag IN ('CREATE INDEX', 'DROP INDEX') AND q ~* '\mconcurrently\M'
+     AND EXISTS (SELECT 1 FROM {schema}.ddl_statements(q) s
+                  WHERE s ~ '^(create (unique )?index|drop index) concurrently\M') THEN
     RAISE EXCEPTION 'pgmesh: % CONCURRENTLY is not replicated (the other nodes replay DDL inside a '
                     'transaction)', tg_tag
       USING ERRCODE = '0A000',
             HINT = 'run it without CONCURRENTLY, or run it on every node with SET pgmesh.ddl_local = on';
   END IF;
+  -- only the top-level statements count (not a function's body, a string or a comment); the first test
+  -- is the cheap one that most DDL fails
   IF q ~* ('(^|;)\s*(begin|start\s+transaction|commit|end|rollback|abort|savepoint|release'
-           '|prepare\s+transaction)\M') THEN
+           '|prepare\s+transaction)\M|\*/|--')
+     AND EXISTS (SELECT 1 FROM {schema}.ddl_statements(q) s
+                  WHERE s ~ ('^(begin|start transaction|commit|end|rollback|abort|savepoint|release'
+                             '|prepare transaction)\M')) THEN
     RAISE EXCEPTION 'pgmesh: DDL sent in one query string with transaction control is not replicated'
       USING ERRCODE = '0A000', HINT = 'send BEGIN, each DDL statement and COMMIT as separate statements';
   END IF;

@@ -1,0 +1,258 @@
+"""Scenarios of PostgreSQL's own subscription tests (src/test/subscription/t/*.pl), ported to a two-node
+pgmesh mesh with the router running (issue 17): the same tables and statements, run as a user would, with
+writes added on the other node where the original is one-way. Each test is named after the file it ports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from tests.fix_mesh import MeshFactory
+
+# 003_constraints: a trigger function in PL/pgSQL, whose body holds BEGIN / END and, here, words that
+# look like transaction control in a string literal and in comments.
+FILTER_FN = """
+CREATE FUNCTION filter_basic_dml_fn() RETURNS TRIGGER AS $$
+BEGIN
+  -- a comment; COMMIT; ROLLBACK
+  IF (TG_OP = 'INSERT') THEN
+    IF (NEW.id < 10) THEN
+      RETURN NEW;  /* ; end; begin */
+    ELSE
+      RAISE WARNING 'filtered: %; commit; begin', NEW.id;
+      RETURN NULL;
+    END IF;
+  ELSIF (TG_OP = 'UPDATE') THEN
+    NEW.junk := 'updated';
+    RETURN NEW;
+  END IF;
+  RETURN NULL;
+END;
+$$ LANGUAGE plpgsql
+"""
+
+QUOTED_FNS = [
+    # a body in a single-quoted literal, '' inside it, a comment between the statements' words
+    "CREATE FUNCTION said() RETURNS text LANGUAGE sql AS 'SELECT ''a; begin; end; commit''' /* ; abort */",
+    # a tagged dollar quote holding $$ and an unmatched quote
+    "CREATE FUNCTION tagged() RETURNS text LANGUAGE sql AS $f$ SELECT $$it's; rollback$$::text $f$",
+    # an SQL-standard body: its BEGIN ATOMIC ... END is not transaction control
+    "CREATE FUNCTION atomic_inc(i int) RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT i + 1; END",
+    # a quoted identifier with a semicolon and a keyword in it
+    'CREATE TABLE "odd; commit" (id int PRIMARY KEY, "end" text)',
+]
+
+
+async def same_rows(a: Any, b: Any, query: str, what: str) -> list[tuple[Any, ...]]:
+    """Wait until `query` returns the same rows on both nodes; those rows."""
+    async def check() -> bool:
+        return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+
+    await wait_for(check, what, 60)
+    return await fetch(a.dsn(), query)
+
+
+async def test_003_constraints(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE tab_fk_ref (id int PRIMARY KEY, junk text, bid int);")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), FILTER_FN)
+        await execute(
+            a.dsn(),
+            "CREATE TRIGGER filter_basic_dml_trg BEFORE INSERT OR UPDATE ON tab_fk_ref"
+            " FOR EACH ROW EXECUTE FUNCTION filter_basic_dml_fn()",
+        )
+        for fn in QUOTED_FNS:
+            await execute(a.dsn(), fn)
+        await execute(a.dsn(), "DO $$ BEGIN EXECUTE 'CREATE TABLE do_made (id int PRIMARY KEY)'; END $$")
+        definition = "SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE proname = %s"
+        for name in ("filter_basic_dml_fn", "said", "tagged", "atomic_inc"):
+            rows = await same_rows(a, b, definition.replace("%s", f"'{name}'"), f"function {name} on b")
+            assert len(rows) == 1, (name, rows)
+        for table in ("do_made", '"odd; commit"'):
+            exists = f"SELECT to_regclass('{table}') IS NOT NULL"
+            assert await same_rows(a, b, exists, f"table {table} on b") == [(True,)]
+        trigger = "SELECT tgname, tgenabled FROM pg_trigger WHERE tgname = 'filter_basic_dml_trg'"
+        assert await same_rows(a, b, trigger, "the trigger on b") == [("filter_basic_dml_trg", "O")]
+        # the trigger works on both nodes: ids >= 10 are filtered where they are inserted
+        await execute(a.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (1, 1), (11, 11), (2, 2)")
+        await execute(b.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (3, 3), (12, 12)")
+        await execute(b.dsn(), "UPDATE tab_fk_ref SET bid = 4 WHERE id = 1")
+        await wait_converged(m.nodes, ["tab_fk_ref"])
+        rows = await fetch(b.dsn(), "SELECT id, junk, bid FROM tab_fk_ref ORDER BY id")
+        assert rows == [(1, "updated", 4), (2, None, 2), (3, None, 3)], rows
+        for node in m.nodes:
+            assert await fetch(node.dsn(), "SELECT atomic_inc(1), said(), tagged()") == [
+                (2, "a; begin; end; commit", "it's; rollback")
+            ]
+        assert all(applier.last_error is None for applier in router.appliers.values())
+    # transaction control at the top level of a query string is still refused, also after a comment
+    async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+        for text in (
+            b"CREATE TABLE u1 (id int PRIMARY KEY); COMMIT",
+            b"/* x; */ begin; CREATE TABLE u2 (id int PRIMARY KEY); end",
+            b"CREATE TABLE u3 (id int PRIMARY KEY); -- ;\n SAVEPOINT s",
+            b"START TRANSACTION; CREATE FUNCTION g() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END;"
+            b" COMMIT",
+        ):
+            result = conn.pgconn.exec_(text)
+            assert b"transaction control is not replicated" in (result.error_message or b""), text
+            conn.pgconn.exec_(b"ROLLBACK")  # a BEGIN before the refused command opened a transaction
+        for name in ("u1", "u2", "u3", "g"):
+            found = await fetch(a.dsn(), f"SELECT to_regclass('{name}'), to_regproc('{name}')")
+            assert found == [(None, None)], name
+
+
+async def _has(dsn: str, query: str, expected: Any) -> bool:
+    return await fetch(dsn, query) == expected
+
+
+PARTITIONED = """
+CREATE TABLE tab1 (a int PRIMARY KEY, b text) PARTITION BY LIST (a);
+CREATE TABLE tab1_1 (b text, a int NOT NULL);
+ALTER TABLE tab1 ATTACH PARTITION tab1_1 FOR VALUES IN (1, 2, 3);
+CREATE TABLE tab1_2 PARTITION OF tab1 FOR VALUES IN (4, 5, 6);
+CREATE TABLE tab1_def PARTITION OF tab1 DEFAULT;
+"""
+
+ROWS1 = "SELECT tableoid::regclass::text, a, b FROM tab1 ORDER BY a"
+ROWS2 = "SELECT tableoid::regclass::text, a, b FROM tab2 ORDER BY a"
+
+
+def _ddl_applied(router: Any) -> int:
+    return sum(applier.ddl_applied for applier in router.appliers.values())
+
+
+async def test_013_partition(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=PARTITIONED)  # tab1 exists at init; tab2 comes by DDL below
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        # (each row is updated or deleted on the node that wrote it: see the test below for the rest)
+        steps = [
+            (a, "INSERT INTO tab1 VALUES (1, 'r'), (0, 'r'), (4, 'r'), (10, 'r')"),
+            (a, "INSERT INTO tab1_1 (a, b) VALUES (2, 'leaf')"),
+            (b, "INSERT INTO tab1_2 VALUES (6, 'leaf b')"),
+            (b, "INSERT INTO tab1 VALUES (20, 'b'), (21, 'b')"),
+            (a, "UPDATE tab1 SET a = 30 WHERE a = 1"),  # tab1_1 -> tab1_def
+            (b, "UPDATE tab1 SET a = 3, b = 'moved' WHERE a = 20"),  # tab1_def -> tab1_1
+            (b, "UPDATE tab1 SET a = 5 WHERE a = 21"),  # tab1_def -> tab1_2
+            (a, "UPDATE tab1_2 SET b = 'leaf upd' WHERE a = 4"),
+            (a, "DELETE FROM tab1 WHERE a = 0"),
+            (a, "DELETE FROM tab1_1 WHERE a = 2"),
+        ]
+        for node, statement in steps:
+            await execute(node.dsn(), statement)
+            await same_rows(a, b, ROWS1, f"tab1 equal after {statement!r}")
+        rows = await fetch(b.dsn(), ROWS1)
+        assert rows == [
+            ("tab1_1", 3, "moved"), ("tab1_2", 4, "leaf upd"), ("tab1_2", 5, "b"), ("tab1_2", 6, "leaf b"),
+            ("tab1_def", 10, "r"), ("tab1_def", 30, "r"),
+        ], rows
+        # one partition truncated on a: only it, also on b
+        await execute(a.dsn(), "TRUNCATE tab1_2")
+        await execute(a.dsn(), "INSERT INTO tab1 VALUES (40, 'marker')")  # applied after the TRUNCATE
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 40", [(1,)]), "marker on b")
+        rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1_2")
+        assert rows == [
+            ("tab1_1", 3, "moved"), ("tab1_def", 10, "r"), ("tab1_def", 30, "r"), ("tab1_def", 40, "marker"),
+        ], rows
+        # the other way, and in a transaction with rows before and after it
+        await execute(b.dsn(), "INSERT INTO tab1 VALUES (4, 'again'), (5, 'again')")
+        async with await psycopg.AsyncConnection.connect(b.dsn()) as conn:
+            await conn.execute("INSERT INTO tab1_1 VALUES ('in txn', 1)")
+            await conn.execute("TRUNCATE tab1_def")
+            await conn.execute("INSERT INTO tab1 VALUES (50, 'after')")
+            await conn.commit()
+        await wait_for(lambda: _has(a.dsn(), "SELECT count(*) FROM tab1 WHERE a = 50", [(1,)]), "row 50 on a")
+        rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1_def on b")
+        assert rows == [
+            ("tab1_1", 1, "in txn"), ("tab1_1", 3, "moved"), ("tab1_2", 4, "again"), ("tab1_2", 5, "again"),
+            ("tab1_def", 50, "after"),
+        ], rows
+        # the root: every partition, through pgoutput's Truncate alone (no message per partition)
+        before = _ddl_applied(router)
+        await execute(a.dsn(), "TRUNCATE tab1")
+        await execute(a.dsn(), "INSERT INTO tab1 VALUES (60, 'after root')")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 60", [(1,)]), "row 60 on b")
+        rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1")
+        assert rows == [("tab1_def", 60, "after root")], rows
+        assert _ddl_applied(router) == before
+
+        # a partitioned table made by DDL while the router runs, two levels deep
+        for statement in (
+            "CREATE TABLE tab2 (a int PRIMARY KEY, b text) PARTITION BY RANGE (a)",
+            "CREATE TABLE tab2_1 PARTITION OF tab2 FOR VALUES FROM (0) TO (10)",
+            "CREATE TABLE tab2_2 PARTITION OF tab2 FOR VALUES FROM (10) TO (20) PARTITION BY RANGE (a)",
+            "CREATE TABLE tab2_2x PARTITION OF tab2_2 FOR VALUES FROM (10) TO (15)",
+            "CREATE TABLE tab2_2y (a int NOT NULL, b text)",
+            "ALTER TABLE tab2_2 ATTACH PARTITION tab2_2y FOR VALUES FROM (15) TO (20)",
+        ):
+            await execute(a.dsn(), statement)
+        await same_rows(a, b, "SELECT count(*) FROM pg_inherits WHERE inhparent::regclass::text LIKE 'tab2%'",
+                        "tab2's partitions on b")
+        await execute(a.dsn(), "INSERT INTO tab2 VALUES (1, 'x'), (11, 'x'), (16, 'y')")
+        await execute(b.dsn(), "INSERT INTO tab2 VALUES (2, 'y'), (13, 'x'), (17, 'y')")
+        await same_rows(a, b, ROWS2, "tab2 equal after inserts")
+        await execute(b.dsn(), "TRUNCATE tab2_2y")
+        await execute(b.dsn(), "INSERT INTO tab2 VALUES (3, 'marker')")
+        await wait_for(lambda: _has(a.dsn(), "SELECT count(*) FROM tab2 WHERE a = 3", [(1,)]), "marker on a")
+        rows = await same_rows(a, b, ROWS2, "tab2 equal after TRUNCATE tab2_2y")
+        assert rows == [
+            ("tab2_1", 1, "x"), ("tab2_1", 2, "y"), ("tab2_1", 3, "marker"), ("tab2_2x", 11, "x"),
+            ("tab2_2x", 13, "x"),
+        ], rows
+        await execute(a.dsn(), "TRUNCATE tab2_2")  # a partition that is itself partitioned
+        await execute(a.dsn(), "INSERT INTO tab2 VALUES (4, 'marker')")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab2 WHERE a = 4", [(1,)]), "row 4 on b")
+        rows = await same_rows(a, b, ROWS2, "tab2 equal after TRUNCATE tab2_2")
+        assert [r[1] for r in rows] == [1, 2, 3, 4], rows
+        await wait_converged(m.nodes, ["tab1", "tab2"])
+        assert all(applier.last_error is None for applier in router.appliers.values())
+
+
+async def test_013_partition_truncate_detached(mesh: MeshFactory) -> None:
+    """A partition detached from its root is a table of its own: truncating it stays local."""
+    m = await mesh(nodes=2, schema=PARTITIONED + "CREATE TABLE other (id int PRIMARY KEY);")
+    a, b = m.nodes
+    async with running_router(m.config):
+        await execute(a.dsn(), "INSERT INTO tab1 VALUES (1, 'x'), (4, 'x'), (5, 'x')")
+        await same_rows(a, b, ROWS1, "tab1 equal")
+        await execute(a.dsn(), "ALTER TABLE tab1 DETACH PARTITION tab1_2")
+        await same_rows(a, b, "SELECT count(*) FROM pg_inherits WHERE inhrelid = 'tab1_2'::regclass",
+                        "the detach on b")
+        await execute(a.dsn(), "TRUNCATE tab1_2")
+        await execute(a.dsn(), "INSERT INTO other VALUES (1)")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM other", [(1,)]), "marker on b")
+        assert await fetch(b.dsn(), "SELECT a FROM tab1_2 ORDER BY a") == [(4,), (5,)]
+
+
+@pytest.mark.xfail(reason="the careful path matches a local row by ctid alone, which is not unique in a"
+                   " partitioned table (router/apply/careful.py _Local.where, read_row_sql): a conflict's"
+                   " write to the root also hits the rows at that ctid in the other partitions")
+async def test_013_partition_changes_from_the_other_node(mesh: MeshFactory) -> None:
+    """Rows moved across partitions by the other node, onto a key deleted before."""
+    m = await mesh(nodes=2, schema=PARTITIONED)
+    a, b = m.nodes
+    async with running_router(m.config):
+        steps = [
+            (a, "INSERT INTO tab1 VALUES (1, 'r'), (0, 'r'), (4, 'r'), (5, 'r'), (10, 'r')"),
+            (a, "INSERT INTO tab1_1 (a, b) VALUES (3, 'leaf')"),
+            (b, "INSERT INTO tab1_2 VALUES (6, 'leaf b')"),
+            (b, "INSERT INTO tab1 VALUES (2, 'b'), (20, 'b')"),
+            (a, "UPDATE tab1 SET a = 30 WHERE a = 1"),
+            (b, "UPDATE tab1 SET a = 1, b = 'moved' WHERE a = 20"),  # onto the key a moved away
+            (a, "UPDATE tab1 SET b = 'by a' WHERE a = 6"),
+            (b, "DELETE FROM tab1 WHERE a = 0"),
+        ]
+        for node, statement in steps:
+            await execute(node.dsn(), statement)
+            await same_rows(a, b, ROWS1, f"tab1 equal after {statement!r}")
+        rows = await fetch(a.dsn(), ROWS1)
+        assert rows == [
+            ("tab1_1", 1, "moved"), ("tab1_1", 2, "b"), ("tab1_1", 3, "leaf"), ("tab1_2", 4, "r"),
+            ("tab1_2", 5, "r"), ("tab1_2", 6, "by a"), ("tab1_def", 10, "r"), ("tab1_def", 30, "r"),
+        ], rows
