@@ -256,3 +256,21 @@ async def test_013_partition_changes_from_the_other_node(mesh: MeshFactory) -> N
             ("tab1_1", 1, "moved"), ("tab1_1", 2, "b"), ("tab1_1", 3, "leaf"), ("tab1_2", 4, "r"),
             ("tab1_2", 5, "r"), ("tab1_2", 6, "by a"), ("tab1_def", 10, "r"), ("tab1_def", 30, "r"),
         ], rows
+
+
+async def test_013_partition_truncate_cascade(mesh: MeshFactory) -> None:
+    """TRUNCATE of a partition that a foreign key references (through its root) needs CASCADE; the
+    referencing table is emptied on every node, the other partitions are kept."""
+    ref = "CREATE TABLE ref (id int PRIMARY KEY, a int REFERENCES tab1);"
+    m = await mesh(nodes=2, schema=PARTITIONED + ref)
+    a, b = m.nodes
+    async with running_router(m.config):
+        await execute(a.dsn(), "INSERT INTO tab1 VALUES (1, 'x'), (4, 'x'), (5, 'x')")
+        await same_rows(a, b, ROWS1, "tab1 on b")
+        await execute(b.dsn(), "INSERT INTO ref VALUES (1, 1), (2, 4)")
+        await same_rows(a, b, "SELECT * FROM ref ORDER BY id", "ref on a")
+        await execute(a.dsn(), "TRUNCATE tab1_2 CASCADE")
+        await execute(a.dsn(), "INSERT INTO tab1 VALUES (7, 'marker')")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 7", [(1,)]), "marker on b")
+        assert await same_rows(a, b, ROWS1, "tab1 equal") == [("tab1_1", 1, "x"), ("tab1_def", 7, "marker")]
+        assert await same_rows(a, b, "SELECT * FROM ref", "ref equal") == []
