@@ -76,12 +76,13 @@ T, C, TS = TABLE_ALIAS, COMMIT_ALIAS, TOMBSTONE_ALIAS  # pgmesh's aliases (route
 
 def read_row_sql(table: TargetTable, where: str) -> str:
     """The first row of `table` matching `where` (columns qualified by TABLE_ALIAS), locked, with its
-    version: labels pgmesh_row (jsonb as text), pgmesh_ts, pgmesh_origin, pgmesh_ours, pgmesh_ctid."""
+    version: labels pgmesh_row (jsonb as text), pgmesh_ts, pgmesh_origin, pgmesh_ours, and where it is:
+    pgmesh_tableoid and pgmesh_ctid (a ctid alone is not unique in a partitioned table)."""
     return (
         f'SELECT pg_catalog.to_jsonb({T}.*)::text AS "pgmesh_row", {C}."timestamp" AS "pgmesh_ts",'
         f' {C}.roident AS "pgmesh_origin",'
         f' {T}.xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours",'
-        f' {T}.ctid::text AS "pgmesh_ctid"'
+        f' {T}.tableoid::oid::int8 AS "pgmesh_tableoid", {T}.ctid::text AS "pgmesh_ctid"'
         f" FROM {table.qualified} AS {T}, LATERAL pg_catalog.pg_xact_commit_timestamp_origin({T}.xmin) AS {C}"
         f" WHERE {where} LIMIT 1 FOR UPDATE OF {T}"
     )
@@ -157,12 +158,16 @@ class _Local:
     __slots__ = ("mine", "row", "version", "where")
 
     def __init__(
-        self, row: dict[str, Any] | None, version: Version, mine: bool, ctid: str | None = None
+        self, row: dict[str, Any] | None, version: Version, mine: bool, at: tuple[int, str] | None = None
     ) -> None:
         self.row = row
         self.version = version
         self.mine = mine  # written by the source itself (or by this very transaction)
-        self.where = f"{T}.ctid = {quote_literal(ctid)}" if ctid else "false"  # exactly that row
+        # exactly that row: its partition (tableoid) and its place there (ctid); a ctid alone names one
+        # row in every partition of a partitioned table
+        self.where = (
+            f"{T}.tableoid = {int(at[0])}::oid AND {T}.ctid = {quote_literal(at[1])}::tid" if at else "false"
+        )
 
 
 class CarefulApplier:
@@ -274,7 +279,8 @@ class CarefulApplier:
         version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
         origin = row["pgmesh_origin"]
         mine = bool(row["pgmesh_ours"]) or version.node == self.source or self._before_pgmesh(origin, version)
-        return _Local(json.loads(row["pgmesh_row"]), version, mine, row["pgmesh_ctid"])
+        at = (row["pgmesh_tableoid"], row["pgmesh_ctid"])
+        return _Local(json.loads(row["pgmesh_row"]), version, mine, at)
 
     def _before_pgmesh(self, roident: int | None, version: Version) -> bool:
         """A row every node started with (unknown commit time, or older than pgmesh here): no conflict."""

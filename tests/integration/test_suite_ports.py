@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-import pytest
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -230,9 +229,6 @@ async def test_013_partition_truncate_detached(mesh: MeshFactory) -> None:
         assert await fetch(b.dsn(), "SELECT a FROM tab1_2 ORDER BY a") == [(4,), (5,)]
 
 
-@pytest.mark.xfail(reason="the careful path matches a local row by ctid alone, which is not unique in a"
-                   " partitioned table (router/apply/careful.py _Local.where, read_row_sql): a conflict's"
-                   " write to the root also hits the rows at that ctid in the other partitions")
 async def test_013_partition_changes_from_the_other_node(mesh: MeshFactory) -> None:
     """Rows moved across partitions by the other node, onto a key deleted before."""
     m = await mesh(nodes=2, schema=PARTITIONED)
