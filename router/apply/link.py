@@ -50,7 +50,8 @@ SELECT n.nspname, c.relname,
        FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
        JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
      FROM pg_catalog.pg_index i
-     WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text
+     WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text,
+  c.relkind = 'p'
 FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
@@ -119,13 +120,13 @@ class LinkSession:
         """Read the target's tables and the columns DDL renamed or dropped there."""
         assert self.conn is not None
         tables = {}
-        for schema, name, columns_json, keys_json in await self.conn.fetch(_TABLES_QUERY):
+        for schema, name, columns_json, keys_json, partitioned in await self.conn.fetch(_TABLES_QUERY):
             types = {col: kind for col, kind in json.loads(columns_json or "[]")}
             keys = json.loads(keys_json or "[]")
             pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
             replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
             uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
-            table = TargetTable(schema, name, frozenset(types), types, pk, uniques)
+            table = TargetTable(schema, name, frozenset(types), types, pk, uniques, partitioned=partitioned)
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
             tables[(schema, name)] = table

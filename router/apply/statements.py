@@ -96,7 +96,9 @@ def quote_literal(value: str) -> str:
 class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
-    __slots__ = ("_fits", "columns", "name", "pk", "qualified", "tombstone_key", "types", "uniques")
+    __slots__ = (
+        "_fits", "columns", "name", "partitioned", "pk", "qualified", "tombstone_key", "types", "uniques",
+    )
 
     def __init__(
         self,
@@ -106,8 +108,11 @@ class TargetTable:
         types: Mapping[str, str] | None = None,
         pk: tuple[str, ...] = (),
         uniques: tuple[tuple[str, ...], ...] = (),
+        *,
+        partitioned: bool = False,
     ) -> None:
         self.name = f"{schema}.{name}"  # as pgmesh.tombstones and pgmesh.conflict_history name it
+        self.partitioned = partitioned  # a partitioned root: a ctid names a row only with its tableoid
         self.qualified = f"{quote_ident(schema)}.{quote_ident(name)}"
         self.columns = columns
         self.types = dict(types or {})
@@ -188,7 +193,12 @@ def _where(
     if kind == "O" and old is not None:
         # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
         match = identity_match(relation, old, full=True, alias=FULL_ALIAS)
-        return (
+        if table.partitioned:  # every partition has its own ctids: the row is (tableoid, ctid)
+            return (
+                f"({TABLE_ALIAS}.tableoid, {TABLE_ALIAS}.ctid) = (SELECT {FULL_ALIAS}.tableoid,"
+                f" {FULL_ALIAS}.ctid FROM {table.qualified} AS {FULL_ALIAS} WHERE {match} LIMIT 1)"
+            )
+        return (  # a plain table: ctid alone, which keeps the outer scan a TID scan
             f"{TABLE_ALIAS}.ctid = (SELECT {FULL_ALIAS}.ctid FROM {table.qualified} AS {FULL_ALIAS}"
             f" WHERE {match} LIMIT 1)"
         )

@@ -270,3 +270,34 @@ async def test_013_partition_truncate_cascade(mesh: MeshFactory) -> None:
         await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 7", [(1,)]), "marker on b")
         assert await same_rows(a, b, ROWS1, "tab1 equal") == [("tab1_1", 1, "x"), ("tab1_def", 7, "marker")]
         assert await same_rows(a, b, "SELECT * FROM ref", "ref equal") == []
+
+
+# A partitioned table without a key, matched by all its columns (REPLICA IDENTITY FULL): the first row
+# of each partition sits at the same ctid, (0,1).
+FULL_PARTITIONED = """
+CREATE TABLE pf (a int, b text) PARTITION BY RANGE (a);
+CREATE TABLE pf_1 PARTITION OF pf FOR VALUES FROM (0) TO (100);
+CREATE TABLE pf_2 PARTITION OF pf FOR VALUES FROM (100) TO (200);
+ALTER TABLE pf REPLICA IDENTITY FULL;
+ALTER TABLE pf_1 REPLICA IDENTITY FULL;
+ALTER TABLE pf_2 REPLICA IDENTITY FULL;
+"""
+ROWS_PF = "SELECT tableoid::regclass::text, a, b FROM pf ORDER BY a, b"
+
+
+async def test_013_partition_full_identity_touches_one_row(mesh: MeshFactory) -> None:
+    """An UPDATE / DELETE matched by all columns changes exactly one row, in its own partition."""
+    m = await mesh(nodes=2, schema=FULL_PARTITIONED)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        steps = [
+            (a, "INSERT INTO pf VALUES (1, 'one'), (101, 'one hundred one')"),
+            (a, "UPDATE pf SET b = 'changed' WHERE a = 1"),
+            (b, "UPDATE pf SET b = 'changed on b' WHERE a = 101"),
+            (a, "DELETE FROM pf WHERE a = 1"),
+        ]
+        for node, statement in steps:
+            await execute(node.dsn(), statement)
+            await same_rows(a, b, ROWS_PF, f"pf equal after {statement!r}")
+        assert await fetch(b.dsn(), ROWS_PF) == [("pf_2", 101, "changed on b")]
+        assert all(applier.last_error is None for applier in router.appliers.values())
