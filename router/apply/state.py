@@ -14,9 +14,11 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Final, overload
+from typing import Final
 
 import msgspec
+
+from router.stats import StatView
 
 __all__ = ["TRANSITIONS", "LinkCondition", "LinkState", "LinkStats", "LinkView"]
 
@@ -106,30 +108,6 @@ class LinkStats(msgspec.Struct):
     early_streams_dropped: int = 0  # of those, rolled back (then applied the normal way, or aborted)
 
 
-class _Stat:
-    """`owner.<name>`: the LinkStats field of that name, read-only (a write would hide the counter)."""
-
-    __slots__ = ("name",)
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, view: None, owner: type) -> _Stat: ...
-
-    @overload
-    def __get__(self, view: LinkView, owner: type | None = None) -> int: ...
-
-    def __get__(self, view: LinkView | None, owner: type | None = None) -> int | _Stat:
-        if view is None:
-            return self  # read on the class: the descriptor itself
-        value: int = getattr(view.stats, self.name)
-        return value
-
-    def __set__(self, view: LinkView, value: int) -> None:
-        raise AttributeError(f"{self.name} is counted in the link's stats (stats.{self.name})")
-
-
 class LinkView:
     """A link's state and counters, read on the applier: `applier.conflicts` is `applier.stats.conflicts`."""
 
@@ -148,20 +126,20 @@ class LinkView:
     def last_commit_time(self) -> int | None:
         return self.stats.last_commit_time
 
-    applied_transactions = _Stat()
-    applied_rows = _Stat()
-    retries = _Stat()
-    errors = _Stat()
-    skipped = _Stat()
-    conflicts = _Stat()
-    ddl_applied = _Stat()
-    copied_transactions = _Stat()
-    copied_rows = _Stat()
-    scripts_ahead = _Stat()
-    parallel_batches = _Stat()
-    parallel_transactions = _Stat()
-    early_transactions = _Stat()
-    abandoned_transactions = _Stat()
-    early_streams = _Stat()
-    early_streams_committed = _Stat()
-    early_streams_dropped = _Stat()
+    applied_transactions = StatView()
+    applied_rows = StatView()
+    retries = StatView()
+    errors = StatView()
+    skipped = StatView()
+    conflicts = StatView()
+    ddl_applied = StatView()
+    copied_transactions = StatView()
+    copied_rows = StatView()
+    scripts_ahead = StatView()
+    parallel_batches = StatView()
+    parallel_transactions = StatView()
+    early_transactions = StatView()
+    abandoned_transactions = StatView()
+    early_streams = StatView()
+    early_streams_committed = StatView()
+    early_streams_dropped = StatView()

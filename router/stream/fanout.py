@@ -24,11 +24,11 @@ from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.ddl.messages import has_ddl
 from router.progress import LinkProgress, SourceProgress
+from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
 from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
-from router.stream.state import StatView
 
 __all__ = ["SourcePump"]
 

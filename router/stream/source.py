@@ -46,11 +46,12 @@ from protocol.pgoutput import Decoder, raw_insert, raw_insert_run
 from protocol.replication import XLogData, parse_copy_data
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import ConnectionLost, SourceError
+from router.stats import StatView
 from router.stream.connection import ReplicationConnection
 from router.stream.items import EarlyStream, SourceOptions, SystemInfo
 from router.stream.slots import SlotCreated, SlotInfo, check_slot_name
 from router.stream.spool import Spool
-from router.stream.state import Lifecycle, SourceState, SourceStats, StatView
+from router.stream.state import Lifecycle, SourceState, SourceStats
 
 __all__ = ["ReplicationSource"]
 

@@ -4,7 +4,7 @@
 `TRANSITIONS` says, as data, which state may follow which; `Lifecycle` holds one source's state and last
 error and is the one place that changes them (`Lifecycle.to`: checks the move against the table, logs it
 once, records the error). `SourceStats` holds the counters of one source and of its fan-out, read whole
-by the supervisor and the metrics; `StatView` lets callers that want one counter read it off the owner.
+by the supervisor and the metrics (`router.stats.StatView` reads one counter off the owner).
 
 Must not: do I/O, decide when a state changes (the connection, the source and the supervisor do), or
 reset a counter (they only grow while the router runs).
@@ -15,13 +15,13 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Final, Protocol, overload
+from typing import Final
 
 import msgspec
 
 from router.errors import SourceError
 
-__all__ = ["TRANSITIONS", "Lifecycle", "SourceState", "SourceStats", "StatView"]
+__all__ = ["TRANSITIONS", "Lifecycle", "SourceState", "SourceStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,32 +115,3 @@ class SourceStats(msgspec.Struct, gc=False):
     # the fan-out (router.stream.fanout)
     transactions: int = 0  # transactions fanned out to the links
     echoes: int = 0  # transactions that carried a replication origin, so went nowhere
-
-
-class _HasStats(Protocol):
-    @property
-    def stats(self) -> SourceStats: ...
-
-
-class StatView:
-    """`owner.<name>` reads `owner.stats.<name>`: one counter, for callers that want just that one."""
-
-    __slots__ = ("name",)
-
-    def __init__(self) -> None:
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> StatView: ...
-
-    @overload
-    def __get__(self, obj: _HasStats, owner: type | None = None) -> int: ...
-
-    def __get__(self, obj: _HasStats | None, owner: type | None = None) -> int | StatView:
-        if obj is None:
-            return self  # on the class: the view itself
-        value: int = getattr(obj.stats, self.name)
-        return value
