@@ -1,6 +1,5 @@
-"""Scenarios of PostgreSQL's own subscription tests (src/test/subscription/t/*.pl), ported to a two-node
-pgmesh mesh with the router running (issue 17): the same tables and statements, run as a user would, with
-writes added on the other node where the original is one-way. Each test is named after the file it ports.
+"""PostgreSQL's 013_partition.pl ported to a two-node pgmesh mesh with the router running (issue 17):
+the same tables and statements, run as a user would, with writes added on the other node.
 """
 
 from __future__ import annotations
@@ -11,104 +10,7 @@ import psycopg
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
-
-# 003_constraints: a trigger function in PL/pgSQL, whose body holds BEGIN / END and, here, words that
-# look like transaction control in a string literal and in comments.
-FILTER_FN = """
-CREATE FUNCTION filter_basic_dml_fn() RETURNS TRIGGER AS $$
-BEGIN
-  -- a comment; COMMIT; ROLLBACK
-  IF (TG_OP = 'INSERT') THEN
-    IF (NEW.id < 10) THEN
-      RETURN NEW;  /* ; end; begin */
-    ELSE
-      RAISE WARNING 'filtered: %; commit; begin', NEW.id;
-      RETURN NULL;
-    END IF;
-  ELSIF (TG_OP = 'UPDATE') THEN
-    NEW.junk := 'updated';
-    RETURN NEW;
-  END IF;
-  RETURN NULL;
-END;
-$$ LANGUAGE plpgsql
-"""
-
-QUOTED_FNS = [
-    # a body in a single-quoted literal, '' inside it, a comment between the statements' words
-    "CREATE FUNCTION said() RETURNS text LANGUAGE sql AS 'SELECT ''a; begin; end; commit''' /* ; abort */",
-    # a tagged dollar quote holding $$ and an unmatched quote
-    "CREATE FUNCTION tagged() RETURNS text LANGUAGE sql AS $f$ SELECT $$it's; rollback$$::text $f$",
-    # an SQL-standard body: its BEGIN ATOMIC ... END is not transaction control
-    "CREATE FUNCTION atomic_inc(i int) RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT i + 1; END",
-    # a quoted identifier with a semicolon and a keyword in it
-    'CREATE TABLE "odd; commit" (id int PRIMARY KEY, "end" text)',
-]
-
-
-async def same_rows(a: Any, b: Any, query: str, what: str) -> list[tuple[Any, ...]]:
-    """Wait until `query` returns the same rows on both nodes; those rows."""
-    async def check() -> bool:
-        return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
-
-    await wait_for(check, what, 60)
-    return await fetch(a.dsn(), query)
-
-
-async def test_003_constraints(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=2, schema="CREATE TABLE tab_fk_ref (id int PRIMARY KEY, junk text, bid int);")
-    a, b = m.nodes
-    async with running_router(m.config) as router:
-        await execute(a.dsn(), FILTER_FN)
-        await execute(
-            a.dsn(),
-            "CREATE TRIGGER filter_basic_dml_trg BEFORE INSERT OR UPDATE ON tab_fk_ref"
-            " FOR EACH ROW EXECUTE FUNCTION filter_basic_dml_fn()",
-        )
-        for fn in QUOTED_FNS:
-            await execute(a.dsn(), fn)
-        await execute(a.dsn(), "DO $$ BEGIN EXECUTE 'CREATE TABLE do_made (id int PRIMARY KEY)'; END $$")
-        definition = "SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE proname = %s"
-        for name in ("filter_basic_dml_fn", "said", "tagged", "atomic_inc"):
-            rows = await same_rows(a, b, definition.replace("%s", f"'{name}'"), f"function {name} on b")
-            assert len(rows) == 1, (name, rows)
-        for table in ("do_made", '"odd; commit"'):
-            exists = f"SELECT to_regclass('{table}') IS NOT NULL"
-            assert await same_rows(a, b, exists, f"table {table} on b") == [(True,)]
-        trigger = "SELECT tgname, tgenabled FROM pg_trigger WHERE tgname = 'filter_basic_dml_trg'"
-        assert await same_rows(a, b, trigger, "the trigger on b") == [("filter_basic_dml_trg", "O")]
-        # the trigger works on both nodes: ids >= 10 are filtered where they are inserted
-        await execute(a.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (1, 1), (11, 11), (2, 2)")
-        await execute(b.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (3, 3), (12, 12)")
-        await execute(b.dsn(), "UPDATE tab_fk_ref SET bid = 4 WHERE id = 1")
-        await wait_converged(m.nodes, ["tab_fk_ref"])
-        rows = await fetch(b.dsn(), "SELECT id, junk, bid FROM tab_fk_ref ORDER BY id")
-        assert rows == [(1, "updated", 4), (2, None, 2), (3, None, 3)], rows
-        for node in m.nodes:
-            assert await fetch(node.dsn(), "SELECT atomic_inc(1), said(), tagged()") == [
-                (2, "a; begin; end; commit", "it's; rollback")
-            ]
-        assert all(applier.last_error is None for applier in router.appliers.values())
-    # transaction control at the top level of a query string is still refused, also after a comment
-    async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
-        for text in (
-            b"CREATE TABLE u1 (id int PRIMARY KEY); COMMIT",
-            b"/* x; */ begin; CREATE TABLE u2 (id int PRIMARY KEY); end",
-            b"CREATE TABLE u3 (id int PRIMARY KEY); -- ;\n SAVEPOINT s",
-            b"START TRANSACTION; CREATE FUNCTION g() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END;"
-            b" COMMIT",
-        ):
-            result = conn.pgconn.exec_(text)
-            assert b"transaction control is not replicated" in (result.error_message or b""), text
-            conn.pgconn.exec_(b"ROLLBACK")  # a BEGIN before the refused command opened a transaction
-        for name in ("u1", "u2", "u3", "g"):
-            found = await fetch(a.dsn(), f"SELECT to_regclass('{name}'), to_regproc('{name}')")
-            assert found == [(None, None)], name
-
-
-async def _has(dsn: str, query: str, expected: Any) -> bool:
-    return await fetch(dsn, query) == expected
-
+from tests.integration.ports.common import has, same_rows
 
 PARTITIONED = """
 CREATE TABLE tab1 (a int PRIMARY KEY, b text) PARTITION BY LIST (a);
@@ -154,7 +56,7 @@ async def test_013_partition(mesh: MeshFactory) -> None:
         # one partition truncated on a: only it, also on b
         await execute(a.dsn(), "TRUNCATE tab1_2")
         await execute(a.dsn(), "INSERT INTO tab1 VALUES (40, 'marker')")  # applied after the TRUNCATE
-        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 40", [(1,)]), "marker on b")
+        await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 40", [(1,)]), "marker on b")
         rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1_2")
         assert rows == [
             ("tab1_1", 3, "moved"), ("tab1_def", 10, "r"), ("tab1_def", 30, "r"), ("tab1_def", 40, "marker"),
@@ -166,7 +68,7 @@ async def test_013_partition(mesh: MeshFactory) -> None:
             await conn.execute("TRUNCATE tab1_def")
             await conn.execute("INSERT INTO tab1 VALUES (50, 'after')")
             await conn.commit()
-        await wait_for(lambda: _has(a.dsn(), "SELECT count(*) FROM tab1 WHERE a = 50", [(1,)]), "row 50 on a")
+        await wait_for(lambda: has(a.dsn(), "SELECT count(*) FROM tab1 WHERE a = 50", [(1,)]), "row 50 on a")
         rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1_def on b")
         assert rows == [
             ("tab1_1", 1, "in txn"), ("tab1_1", 3, "moved"), ("tab1_2", 4, "again"), ("tab1_2", 5, "again"),
@@ -176,7 +78,7 @@ async def test_013_partition(mesh: MeshFactory) -> None:
         before = _ddl_applied(router)
         await execute(a.dsn(), "TRUNCATE tab1")
         await execute(a.dsn(), "INSERT INTO tab1 VALUES (60, 'after root')")
-        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 60", [(1,)]), "row 60 on b")
+        await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 60", [(1,)]), "row 60 on b")
         rows = await same_rows(a, b, ROWS1, "tab1 equal after TRUNCATE tab1")
         assert rows == [("tab1_def", 60, "after root")], rows
         assert _ddl_applied(router) == before
@@ -198,7 +100,7 @@ async def test_013_partition(mesh: MeshFactory) -> None:
         await same_rows(a, b, ROWS2, "tab2 equal after inserts")
         await execute(b.dsn(), "TRUNCATE tab2_2y")
         await execute(b.dsn(), "INSERT INTO tab2 VALUES (3, 'marker')")
-        await wait_for(lambda: _has(a.dsn(), "SELECT count(*) FROM tab2 WHERE a = 3", [(1,)]), "marker on a")
+        await wait_for(lambda: has(a.dsn(), "SELECT count(*) FROM tab2 WHERE a = 3", [(1,)]), "marker on a")
         rows = await same_rows(a, b, ROWS2, "tab2 equal after TRUNCATE tab2_2y")
         assert rows == [
             ("tab2_1", 1, "x"), ("tab2_1", 2, "y"), ("tab2_1", 3, "marker"), ("tab2_2x", 11, "x"),
@@ -206,7 +108,7 @@ async def test_013_partition(mesh: MeshFactory) -> None:
         ], rows
         await execute(a.dsn(), "TRUNCATE tab2_2")  # a partition that is itself partitioned
         await execute(a.dsn(), "INSERT INTO tab2 VALUES (4, 'marker')")
-        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab2 WHERE a = 4", [(1,)]), "row 4 on b")
+        await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM tab2 WHERE a = 4", [(1,)]), "row 4 on b")
         rows = await same_rows(a, b, ROWS2, "tab2 equal after TRUNCATE tab2_2")
         assert [r[1] for r in rows] == [1, 2, 3, 4], rows
         await wait_converged(m.nodes, ["tab1", "tab2"])
@@ -225,7 +127,7 @@ async def test_013_partition_truncate_detached(mesh: MeshFactory) -> None:
                         "the detach on b")
         await execute(a.dsn(), "TRUNCATE tab1_2")
         await execute(a.dsn(), "INSERT INTO other VALUES (1)")
-        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM other", [(1,)]), "marker on b")
+        await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM other", [(1,)]), "marker on b")
         assert await fetch(b.dsn(), "SELECT a FROM tab1_2 ORDER BY a") == [(4,), (5,)]
 
 
@@ -267,7 +169,7 @@ async def test_013_partition_truncate_cascade(mesh: MeshFactory) -> None:
         await same_rows(a, b, "SELECT * FROM ref ORDER BY id", "ref on a")
         await execute(a.dsn(), "TRUNCATE tab1_2 CASCADE")
         await execute(a.dsn(), "INSERT INTO tab1 VALUES (7, 'marker')")
-        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 7", [(1,)]), "marker on b")
+        await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM tab1 WHERE a = 7", [(1,)]), "marker on b")
         assert await same_rows(a, b, ROWS1, "tab1 equal") == [("tab1_1", 1, "x"), ("tab1_def", 7, "marker")]
         assert await same_rows(a, b, "SELECT * FROM ref", "ref equal") == []
 

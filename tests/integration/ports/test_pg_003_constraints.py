@@ -1,0 +1,95 @@
+"""PostgreSQL's 003_constraints.pl ported to a two-node pgmesh mesh with the router running (issue 17):
+the same tables and statements, run as a user would, with writes added on the other node.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from router.testing.mesh import execute, fetch, running_router, wait_converged
+from tests.fix_mesh import MeshFactory
+from tests.integration.ports.common import same_rows
+
+# 003_constraints: a trigger function in PL/pgSQL, whose body holds BEGIN / END and, here, words that
+# look like transaction control in a string literal and in comments.
+FILTER_FN = """
+CREATE FUNCTION filter_basic_dml_fn() RETURNS TRIGGER AS $$
+BEGIN
+  -- a comment; COMMIT; ROLLBACK
+  IF (TG_OP = 'INSERT') THEN
+    IF (NEW.id < 10) THEN
+      RETURN NEW;  /* ; end; begin */
+    ELSE
+      RAISE WARNING 'filtered: %; commit; begin', NEW.id;
+      RETURN NULL;
+    END IF;
+  ELSIF (TG_OP = 'UPDATE') THEN
+    NEW.junk := 'updated';
+    RETURN NEW;
+  END IF;
+  RETURN NULL;
+END;
+$$ LANGUAGE plpgsql
+"""
+
+QUOTED_FNS = [
+    # a body in a single-quoted literal, '' inside it, a comment between the statements' words
+    "CREATE FUNCTION said() RETURNS text LANGUAGE sql AS 'SELECT ''a; begin; end; commit''' /* ; abort */",
+    # a tagged dollar quote holding $$ and an unmatched quote
+    "CREATE FUNCTION tagged() RETURNS text LANGUAGE sql AS $f$ SELECT $$it's; rollback$$::text $f$",
+    # an SQL-standard body: its BEGIN ATOMIC ... END is not transaction control
+    "CREATE FUNCTION atomic_inc(i int) RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT i + 1; END",
+    # a quoted identifier with a semicolon and a keyword in it
+    'CREATE TABLE "odd; commit" (id int PRIMARY KEY, "end" text)',
+]
+
+
+async def test_003_constraints(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE tab_fk_ref (id int PRIMARY KEY, junk text, bid int);")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), FILTER_FN)
+        await execute(
+            a.dsn(),
+            "CREATE TRIGGER filter_basic_dml_trg BEFORE INSERT OR UPDATE ON tab_fk_ref"
+            " FOR EACH ROW EXECUTE FUNCTION filter_basic_dml_fn()",
+        )
+        for fn in QUOTED_FNS:
+            await execute(a.dsn(), fn)
+        await execute(a.dsn(), "DO $$ BEGIN EXECUTE 'CREATE TABLE do_made (id int PRIMARY KEY)'; END $$")
+        definition = "SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE proname = %s"
+        for name in ("filter_basic_dml_fn", "said", "tagged", "atomic_inc"):
+            rows = await same_rows(a, b, definition.replace("%s", f"'{name}'"), f"function {name} on b")
+            assert len(rows) == 1, (name, rows)
+        for table in ("do_made", '"odd; commit"'):
+            exists = f"SELECT to_regclass('{table}') IS NOT NULL"
+            assert await same_rows(a, b, exists, f"table {table} on b") == [(True,)]
+        trigger = "SELECT tgname, tgenabled FROM pg_trigger WHERE tgname = 'filter_basic_dml_trg'"
+        assert await same_rows(a, b, trigger, "the trigger on b") == [("filter_basic_dml_trg", "O")]
+        # the trigger works on both nodes: ids >= 10 are filtered where they are inserted
+        await execute(a.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (1, 1), (11, 11), (2, 2)")
+        await execute(b.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (3, 3), (12, 12)")
+        await execute(b.dsn(), "UPDATE tab_fk_ref SET bid = 4 WHERE id = 1")
+        await wait_converged(m.nodes, ["tab_fk_ref"])
+        rows = await fetch(b.dsn(), "SELECT id, junk, bid FROM tab_fk_ref ORDER BY id")
+        assert rows == [(1, "updated", 4), (2, None, 2), (3, None, 3)], rows
+        for node in m.nodes:
+            assert await fetch(node.dsn(), "SELECT atomic_inc(1), said(), tagged()") == [
+                (2, "a; begin; end; commit", "it's; rollback")
+            ]
+        assert all(applier.last_error is None for applier in router.appliers.values())
+    # transaction control at the top level of a query string is still refused, also after a comment
+    async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+        for text in (
+            b"CREATE TABLE u1 (id int PRIMARY KEY); COMMIT",
+            b"/* x; */ begin; CREATE TABLE u2 (id int PRIMARY KEY); end",
+            b"CREATE TABLE u3 (id int PRIMARY KEY); -- ;\n SAVEPOINT s",
+            b"START TRANSACTION; CREATE FUNCTION g() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END;"
+            b" COMMIT",
+        ):
+            result = conn.pgconn.exec_(text)
+            assert b"transaction control is not replicated" in (result.error_message or b""), text
+            conn.pgconn.exec_(b"ROLLBACK")  # a BEGIN before the refused command opened a transaction
+        for name in ("u1", "u2", "u3", "g"):
+            found = await fetch(a.dsn(), f"SELECT to_regclass('{name}'), to_regproc('{name}')")
+            assert found == [(None, None)], name
