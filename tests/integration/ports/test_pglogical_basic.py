@@ -44,7 +44,7 @@ async def test_basic(mesh: MeshFactory) -> None:
         await execute(b.dsn(), "ALTER TABLE public.basic_dml ADD COLUMN subonly integer",
                       "ALTER TABLE public.basic_dml ADD COLUMN subonly_def integer DEFAULT 99")
         columns = ("SELECT count(*) FROM pg_attribute"
-                   " WHERE attrelid = 'basic_dml'::regclass AND attname LIKE 'sub%'")
+                   " WHERE attrelid = to_regclass('basic_dml') AND attname LIKE 'sub%'")
         await wait_for(lambda: has(a.dsn(), columns, [(2,)]), "b's new columns on a")
 
         # basic insert replication
