@@ -3,10 +3,11 @@
 Owns reading each node once (settings, role, slots and WAL senders in use, the candidate tables with
 their columns, key and replica identity) and the checks, pure functions of what was read: server
 version, the settings logical replication and commit timestamps need, free slots and WAL senders, the
-role's privileges, and that every replicated table exists on every node with the same columns and a
-key, and that tables with delta columns can have them. The report (`InitReport`) renders one block per
-node, one line per check, and what to do under each problem. Also the admin connection `pgmesh init`
-uses (`connect`), shared with `router.cluster.install`.
+role's privileges, and that every replicated table exists on every node with the same columns, a key,
+and the same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`:
+compared by shape, never by name), and that tables with delta columns can have them. The report
+(`InitReport`) renders one block per node, one line per check, and what to do under each problem.
+Also the admin connection `pgmesh init` uses (`connect`), shared with `router.cluster.install`.
 
 Must not: write anything to a node (installing is `router.cluster.install`'s), stream or apply
 changes, decide retry policy (that is `router.errors.decide`), or ever put a DSN or a password into a
@@ -25,6 +26,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
 from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.errors import PgmeshError, describe
 
@@ -132,6 +134,7 @@ class TableFacts(msgspec.Struct, frozen=True):
     replident: str
     has_pk: bool
     columns: dict[str, str]
+    keys: TableKeys = TableKeys()
 
 
 class NodeFacts(msgspec.Struct, frozen=True):
@@ -184,7 +187,8 @@ async def _table_facts(conn: Conn) -> dict[TableName, TableFacts]:
             facts = found[(schema, table)] = TableFacts(persistence, replident, has_pk, {})
         if column is not None:
             facts.columns[column] = type_
-    return found
+    keys = await read_keys(conn, sorted(SYSTEM_SCHEMAS))
+    return {t: msgspec.structs.replace(f, keys=keys.get(t, TableKeys())) for t, f in found.items()}
 
 
 async def replicated_tables(conn: Conn, config: Config) -> list[TableName]:
@@ -359,12 +363,20 @@ def _column_diff(mine: Mapping[str, str], theirs: Mapping[str, str], other: str)
     return out
 
 
+_KEYS_HINT: Final = (
+    "make the keys alike on every node, or rows one node accepts another refuses or matches differently"
+    " (index names may differ; columns, expressions, WHERE, NULLS NOT DISTINCT, DEFERRABLE may not)"
+)
+
+
 def _key_problem(facts: TableFacts) -> str | None:
     """Why rows of the table cannot be identified on the other nodes, or None when they can."""
     if facts.replident == "n":
         return "has REPLICA IDENTITY NOTHING: its updates and deletes cannot be replicated"
     if facts.replident == "d" and not facts.has_pk:
         return "has no primary key and no REPLICA IDENTITY FULL: its rows cannot be matched on other nodes"
+    if facts.replident == "i" and facts.keys.identity == IDENTITY_GONE:
+        return "has REPLICA IDENTITY USING INDEX, but that index is gone: its rows cannot be matched"
     return None
 
 
@@ -380,17 +392,22 @@ def _table_problems(name: str, table: TableName, facts: Mapping[str, NodeFacts])
             Check(name, "table", False, f"missing here (exists on node {', '.join(holders)})", qualified, fix)
         ]
     found: list[tuple[str, str]] = []  # (what is wrong, what to do)
+    checks: list[Check] = []
     if holders[0] != name:
-        diff = _column_diff(mine.columns, facts[holders[0]].tables[table].columns, holders[0])
+        first = facts[holders[0]].tables[table]
+        diff = _column_diff(mine.columns, first.columns, holders[0])
         if diff:
             found.append(("; ".join(diff), "make the column names and types the same on every node"))
+        diff = key_diff(mine.keys, first.keys, holders[0])
+        if diff:
+            checks.append(Check(name, "keys", False, "; ".join(diff), qualified, _KEYS_HINT))
     if mine.persistence == "u":
         fix = f"ALTER TABLE {_sql_name(table)} SET LOGGED, or {exclude}"
         found.append(("is UNLOGGED: unlogged tables cannot be published", fix))
     problem = _key_problem(mine)
     if problem:
         found.append((problem, f"add a primary key, or ALTER TABLE {_sql_name(table)} REPLICA IDENTITY FULL"))
-    return [Check(name, "table", False, detail, qualified, hint) for detail, hint in found]
+    return [Check(name, "table", False, detail, qualified, hint) for detail, hint in found] + checks
 
 
 def _table_checks(facts: Mapping[str, NodeFacts]) -> list[Check]:
@@ -400,7 +417,7 @@ def _table_checks(facts: Mapping[str, NodeFacts]) -> list[Check]:
     for name in facts:
         problems = [p for table in wanted for p in _table_problems(name, table, facts)]
         if not problems:
-            detail = f"{len(wanted)} replicated tables, alike on every node, each with a key"
+            detail = f"{len(wanted)} replicated tables, alike on every node (columns, keys), each with a key"
             if not wanted:
                 detail = "no replicated tables yet (the publication starts empty)"
             problems = [Check(name, "tables", True, detail)]

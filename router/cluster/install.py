@@ -5,7 +5,11 @@ publication, the logical slot, one replication origin per other node, and (throu
 `router.conflicts.catalog`, `router.ddl.capture` and `router.sequences.ids`) the conflict history,
 tombstones, their trigger, the applier's guards, the DDL capture, node ids and the snowflake
 functions. `install` runs only on a report of `router.cluster.checks` that passed; `init_cluster` is
-both. Installing is idempotent; `uninstall` removes all of it from one node.
+both. Installing is idempotent and all or nothing across the nodes: the catalog objects are staged on
+every node in transactions committed together, then the slots are created, then node ids; a failure
+anywhere removes exactly what this install created, on every node (never what was there before), so no
+node is left half installed and no slot holds WAL for nothing. `uninstall` removes all of it from one
+node.
 
 Must not: check whether a node can take part (that is `router.cluster.checks`), stream or apply
 changes, decide retry policy (that is `router.errors.decide`), create or alter user tables (beyond the
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import psycopg
@@ -144,54 +148,220 @@ async def _ensure_origins(conn: Conn, config: Config, me: str) -> list[str]:
     return [f"created replication origins {', '.join(missing)}"] if missing else []
 
 
-async def _install_node(config: Config, node: NodeConfig, tables: Sequence[TableName]) -> list[str]:
-    try:
-        async with await connect(node) as conn:
-            async with conn.transaction():
-                await conn.execute("SET LOCAL pgmesh.ddl_local = on")  # pgmesh's own DDL is not replicated
-                done = await _ensure_schema(conn)
-                done += await _ensure_links(conn, config, node.name)
-                done += await _ensure_publication(conn, config, tables)
-                done += await install_conflict_catalog(conn, tables)
-                done += await install_ddl_capture(conn, config, tables)
-            # A logical slot cannot be created in a transaction that has written anything.
-            done += await _ensure_slot(conn, config, node.name)
-            done += await _ensure_origins(conn, config, node.name)
-    except psycopg.Error as exc:
-        raise PgmeshError(f"install failed: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-    except PgmeshError as exc:
-        raise exc.at(node=node.name) from None
-    if done:
-        return [f"node {node.name}: {line}" for line in done]
+class _Created:
+    """What this install created on one node, so that a failure anywhere can remove exactly that again.
+
+    Objects that were there before (an earlier init, another tool's slot) are never recorded, so never
+    removed: undoing a second init leaves the first one's installation as it was."""
+
+    __slots__ = ("committed", "event_triggers", "origins", "publication", "schema", "slot")
+
+    def __init__(self) -> None:
+        self.committed = False  # the catalog transaction committed (else rolling back undid it)
+        self.schema = False
+        self.publication = False
+        self.event_triggers: list[str] = []
+        self.origins: list[str] = []
+        self.slot = False
+
+    @property
+    def anything(self) -> bool:
+        return self.slot or (self.committed and bool(
+            self.schema or self.publication or self.event_triggers or self.origins
+        ))
+
+
+async def _pgmesh_objects(conn: Conn, config: Config) -> tuple[bool, bool, set[str], set[str]]:
+    """(schema, publication, event triggers, origins) of pgmesh's on the node right now."""
+    cur = await conn.execute(
+        "SELECT to_regnamespace(%s) IS NOT NULL,"
+        " EXISTS (SELECT 1 FROM pg_publication WHERE pubname = %s),"
+        " ARRAY(SELECT evtname FROM pg_event_trigger WHERE evtname LIKE 'pgmesh\\_%%'),"
+        " ARRAY(SELECT roname FROM pg_replication_origin WHERE roname LIKE %s)",
+        [PGMESH_SCHEMA, config.publication_name, f"{config.slot_name}\\_%"],
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return bool(row[0]), bool(row[1]), set(row[2]), set(row[3])
+
+
+async def _stage_node(
+    conn: Conn, config: Config, node: str, tables: Sequence[TableName], created: _Created
+) -> list[str]:
+    """Everything but the slot, in one transaction left open: the caller commits it on every node once
+    every node got this far, or rolls it back everywhere."""
+    await conn.execute("BEGIN")
+    await conn.execute("SET LOCAL pgmesh.ddl_local = on")  # pgmesh's own DDL is not replicated
+    schema, publication, triggers, origins = await _pgmesh_objects(conn, config)
+    done = await _ensure_schema(conn)
+    done += await _ensure_links(conn, config, node)
+    done += await _ensure_publication(conn, config, tables)
+    done += await install_conflict_catalog(conn, tables)
+    done += await install_ddl_capture(conn, config, tables)
+    done += await _ensure_origins(conn, config, node)  # origins are transactional: they commit with the rest
+    now = await _pgmesh_objects(conn, config)
+    created.schema, created.publication = now[0] and not schema, now[1] and not publication
+    created.event_triggers, created.origins = sorted(now[2] - triggers), sorted(now[3] - origins)
+    return done
+
+
+def _failed(node: str, exc: BaseException) -> PgmeshError:
+    if isinstance(exc, PgmeshError):
+        return exc.at(node=node)
+    sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
+    return PgmeshError(f"install failed: {describe(exc)}", node=node, sqlstate=sqlstate)
+
+
+async def _each(
+    conns: Mapping[str, Conn], step: Callable[[str, Conn], Awaitable[list[str]]]
+) -> dict[str, list[str]]:
+    """`step` on every node at once; the first node's failure (in config order) is raised, the other
+    nodes having finished (or failed) theirs."""
+    names = list(conns)
+    results = await asyncio.gather(*(step(n, conns[n]) for n in names), return_exceptions=True)
+    for name, result in zip(names, results, strict=True):
+        if isinstance(result, BaseException):
+            raise _failed(name, result) from None
+    return {n: r for n, r in zip(names, results, strict=True) if not isinstance(r, BaseException)}
+
+
+async def _install_nodes(
+    config: Config, tables: Sequence[TableName], conns: Mapping[str, Conn], created: Mapping[str, _Created]
+) -> list[str]:
+    """Stage every node, commit them all, then create the slots (a logical slot cannot be created in a
+    transaction that wrote, and must not predate the publication its changes are decoded with)."""
+    staged = await _each(conns, lambda n, c: _stage_node(c, config, n, tables, created[n]))
+    for name, conn in conns.items():
+        try:
+            await conn.execute("COMMIT")
+        except psycopg.Error as exc:
+            raise _failed(name, exc) from None
+        created[name].committed = True
+
+    async def slot(name: str, conn: Conn) -> list[str]:
+        done = await _ensure_slot(conn, config, name)
+        created[name].slot = bool(done)
+        return done
+
+    slots = await _each(conns, slot)
+    lines: list[str] = []
+    for name in conns:
+        done = staged[name] + slots[name]
+        lines += [f"node {name}: {line}" for line in done] or [_unchanged(config, name, tables)]
+    return lines
+
+
+def _unchanged(config: Config, node: str, tables: Sequence[TableName]) -> str:
     others = len(config.nodes) - 1
-    return [
-        f"node {node.name}: already installed, nothing changed (schema {PGMESH_SCHEMA}, {others} links,"
+    return (
+        f"node {node}: already installed, nothing changed (schema {PGMESH_SCHEMA}, {others} links,"
         f" publication {config.publication_name} with {len(tables)} tables, slot {config.slot_name},"
         f" {others} origins, conflict history, tombstone triggers on {len(tables)} tables)"
-    ]
+    )
+
+
+async def _connect_all(config: Config) -> dict[str, Conn]:
+    """A connection to every node, or none at all: the nodes that refused are named together."""
+    results = await asyncio.gather(*(connect(n) for n in config.nodes), return_exceptions=True)
+    pairs = list(zip(config.node_names, results, strict=True))
+    conns = {name: r for name, r in pairs if isinstance(r, psycopg.AsyncConnection)}
+    failed = [(name, r) for name, r in pairs if isinstance(r, BaseException)]
+    if failed:
+        for conn in conns.values():
+            await conn.close()
+        why = "; ".join(f"node {name}: {describe(exc)}" for name, exc in failed)
+        raise PgmeshError(
+            f"install not started, nothing was changed on any node: cannot connect ({why})",
+            hint="make every node reachable with the dsn of the config, then run init again",
+        )
+    return conns
+
+
+async def _undo_node(config: Config, node: NodeConfig, created: _Created) -> list[str]:
+    """Remove what this install created on one node, in a new session (the old one may be broken)."""
+    done: list[str] = []
+    async with await connect(node) as conn:
+        if created.slot:
+            await conn.execute("SELECT pg_drop_replication_slot(%s)", [config.slot_name])
+            done.append(f"dropped slot {config.slot_name}")
+        if not created.committed:
+            return done
+        async with conn.transaction():
+            await conn.execute("SET LOCAL pgmesh.ddl_local = on")
+            for trigger in created.event_triggers:
+                await conn.execute(sql.SQL("DROP EVENT TRIGGER IF EXISTS {}").format(sql.Identifier(trigger)))
+            for origin in created.origins:
+                await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
+            if created.publication:
+                pub = sql.Identifier(config.publication_name)
+                await conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(pub))
+            if created.schema:  # with it go the tombstone and TRUNCATE triggers on the user tables
+                await conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(PGMESH_SCHEMA))
+                )
+        done += [f"dropped {what}" for what, made in (
+            (f"event triggers {', '.join(created.event_triggers)}", created.event_triggers),
+            (f"replication origins {', '.join(created.origins)}", created.origins),
+            (f"publication {config.publication_name}", created.publication),
+            (f"schema {PGMESH_SCHEMA}", created.schema),
+        ) if made]
+    return done
+
+
+async def _undo(config: Config, created: Mapping[str, _Created], cause: PgmeshError) -> PgmeshError:
+    """Remove what this install created on every node; the error to raise says what is left, if any."""
+    undone: list[str] = []
+    left: list[str] = []
+    for node in config.nodes:
+        if node.name not in created or not created[node.name].anything:
+            continue
+        try:
+            lines = await _undo_node(config, node, created[node.name])
+        except (psycopg.Error, OSError, PgmeshError) as exc:
+            left.append(f"node {node.name} ({describe(exc)})")
+            continue
+        undone.append(node.name)
+        for line in lines:
+            logger.info("node %s: install undone: %s", node.name, line)
+    what = f"; what it had created on node {', '.join(undone)} was removed" if undone else ""
+    if not left:
+        return PgmeshError(
+            f"install failed, no node was changed{what}: {cause}",
+            hint=cause.hint or "fix the cause, then run init again",
+        )
+    return PgmeshError(
+        f"install failed{what}, but pgmesh's objects are left on {', '.join(left)}: {cause}",
+        hint=f"fix the cause and run init again; or remove them there (pgmesh part NODE --clean)"
+        f" and the slot {config.slot_name} with it",
+    )
 
 
 async def install(config: Config, report: InitReport) -> list[str]:
-    """Install pgmesh's objects on every node (idempotent); returns one line per thing done."""
+    """Install pgmesh's objects on every node (idempotent); returns one line per thing done.
+
+    All or nothing: a failure on any node (a refused connection, a statement the node rejects, a slot
+    that cannot be created) leaves every node as it was before, pgmesh's earlier objects included; the
+    error names the node and what failed.
+    """
     if not report.ok:
         raise ConfigError("refusing to install: the nodes are not ready\n" + report.render())
-    results = await asyncio.gather(
-        *(_install_node(config, node, report.tables) for node in config.nodes), return_exceptions=True
-    )
-    lines: list[str] = []
-    failures: list[str] = []
-    for result in results:
-        if isinstance(result, Exception):
-            failures.append(describe(result))
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            lines.extend(result)
-    if failures:
-        raise PgmeshError("install did not finish: " + "; ".join(failures))
-    from router.sequences.ids import install_sequences  # node ids and snowflake functions, once all are in
+    conns = await _connect_all(config)
+    created = {name: _Created() for name in conns}
+    try:
+        try:
+            lines = await _install_nodes(config, report.tables, conns, created)
+        finally:
+            for conn in conns.values():
+                await conn.close()  # a transaction still open (another node failed) is rolled back
+        from router.sequences.ids import install_sequences  # node ids and snowflake functions
 
-    lines += await install_sequences(config)
+        lines += await install_sequences(config)
+    except (PgmeshError, psycopg.Error, OSError) as exc:
+        cause = exc if isinstance(exc, PgmeshError) else PgmeshError(f"install failed: {describe(exc)}")
+        raise await _undo(config, created, cause) from None
+    except BaseException:  # cancelled: still remove what was created, then go
+        await asyncio.shield(_undo(config, created, PgmeshError("install was interrupted")))
+        raise
     for line in lines:
         logger.info("%s", line)
     return lines
