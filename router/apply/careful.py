@@ -45,6 +45,7 @@ from router.apply.statements import (
     table_lock,
     target_table,
     truncate_statement,
+    typed,
 )
 from router.config import Config
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
@@ -99,10 +100,15 @@ def read_tombstone_sql(key_sql: str) -> str:
     )
 
 
-def row_where(values: Mapping[str, Any], columns: tuple[str, ...]) -> str:
-    """`columns` of TABLE_ALIAS equal to (or, for None, NULL as) `values`."""
+def row_where(
+    values: Mapping[str, Any], columns: tuple[str, ...], types: Mapping[str, str] | None = None
+) -> str:
+    """`columns` of TABLE_ALIAS equal to (or, for None, NULL as) `values`, cast to `types` (the target's
+    column types by name: an untyped literal compared with a composite would be read as a record)."""
+    kinds = types or {}
     return " AND ".join(
-        f"{T}.{quote_ident(k)} {'IS NULL' if values.get(k) is None else '= ' + _lit(values[k])}"
+        f"{T}.{quote_ident(k)} "
+        f"{'IS NULL' if values.get(k) is None else '= ' + typed(_lit(values[k]), kinds.get(k))}"
         for k in columns
     )
 
@@ -297,8 +303,8 @@ class CarefulApplier:
         if table.pk:
             values = _row(relation, data)
             if all(values.get(k) is not None for k in table.pk):
-                return await self._local(conn, table, row_where(values, table.pk))
-        return await self._local(conn, table, identity_match(relation, data, full=True))
+                return await self._local(conn, table, row_where(values, table.pk, table.types))
+        return await self._local(conn, table, identity_match(relation, data, full=True, types=table.types))
 
     def _key_sql(self, table: TargetTable, values: Row) -> str:
         parts = [f"({_lit(values.get(k))}::{table.types.get(k, 'text')})::text" for k in table.tombstone_key]
@@ -422,7 +428,7 @@ class CarefulApplier:
         for unique in table.uniques:
             if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
                 continue
-            where = row_where(new, unique)
+            where = row_where(new, unique, table.types)
             other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
             if other is None:
                 continue

@@ -58,6 +58,7 @@ __all__ = [
     "table_lock",
     "target_table",
     "truncate_statement",
+    "typed",
     "update_statement",
     "xact_setup_sql",
 ]
@@ -66,8 +67,16 @@ __all__ = [
 # worker applies them); harmless for tables without identity columns.
 _OVERRIDING: Final = "OVERRIDING SYSTEM VALUE"
 
-# Types without a btree equality operator: compared through their text form in identity matches.
-_NO_EQUALITY: Final = frozenset({114, 142, 600, 601, 602, 603, 604, 628, 718})  # json xml point lseg ...
+# Built-in types (and their arrays) without an equality operator, or whose `=` is not sameness (box,
+# circle, lseg... compare areas or lengths): compared through their text form in whole-row matches.
+_NO_EQUALITY: Final = frozenset({
+    114, 199, 142, 143,  # json, xml
+    600, 1017, 601, 1018, 602, 1019, 603, 1020, 604, 1027, 628, 629, 718, 719,  # geometric types
+    1790, 2201, 2970, 2949, 4072, 4073, 5038, 5039,  # refcursor, txid_snapshot, jsonpath, pg_snapshot
+})
+# Types made by users (enums, composites, ranges, domains and their arrays) get OIDs from here: a
+# composite's `=` needs every field's, which it may not have; a whole-row match compares their text.
+_FIRST_USER_OID: Final = 16384
 
 
 # pgmesh's own names in the SQL it generates. Every column reference is qualified by its table's alias
@@ -165,9 +174,29 @@ def _check_columns(relation: Relation, table: TargetTable) -> None:
         )
 
 
-def identity_match(relation: Relation, row: TupleData, *, full: bool, alias: str = TABLE_ALIAS) -> str:
+def typed(literal: str, kind: str | None) -> str:
+    """`literal` cast to the target column's type `kind` (format_type), when known.
+
+    An untyped literal compared with a column takes the type the operator asks for: for a composite
+    (or a domain over one) that is `record = record`, and a literal of type record cannot be read
+    ("input of anonymous composite types is not implemented"). Typed, every comparison is the column's.
+    """
+    return literal if kind is None or literal == "NULL" else f"{literal}::{kind}"
+
+
+def identity_match(
+    relation: Relation,
+    row: TupleData,
+    *,
+    full: bool,
+    alias: str = TABLE_ALIAS,
+    types: Mapping[str, str] | None = None,
+) -> str:
     """WHERE clause matching the row by its key columns, or by every column under REPLICA IDENTITY FULL;
-    the columns qualified by `alias`, the table's alias in the statement."""
+    the columns qualified by `alias`, the table's alias in the statement, the values cast to `types`
+    (the target's column types, by name). In a whole-row match a column whose type has no sameness
+    `=` (`_NO_EQUALITY`, or a type made by users) is compared by its text form."""
+    types = types or {}
     parts = []
     for i, column in enumerate(relation.columns):
         if not full and not column.key:
@@ -176,12 +205,13 @@ def identity_match(relation: Relation, row: TupleData, *, full: bool, alias: str
             continue
         name = f"{alias}.{quote_ident(column.name)}"
         literal = _literal(relation, row, i)
+        kind = types.get(column.name)
         if literal == "NULL":
             parts.append(f"{name} IS NULL")
-        elif column.type_oid in _NO_EQUALITY:
-            parts.append(f"{name}::text = {literal}")
+        elif column.type_oid in _NO_EQUALITY or (full and column.type_oid >= _FIRST_USER_OID):
+            parts.append(f"{name}::text = {'(' + typed(literal, kind) + ')::text' if kind else literal}")
         else:
-            parts.append(f"{name} = {literal}")
+            parts.append(f"{name} = {typed(literal, kind)}")
     if not parts:
         raise ApplyError("change without any key value", relation=f"{relation.schema}.{relation.name}")
     return " AND ".join(parts)
@@ -192,7 +222,7 @@ def _where(
 ) -> str:
     if kind == "O" and old is not None:
         # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
-        match = identity_match(relation, old, full=True, alias=FULL_ALIAS)
+        match = identity_match(relation, old, full=True, alias=FULL_ALIAS, types=table.types)
         if table.partitioned:  # every partition has its own ctids: the row is (tableoid, ctid)
             return (
                 f"({TABLE_ALIAS}.tableoid, {TABLE_ALIAS}.ctid) = (SELECT {FULL_ALIAS}.tableoid,"
@@ -202,7 +232,7 @@ def _where(
             f"{TABLE_ALIAS}.ctid = (SELECT {FULL_ALIAS}.ctid FROM {table.qualified} AS {FULL_ALIAS}"
             f" WHERE {match} LIMIT 1)"
         )
-    return identity_match(relation, old if old is not None else new, full=False)
+    return identity_match(relation, old if old is not None else new, full=False, types=table.types)
 
 
 def _origin_check(origin: str) -> str:
@@ -349,7 +379,8 @@ def prepared_update(
     def build() -> str:
         assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
         where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, len(sets) + 1)
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.types.get(cols[i].name))}"
+            for n, i in enumerate(keys, len(sets) + 1)
         )
         statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
         return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
@@ -376,7 +407,8 @@ def prepared_delete(
 
     def build() -> str:
         where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(keys, 1)
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.types.get(cols[i].name))}"
+            for n, i in enumerate(keys, 1)
         )
         statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
         return guard(statement, None if origin is None else f"${len(keys) + 1}")
