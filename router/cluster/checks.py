@@ -148,6 +148,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     database: str
     walsenders: int
     tables: dict[TableName, TableFacts]
+    publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,6 +213,10 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         [config.slot_name],
     )
     own = await cur.fetchone()
+    cur = await conn.execute(
+        "SELECT puballtables FROM pg_publication WHERE pubname = %s", [config.publication_name]
+    )
+    publication = await cur.fetchone()
     tables = {t: f for t, f in (await _table_facts(conn)).items() if config.replicates(*t)}
     return NodeFacts(
         settings=settings,
@@ -219,6 +224,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         superuser=bool(superuser),
         slots_used=int(slots_used),
         own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
+        publication_all_tables=bool(publication and publication[0]),
         database=database,
         walsenders=int(walsenders),
         tables=tables,
@@ -318,6 +324,15 @@ def _check_plugin(f: NodeFacts, config: Config) -> Check | None:
     return Check("", "output_plugin_libraries", ok, detail, hint=hint)
 
 
+def _check_publication(f: NodeFacts, config: Config) -> Check | None:
+    if not f.publication_all_tables:
+        return None
+    name = config.publication_name
+    detail = f"publication {name} exists FOR ALL TABLES; pgmesh did not create it"
+    hint = f"drop it (DROP PUBLICATION {sql.Identifier(name).as_string()}) or rename the cluster"
+    return Check("", "publication", False, detail, hint=hint)
+
+
 _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
     _check_connect,
     _check_version,
@@ -327,6 +342,7 @@ _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
     _check_walsenders,
     _check_superuser,
     _check_plugin,
+    _check_publication,
 )
 
 

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 Conn = psycopg.AsyncConnection[Any]
 
+# How long installing waits for a lock (a user table's, for its trigger) before it gives up, undone.
+LOCK_TIMEOUT_S: Final = 10
+# The session-level advisory lock every node's install connection holds on its database.
+_INSTALL_LOCK: Final = 0x70676D657368  # "pgmesh"
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Installing
@@ -192,6 +197,9 @@ async def _stage_node(
     every node got this far, or rolls it back everywhere."""
     await conn.execute("BEGIN")
     await conn.execute("SET LOCAL pgmesh.ddl_local = on")  # pgmesh's own DDL is not replicated
+    # A trigger added to a user table waits for that table's writers, and its writers then queue behind
+    # it: a session that holds the table long fails the install (nothing is left) instead.
+    await conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{LOCK_TIMEOUT_S}s")))
     schema, publication, triggers, origins = await _pgmesh_objects(conn, config)
     done = await _ensure_schema(conn)
     done += await _ensure_links(conn, config, node)
@@ -209,7 +217,13 @@ def _failed(node: str, exc: BaseException) -> PgmeshError:
     if isinstance(exc, PgmeshError):
         return exc.at(node=node)
     sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
-    return PgmeshError(f"install failed: {describe(exc)}", node=node, sqlstate=sqlstate)
+    hint = None
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        hint = (f"a session held a table pgmesh adds its trigger to for more than {LOCK_TIMEOUT_S} s"
+                " (see pg_locks); run init again once it is done")
+    return PgmeshError(describe(exc), node=node, hint=hint) if sqlstate else PgmeshError(
+        f"install failed: {describe(exc)}", node=node, hint=hint
+    )
 
 
 async def _each(
@@ -261,19 +275,36 @@ def _unchanged(config: Config, node: str, tables: Sequence[TableName]) -> str:
 
 
 async def _connect_all(config: Config) -> dict[str, Conn]:
-    """A connection to every node, or none at all: the nodes that refused are named together."""
+    """A connection to every node, each holding pgmesh's install lock on its database (until it closes),
+    or none at all: the nodes that refused are named together. The lock keeps two inits apart, and two
+    nodes of one config that are the same database (whose staged transactions would wait on each other
+    for ever) from being installed at all."""
     results = await asyncio.gather(*(connect(n) for n in config.nodes), return_exceptions=True)
     pairs = list(zip(config.node_names, results, strict=True))
     conns = {name: r for name, r in pairs if isinstance(r, psycopg.AsyncConnection)}
     failed = [(name, r) for name, r in pairs if isinstance(r, BaseException)]
-    if failed:
+    try:
+        if failed:
+            why = "; ".join(f"node {name}: {describe(exc)}" for name, exc in failed)
+            raise PgmeshError(
+                f"install not started, nothing was changed on any node: cannot connect ({why})",
+                hint="make every node reachable with the dsn of the config, then run init again",
+            )
+        for name, conn in conns.items():  # in config order: the later of two alike dsns is named
+            cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", [_INSTALL_LOCK])
+            row = await cur.fetchone()
+            if not (row and row[0]):
+                raise PgmeshError(
+                    "install not started, nothing was changed on any node: another session holds pgmesh's"
+                    " install lock on this node's database",
+                    node=name,
+                    hint="two nodes of the config are the same database (check their dsn), or another"
+                    " `pgmesh init` or `pgmesh join` is running: let it finish, then run init again",
+                )
+    except BaseException:
         for conn in conns.values():
             await conn.close()
-        why = "; ".join(f"node {name}: {describe(exc)}" for name, exc in failed)
-        raise PgmeshError(
-            f"install not started, nothing was changed on any node: cannot connect ({why})",
-            hint="make every node reachable with the dsn of the config, then run init again",
-        )
+        raise
     return conns
 
 
@@ -323,14 +354,16 @@ async def _undo(config: Config, created: Mapping[str, _Created], cause: PgmeshEr
         undone.append(node.name)
         for line in lines:
             logger.info("node %s: install undone: %s", node.name, line)
-    what = f"; what it had created on node {', '.join(undone)} was removed" if undone else ""
+    what = f" (what it had created on node {', '.join(undone)} was removed)" if undone else ""
+    bare = cause.at()  # a copy: its hint goes to the end of the whole message, once
+    bare.hint = None
     if not left:
         return PgmeshError(
-            f"install failed, no node was changed{what}: {cause}",
+            f"install failed, nothing of it is left on any node{what}: {bare}",
             hint=cause.hint or "fix the cause, then run init again",
         )
     return PgmeshError(
-        f"install failed{what}, but pgmesh's objects are left on {', '.join(left)}: {cause}",
+        f"install failed{what}, but what it created is left on {', '.join(left)}: {bare}",
         hint=f"fix the cause and run init again; or remove them there (pgmesh part NODE --clean)"
         f" and the slot {config.slot_name} with it",
     )

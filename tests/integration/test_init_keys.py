@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 
 from router.cluster.checks import check_cluster
@@ -234,7 +235,7 @@ async def test_a_failure_during_install_on_the_second_or_last_node_is_undone_on_
     with pytest.raises(PgmeshError) as failed:
         await install(config, report)
     assert "node b" in str(failed.value) and "DDL is frozen on this node" in str(failed.value)
-    assert "no node was changed" in str(failed.value)
+    assert "install failed, nothing of it is left on any node: node b" in str(failed.value)
     await assert_clean(nodes)
     await execute(b.dsn(), "DROP EVENT TRIGGER no_ddl; DROP FUNCTION no_ddl()")
 
@@ -246,7 +247,7 @@ async def test_a_failure_during_install_on_the_second_or_last_node_is_undone_on_
         await install(config, report)
     text = str(failed.value)
     assert "node c" in text and "slot pgmesh_undo exists for plugin 'test_decoding'" in text
-    assert "no node was changed; what it had created on node a, b, c was removed" in text
+    assert "nothing of it is left on any node (what it had created on node a, b, c was removed)" in text
     await assert_clean(nodes, {"c": [("pgmesh_undo", "test_decoding")]})  # another tool's slot stays
     await execute(c.dsn(), "SELECT pg_drop_replication_slot('pgmesh_undo')")
 
@@ -300,3 +301,46 @@ async def test_an_apply_unique_violation_names_node_table_and_lsn(mesh: Any, cap
         assert 't_email' in line and "SQLSTATE 23505" in line, line
     logged = [r.getMessage() for r in caplog.records if "t_email" in r.getMessage()]
     assert any("node b, LSN " in msg and "table public.t" in msg for msg in logged), logged
+
+
+async def test_one_database_twice_a_foreign_publication_and_a_busy_table_leave_every_node_clean(
+    pg_nodes: Nodes,
+) -> None:
+    nodes = pg_nodes(3, names=["a", "b", "c"])
+    a, b, c = nodes
+    for node in nodes:
+        await execute(node.dsn(), "CREATE TABLE t (id int PRIMARY KEY, v text)")
+
+    # c's dsn names a's database again: its staged transaction would wait on a's for ever.
+    twice = config_for("twice", [("a", a.dsn()), ("b", b.dsn()), ("c", a.dsn())])
+    report = await check_cluster(twice)
+    assert report.ok, report.render()
+    with pytest.raises(PgmeshError) as refused:
+        await install(twice, report)
+    assert "node c: install not started, nothing was changed" in str(refused.value)
+    assert "two nodes of the config are the same database" in str(refused.value)
+    await assert_clean(nodes)
+
+    # A publication of pgmesh's name FOR ALL TABLES on the last node is refused by the checks.
+    config = config_for("busy", [(n.name, n.dsn()) for n in nodes])
+    await execute(c.dsn(), "CREATE PUBLICATION pgmesh_busy FOR ALL TABLES")
+    with pytest.raises(ConfigError) as refused:
+        await init_cluster(config)
+    assert "✗ publication" in str(refused.value) and "FOR ALL TABLES" in str(refused.value)
+    await execute(c.dsn(), "DROP PUBLICATION pgmesh_busy")
+    await assert_clean(nodes)
+
+    # A writer holds the last node's table open: the trigger waits at most the lock timeout, then
+    # every node is rolled back.
+    async with await psycopg.AsyncConnection.connect(c.dsn()) as writer:
+        await writer.execute("INSERT INTO t VALUES (1, 'open')")  # an open transaction, not committed
+        with pytest.raises(PgmeshError) as failed:
+            await init_cluster(config)
+        assert "node c" in str(failed.value) and "lock timeout" in str(failed.value)
+        assert "run init again once it is done" in str(failed.value)
+        await writer.rollback()
+    await assert_clean(nodes)
+
+    report, _ = await init_cluster(config)
+    assert report.ok, report.render()
+    await assert_installed(nodes, config)
