@@ -75,12 +75,23 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::te
 T, C, TS = TABLE_ALIAS, COMMIT_ALIAS, TOMBSTONE_ALIAS  # pgmesh's aliases (router.apply.statements)
 
 
+def _row_json(table: TargetTable) -> str:
+    """SQL for the row of TABLE_ALIAS as a JSON object of each column's text (NULL as null): the form
+    pgoutput's text values have, which each type's input function reads back exactly. (to_jsonb's
+    numbers lose digits once parsed, and its arrays and composites are JSON no input function reads.)"""
+    names = tuple(table.types) or tuple(sorted(table.columns))
+    keys = ", ".join(quote_literal(n) for n in names)
+    values = ", ".join(f"{T}.{quote_ident(n)}::text" for n in names)
+    return f"pg_catalog.json_object(ARRAY[{keys}]::text[], ARRAY[{values}]::text[])"
+
+
 def read_row_sql(table: TargetTable, where: str) -> str:
     """The first row of `table` matching `where` (columns qualified by TABLE_ALIAS), locked, with its
-    version: labels pgmesh_row (jsonb as text), pgmesh_ts, pgmesh_origin, pgmesh_ours, and where it is:
-    pgmesh_tableoid and pgmesh_ctid (a ctid alone is not unique in a partitioned table)."""
+    version: labels pgmesh_row (JSON text: each column's text, see `_row_json`), pgmesh_ts,
+    pgmesh_origin, pgmesh_ours, and where it is: pgmesh_tableoid and pgmesh_ctid (a ctid alone is not
+    unique in a partitioned table)."""
     return (
-        f'SELECT pg_catalog.to_jsonb({T}.*)::text AS "pgmesh_row", {C}."timestamp" AS "pgmesh_ts",'
+        f'SELECT {_row_json(table)}::text AS "pgmesh_row", {C}."timestamp" AS "pgmesh_ts",'
         f' {C}.roident AS "pgmesh_origin",'
         f' {T}.xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours",'
         f' {T}.tableoid::oid::int8 AS "pgmesh_tableoid", {T}.ctid::text AS "pgmesh_ctid"'
@@ -387,7 +398,8 @@ class CarefulApplier:
         records: list[ConflictRecord],
     ) -> None:
         new = _row(relation, change.new)
-        local = await self._by_key(conn, relation, table, change.new)
+        # no key, no unique constraint: an equal row is another row (as the fast path inserts it)
+        local = await self._by_key(conn, relation, table, change.new) if table.pk or table.uniques else None
         if local is not None:
             decision = await self._decide(
                 conn, txn, relation, table, ConflictType.INSERT_EXISTS, local, remote, new, records

@@ -132,12 +132,31 @@ async def _conflicts(node: Any) -> int:
     return int((await fetch(node.dsn(), "SELECT count(*) FROM pgmesh.conflict_history"))[0][0])
 
 
+def later_row(conflict: str, local_row: dict[str, Any], remote_row: dict[str, Any], local: Any,
+              remote: Any) -> Any:
+    """every_type's custom resolver: the later version wins (as last_update_wins), and its row is
+    handed back to be written (the local one as read on the target: every type's text)."""
+    if local is not None and local.order() > remote.order():
+        return dict(local_row) if local_row else "keep_local"
+    if conflict in ("update_origin_differs", "insert_exists"):
+        return dict(remote_row)
+    return "apply_remote"
+
+
+CUSTOM = f"""
+[[tables]]
+name = "public.every_type"
+resolver = "{__name__}:later_row"
+"""
+
+
 async def test_every_type(mesh: MeshFactory) -> None:
     """A column of every base type of pg_catalog and an array of each, a composite of them all (and
     arrays of it, a domain over it), enums, ranges and multiranges, domains over arrays and enums, a base
     type without binary I/O: inserted, updated (by key and by whole row) and deleted on both nodes, a
-    COPY-sized transaction, then the same rows written on both nodes while the links are paused."""
-    m = await mesh(nodes=2, init=False)
+    COPY-sized transaction, then the same rows written on both nodes while the links are paused (every
+    conflict on every_type decided by a custom resolver that writes the row it picks)."""
+    m = await mesh(nodes=2, init=False, extra=CUSTOM)
     a, b = m.nodes
     names = await _typnames(a)
     schema = types.schema_sql(names)
@@ -185,4 +204,6 @@ async def test_every_type(mesh: MeshFactory) -> None:
         await router.resume(None)
         await _equal(m, router, "both nodes equal after the conflicts")
         assert await _conflicts(a) > before[0] and await _conflicts(b) > before[1]
+        picked = "SELECT count(*) FROM pgmesh.conflict_history WHERE resolution = 'use_row'"
+        assert (await fetch(a.dsn(), picked))[0][0] > 0 and (await fetch(b.dsn(), picked))[0][0] > 0
         healthy(router)
