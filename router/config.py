@@ -69,7 +69,9 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     apply_lanes: int = 1
     status_interval_ms: int = 1_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
-    new_table_without_key: str = "warn"  # "warn" (left local, with a warning) or "refuse" (an error)
+    # a table without a key: "full" (REPLICA IDENTITY FULL, replicated), "warn" (a new one left local,
+    # with a warning) or "refuse" (an error)
+    new_table_without_key: str = "full"
     # Per open transaction: MB of change payload (as received) kept in memory before the rest spills to
     # disk; 0: never. Inserts are held as the server's bytes (about 2x that in the router); updates and
     # deletes decoded (about 9x for rows of a few narrow columns).
@@ -302,8 +304,9 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 0 (0: never spill to disk)", "replication.spill_mb")
     if not rep.tables:
         raise bad("must list at least one pattern", "replication.tables")
-    if rep.new_table_without_key not in ("warn", "refuse"):
-        raise bad(f"{rep.new_table_without_key!r} is not warn or refuse", "replication.new_table_without_key")
+    if rep.new_table_without_key not in ("full", "warn", "refuse"):
+        choice = rep.new_table_without_key
+        raise bad(f"{choice!r} is not full, warn or refuse", "replication.new_table_without_key")
     _host, sep, port = config.admin.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise bad(f"{config.admin.listen!r} is not HOST:PORT", "admin.listen")

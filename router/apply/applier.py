@@ -463,6 +463,7 @@ class Applier(LinkView):
         link = self.link
         assert link.conn is not None
         whole = materialize(txn)  # a transaction spilled to disk is read back whole, for this path only
+        await link.reload_tables()  # keys as they are now: DDL run here changes them (router.ddl.capture)
         ddl = has_ddl(whole)
         reloaded = False
         for attempt in range(1, UNIQUE_ATTEMPTS + 1):

@@ -142,7 +142,9 @@ async def test_truncate_on_one_node_empties_every_node(mesh: MeshFactory) -> Non
 
 
 async def test_refused_commands_fail_where_they_are_issued(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    # "warn": a new table without a key left local (the default, "full": tests/integration/test_keyless.py)
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);",
+                   replication='new_table_without_key = "warn"')
     nodes = m.nodes
     a = nodes[0].dsn()
     refused = psycopg.errors.FeatureNotSupported

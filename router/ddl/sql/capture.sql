@@ -98,13 +98,51 @@ BEGIN
 END
 $body$;
 
+-- The replica identity pgmesh gives a table of the replicated set that has no usable one (no immediate
+-- primary key, no replica identity index): FULL, on the table and every partition under it, each listed
+-- in auto_identity (to_full); or, once a usable key is back, DEFAULT again on those it had set
+-- (NOT to_full). pgoutput then sends whole old rows, matched on the other nodes by all their columns.
+CREATE OR REPLACE FUNCTION {schema}.ddl_identity(rel oid, to_full boolean) RETURNS void LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  t record;
+BEGIN
+  DELETE FROM {schema}.auto_identity a WHERE NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = a.relid);
+  FOR t IN SELECT c.oid, n.nspname, c.relname, c.relreplident
+             FROM (SELECT rel AS relid UNION SELECT relid FROM pg_partition_tree(rel)) p
+             JOIN pg_class c ON c.oid = p.relid
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE c.relkind IN ('r', 'p') LOOP
+    IF to_full AND t.relreplident <> 'f' AND NOT EXISTS (
+         SELECT 1 FROM pg_index i WHERE i.indrelid = t.oid AND (i.indisreplident AND t.relreplident = 'i'
+           OR i.indisprimary AND i.indimmediate AND t.relreplident = 'd')) THEN
+      EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY FULL', t.nspname, t.relname);
+      INSERT INTO {schema}.auto_identity VALUES (t.oid) ON CONFLICT DO NOTHING;
+    ELSIF NOT to_full AND t.relreplident = 'f'
+          AND EXISTS (SELECT 1 FROM {schema}.auto_identity a WHERE a.relid = t.oid)
+          AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = t.oid AND i.indisprimary AND i.indimmediate) THEN
+      EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY DEFAULT', t.nspname, t.relname);
+      DELETE FROM {schema}.auto_identity WHERE relid = t.oid;
+    END IF;
+  END LOOP;
+END
+$body$;
+
 -- One table a command created or altered: track its columns; in the replicated set, put it in the
--- publication with its tombstone trigger once it has a key.
+-- publication with its tombstone trigger. A table without a usable replica identity (no key, its primary
+-- key dropped, or a deferrable one) is made REPLICA IDENTITY FULL (ddl_identity), unless the setting
+-- new_table_without_key says to leave a new one local ('warn') or to refuse it ('refuse'), or the command
+-- itself set that replica identity: then it is refused. A primary key arriving on a table pgmesh made
+-- FULL makes it DEFAULT again. The tombstone key is the primary key (deferrable too), else the replica
+-- identity index, else every column; when it changes, the table's old tombstones go (their keys name
+-- other columns).
 CREATE OR REPLACE FUNCTION {schema}.ddl_table(rel oid) RETURNS void LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
   nsp text; tab text; kind "char"; part boolean; persist "char"; ident "char";
-  qualified text; key text[]; pub text; published boolean; col record;
+  qualified text; key text[]; pub text; published boolean; col record; usable boolean; explicit boolean;
+  root oid; mode text := coalesce({schema}.ddl_setting('new_table_without_key'), 'full');
+  args bytea; had bytea;
 BEGIN
   SELECT n.nspname, c.relname, c.relkind, c.relispartition, c.relpersistence, c.relreplident
     INTO nsp, tab, kind, part, persist, ident
@@ -113,11 +151,19 @@ BEGIN
     RETURN;
   END IF;
   pub := {schema}.ddl_setting('publication');
+  explicit := pg_catalog.current_query() ~* '\mreplica\s+identity\M';
+  IF explicit AND ident = 'f' THEN
+    DELETE FROM {schema}.auto_identity WHERE relid = rel;  -- FULL by the owner's choice now
+  END IF;
   IF part THEN
-    -- a partition: its root stands for it in the publication; it gets the TRUNCATE trigger
+    -- a partition: its root stands for it in the publication; it gets the TRUNCATE trigger, and the
+    -- root's replica identity when it has no key of its own
+    root := pg_partition_root(rel);
     IF EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
-                WHERE p.pubname = pub AND r.prrelid = pg_partition_root(rel)) THEN
+                WHERE p.pubname = pub AND r.prrelid = root) THEN
       PERFORM {schema}.truncate_triggers(rel);
+      PERFORM {schema}.ddl_identity(rel, true);
+      PERFORM {schema}.ddl_identity(rel, false);
     END IF;
     RETURN;
   END IF;
@@ -140,41 +186,63 @@ BEGIN
   SELECT rel, a.attnum, a.attname FROM pg_attribute a
    WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
 
+  SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+                  WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
+  -- what pgoutput can identify a row by: an immediate primary key, a replica identity index, or FULL
+  usable := ident = 'f' OR EXISTS (
+    SELECT 1 FROM pg_index i WHERE i.indrelid = rel
+       AND (i.indisreplident AND ident = 'i' OR i.indisprimary AND i.indimmediate AND ident = 'd'));
+  IF NOT usable THEN
+    IF explicit AND (published OR mode <> 'warn') OR mode = 'refuse' THEN
+      IF published THEN
+        RAISE EXCEPTION 'pgmesh: table % is replicated and would be left without a replica identity',
+          qualified
+          USING ERRCODE = '0A000',
+                HINT = 'keep a primary key, a replica identity index or REPLICA IDENTITY FULL; to stop '
+                       'replicating it, exclude it in config.toml and run pgmesh init';
+      END IF;
+      RAISE EXCEPTION 'pgmesh: table % has no primary key, replica identity index or REPLICA IDENTITY FULL',
+        qualified
+        USING ERRCODE = '0A000',
+              HINT = 'create it with a primary key, or exclude it in config.toml';
+    ELSIF NOT published AND mode = 'warn' THEN
+      RAISE WARNING 'pgmesh: table % has no primary key: it stays local (not replicated) until it gets one',
+        qualified;
+      RETURN;
+    END IF;
+    PERFORM {schema}.ddl_identity(rel, true);
+    RAISE NOTICE 'pgmesh: table % has no primary key: replicated with REPLICA IDENTITY FULL (rows are '
+                 'matched by all their columns)', qualified;
+  ELSIF kind = 'p' OR ident = 'f' THEN
+    PERFORM {schema}.ddl_identity(rel, true);  -- partitions without a key of their own
+    PERFORM {schema}.ddl_identity(rel, false);  -- a primary key is back: DEFAULT where pgmesh set FULL
+  END IF;
+
   SELECT array_agg(a.attname::text ORDER BY k.ord) INTO key
     FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
     JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
    WHERE i.indrelid = rel AND i.indisprimary;
+  SELECT relreplident INTO ident FROM pg_class WHERE oid = rel;
   IF key IS NULL AND ident = 'i' THEN
     SELECT array_agg(a.attname::text ORDER BY k.ord) INTO key
       FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
      WHERE i.indrelid = rel AND i.indisreplident;
   END IF;
-  IF key IS NULL AND ident = 'f' THEN
+  IF key IS NULL THEN
     SELECT array_agg(a.attname::text ORDER BY a.attnum) INTO key
       FROM pg_attribute a WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
   END IF;
-  SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
-                  WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
-  IF key IS NULL THEN
-    IF published THEN
-      RAISE EXCEPTION 'pgmesh: table % is replicated and would lose its key', qualified
-        USING ERRCODE = '0A000',
-              HINT = 'keep a primary key (or replica identity); to stop replicating it, '
-                     'exclude it in config.toml and run pgmesh init';
-    ELSIF {schema}.ddl_setting('new_table_without_key') = 'refuse' THEN
-      RAISE EXCEPTION 'pgmesh: table % has no primary key, replica identity index or REPLICA IDENTITY FULL',
-        qualified
-        USING ERRCODE = '0A000',
-              HINT = 'create it with a primary key (pgmesh cannot replicate its updates and deletes '
-                     'without one), or exclude it in config.toml';
-    END IF;
-    RAISE WARNING 'pgmesh: table % has no primary key: it stays local (not replicated) until it gets one',
-      qualified;
-    RETURN;
-  END IF;
   IF NOT published THEN
     EXECUTE format('ALTER PUBLICATION %I ADD TABLE %I.%I', pub, nsp, tab);
+  END IF;
+  SELECT string_agg(convert_to(c, 'UTF8') || '\x00'::bytea, ''::bytea ORDER BY o) INTO args
+    FROM unnest(key) WITH ORDINALITY AS k(c, o);
+  SELECT t.tgargs INTO had FROM pg_trigger t
+   WHERE t.tgrelid = rel AND t.tgname = 'pgmesh_tombstone' AND t.tgparentid = 0;
+  IF had IS DISTINCT FROM args THEN
+    -- other key columns: tombstones keyed by the old ones would be compared with keys of the new ones
+    DELETE FROM {schema}.tombstones WHERE table_name = qualified;
   END IF;
   EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
   EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW '

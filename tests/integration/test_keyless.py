@@ -1,0 +1,141 @@
+"""Tables without a key on a real two-node mesh with the router running (issue 17).
+
+A table created without a primary key is made REPLICA IDENTITY FULL by the capture trigger on every node
+(`new_table_without_key = "full"`, the default): its inserts, updates and deletes replicate from the
+first row on, and a row is matched on the other nodes by all its columns (docs/ddl.md). Without a key a
+row has no identity beyond its values: an update whose old row is gone on a node (updated or deleted
+there at the same time) keeps its new row there, so concurrent changes end the same on every node
+(docs/conflicts.md). A primary key added later (pg_dump's order: CREATE TABLE, rows, ADD CONSTRAINT)
+makes the table REPLICA IDENTITY DEFAULT again, and conflicts are decided by that key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from tests.fix_mesh import MeshFactory
+from tests.integration.ports.common import has, healthy, same_rows
+
+IDENTITY = "SELECT relreplident::text FROM pg_class WHERE oid = to_regclass(%s)"
+PUBLISHED = "SELECT count(*) FROM pg_publication_tables WHERE pubname LIKE 'pgmesh%%' AND tablename = %s"
+TOMBSTONE_KEY = (
+    "SELECT encode(tgargs, 'escape') FROM pg_trigger WHERE tgrelid = to_regclass(%s)"
+    " AND tgname = 'pgmesh_tombstone' AND tgparentid = 0"
+)
+
+
+async def identity(dsn: str, table: str) -> str | None:
+    rows = await fetch(dsn, IDENTITY, [table])
+    return rows[0][0] if rows else None
+
+
+async def identity_everywhere(nodes: list[Any], table: str, expected: str, router: Any = None) -> None:
+    async def check() -> bool:
+        links = router.appliers.items() if router else ()
+        errors = {name: a.last_error for name, a in links if a.last_error}
+        assert not errors, errors
+        return all([await identity(n.dsn(), table) == expected for n in nodes])
+
+    await wait_for(check, f"replica identity {expected!r} of {table} on every node")
+
+
+async def test_a_table_created_without_a_key_replicates_from_its_first_row(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        notices: list[str] = []
+        async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+            conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+            await conn.execute('CREATE TABLE "log" ("at" int, "what" text)')
+            await conn.execute("""INSERT INTO "log" VALUES (1, 'x'), (1, 'x'), (2, 'y')""")
+        full = "public.log has no primary key: replicated with REPLICA IDENTITY FULL"
+        assert any(full in n for n in notices), notices
+        await identity_everywhere(m.nodes, "log", "f", router)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), PUBLISHED, ["log"]) == [(1,)]
+        await execute(b.dsn(), """INSERT INTO "log" VALUES (3, 'z'), (1, 'x')""")
+        rows = await same_rows(a, b, 'SELECT * FROM "log" ORDER BY 1, 2', "the rows of both nodes")
+        assert rows == [(1, "x"), (1, "x"), (1, "x"), (2, "y"), (3, "z")], rows
+        # updates and deletes of rows that repeat, on both nodes: each touches the rows it touched
+        await execute(b.dsn(), """UPDATE "log" SET "what" = 'xx' WHERE "at" = 1""")
+        await execute(a.dsn(), """DELETE FROM "log" WHERE "at" = 2""")
+        rows = await same_rows(a, b, 'SELECT * FROM "log" ORDER BY 1, 2', "the updates and deletes")
+        assert rows == [(1, "xx"), (1, "xx"), (1, "xx"), (3, "z")], rows
+        await execute(a.dsn(), """DELETE FROM "log"
+                               WHERE ctid = (SELECT min(ctid) FROM "log" WHERE "at" = 1)""")
+        rows = await same_rows(a, b, 'SELECT * FROM "log" ORDER BY 1, 2', "one of three equal rows deleted")
+        assert rows == [(1, "xx"), (1, "xx"), (3, "z")], rows
+        # created and filled in one transaction (applied the careful way, row by row): equal rows stay two
+        await execute(b.dsn(), "BEGIN", 'CREATE TABLE "bag" ("v" int, "w" text)',
+                      """INSERT INTO "bag" VALUES (1, 'one'), (1, 'one'), (2, NULL)""", "COMMIT")
+        await identity_everywhere(m.nodes, "bag", "f", router)
+        await wait_converged(m.nodes, ["bag"])
+        assert await fetch(a.dsn(), 'SELECT * FROM "bag" ORDER BY 1') == [(1, "one"), (1, "one"), (2, None)]
+        await execute(a.dsn(), """UPDATE "bag" SET "w" = 'two' WHERE "v" = 2""")
+        two = """SELECT "w" FROM "bag" WHERE "v" = 2"""
+        await wait_for(lambda: has(b.dsn(), two, [("two",)]), "the update of bag on b")
+        await wait_converged(m.nodes, ["log", "bag"])
+        healthy(router)
+
+
+async def test_concurrent_changes_to_a_table_without_a_key_end_equal(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), 'CREATE TABLE "k" ("a" int, "b" text)',
+                      """INSERT INTO "k" VALUES (1, 'x'), (2, 'y'), (3, 'z'), (4, 'w'), (6, 'u')""")
+        await identity_everywhere(m.nodes, "k", "f", router)
+        await wait_converged(m.nodes, ["k"])
+    # the router is down: both nodes write the same rows, then it starts and the changes meet
+    await execute(a.dsn(), """UPDATE "k" SET "b" = 'xa' WHERE "a" = 1""", """DELETE FROM "k" WHERE "a" = 2""",
+                  """INSERT INTO "k" VALUES (5, 'v')""", """UPDATE "k" SET "b" = 'wa' WHERE "a" = 4""",
+                  """DELETE FROM "k" WHERE "a" = 6""")
+    await execute(b.dsn(), """UPDATE "k" SET "b" = 'xb' WHERE "a" = 1""",
+                  """UPDATE "k" SET "b" = 'yb' WHERE "a" = 2""",
+                  """INSERT INTO "k" VALUES (5, 'v')""", """DELETE FROM "k" WHERE "a" = 4""",
+                  """DELETE FROM "k" WHERE "a" = 6""")
+    async with running_router(m.config) as router:
+        await wait_converged(m.nodes, ["k"])
+        healthy(router)
+    rows = await fetch(a.dsn(), 'SELECT * FROM "k" ORDER BY 1, 2')
+    # both updates of row 1 kept; an update beats a delete (its old row is gone: its new row stays);
+    # both inserts kept; row 6, deleted on both, is gone
+    assert rows == [(1, "xa"), (1, "xb"), (2, "yb"), (3, "z"), (4, "wa"), (5, "v"), (5, "v")], rows
+    for node in m.nodes:
+        types = await fetch(node.dsn(), "SELECT DISTINCT conflict_type FROM pgmesh.conflict_history"
+                                        " WHERE table_name = 'public.k' ORDER BY 1")
+        assert ("update_missing",) in types, types
+
+
+async def test_a_key_added_later_takes_over(mesh: MeshFactory) -> None:
+    """pg_dump's order: the table, its rows, then its primary key."""
+    m = await mesh(nodes=2)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), 'CREATE TABLE "d" ("id" int NOT NULL, "v" text)',
+                      """INSERT INTO "d" SELECT g, 'a' FROM generate_series(1, 10) g""")
+        await identity_everywhere(m.nodes, "d", "f", router)
+        await execute(b.dsn(), """INSERT INTO "d" SELECT g, 'b' FROM generate_series(11, 20) g""")
+        await wait_converged(m.nodes, ["d"])
+        await execute(b.dsn(), 'ALTER TABLE "d" ADD CONSTRAINT "d_pkey" PRIMARY KEY ("id")')
+        await identity_everywhere(m.nodes, "d", "d", router)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), TOMBSTONE_KEY, ["d"]) == [("id\\000",)]
+        await execute(a.dsn(), """UPDATE "d" SET "v" = 'a2' WHERE "id" = 11""")
+        await execute(b.dsn(), """DELETE FROM "d" WHERE "id" = 1""")
+        await wait_converged(m.nodes, ["d"])
+    # conflicts are decided by the key again: the later of two updates of one row wins everywhere
+    await execute(a.dsn(), """UPDATE "d" SET "v" = 'first' WHERE "id" = 5""")
+    await execute(b.dsn(), """UPDATE "d" SET "v" = 'second' WHERE "id" = 5""")
+    async with running_router(m.config) as router:
+        await wait_converged(m.nodes, ["d"])
+        healthy(router)
+    assert await fetch(a.dsn(), 'SELECT "v" FROM "d" WHERE "id" = 5') == [("second",)]
+    assert await fetch(a.dsn(), 'SELECT count(*) FROM "d"') == [(19,)]
+    for node in m.nodes:
+        history = await fetch(node.dsn(), "SELECT conflict_type, key FROM pgmesh.conflict_history"
+                                          " WHERE table_name = 'public.d'")
+        assert ("update_origin_differs", "5") in history, history  # decided by the key, on both nodes
