@@ -111,7 +111,7 @@ class Applier(LinkView):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
-        self._large = LargeApply(self.link)
+        self._large = LargeApply(self.link, self._run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
         self.lanes = max(1, config.replication.apply_lanes)
@@ -394,7 +394,7 @@ class Applier(LinkView):
         many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
         the batch back in smaller batches). Leaves what is still to apply in `_held`."""
         await self.link.take_origin()
-        if has_ddl(batch[0]):
+        if has_ddl(batch[0]) and not is_large(batch[0]):  # a large one runs its DDL in place
             try:
                 await self._apply_carefully(batch[0])
             except BaseException:

@@ -7,7 +7,11 @@ from the spool when it spilled). Its runs of inserts go in by COPY where no conf
 that router.stream.source handed out at its first spill, before its commit, is applied as its spill file
 grows (`growing_parts`) and committed once its commit has arrived; if the source loses it first,
 `router.errors.LostBeforeCommit` is raised and it comes again, whole. (A streamed transaction that the
-side session applied ahead is committed there: router.apply.side.)
+side session applied ahead is committed there: router.apply.side.) The DDL a large transaction carries
+(router.ddl.messages) is run in place, in the same target transaction, by the applier's `run_ddl`, and
+the rows after it are built against the target's tables as that DDL left them: a huge transaction
+with DDL stays on this path, read part by part, whether it spilled, was handed out before its commit,
+or neither (the careful path would hold it whole in memory, and cannot start before the commit).
 
 Must not: retry, pause, or decide conflicts (a conflict raises: the applier rolls back and applies the
 transaction the careful way). It works on its link's `LinkSession` (router.apply.link): the main session,
@@ -18,20 +22,40 @@ prepared statements, columns fitted after DDL).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import asyncpg
 import msgspec
 
-from protocol.messages import Relation
+from protocol.messages import Message, Relation
 from protocol.transactions import SpilledChange, Transaction
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts, parts
 from router.apply.scripts import CopyRun, transaction_segments
 from router.apply.statements import KEY_LOCKS_MAX, Prepared, xact_setup_sql
+from router.ddl.messages import DDL_PREFIX
 from router.errors import ApplyError, LostBeforeCommit
 
-__all__ = ["LargeApply"]
+__all__ = ["DdlRunner", "LargeApply"]
+
+# Runs one captured DDL command inside the open target transaction and reads the target's tables
+# again (router.apply.applier.Applier._run_ddl).
+DdlRunner = Callable[[Any, Message], Awaitable[object]]
+
+
+def _split_at_ddl(part: list[SpilledChange]) -> list[tuple[list[SpilledChange], Message | None]]:
+    """`part` as runs of changes, each followed by the DDL message that ends it (None after the last)."""
+    out: list[tuple[list[SpilledChange], Message | None]] = []
+    start = 0
+    for i, change in enumerate(part):
+        if type(change) is Message and change.prefix == DDL_PREFIX:
+            out.append((part[start:i], change))
+            start = i + 1
+    if not out:
+        return [(part, None)]
+    out.append((part[start:], None))
+    return out
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
@@ -43,16 +67,19 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 class LargeApply:
     """The large path of one link: on its main session, or on the side session's (`apply_part`)."""
 
-    __slots__ = ("_link",)
+    __slots__ = ("_link", "_ran_ddl", "_run_ddl")
 
-    def __init__(self, link: LinkSession) -> None:
+    def __init__(self, link: LinkSession, run_ddl: DdlRunner | None = None) -> None:
+        """`run_ddl`: how a DDL message is run (without it, a transaction with DDL is refused)."""
         self._link = link
+        self._run_ddl = run_ddl
+        self._ran_ddl = False  # DDL ran in the target transaction now open (its tables were read in it)
 
     async def apply(self, txn: Transaction) -> Transaction:
         """A transaction with more row changes than KEY_LOCKS_MAX, alone: its runs of inserts go in by
         COPY where no conflict can hide from it (router.apply.scripts.CopyRun); a transaction spilled to
-        disk is read back part by part, all in one target transaction. Returns the transaction applied
-        (for one handed out before its commit: the whole one, see `_apply_growing`)."""
+        disk is read back part by part, all in one target transaction, its DDL run in place. Returns the
+        transaction applied (for one handed out before its commit: the whole one, see `_apply_growing`)."""
         spill = txn.spill
         if spill is not None and spill.early and spill.final is not txn:
             return await self._apply_growing(txn)
@@ -60,13 +87,18 @@ class LargeApply:
         tombstones: dict[str, bool] = {}
         pieces = parts(txn)
         first = True
-        part: list[SpilledChange] | None = next(pieces)
-        while part is not None:
-            following: list[SpilledChange] | None = next(pieces, None)
-            await self.apply_part(txn, part, relations, tombstones, first, following is None)
-            first = False
-            part = following
-        self._link.stats.copied_transactions += 1
+        self._ran_ddl = False
+        try:
+            part: list[SpilledChange] | None = next(pieces)
+            while part is not None:
+                following: list[SpilledChange] | None = next(pieces, None)
+                await self.apply_part(txn, part, relations, tombstones, first, following is None)
+                first = False
+                part = following
+        except Exception:
+            await self._undo_ddl()
+            raise
+        await self._done()
         return txn
 
     async def _apply_growing(self, txn: Transaction) -> Transaction:
@@ -83,6 +115,7 @@ class LargeApply:
         relations = dict(txn.relations)
         tombstones: dict[str, bool] = {}
         first = True
+        self._ran_ddl = False
         try:
             async with contextlib.aclosing(growing_parts(txn, relations)) as growing:
                 async for part, final in growing:
@@ -95,14 +128,41 @@ class LargeApply:
             whole_txn: Transaction = final
             await conn.execute(f"{xact_setup_sql(whole_txn)};\nCOMMIT")
         except asyncpg.PostgresError:
+            await self._undo_ddl()
             while spill.final is None and not spill.abandoned:
                 spill.changed.clear()
                 await spill.changed.wait()
             if spill.final is None:
                 raise LostBeforeCommit(txn) from None
             raise
-        link.stats.copied_transactions += 1
+        except Exception:
+            await self._undo_ddl()
+            raise
+        await self._done()
         return whole_txn
+
+    async def _done(self) -> None:
+        """The transaction committed on the target."""
+        link = self._link
+        link.stats.copied_transactions += 1
+        if self._ran_ddl:
+            self._ran_ddl = False
+            link.stats.ddl_applied += 1
+            await link.reload_tables()
+
+    async def _undo_ddl(self) -> None:
+        """The transaction failed after its DDL ran: roll it back now and read the target's tables as
+        they are without it (they were read inside it). The caller rolls back (again) as after any
+        failure."""
+        if not self._ran_ddl:
+            return
+        self._ran_ddl = False
+        conn = self._link.conn
+        if conn is None or conn.is_closed():
+            return  # the next session reads them
+        with contextlib.suppress(asyncpg.PostgresError, OSError):
+            await conn.execute("ROLLBACK")
+            await self._link.reload_tables()
 
     async def apply_part(
         self,
@@ -119,7 +179,34 @@ class LargeApply:
         """One part of a large transaction (`first` opens the target transaction, `last` commits it).
         `setup` False leaves the origin's xact_setup out of the first part: `_apply_growing` sends it
         with its own COMMIT (the end LSN is not known before). With `side` (the side session's
-        connection and prepared statements), on the side session."""
+        connection and prepared statements), on the side session. A DDL message among the changes is
+        run where it stands (`run_ddl`), and the changes after it are built once it ran."""
+        pieces = _split_at_ddl(part)
+        for n, (changes, ddl) in enumerate(pieces):
+            opening = first and n == 0
+            closing = last and n == len(pieces) - 1
+            await self._apply_piece(txn, changes, relations, tombstones, opening, closing, setup, side)
+            if ddl is not None:
+                if side is not None or self._run_ddl is None:
+                    raise ApplyError(f"a DDL command in transaction {txn.xid} cannot be run on this session",
+                                     lsn=ddl.lsn)
+                conn = self._link.conn
+                assert conn is not None
+                self._ran_ddl = True
+                await self._run_ddl(conn, ddl)
+
+    async def _apply_piece(
+        self,
+        txn: Transaction,
+        part: list[SpilledChange],
+        relations: dict[int, Relation],
+        tombstones: dict[str, bool],
+        first: bool,
+        last: bool,
+        setup: bool,
+        side: tuple[asyncpg.Connection, Prepared] | None,
+    ) -> None:
+        """`apply_part` for changes without DDL among them."""
         link = self._link
         conn, prepared = (link.conn, link.prepared) if side is None else side
         assert conn is not None
