@@ -139,3 +139,47 @@ async def test_a_key_added_later_takes_over(mesh: MeshFactory) -> None:
         history = await fetch(node.dsn(), "SELECT conflict_type, key FROM pgmesh.conflict_history"
                                           " WHERE table_name = 'public.d'")
         assert ("update_origin_differs", "5") in history, history  # decided by the key, on both nodes
+
+
+async def test_a_key_replaced_in_one_transaction_while_the_other_node_writes(mesh: MeshFactory) -> None:
+    """DROP CONSTRAINT, changes without a key, ADD PRIMARY KEY (other columns): one transaction on a,
+    while b updates rows by the old key; then conflicts are decided by the new key."""
+    schema = """CREATE TABLE "t" ("id" int PRIMARY KEY, "other" int NOT NULL, "v" text);
+                INSERT INTO "t" SELECT g, g + 100, 'start' FROM generate_series(1, 40) g;"""
+    m = await mesh(nodes=2, schema=schema)
+    a, b = m.nodes
+    shape = ("SELECT (SELECT string_agg(attname, ',') FROM pg_index JOIN pg_attribute ON attrelid = indrelid"
+             " AND attnum = ANY(indkey) WHERE indrelid = 't'::regclass AND indisprimary), relreplident::text,"
+             " (SELECT encode(tgargs, 'escape') FROM pg_trigger WHERE tgrelid = 't'::regclass"
+             " AND tgname = 'pgmesh_tombstone') FROM pg_class WHERE oid = 't'::regclass")
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "BEGIN", 'ALTER TABLE "t" DROP CONSTRAINT "t_pkey"',
+                      """UPDATE "t" SET "v" = 'between' WHERE "id" <= 5""", 'DELETE FROM "t" WHERE "id" = 6',
+                      """INSERT INTO "t" VALUES (41, 141, 'between'), (41, 142, 'between')""",
+                      """UPDATE "t" SET "id" = 42 WHERE "other" = 142""",
+                      'ALTER TABLE "t" ADD PRIMARY KEY ("other")',
+                      """UPDATE "t" SET "v" = 'after' WHERE "other" = 107""", "COMMIT")
+        for i in range(20, 30):  # by the old key, on b, while a's transaction travels
+            await execute(b.dsn(), """UPDATE "t" SET "v" = 'b' WHERE "id" = %s""", params=[i])
+        identity = [("other", "d", "other\\000")]
+        await identity_everywhere(m.nodes, "t", "d", router)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), shape) == identity
+        await wait_converged(m.nodes, ["t"])
+        rows = await fetch(b.dsn(), 'SELECT "id", "other", "v" FROM "t" WHERE "v" <> \'start\' ORDER BY 2')
+        assert rows == [
+            *[(i, i + 100, "between") for i in range(1, 6)], (7, 107, "after"),
+            *[(i, i + 100, "b") for i in range(20, 30)], (41, 141, "between"), (42, 142, "between"),
+        ], rows
+        assert await fetch(b.dsn(), 'SELECT count(*) FROM "t" WHERE "id" = 6') == [(0,)]
+        healthy(router)
+    await execute(a.dsn(), """UPDATE "t" SET "v" = 'first' WHERE "other" = 111""")
+    await execute(b.dsn(), """UPDATE "t" SET "v" = 'second' WHERE "other" = 111""")
+    async with running_router(m.config) as router:
+        await wait_converged(m.nodes, ["t"])
+        healthy(router)
+    assert await fetch(a.dsn(), 'SELECT "v" FROM "t" WHERE "other" = 111') == [("second",)]
+    for node in m.nodes:
+        history = await fetch(node.dsn(), "SELECT conflict_type, key FROM pgmesh.conflict_history"
+                                          " WHERE table_name = 'public.t'")
+        assert ("update_origin_differs", "111") in history, history
