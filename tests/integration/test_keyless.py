@@ -183,3 +183,27 @@ async def test_a_key_replaced_in_one_transaction_while_the_other_node_writes(mes
         history = await fetch(node.dsn(), "SELECT conflict_type, key FROM pgmesh.conflict_history"
                                           " WHERE table_name = 'public.t'")
         assert ("update_origin_differs", "111") in history, history
+
+
+async def test_a_partitioned_table_without_a_key(mesh: MeshFactory) -> None:
+    """The root and every partition (also one created later) are made REPLICA IDENTITY FULL: pgoutput
+    takes the old row from the partition a change is made in."""
+    m = await mesh(nodes=2)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), 'CREATE TABLE "p" ("a" int, "b" text) PARTITION BY RANGE ("a")',
+                      'CREATE TABLE "p1" PARTITION OF "p" FOR VALUES FROM (0) TO (100)')
+        await identity_everywhere(m.nodes, "p1", "f", router)
+        await execute(b.dsn(), 'CREATE TABLE "p2" PARTITION OF "p" FOR VALUES FROM (100) TO (200)')
+        await identity_everywhere(m.nodes, "p2", "f", router)
+        await identity_everywhere(m.nodes, "p", "f", router)
+        await execute(a.dsn(), """INSERT INTO "p" VALUES (1, 'x'), (1, 'x'), (150, 'y')""")
+        await execute(b.dsn(), """INSERT INTO "p" VALUES (2, 'z'), (199, 'w')""")
+        await same_rows(a, b, 'SELECT * FROM "p" ORDER BY 1, 2', "the inserts")
+        await execute(b.dsn(), """UPDATE "p" SET "a" = 120 WHERE "a" = 1""")  # moves across partitions
+        await execute(a.dsn(), """DELETE FROM "p" WHERE "a" = 199""",
+                      """UPDATE "p" SET "b" = 'zz' WHERE "a" = 2""")
+        where = 'SELECT tableoid::regclass::text, * FROM "p" ORDER BY 2, 3'
+        rows = await same_rows(a, b, where, "the changes")
+        assert rows == [("p1", 2, "zz"), ("p2", 120, "x"), ("p2", 120, "x"), ("p2", 150, "y")], rows
+        healthy(router)
