@@ -69,11 +69,9 @@ _OVERRIDING: Final = "OVERRIDING SYSTEM VALUE"
 
 # Built-in types (and their arrays) without an equality operator, or whose `=` is not sameness (box,
 # circle, lseg... compare areas or lengths): compared through their text form in whole-row matches.
-_NO_EQUALITY: Final = frozenset({
-    114, 199, 142, 143,  # json, xml
-    600, 1017, 601, 1018, 602, 1019, 603, 1020, 604, 1027, 628, 629, 718, 719,  # geometric types
-    1790, 2201, 2970, 2949, 4072, 4073, 5038, 5039,  # refcursor, txid_snapshot, jsonpath, pg_snapshot
-})
+_NO_EQUALITY: Final = frozenset({114, 199, 142, 143,  # json, xml, then the geometric types
+    600, 1017, 601, 1018, 602, 1019, 603, 1020, 604, 1027, 628, 629, 718, 719,  # refcursor, txid_snapshot,
+    1790, 2201, 2970, 2949, 4072, 4073, 5038, 5039})  # jsonpath, pg_snapshot (each with its array)
 # Types made by users (enums, composites, ranges, domains and their arrays) get OIDs from here: a
 # composite's `=` needs every field's, which it may not have; a whole-row match compares their text.
 _FIRST_USER_OID: Final = 16384
