@@ -460,11 +460,49 @@ BEGIN
 END
 $body$;
 
--- ddl_command_start: refuse here what could not be replayed on the other nodes.
+-- A replicated table about to be attached as a partition of a replicated partitioned table: it loses its
+-- own tombstone trigger (the root's is cloned onto it, under the same name: ATTACH would fail) and its
+-- own place in the publication (the root publishes it). Called at ddl_command_start, also on the nodes
+-- replaying the command; `parent` and `leaf` are resolved by the caller, under the session's search_path.
+CREATE OR REPLACE FUNCTION {schema}.ddl_attaching(parent oid, leaf oid) RETURNS void LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  nsp text; tab text; pub text := {schema}.ddl_setting('publication');
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = parent AND tgname = 'pgmesh_tombstone') THEN
+    RETURN;
+  END IF;
+  SELECT n.nspname, c.relname INTO nsp, tab
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = leaf;
+  PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'on', true);
+  IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = leaf AND tgname = 'pgmesh_tombstone' AND tgparentid = 0) THEN
+    EXECUTE format('DROP TRIGGER pgmesh_tombstone ON %I.%I', nsp, tab);
+  END IF;
+  IF EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+              WHERE p.pubname = pub AND r.prrelid = leaf) THEN
+    EXECUTE format('ALTER PUBLICATION %I DROP TABLE %I.%I', pub, nsp, tab);
+  END IF;
+  PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'off', true);
+END
+$body$;
+
+-- ddl_command_start: refuse here what could not be replayed on the other nodes; make room for a table
+-- being attached as a partition (ddl_attaching).
 CREATE OR REPLACE FUNCTION {schema}.ddl_refuse() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
   q text := pg_catalog.current_query();
+  names text[];
+  name_re text := '((?:"(?:[^"]|"")+"|[[:alnum:]_$]+)(?:\s*\.\s*(?:"(?:[^"]|"")+"|[[:alnum:]_$]+))?)';
 BEGIN
+  IF tg_tag = 'ALTER TABLE' AND q ~* '\mattach\s+partition\M'
+     AND coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') <> 'on' THEN
+    FOR names IN SELECT pg_catalog.regexp_matches(q, '\malter\s+table\s+(?:if\s+exists\s+)?(?:only\s+)?'
+                          || name_re || '\s+attach\s+partition\s+' || name_re, 'gi') LOOP
+      IF pg_catalog.to_regclass(names[1]) IS NOT NULL AND pg_catalog.to_regclass(names[2]) IS NOT NULL THEN
+        PERFORM {schema}.ddl_attaching(pg_catalog.to_regclass(names[1]), pg_catalog.to_regclass(names[2]));
+      END IF;
+    END LOOP;
+  END IF;
   IF coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') = 'on'
      OR coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') IN ('on', 'true', '1')
      OR {schema}.ddl_setting('replicate') IS DISTINCT FROM 'on' OR {schema}.ddl_applying() THEN
