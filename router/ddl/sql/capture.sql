@@ -193,7 +193,7 @@ BEGIN
     SELECT 1 FROM pg_index i WHERE i.indrelid = rel
        AND (i.indisreplident AND ident = 'i' OR i.indisprimary AND i.indimmediate AND ident = 'd'));
   IF NOT usable THEN
-    IF explicit AND (published OR mode <> 'warn') OR mode = 'refuse' THEN
+    IF explicit AND published OR mode = 'refuse' THEN
       IF published THEN
         RAISE EXCEPTION 'pgmesh: table % is replicated and would be left without a replica identity',
           qualified
