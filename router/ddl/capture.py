@@ -13,8 +13,12 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
   objects, in the `pgmesh` schema or by an extension script;
 - for every table a command creates or alters in the replicated set (`[replication] tables/exclude`),
   on every node (also when the router applies it): the table joins the publication and gets the
-  tombstone trigger (`router.conflicts.catalog`) once it has a key; without one it is left local with a
-  warning, or refused (`new_table_without_key = "refuse"`);
+  tombstone trigger (`router.conflicts.catalog`), keyed by its primary key, else its replica identity
+  index, else every column. One without a usable replica identity (no key, its key dropped, or a
+  deferrable one) is made REPLICA IDENTITY FULL, partitions included (`new_table_without_key = "full"`,
+  the default; recorded in `pgmesh.auto_identity`, and undone when a primary key arrives), left local
+  with a warning (`"warn"`, a new table) or refused (`"refuse"`); a table attached as a partition of a
+  replicated root first leaves the publication and drops its own tombstone trigger (`ddl_attaching`);
 - `pgmesh.known_columns` / `pgmesh.column_changes`: what each table's columns were called, so that a
   column renamed or dropped by DDL is recognised when rows sent before the change arrive later from
   another node (`router.ddl.reconcile` maps them); an unexplained missing column still pauses the link;
