@@ -1,7 +1,8 @@
 """pglogical's foreign_key.sql, ported to a two-node pgmesh mesh with the router running (issue 17).
 
 A table with a primary key and a table without one that references it (pglogical puts the second in its
-insert-only replication set), both made by DDL in one query string while the router runs. Rows are
+insert-only replication set; pgmesh makes it REPLICA IDENTITY FULL and replicates it, docs/ddl.md), both
+made by DDL in one query string while the router runs. Rows are
 inserted on both nodes, orders referencing products written on the other node.
 """
 
@@ -33,8 +34,6 @@ PRODUCTS = "SELECT product_no, product_id, name, price::text FROM public.f1k_pro
 ORDERS = "SELECT order_id, product_no, quantity FROM public.f1k_orders ORDER BY order_id"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a table without a key made by DDL stays local"
-                   " (new_table_without_key = warn): f1k_orders' rows never reach the other node")
 async def test_foreign_key(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2)
     a, b = m.nodes
