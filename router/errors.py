@@ -10,7 +10,8 @@ after a backoff, pause the link that hit it, or fail the command. Beside it, nam
 rules: a connection asyncpg found closed is retried and a missing table or column is waited for
 (`decide_link`, `SchemaWait`); which server errors mean the fast path met a conflict (`is_conflict`), that
 the target's tables changed (`tables_changed`), and how often a careful apply is tried again after a
-unique violation (`retry_unique`). No other module chooses a retry policy.
+unique violation (`retry_unique`); and the join's: how long a join session waits for a lock, and when a
+join attempt starts again from a new snapshot (`retry_join`). No other module chooses a retry policy.
 
 Must not: do I/O, or import asyncpg (the command line does not load it; its errors are recognised once
 it is loaded).
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFLICT_STATES",
+    "JOIN_ATTEMPTS",
+    "JOIN_LOCK_WAIT_S",
     "SCHEMA_STATES",
     "SCHEMA_WAIT_S",
     "UNIQUE_ATTEMPTS",
@@ -50,6 +53,7 @@ __all__ = [
     "decide_sqlstate",
     "describe",
     "is_conflict",
+    "retry_join",
     "retry_unique",
     "tables_changed",
 ]
@@ -267,6 +271,24 @@ def tables_changed(exc: BaseException) -> bool:
 def retry_unique(exc: BaseException, attempt: int) -> bool:
     """Attempt `attempt` of a careful apply met a unique violation: try again (UNIQUE_ATTEMPTS in all)."""
     return sqlstate_of(exc) == _UNIQUE_VIOLATION and attempt < UNIQUE_ATTEMPTS
+
+
+# ---------------------------------------------------------------- the join's rules
+
+# Every session `pgmesh join` opens on the donor that takes a lock waits at most this long for it
+# (lock_timeout), and an application session waiting for a lock the join holds waits about this long
+# before the join gives way (rolls its attempt back, so the application goes on).
+JOIN_LOCK_WAIT_S: Final = 5.0
+# A join attempt that met the application's locks starts again, with a new snapshot: this many in all.
+# 55P03: a lock_timeout ran out, or the join gave way to the application; 40P01: a deadlock the server
+# broke; 40001: a table was truncated or rewritten between the snapshot and the join's lock on it.
+JOIN_ATTEMPTS: Final = 5
+_JOIN_RETRY_STATES: Final = frozenset({"55P03", "40P01", "40001"})
+
+
+def retry_join(exc: BaseException, attempt: int) -> bool:
+    """Attempt `attempt` (1-based) of a join failed on a lock: start again (JOIN_ATTEMPTS in all)."""
+    return sqlstate_of(exc) in _JOIN_RETRY_STATES and attempt < JOIN_ATTEMPTS
 
 
 def _table(schema: object, table: object) -> str:

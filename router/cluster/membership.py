@@ -8,8 +8,11 @@
    slot only to what every target flushed), so X still has everything after P_X.
 2. A temporary slot on the donor exports a snapshot S with its consistent point L: S holds exactly
    the donor's own transactions that committed before L, and every X's transaction up to P_X. A
-   holder transaction keeps S importable and takes ACCESS SHARE locks on the copied tables, so DDL
-   on the donor that would rewrite them waits until the copy is done.
+   holder transaction keeps S importable; a lock holder (router.cluster.sync.locks) takes ACCESS
+   SHARE locks on the copied tables and plans the copy in the same session, so TRUNCATE or ALTER
+   TABLE on the donor waits for the copy, and the copy never queues behind them. Every join session
+   waits at most JOIN_LOCK_WAIT_S for a lock; an application session that waits that long for one of
+   the join's makes the attempt stop, and the join starts again from a new snapshot (`retry_join`).
 3. The schema at S (`pg_dump --schema-only --snapshot`) is restored in two parts: pre-data before the
    copy; indexes, constraints and triggers (post-data) after it. pgmesh's own schema, its event and
    tombstone triggers and publications are left out: `pgmesh init` installs them fresh.
@@ -38,10 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import re
-import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -54,11 +53,10 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
-from router.cluster import pgbin
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
-from router.errors import ConfigError, PgmeshError, describe
+from router.errors import JOIN_LOCK_WAIT_S, ConfigError, PgmeshError, describe, retry_join
 from router.service.admin import ask_router
 from router.stream.items import SourceOptions
 from router.stream.source import ReplicationSource
@@ -71,13 +69,6 @@ Conn = psycopg.AsyncConnection[Any]
 
 MARKER_SCHEMA: Final = "pgmesh_join"
 _SKIP_SCHEMAS: Final = ("pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, MARKER_SCHEMA)
-_ENV_KEYS: Final = {
-    "host": "PGHOST", "hostaddr": "PGHOSTADDR", "port": "PGPORT", "user": "PGUSER", "password": "PGPASSWORD",
-    "dbname": "PGDATABASE", "sslmode": "PGSSLMODE", "sslrootcert": "PGSSLROOTCERT", "sslcert": "PGSSLCERT",
-    "sslkey": "PGSSLKEY", "passfile": "PGPASSFILE", "connect_timeout": "PGCONNECT_TIMEOUT",
-}
-# TOC entries of the donor's dump that pgmesh installs itself on the new node.
-_SKIP_TOC: Final = re.compile(r" (EVENT TRIGGER|TRIGGER \S+ \S+ pgmesh_tombstone) ")
 
 
 class JoinReport(msgspec.Struct, frozen=True):
@@ -90,6 +81,7 @@ class JoinReport(msgspec.Struct, frozen=True):
     bytes: int
     copy_seconds: float
     seconds: float
+    attempts: int = 1  # more when the join gave way to the application's locks and started again
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -97,9 +89,12 @@ class JoinReport(msgspec.Struct, frozen=True):
 
 
 async def _connect(node: NodeConfig, purpose: str = "pgmesh join") -> Conn:
+    """A session that waits at most JOIN_LOCK_WAIT_S for any lock (it never queues behind the application
+    for longer)."""
     try:
         return await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=10, application_name=purpose
+            node.dsn, autocommit=True, connect_timeout=10, application_name=purpose,
+            options=f"-c lock_timeout={round(JOIN_LOCK_WAIT_S * 1000)}",
         )
     except psycopg.Error as exc:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
@@ -109,45 +104,6 @@ async def _one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | 
     cur = await conn.execute(query, params)  # type: ignore[arg-type]
     row = await cur.fetchone()
     return None if row is None else row[0]
-
-
-def _tool(name: str) -> str:
-    """A PostgreSQL client program: PGMESH_PG_BIN, the server's bindir, then PATH."""
-    candidates = [os.environ.get("PGMESH_PG_BIN", "")]
-    with contextlib.suppress(Exception):
-        candidates.append(str(pgbin.find_pg_bindir()))
-    for directory in candidates:
-        if directory and os.access(Path(directory) / name, os.X_OK):
-            return str(Path(directory) / name)
-    found = shutil.which(name)
-    if found is None:
-        raise PgmeshError(f"{name} not found", hint="install postgresql-client-15 or set PGMESH_PG_BIN")
-    return found
-
-
-def _env(dsn: str) -> dict[str, str]:
-    """The connection as PG* environment variables, so that no password shows on a command line."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    for key, value in psycopg.conninfo.conninfo_to_dict(dsn).items():
-        if key in _ENV_KEYS and value is not None:
-            env[_ENV_KEYS[key]] = str(value)
-    return env
-
-
-def _dbname(dsn: str) -> str:
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    return str(params.get("dbname") or params.get("user") or "postgres")
-
-
-async def _run_tool(args: list[str], dsn: str, what: str, node: str) -> str:
-    def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(args, env=_env(dsn), capture_output=True, text=True, check=False)
-
-    done = await asyncio.to_thread(run)
-    if done.returncode != 0:
-        detail = " ".join(done.stderr.strip().splitlines()[-3:])
-        raise PgmeshError(f"{what} failed: {detail}", node=node)
-    return done.stdout
 
 
 async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]:
@@ -204,6 +160,17 @@ async def _clean_new_node(conn: Conn, config: Config, node: str) -> list[str]:
     return done
 
 
+async def _mark(target: Conn, donor: str) -> None:
+    """The marker of a join under way: a join that stops midway leaves it, and the next one cleans up."""
+    await target.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(MARKER_SCHEMA)))
+    await target.execute(sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {}.state (donor text, started timestamptz DEFAULT now())"
+    ).format(sql.Identifier(MARKER_SCHEMA)))
+    await target.execute(
+        sql.SQL("INSERT INTO {}.state (donor) VALUES (%s)").format(sql.Identifier(MARKER_SCHEMA)), [donor]
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Join
 
@@ -216,9 +183,12 @@ async def join_node(
     force: bool = False,
     progress: Callable[[Any], None] | None = None,
     fail_copy: bool = False,
+    lock_wait_s: float = JOIN_LOCK_WAIT_S,
 ) -> JoinReport:
     """Copy `donor` (default: the first other node) to the new node `name` and set its positions.
 
+    No session of the join waits more than `lock_wait_s` for a lock, and an application session that
+    waits that long for one of the join's locks makes the join give way and start again.
     `fail_copy` (tests only) makes the copy fail after the schema is in place, as a killed job would.
     """
     started = time.monotonic()
@@ -263,15 +233,10 @@ async def join_node(
                 logger.info("node %s: %s", name, line)
         else:
             await uninstall(config, name)  # pgmesh objects of an earlier membership, if any
-        await target.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(MARKER_SCHEMA)))
-        await target.execute(sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {}.state (donor text, started timestamptz DEFAULT now())"
-        ).format(sql.Identifier(MARKER_SCHEMA)))
-        await target.execute(
-            sql.SQL("INSERT INTO {}.state (donor) VALUES (%s)").format(sql.Identifier(MARKER_SCHEMA)),
-            [source_node.name],
+        await _mark(target, source_node.name)
+        report = await _join_attempts(
+            config, new, source_node, others, conns, progress, fail_copy, lock_wait_s
         )
-        report = await _copy_from_donor(config, new, source_node, others, conns, progress, fail_copy)
         lines = await _install_with_drift(config)
         for line in lines:
             logger.info("%s", line)
@@ -285,11 +250,11 @@ async def join_node(
             await conn.close()
         if held:  # the router re-reads the config and streams to and from the new node
             await ask_router(config, "POST", "/release")
-    positions, snapshot_lsn, copied = report
+    positions, snapshot_lsn, copied, attempts = report
     return JoinReport(
         node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,
         tables=len(copied.tables), rows=copied.rows, bytes=copied.bytes, copy_seconds=copied.seconds,
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - started, attempts=attempts,
     )
 
 
@@ -308,6 +273,47 @@ async def _install_with_drift(config: Config) -> list[str]:
     return await install(config, msgspec.structs.replace(report, checks=checks))
 
 
+async def _join_attempts(
+    config: Config,
+    new: NodeConfig,
+    donor: NodeConfig,
+    others: list[NodeConfig],
+    conns: dict[str, Conn],
+    progress: Callable[[Any], None] | None,
+    fail_copy: bool,
+    lock_wait_s: float,
+) -> tuple[dict[str, str], str, Any, int]:
+    """`_copy_from_donor` until it succeeds, or fails in a way `retry_join` does not retry: an attempt
+    that met a lock wait (it gave way to the application) is rolled back on the new node and started
+    again with a new snapshot. Spark (its JVM) is kept between attempts."""
+    from router.cluster.sync.spark import reuse_spark
+
+    reuse = reuse_spark()
+    reuse.__enter__()
+    try:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                found = await _copy_from_donor(
+                    config, new, donor, others, conns, progress, fail_copy, lock_wait_s
+                )
+            except PgmeshError as exc:
+                if not retry_join(exc, attempt):
+                    raise
+                logger.warning("join %s, attempt %d: %s; starting again with a new snapshot",
+                               new.name, attempt, exc)
+                await _end_copy_sessions(conns[new.name], _join_tag(config))
+                for line in await _clean_new_node(conns[new.name], config, new.name):
+                    logger.info("node %s: %s", new.name, line)
+                await _mark(conns[new.name], donor.name)
+                await asyncio.sleep(min(attempt, 5) * 0.5)  # the application's statement runs meanwhile
+                continue
+            return (*found, attempt)
+    finally:
+        await asyncio.to_thread(reuse.__exit__, None, None, None)  # stops Spark (seconds): off the loop
+
+
 async def _copy_from_donor(
     config: Config,
     new: NodeConfig,
@@ -316,69 +322,94 @@ async def _copy_from_donor(
     conns: dict[str, Conn],
     progress: Callable[[Any], None] | None,
     fail_copy: bool,
+    lock_wait_s: float,
 ) -> tuple[dict[str, str], str, Any]:
-    from router.cluster.sync.copy import CopyTable, copy_snapshot
+    """One attempt: snapshot, locks and plan, positions, schema, rows (docs/join.md, "Locks")."""
+    from router.cluster.sync.copy import CopyAbort, copy_snapshot
+    from router.cluster.sync.locks import SnapshotLocks, give_way
+    from router.cluster.sync.schema import dump_and_restore_pre_data, restore_post_data
 
-    donor_conn = conns[donor.name]
-    tables = await replicated_tables(donor_conn, config)
-    copy_tables = []
-    for schema, table in tables:
-        cur = await donor_conn.execute(
-            "SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute"
-            " WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
-            [sql.Identifier(schema, table).as_string(donor_conn)],
-        )
-        row = await cur.fetchone()
-        copy_tables.append(CopyTable(schema=schema, name=table, columns=tuple(row[0] if row else ())))
-    options = SourceOptions(application_name=f"pgmesh_{config.cluster.name}_join")
-    slot = ReplicationSource(donor.name, donor.dsn, f"pgmesh_{config.cluster.name}_join", [], options=options)
+    tag = _join_tag(config)
+    tables = await replicated_tables(conns[donor.name], config)
+    options = SourceOptions(application_name=tag)
+    slot = ReplicationSource(donor.name, donor.dsn, tag, [], options=options)
     created = await slot.create_slot(export_snapshot=True, temporary=True)
     snapshot = created.snapshot
     assert snapshot is not None
-    try:
-        await slot.close()  # the temporary slot goes; the holder keeps the snapshot
-        await snapshot.lock(tables)  # DDL on the donor that would rewrite them waits for the copy
-        positions = {donor.name: format_lsn(created.consistent_point)}
-        for node in others:
-            if node.name == donor.name:
-                continue
-            origin = config.origin_name(node.name)
-            lsn = await _one(donor_conn, "SELECT pg_replication_origin_progress(%s, false)::text", [origin])
-            positions[node.name] = str(lsn or "0/0")
-        logger.info("join %s from %s: snapshot at %s; positions %s", new.name, donor.name,
-                    format_lsn(created.consistent_point), positions)
-        with tempfile.TemporaryDirectory(prefix="pgmesh-join-") as tmp:
-            dump = str(Path(tmp) / "schema.dump")
-            listing = str(Path(tmp) / "schema.list")
-            await _run_tool(
-                [_tool("pg_dump"), "--format=custom", "--schema-only", "--no-publications",
-                 "--no-subscriptions", f"--exclude-schema={PGMESH_SCHEMA}", f"--snapshot={snapshot.name}",
-                 f"--file={dump}"],
-                donor.dsn, "pg_dump of the schema", donor.name,
+    abort = CopyAbort()
+    watch = asyncio.create_task(give_way(donor.dsn, tag, abort, lock_wait_s=lock_wait_s, node=donor.name))
+    locks: SnapshotLocks | None = None
+    with tempfile.TemporaryDirectory(prefix="pgmesh-join-") as tmp:
+        try:
+            await slot.close()  # the temporary slot goes; the holder keeps the snapshot
+            # the tables as the snapshot sees them, locked (bounded wait) and planned in one session
+            locks = await asyncio.to_thread(
+                SnapshotLocks.open, donor.dsn, snapshot.name, tables, lock_wait_s=lock_wait_s,
+                application_name=f"{tag}-locks", node=donor.name,
             )
-            toc = await _run_tool(
-                [_tool("pg_restore"), "--list", dump], donor.dsn, "pg_restore --list", donor.name
-            )
-            kept = "\n".join(line for line in toc.splitlines() if not _SKIP_TOC.search(line))
-            await asyncio.to_thread(Path(listing).write_text, kept)
-            restore = [
-                _tool("pg_restore"), "--exit-on-error", "--single-transaction", f"--use-list={listing}",
-                f"--dbname={_dbname(new.dsn)}",  # the rest of the connection comes through PG* variables
-            ]
-            await _run_tool([*restore, "--section=pre-data", dump], new.dsn, "restoring the schema", new.name)
+            positions = await _positions(config, donor, others, conns[donor.name], created.consistent_point)
+            restore = await dump_and_restore_pre_data(new, donor, snapshot.name, Path(tmp), tag, lock_wait_s)
+            abort.check()
             if fail_copy:
                 raise PgmeshError("the copy was stopped (test hook)", node=new.name)
             copied = await asyncio.to_thread(
-                copy_snapshot, donor.dsn, new.dsn, snapshot.name, copy_tables,
+                copy_snapshot, donor.dsn, new.dsn, snapshot.name, locks.tables,
                 spark_master=config.sync.spark_master, partitions_per_table=config.sync.partitions_per_table,
-                spark_conf=config.sync.spark_conf, progress=progress,
+                spark_conf=config.sync.spark_conf, progress=progress, leaves=locks.leaves, abort=abort,
+                application_name=f"{tag}-copy", lock_wait_s=lock_wait_s,
             )
-            await _run_tool([*restore, "--section=post-data", dump], new.dsn, "restoring indexes", new.name)
-        await _copy_sequences(donor_conn, conns[new.name])
-    finally:
-        await snapshot.close()
-        await slot.close()
+            abort.check()
+        except (PgmeshError, psycopg.Error) as exc:
+            if abort.error is not None and exc is not abort.error:
+                raise abort.error from None  # the join gave way: that is why this step failed
+            raise
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            if locks is not None:
+                await asyncio.to_thread(locks.close)  # the application's statements go on
+            await snapshot.close()
+            await slot.close()
+        await restore_post_data(new, restore, Path(tmp))
+    await _copy_sequences(conns[donor.name], conns[new.name])
     return positions, format_lsn(created.consistent_point), copied
+
+
+async def _end_copy_sessions(target: Conn, tag: str) -> None:
+    """End the copy's sessions left on the new node by a stopped attempt (a cancelled Spark task's
+    session ends when it notices its client went): their locks would hold up the clean-up."""
+    query = (
+        "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE starts_with(application_name, %s) AND pid <> pg_backend_pid()"
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if await _one(target, query, [tag]) is None:
+            return
+        await asyncio.sleep(0.2)
+
+
+def _join_tag(config: Config) -> str:
+    """The prefix of every application_name the join's sessions on the donor carry (and its slot's name)."""
+    return f"pgmesh_{config.cluster.name}_join"
+
+
+async def _positions(
+    config: Config, donor: NodeConfig, others: list[NodeConfig], donor_conn: Conn, consistent_point: int
+) -> dict[str, str]:
+    """Where the new node reads each source from: the donor from the snapshot's consistent point, every
+    other node from the donor's origin progress for it (fixed: the router holds)."""
+    positions = {donor.name: format_lsn(consistent_point)}
+    for node in others:
+        if node.name == donor.name:
+            continue
+        origin = config.origin_name(node.name)
+        lsn = await _one(donor_conn, "SELECT pg_replication_origin_progress(%s, false)::text", [origin])
+        positions[node.name] = str(lsn or "0/0")
+    logger.info("join from %s: snapshot at %s; positions %s", donor.name, format_lsn(consistent_point),
+                positions)
+    return positions
 
 
 async def _copy_sequences(donor: Conn, new: Conn) -> None:

@@ -8,4 +8,6 @@ JVM starts only when a job runs (`router.cluster.sync.spark`).
   spark.py     the SparkSession (retries, quiet, no UI), kept between jobs only inside `reuse_spark()`
   progress.py  progress records, the poller, the CLI's progress bar
   copy.py      `copy_snapshot`: plan, run, report
+  locks.py     the lock holder that plans under its locks, and the watch that gives way to the application
+  schema.py    the schema at the snapshot: pg_dump, pg_restore pre-data and post-data
 """

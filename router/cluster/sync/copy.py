@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -39,12 +40,14 @@ from router.cluster.sync.worker import (
 from router.errors import PgmeshError, describe
 
 __all__ = [
+    "CopyAbort",
     "CopyProgress",
     "CopyReport",
     "CopyTable",
     "ProgressBar",
     "TableResult",
     "copy_snapshot",
+    "plan_leaves",
     "read_leaves",
     "reuse_spark",
     "stop_spark",
@@ -109,6 +112,42 @@ class CopyReport(msgspec.Struct, frozen=True):
     retries: int
 
 
+class CopyAbort:
+    """Stops a running copy from another thread: `request(error)` cancels its Spark job (tasks are
+    interrupted, their sessions close and roll back), and `copy_snapshot` raises `error`. Requesting
+    again is harmless (and cancels a job that started after the first request)."""
+
+    __slots__ = ("_context", "_group", "_lock", "error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.error: PgmeshError | None = None
+        self._context: Any = None
+        self._group: str | None = None
+
+    def request(self, error: PgmeshError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            context, group = self._context, self._group
+        if context is not None and group is not None:
+            context.cancelJobGroup(group)
+
+    def check(self) -> None:
+        """Raise the requested error, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def _attach(self, context: Any, group: str) -> None:
+        with self._lock:
+            self._context, self._group = context, group
+        self.check()
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._context = self._group = None
+
+
 def copy_snapshot(
     donor_dsn: str,
     target_dsn: str,
@@ -120,6 +159,10 @@ def copy_snapshot(
     spark_conf: Mapping[str, str] | None = None,
     progress: Callable[[CopyProgress], None] | None = None,
     max_task_failures: int = 4,
+    leaves: Sequence[Leaf] | None = None,
+    abort: CopyAbort | None = None,
+    application_name: str | None = None,
+    lock_wait_s: float = 0.0,
     _fail_once_marker: str | None = None,
 ) -> CopyReport:
     """Copy every row of `tables` that `snapshot` (exported on the donor) shows into the target.
@@ -139,8 +182,14 @@ def copy_snapshot(
     `partitions_per_table` > 0 splits each relation (each leaf partition of a partitioned table) into
     that many ctid ranges; 0 chooses from its size (one task below 8 MB). `progress` is called about
     twice a second from a helper thread, and once at the end (`final`) from this one; `ProgressBar()`
-    is one for a terminal. `_fail_once_marker` is a test hook only: the first task attempt that creates
-    this file fails after its COPY, before COMMIT.
+    is one for a terminal.
+
+    `leaves` are the relations and sizes to plan from, read by the caller under the snapshot
+    (`plan_leaves`, e.g. in the session that holds the tables' locks: router.cluster.sync.locks);
+    without them a session of its own reads them (`read_leaves`). `lock_wait_s` > 0 is every donor
+    session's `lock_timeout`; `abort` stops the copy from another thread; `application_name` names the
+    tasks' sessions on both nodes (default "pgmesh copy <snapshot>"). `_fail_once_marker` is a test
+    hook only: the first task attempt that creates this file fails after its COPY, before COMMIT.
 
     Raises `PgmeshError` (node "donor" or "target", the table, the SQL state) when a task still fails
     after its retries, a table is missing, or the snapshot cannot be imported.
@@ -149,15 +198,19 @@ def copy_snapshot(
     _check_arguments(snapshot, tables, partitions_per_table)
     if not tables:
         return CopyReport((), 0, 0, time.monotonic() - started, 0, 0)
-    leaves = read_leaves(donor_dsn, snapshot, tables)
+    if leaves is None:
+        leaves = read_leaves(donor_dsn, snapshot, tables, lock_wait_s=lock_wait_s)
     job = CopyJob(
         donor_dsn=donor_dsn,
         target_dsn=target_dsn,
         snapshot=snapshot,
-        application_name=(APPLICATION_NAME_PREFIX + snapshot)[:63],
+        application_name=(application_name or APPLICATION_NAME_PREFIX + snapshot)[:63],
         tables=len(tables),
+        lock_timeout_ms=max(0, round(lock_wait_s * 1000)),
         fail_once_marker=_fail_once_marker,
     )
+    if abort is not None:
+        abort.check()
     with spark_session(spark_master, spark_conf, max_task_failures=max_task_failures,
                        worker_modules=(run_partition.__module__,)) as spark:
         parallelism = local_parallelism(spark_master) or int(spark.sparkContext.defaultParallelism)
@@ -165,7 +218,8 @@ def copy_snapshot(
                            parallelism=parallelism)
         logger.info("initial copy: %d tables, %d relations, %d tasks, snapshot %s",
                     len(tables), len(leaves), len(tasks), snapshot)
-        outcomes = _run_job(spark.sparkContext, job, tasks, len(tables), progress, started, max_task_failures)
+        outcomes = _run_job(spark.sparkContext, job, tasks, len(tables), progress, started, max_task_failures,
+                            abort)
     return _report(tables, tasks, outcomes, time.monotonic() - started)
 
 
@@ -183,27 +237,45 @@ def _check_arguments(snapshot: str, tables: Sequence[CopyTable], partitions_per_
         seen.add((table.schema, table.name))
 
 
-def read_leaves(donor_dsn: str, snapshot: str, tables: Sequence[CopyTable]) -> list[Leaf]:
+def read_leaves(
+    donor_dsn: str, snapshot: str, tables: Sequence[CopyTable], *, lock_wait_s: float = 0.0
+) -> list[Leaf]:
     """The relations that hold each table's rows (itself, or its leaf partitions) and their sizes in
-    blocks, read on the donor in a transaction that imports `snapshot`."""
-    relation = None
+    blocks, read on the donor in a transaction that imports `snapshot` (waiting at most `lock_wait_s`
+    for each table's ACCESS SHARE lock, when > 0)."""
     try:
         with psycopg.connect(donor_dsn, autocommit=True, application_name="pgmesh copy plan") as conn:
+            if lock_wait_s > 0:
+                conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(round(lock_wait_s * 1000))))
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             try:
                 conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
             except psycopg.Error as exc:
                 raise PgmeshError(f"cannot import snapshot {snapshot!r}: {describe(exc)}", node="donor",
                                   sqlstate=exc.sqlstate, hint=SNAPSHOT_HINT) from None
-            row = conn.execute("SELECT pg_catalog.current_setting('block_size')::int").fetchone()
-            block_size = int(row[0]) if row is not None else DEFAULT_BLOCK_SIZE
-            leaves: list[Leaf] = []
-            for index, table in enumerate(tables):
-                relation = table.relation
-                leaves.extend(_table_leaves(conn, index, table, block_size))
+            leaves = plan_leaves(conn, tables)
             conn.execute("COMMIT")
     except psycopg.Error as exc:
-        raise PgmeshError(f"cannot plan the copy: {describe(exc)}", node="donor", relation=relation,
+        raise PgmeshError(f"cannot plan the copy: {describe(exc)}", node="donor",
+                          sqlstate=exc.sqlstate) from None
+    return leaves
+
+
+def plan_leaves(
+    conn: psycopg.Connection[Any], tables: Sequence[CopyTable], *, node: str = "donor"
+) -> list[Leaf]:
+    """`read_leaves` on a session that already imported the snapshot (and, best, holds the tables'
+    locks: reading a size takes ACCESS SHARE, which would otherwise queue behind a TRUNCATE)."""
+    relation = None
+    try:
+        row = conn.execute("SELECT pg_catalog.current_setting('block_size')::int").fetchone()
+        block_size = int(row[0]) if row is not None else DEFAULT_BLOCK_SIZE
+        leaves: list[Leaf] = []
+        for index, table in enumerate(tables):
+            relation = table.relation
+            leaves.extend(_table_leaves(conn, index, table, block_size))
+    except psycopg.Error as exc:
+        raise PgmeshError(f"cannot plan the copy: {describe(exc)}", node=node, relation=relation,
                           sqlstate=exc.sqlstate) from None
     names = [(leaf.schema, leaf.name) for leaf in leaves]
     for name in names:
@@ -241,6 +313,7 @@ def _run_job(
     progress: Callable[[CopyProgress], None] | None,
     started: float,
     max_task_failures: int,
+    abort: CopyAbort | None = None,
 ) -> list[TaskOutcome]:
     counters = sc.accumulator([0] * (3 + ntables), Counters())
     table_tasks = [0] * ntables
@@ -254,12 +327,20 @@ def _run_job(
     outcomes: list[TaskOutcome] = []
     try:
         if tasks:
+            if abort is not None:  # a job group that `abort` can cancel from another thread
+                sc.setJobGroup(job.application_name, "pgmesh initial copy", interruptOnCancel=True)
+                abort._attach(sc, job.application_name)
             rdd = sc.parallelize(list(tasks), len(tasks))
             outcomes = rdd.mapPartitions(functools.partial(run_partition, job, counters)).collect()
     except Exception as exc:
         if poller is not None:
             poller.stop()
+        if abort is not None and abort.error is not None:
+            raise abort.error from None
         raise _job_error(exc, max_task_failures) from None
+    finally:
+        if abort is not None:
+            abort._detach()
     if poller is not None:
         exact = [len(outcomes), sum(o.rows for o in outcomes), sum(o.bytes for o in outcomes)]
         per_table = [0] * ntables

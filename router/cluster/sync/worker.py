@@ -1,6 +1,7 @@
 """What one Spark task of the initial copy does: relay one ctid range from donor to target as COPY bytes.
 
-Owns: the task's two sessions (donor: REPEATABLE READ READ ONLY importing the exported snapshot;
+Owns: the task's two sessions (donor: REPEATABLE READ READ ONLY importing the exported snapshot, with
+the job's lock_timeout;
 target: `session_replication_role = replica`, `synchronous_commit = off`, one transaction), the SQL of
 both COPY statements, the byte relay between them, the tagged error a failed task raises (the driver
 turns it back into a `PgmeshError`), the per-task counters sent to the driver, and the test-only
@@ -67,6 +68,7 @@ class CopyJob(msgspec.Struct, frozen=True):
     snapshot: str
     application_name: str
     tables: int  # how many tables the copy has (the length of the per-table counters)
+    lock_timeout_ms: int = 0  # > 0: the donor session's lock_timeout (a task never waits unbounded)
     fail_once_marker: str | None = None  # test-only: see `_claim_failure`
 
     def __repr__(self) -> str:
@@ -228,6 +230,8 @@ def _connect(dsn: str, job: CopyJob, role: str, task: CopyTask) -> psycopg.Conne
 
 def _open_snapshot(donor: psycopg.Connection[Any], job: CopyJob, task: CopyTask) -> None:
     try:
+        if job.lock_timeout_ms > 0:  # COPY's ACCESS SHARE may queue behind an application's TRUNCATE
+            donor.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(job.lock_timeout_ms)))
         donor.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         donor.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshot)))
     except psycopg.Error as exc:
