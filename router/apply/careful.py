@@ -76,9 +76,8 @@ T, C, TS = TABLE_ALIAS, COMMIT_ALIAS, TOMBSTONE_ALIAS  # pgmesh's aliases (route
 
 
 def _row_json(table: TargetTable) -> str:
-    """SQL for the row of TABLE_ALIAS as a JSON object of each column's text (NULL as null): the form
-    pgoutput's text values have, which each type's input function reads back exactly. (to_jsonb's
-    numbers lose digits once parsed, and its arrays and composites are JSON no input function reads.)"""
+    """The row of TABLE_ALIAS as JSON: each column's text (or null), as pgoutput's text values are (to_jsonb's
+    numbers lose digits once parsed; its arrays and composites are JSON no input function reads)."""
     names = tuple(table.types) or tuple(sorted(table.columns))
     keys = ", ".join(quote_literal(n) for n in names)
     values = ", ".join(f"{T}.{quote_ident(n)}::text" for n in names)
@@ -111,17 +110,13 @@ def read_tombstone_sql(key_sql: str) -> str:
     )
 
 
-def row_where(
-    values: Mapping[str, Any], columns: tuple[str, ...], types: Mapping[str, str] | None = None
-) -> str:
+def row_where(values: Mapping[str, Any], columns: tuple[str, ...], types: Mapping[str, str] | None = None,
+              ) -> str:
     """`columns` of TABLE_ALIAS equal to (or, for None, NULL as) `values`, cast to `types` (the target's
     column types by name: an untyped literal compared with a composite would be read as a record)."""
-    kinds = types or {}
-    return " AND ".join(
-        f"{T}.{quote_ident(k)} "
-        f"{'IS NULL' if values.get(k) is None else '= ' + typed(_lit(values[k]), kinds.get(k))}"
-        for k in columns
-    )
+    kinds, ident = types or {}, quote_ident
+    return " AND ".join(f"{T}.{ident(k)} IS NULL" if values.get(k) is None
+                        else f"{T}.{ident(k)} = {typed(_lit(values[k]), kinds.get(k))}" for k in columns)
 
 
 def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None) -> str:
@@ -157,6 +152,16 @@ def _row(relation: Relation, data: TupleData) -> Row:
             continue
         out[column.name] = value.decode() if isinstance(value, bytes) else None
     return out
+
+
+def _new_row(relation: Relation, change: Update) -> Row:
+    """The row an update leaves at the source: its new values, and the old row's for a column sent as
+    unchanged TOAST when the whole old row came (REPLICA IDENTITY FULL)."""
+    new = _row(relation, change.new)
+    if change.old is not None and change.old_kind == "O":
+        for name, value in _row(relation, change.old).items():
+            new.setdefault(name, value)
+    return new
 
 
 def _lit(value: Any) -> str:
@@ -472,7 +477,7 @@ class CarefulApplier:
         remote: Version,
         records: list[ConflictRecord],
     ) -> None:
-        new = _row(relation, change.new)
+        new = _new_row(relation, change)
         key_row = change.old if change.old is not None else change.new
         local = await self._by_key(conn, relation, table, key_row)
         deltas = self.config.delta_columns(relation.schema, relation.name)
@@ -542,7 +547,7 @@ class CarefulApplier:
         if decision.outcome is Outcome.USE_ROW and decision.row is not None:
             row = dict(decision.row)
         elif decision.outcome is Outcome.APPLY_REMOTE:
-            if any(kind == KIND_UNCHANGED for kind in change.new.kinds):
+            if any(c.name not in new for c in relation.columns):  # unchanged TOAST, not in the old row
                 logger.warning(
                     "%s: cannot re-create row (%s) of %s: unchanged TOAST values were not sent",
                     self.target,

@@ -200,13 +200,19 @@ async def test_every_type(mesh: MeshFactory) -> None:
         before = (await _conflicts(a), await _conflicts(b))
         await router.pause(None)
         await execute(a.dsn(), _copy_row(names, "every_type", 5, 't."id" IN (1, 100)'),
-                      "DELETE FROM every_type WHERE id = 2", types.insert_sql("every_type", names, 50, 1))
+                      "DELETE FROM every_type WHERE id = 2", types.insert_sql("every_type", names, 50, 1),
+                      "UPDATE every_type_full SET c_text = 'a was here' WHERE id = 4")
+        # (a keyless row updated on both nodes: each node's update misses the other's version of the
+        # row and adds its own; their out-of-line values, unchanged, come in the whole old row)
         await execute(b.dsn(), _copy_row(names, "every_type", 6, 't."id" IN (1, 100)'),
                       _copy_row(names, "every_type", 4, 't."id" = 2'),
-                      types.insert_sql("every_type", names, 50, 2))
+                      types.insert_sql("every_type", names, 50, 2),
+                      "UPDATE every_type_full SET c_text = 'b was here' WHERE id = 4")
         await router.resume(None)
         await _equal(m, router, "both nodes equal after the conflicts")
         assert await _conflicts(a) > before[0] and await _conflicts(b) > before[1]
+        versions = await fetch(a.dsn(), "SELECT c_text FROM every_type_full WHERE id = 4 ORDER BY 1")
+        assert versions == [("a was here",), ("b was here",)], versions
         picked = "SELECT count(*) FROM pgmesh.conflict_history WHERE resolution = 'use_row'"
         assert (await fetch(a.dsn(), picked))[0][0] > 0 and (await fetch(b.dsn(), picked))[0][0] > 0
         healthy(router)
