@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-import pytest
-
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import healthy
@@ -44,7 +42,6 @@ async def _committed(node: Any, query: str) -> datetime.datetime:
     return at
 
 
-@pytest.mark.slow  # about 20 s: each change waits out the delay
 async def test_apply_delay(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, replication=f"apply_delay_ms = {int(DELAY.total_seconds() * 1000)}")
     a, b = m.nodes

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from router.cluster.membership import part_node
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
@@ -32,7 +30,6 @@ async def _origins(node: Any) -> list[str]:
     return [r[0] for r in await fetch(node.dsn(), "SELECT roname FROM pg_replication_origin ORDER BY roname")]
 
 
-@pytest.mark.slow  # about 17 s: three nodes, two router runs
 async def test_drop(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     a, b, c = m.nodes

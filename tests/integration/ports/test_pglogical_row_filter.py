@@ -18,7 +18,6 @@ import json
 from typing import Any
 
 import psycopg
-import pytest
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -106,7 +105,6 @@ async def _true(node: Any, query: str) -> bool:
     return bool(await fetch(node.dsn(), query) == [(True,)])
 
 
-@pytest.mark.slow  # about 17 s: the whole scenario, with its functions
 async def test_row_filter_scenario_without_filters(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2)
     a, b = m.nodes

@@ -71,6 +71,8 @@ async def test_history_trigger(mesh: MeshFactory) -> None:
     a, b = m.nodes
     async with running_router(m.config) as router:
         await execute(a.dsn(), "CREATE TABLE public.test_trg_data(id serial primary key, data text)")
+        made = "SELECT to_regclass('test_trg_data') IS NOT NULL"
+        await wait_for(lambda: _true(b, made), "test_trg_data on b")
         await execute(b.dsn(), "CREATE TABLE test_trg_hist("
                                "table_name text, action text, action_id serial,"
                                " original_data text, new_data text)")
@@ -117,6 +119,7 @@ async def test_filter_trigger(mesh: MeshFactory) -> None:
     async with running_router(m.config) as router:
         await execute(a.dsn(), "CREATE TABLE public.basic_dml ("
                                "id serial primary key, other integer, data text, something interval)")
+        await wait_for(lambda: _true(b, "SELECT to_regclass('basic_dml') IS NOT NULL"), "basic_dml on b")
         await execute(b.dsn(), FILTER_FN)
         await execute(b.dsn(), "CREATE TRIGGER filter_basic_dml_trg BEFORE INSERT OR UPDATE ON basic_dml"
                                " FOR EACH ROW EXECUTE PROCEDURE filter_basic_dml_fn()")
