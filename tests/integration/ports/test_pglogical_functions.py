@@ -70,7 +70,9 @@ async def test_function_defaults(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "CREATE TABLE public.funct ("
                                "a integer, b INT DEFAULT nextval('public.insert_seq'))",
                       "ALTER TABLE public.funct REPLICA IDENTITY FULL")
-        await wait_for(lambda: has(b.dsn(), exists("public.funct"), [(True,)]), "the tables on b")
+        full = ("SELECT count(*) = 3 FROM pg_class WHERE relname IN ('funct2', 'funct5', 'funct')"
+                " AND relreplident = 'f'")
+        await wait_for(lambda: has(b.dsn(), full, [(True,)]), "the tables on b, REPLICA IDENTITY FULL")
 
         await execute(a.dsn(), "INSERT INTO public.funct2(a,b) VALUES (1,2)")  # c should be 22
         await execute(a.dsn(), "INSERT INTO public.funct2(a,b,c) VALUES (3,4,5)")  # c should be 5
