@@ -172,3 +172,21 @@ async def test_domain_with_function_check(mesh: MeshFactory) -> None:
         gone = "SELECT count(*) FROM pg_proc WHERE proname IN ('is_prime_lt_100', 'some_prime_numbers')"
         await wait_for(lambda: has(b.dsn(), gone, [(0,)]), "the functions dropped on b")
         healthy(router)
+
+
+async def test_domain_and_rows_in_one_query_string(mesh: MeshFactory) -> None:
+    """The original's exact shape: functions, domain, table and its rows in one query string (pglogical's
+    replicate_ddl_command). pgmesh replays the string whole on b (docs/ddl.md, "One query string with DDL
+    and DML"), so the rows are written there twice: by the replay and by replication, which meets them as
+    insert_exists conflicts of identical rows. The nodes converge; the conflicts are recorded."""
+    m = await mesh(nodes=2)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        rows = "INSERT INTO public.prime_tbl (num) VALUES(17), (31), (79)"
+        await execute(a.dsn(), ";\n".join([*PRIMES, rows]))
+        await wait_for(lambda: has(b.dsn(), exists("public.prime_tbl"), [(True,)]), "prime_tbl on b")
+        await execute(a.dsn(), "DELETE FROM public.prime_tbl WHERE num = 31")
+        await wait_converged(m.nodes, ["prime_tbl"])
+        assert await fetch(b.dsn(), "SELECT num FROM public.prime_tbl ORDER BY num") == [(17,), (79,)]
+        assert router.appliers[("a", "b")].conflicts == 3
+        healthy(router)
