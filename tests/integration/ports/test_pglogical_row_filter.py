@@ -217,3 +217,32 @@ async def test_row_filter_scenario_without_filters(mesh: MeshFactory) -> None:
             assert got == expected, (node.name, got)
         healthy(router)
 
+
+
+async def test_function_owner_role_made_on_one_node_only(mesh: MeshFactory) -> None:
+    """The original makes `temp_owner` on the provider only, then gives it the SECURITY DEFINER function.
+    Roles are per server: the replayed ALTER FUNCTION ... OWNER TO pauses the link into b, naming node, role,
+    command and what to do (docs/ddl.md); once the role is made on b and the link resumed, the same command
+    applies and the rows behind it follow. Nothing is skipped."""
+    m = await mesh(nodes=2, schema="CREATE TABLE public.basic_dml (id int PRIMARY KEY, other int)")
+    a, b = m.nodes
+    await execute(a.dsn(), "CREATE ROLE temp_owner")
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), FUNCTIONS["func_plpgsql_security_definer"])
+        await execute(a.dsn(), "ALTER FUNCTION func_plpgsql_security_definer(integer) OWNER TO temp_owner")
+        await execute(a.dsn(), "INSERT INTO basic_dml VALUES (1, 300), (2, 301)")
+        link = router.appliers[("a", "b")]
+        await wait_for(lambda: link.state.value == "error", "the link into b held on the missing role")
+        error = link.last_error or ""
+        for words in ("node b", 'role "temp_owner" does not exist', "OWNER TO temp_owner", "pgmesh resume"):
+            assert words in error, (words, error)
+        assert await fetch(b.dsn(), "SELECT count(*) FROM basic_dml") == [(0,)]
+
+        await execute(b.dsn(), "CREATE ROLE temp_owner")
+        await router.resume(None)
+        await wait_converged(m.nodes, ["basic_dml"])
+        owner = "SELECT proowner::regrole::text FROM pg_proc WHERE proname = 'func_plpgsql_security_definer'"
+        assert await fetch(b.dsn(), owner) == [("temp_owner",)]
+        called = "SELECT func_plpgsql_security_definer(other) FROM basic_dml ORDER BY id"
+        assert await fetch(b.dsn(), called) == [(300,), (301,)]
+        healthy(router)
