@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+
 from router.testing.mesh import fetch, wait_for
 
 
@@ -28,10 +30,14 @@ async def has(dsn: str, query: str, expected: Any) -> bool:
 
 
 async def rows_everywhere(nodes: Sequence[Any], query: str, expected: Any, limit: float = 60) -> None:
-    """Wait until `query` returns `expected` on every node (a clear message names the node that lags)."""
+    """Wait until `query` returns `expected` on every node (a clear message names the node that lags);
+    a table or column the query names that a node does not have yet (its DDL is on its way) is waited for."""
     for node in nodes:
         async def check(node: Any = node) -> bool:
-            return await fetch(node.dsn(), query) == expected
+            try:
+                return await fetch(node.dsn(), query) == expected
+            except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+                return False
 
         try:
             await wait_for(check, f"{query!r} = {expected!r} on node {node.name}", limit)

@@ -23,6 +23,7 @@ async def test_006_rewrite(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "INSERT INTO test1 (a, b) VALUES (1, 'one'), (2, 'two')")
         await rows_everywhere(m.nodes, "SELECT a, b FROM test1 ORDER BY a", [(1, "one"), (2, "two")])
         await execute(b.dsn(), "ALTER TABLE test1 ADD c int NOT NULL DEFAULT 0")
+        await rows_everywhere(m.nodes, "SELECT count(c) FROM test1", [(2,)])  # the ALTER reached a
         await execute(a.dsn(), "INSERT INTO test1 (a, b, c) VALUES (3, 'three', 33)")
         await execute(b.dsn(), "INSERT INTO test1 (a, b, c) VALUES (4, 'four', 44)")
         expected = [(1, "one", 0), (2, "two", 0), (3, "three", 33), (4, "four", 44)]
