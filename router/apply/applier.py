@@ -46,6 +46,7 @@ from router.apply.side import SideSession
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.apply.statements import TargetTable, quote_ident
 from router.config import Config, NodeConfig
+from router.ddl.capture import SCHEMA_CHANGES
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
 from router.errors import (
     SCHEMA_WAIT_S,
@@ -104,6 +105,7 @@ class Applier(LinkView):
         self._schema = SchemaWait()  # since when a missing table / column is awaited
         self.schema_wait = SCHEMA_WAIT_S
         self._reloaded_for = -1  # the transaction that last made us re-read the target's tables
+        self._schema_changes = -1  # the target's count of DDL commands when the careful path last looked
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
         # doubled after a clean batch, up to BATCH_TRANSACTIONS.
@@ -463,7 +465,10 @@ class Applier(LinkView):
         link = self.link
         assert link.conn is not None
         whole = materialize(txn)  # a transaction spilled to disk is read back whole, for this path only
-        await link.reload_tables()  # keys as they are now: DDL run here changes them (router.ddl.capture)
+        changes = await link.conn.fetchval(SCHEMA_CHANGES)  # DDL run here changes keys (router.ddl.capture)
+        if changes != self._schema_changes:
+            self._schema_changes = changes
+            await link.reload_tables()
         ddl = has_ddl(whole)
         reloaded = False
         for attempt in range(1, UNIQUE_ATTEMPTS + 1):

@@ -50,13 +50,18 @@ from psycopg import sql
 from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, Config
 
-__all__ = ["LOCAL_SETTING", "glob_regex", "install_ddl_capture"]
+__all__ = ["LOCAL_SETTING", "SCHEMA_CHANGES", "glob_regex", "install_ddl_capture"]
 
 logger = logging.getLogger(__name__)
 
 Conn = psycopg.AsyncConnection[Any]
 
 LOCAL_SETTING: Final = "pgmesh.ddl_local"  # SET pgmesh.ddl_local = on: DDL that stays on this node
+# How many DDL commands on replicated objects ran on a node (captured or replayed; `pgmesh.ddl_changed`):
+# when it moved, what an applier knows of the node's tables (keys, unique constraints) may be stale.
+SCHEMA_CHANGES: Final = (
+    "SELECT coalesce(pg_catalog.pg_sequence_last_value(pg_catalog.to_regclass('pgmesh.schema_changes')), 0)"
+)
 
 
 def glob_regex(patterns: Sequence[str]) -> str:

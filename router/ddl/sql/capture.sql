@@ -21,6 +21,12 @@ SET search_path = pg_catalog, pg_temp AS $body$
   SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl', content)
 $body$;
 
+-- Note that this node's schema changed (router/apply/applier.py reads it: SCHEMA_CHANGES in capture.py).
+CREATE OR REPLACE FUNCTION {schema}.ddl_changed() RETURNS void LANGUAGE sql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp AS $body$
+  SELECT NULL::void FROM pg_catalog.nextval('{schema}.schema_changes')
+$body$;
+
 -- TRUNCATE of one partition. The publication publishes via the partition root, and pgoutput then sends
 -- a TRUNCATE only for the roots it names: one of a partition alone (or of a partitioned partition) never
 -- reaches the other nodes. So every partition (relkind 'r') of a published partitioned table has the
@@ -280,6 +286,9 @@ BEGIN
       PERFORM {schema}.ddl_table(cmd.objid);
     END IF;
   END LOOP;
+  IF replicated THEN
+    PERFORM {schema}.ddl_changed();
+  END IF;
   IF replicated AND {schema}.ddl_setting('replicate') = 'on' AND NOT {schema}.ddl_applying()
      AND coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') NOT IN ('on', 'true', '1') THEN
     -- one message per statement, also when a query string holds several commands

@@ -14,3 +14,7 @@ CREATE TABLE IF NOT EXISTS {schema}.column_changes (
 -- key (router/ddl/sql/capture.sql, ddl_identity): reset to DEFAULT when a primary key arrives. A table
 -- set FULL by its owner is not listed, and keeps FULL.
 CREATE TABLE IF NOT EXISTS {schema}.auto_identity (relid oid PRIMARY KEY);
+
+-- Bumped by every DDL command on a replicated object here, captured or replayed (ddl_changed): an applier
+-- into this node reads the target's tables again when it moved (keys and unique constraints change).
+CREATE SEQUENCE IF NOT EXISTS {schema}.schema_changes;
