@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 
+from router.cluster.install import init_cluster
+from router.config import parse_config
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import has, healthy, same_rows
@@ -207,3 +210,30 @@ async def test_a_partitioned_table_without_a_key(mesh: MeshFactory) -> None:
         rows = await same_rows(a, b, where, "the changes")
         assert rows == [("p1", 2, "zz"), ("p2", 120, "x"), ("p2", 120, "x"), ("p2", 150, "y")], rows
         healthy(router)
+
+
+async def test_what_is_refused(mesh: MeshFactory) -> None:
+    """A replica identity set by hand that cannot identify rows, on a replicated table; and, with
+    new_table_without_key = "refuse", a new table without a key and dropping a replicated table's key."""
+    m = await mesh(nodes=2, schema='CREATE TABLE "t" ("id" int PRIMARY KEY, "v" text);')
+    a = m.nodes[0].dsn()
+    refused = psycopg.errors.FeatureNotSupported
+    left = r"public\.t is replicated and would be left without a replica identity"
+    with pytest.raises(refused, match=left):
+        await execute(a, 'ALTER TABLE "t" REPLICA IDENTITY NOTHING')
+    await execute(a, 'CREATE TABLE "n" ("v" text)', 'ALTER TABLE "n" REPLICA IDENTITY FULL')
+    with pytest.raises(refused, match=r"public\.n is replicated and would be left without"):
+        await execute(a, 'ALTER TABLE "n" REPLICA IDENTITY DEFAULT')
+    # an identity FULL set by its owner stays when a key arrives; one pgmesh set goes back to DEFAULT
+    await execute(a, 'CREATE TABLE "m" ("v" int NOT NULL)', 'ALTER TABLE "n" ADD PRIMARY KEY ("v")',
+                  'ALTER TABLE "m" ADD PRIMARY KEY ("v")')
+    assert [await identity(a, "n"), await identity(a, "m")] == ["f", "d"]
+    await execute(a, 'DROP TABLE "n", "m"')  # (no router here: b never got them)
+    strict = m.config_text().replace("[replication]\n", '[replication]\nnew_table_without_key = "refuse"\n')
+    report, _ = await init_cluster(parse_config(strict))
+    assert report.ok
+    with pytest.raises(refused, match=r"public\.k has no primary key"):
+        await execute(a, 'CREATE TABLE "k" ("v" text)')
+    with pytest.raises(refused, match=left):
+        await execute(a, 'ALTER TABLE "t" DROP CONSTRAINT "t_pkey"')
+    assert await identity(a, "t") == "d"
