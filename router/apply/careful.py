@@ -319,11 +319,12 @@ class CarefulApplier:
         if table.pk:
             values = _row(relation, data)
             if all(values.get(k) is not None for k in table.pk):
-                return await self._local(conn, table, row_where(values, table.pk, table.types))
-        return await self._local(conn, table, identity_match(relation, data, full=True, types=table.types))
+                return await self._local(conn, table, row_where(values, table.pk, table.compare))
+        return await self._local(conn, table, identity_match(relation, data, full=True, types=table.compare))
 
     def _key_sql(self, table: TargetTable, values: Row) -> str:
-        parts = [f"({_lit(values.get(k))}::{table.types.get(k, 'text')})::text" for k in table.tombstone_key]
+        kinds = table.compare
+        parts = [f"({_lit(values.get(k))}::{kinds.get(k, 'text')})::text" for k in table.tombstone_key]
         return f"ARRAY[{', '.join(parts)}]::text[]"
 
     async def _tombstone(self, conn: Any, table: TargetTable, values: Row) -> _Local | None:
@@ -445,7 +446,7 @@ class CarefulApplier:
         for unique in table.uniques:
             if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
                 continue
-            where = row_where(new, unique, table.types)
+            where = row_where(new, unique, table.compare)
             other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
             if other is None:
                 continue
@@ -516,7 +517,7 @@ class CarefulApplier:
         sets = []
         for column in deltas:
             if old.get(column) is not None and new.get(column) is not None:
-                kind = table.types.get(column, "numeric")
+                kind = table.compare.get(column, "numeric")
                 sets.append(
                     f"{quote_ident(column)} = {T}.{quote_ident(column)} + ({_lit(new[column])}::{kind}"
                     f" - {_lit(old[column])}::{kind})"

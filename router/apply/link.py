@@ -43,8 +43,10 @@ WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
 # and the other unique keys (plain column lists, not partial, not on expressions).
 _TABLES_QUERY = """
 SELECT n.nspname, c.relname,
-  (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod)) ORDER BY a.attnum)
-     FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
+  (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod),
+       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END) ORDER BY a.attnum)
+     FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+     WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
   (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
        SELECT jsonb_agg(a.attname ORDER BY k.ord)
        FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
@@ -121,12 +123,15 @@ class LinkSession:
         assert self.conn is not None
         tables = {}
         for schema, name, columns_json, keys_json, partitioned in await self.conn.fetch(_TABLES_QUERY):
-            types = {col: kind for col, kind in json.loads(columns_json or "[]")}
+            columns = json.loads(columns_json or "[]")
+            types = {col: kind for col, kind, _ in columns}
+            bases = {col: base for col, _, base in columns if base}  # of domain columns
             keys = json.loads(keys_json or "[]")
             pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
             replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
             uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
-            table = TargetTable(schema, name, frozenset(types), types, pk, uniques, partitioned=partitioned)
+            table = TargetTable(schema, name, frozenset(types), types, pk, uniques, partitioned=partitioned,
+                                bases=bases)
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
             tables[(schema, name)] = table

@@ -104,7 +104,8 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "columns", "name", "partitioned", "pk", "qualified", "tombstone_key", "types", "uniques",
+        "_fits", "columns", "compare", "name", "partitioned", "pk", "qualified", "tombstone_key", "types",
+        "uniques",
     )
 
     def __init__(
@@ -117,12 +118,15 @@ class TargetTable:
         uniques: tuple[tuple[str, ...], ...] = (),
         *,
         partitioned: bool = False,
+        bases: Mapping[str, str] | None = None,
     ) -> None:
         self.name = f"{schema}.{name}"  # as pgmesh.tombstones and pgmesh.conflict_history name it
         self.partitioned = partitioned  # a partitioned root: a ctid names a row only with its tableoid
         self.qualified = f"{quote_ident(schema)}.{quote_ident(name)}"
         self.columns = columns
         self.types = dict(types or {})
+        # the types values are compared and keyed as: a domain's base type (no CHECK of it runs there)
+        self.compare = {**self.types, **(bases or {})}
         self.pk = pk
         self.uniques = uniques
         # Relation descriptions already checked against this table, by id() (each kept alive here so
@@ -173,12 +177,9 @@ def _check_columns(relation: Relation, table: TargetTable) -> None:
 
 
 def typed(literal: str, kind: str | None) -> str:
-    """`literal` cast to the target column's type `kind` (format_type), when known.
-
-    An untyped literal compared with a column takes the type the operator asks for: for a composite
-    (or a domain over one) that is `record = record`, and a literal of type record cannot be read
-    ("input of anonymous composite types is not implemented"). Typed, every comparison is the column's.
-    """
+    """`literal` cast to the target column's type `kind` (format_type), when known: untyped, a literal
+    compared with a composite (or a domain over one) is read as `record` (`record = record`), which
+    fails ("input of anonymous composite types is not implemented")."""
     return literal if kind is None or literal == "NULL" else f"{literal}::{kind}"
 
 
@@ -220,7 +221,7 @@ def _where(
 ) -> str:
     if kind == "O" and old is not None:
         # REPLICA IDENTITY FULL: rows may repeat; touch exactly one, as the source did.
-        match = identity_match(relation, old, full=True, alias=FULL_ALIAS, types=table.types)
+        match = identity_match(relation, old, full=True, alias=FULL_ALIAS, types=table.compare)
         if table.partitioned:  # every partition has its own ctids: the row is (tableoid, ctid)
             return (
                 f"({TABLE_ALIAS}.tableoid, {TABLE_ALIAS}.ctid) = (SELECT {FULL_ALIAS}.tableoid,"
@@ -230,7 +231,7 @@ def _where(
             f"{TABLE_ALIAS}.ctid = (SELECT {FULL_ALIAS}.ctid FROM {table.qualified} AS {FULL_ALIAS}"
             f" WHERE {match} LIMIT 1)"
         )
-    return identity_match(relation, old if old is not None else new, full=False, types=table.types)
+    return identity_match(relation, old if old is not None else new, full=False, types=table.compare)
 
 
 def _origin_check(origin: str) -> str:
@@ -377,7 +378,7 @@ def prepared_update(
     def build() -> str:
         assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
         where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.types.get(cols[i].name))}"
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
             for n, i in enumerate(keys, len(sets) + 1)
         )
         statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
@@ -405,7 +406,7 @@ def prepared_delete(
 
     def build() -> str:
         where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.types.get(cols[i].name))}"
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
             for n, i in enumerate(keys, 1)
         )
         statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
@@ -460,7 +461,7 @@ def insert_rows(
         f'{v}."pgmesh_c{i}"::{table.types.get(c.name, "text")}' for i, c in enumerate(relation.columns)
     )
     key = ", ".join(
-        f'{v}."pgmesh_c{position[k]}"::{table.types[k]}::text' for k in table.tombstone_key if k in position
+        f'{v}."pgmesh_c{position[k]}"::{table.compare[k]}::text' for k in table.tombstone_key if k in position
     )
     where = (
         f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones AS {ts}"
@@ -536,12 +537,12 @@ def _plan_insert(
     cols = relation.columns
     position = {c.name: i for i, c in enumerate(cols)}
     key = [k for k in table.tombstone_key if k in position]
-    key_types = [table.types[k] for k in key]
+    key_types = [table.compare[k] for k in key]
 
     def build_insert() -> str:
         names = ", ".join(quote_ident(c.name) for c in cols)
         picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
-        keys = ", ".join(f"${position[k] + 1}::{table.types[k]}::text" for k in key)
+        keys = ", ".join(f"${position[k] + 1}::{table.compare[k]}::text" for k in key)
         # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
         # folding the call) is cheaper for the target than counting through a data-modifying CTE.
         return (

@@ -449,6 +449,12 @@ async def test_002_types(mesh: MeshFactory) -> None:
         await execute(b.dsn(), FROM_B)
         await _equal(m, router)
         await wait_for(lambda: _sum(a, 33), "tst_dom_constr's 12 on a", 60)
+        # its rows updated and deleted (matched by the whole row: a value compared is not cast to the
+        # domain, whose CHECK would refuse 10 and 12 now)
+        await execute(a.dsn(), "UPDATE tst_dom_constr SET a = 13 WHERE a = 12")
+        await wait_for(lambda: _sum(b, 34), "the update of tst_dom_constr on b", 60)
+        await execute(b.dsn(), "DELETE FROM tst_dom_constr WHERE a = 10")
+        await wait_for(lambda: _sum(a, 24), "the delete from tst_dom_constr on a", 60)
         before = (await _conflicts(a), await _conflicts(b))  # b's updates of a's rows count there
 
         # the same rows written on both nodes while the links are paused: the conflict path decides
