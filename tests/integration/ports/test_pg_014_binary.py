@@ -19,7 +19,7 @@ import pytest
 
 from router.cluster.install import init_cluster
 from router.cluster.membership import join_node
-from router.testing.mesh import converged, execute, fetch, running_router, wait_for
+from router.testing.mesh import NODE_SETTINGS, converged, execute, fetch, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports import types
 from tests.integration.ports.common import healthy
@@ -159,7 +159,9 @@ async def test_every_type(mesh: MeshFactory) -> None:
     type without binary I/O: inserted, updated (by key and by whole row) and deleted on both nodes, a
     COPY-sized transaction, then the same rows written on both nodes while the links are paused (every
     conflict on every_type decided by a custom resolver that writes the row it picks)."""
-    m = await mesh(nodes=2, init=False, extra=CUSTOM)
+    # a small logical_decoding_work_mem: the big transactions below reach the router streamed, in parts
+    settings = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
+    m = await mesh(nodes=2, init=False, extra=CUSTOM, settings=settings)
     a, b = m.nodes
     names = await _typnames(a)
     schema = types.schema_sql(names)
@@ -194,6 +196,13 @@ async def test_every_type(mesh: MeshFactory) -> None:
         await _equal(m, router, "the big transaction on b")
         (count,) = await fetch(b.dsn(), "SELECT count(*) FROM every_type")
         assert count == (306,), count
+        await execute(a.dsn(), "UPDATE every_type SET c_text = c_text || '+' WHERE id >= 100")
+        await execute(b.dsn(), "DELETE FROM every_type WHERE id >= 300")
+        await _equal(m, router, "a big update from a and a big delete from b")
+        streamed = "SELECT coalesce(sum(stream_txns), 0) > 0 FROM pg_stat_replication_slots"
+        await wait_for(lambda: _has(a, streamed, True), "a's big transactions streamed", 30)
+        (count,) = await fetch(a.dsn(), "SELECT count(*) FROM every_type")
+        assert count == (206,), count
 
         # conflicts: the same rows updated on both nodes, a row deleted on one and updated on the
         # other, the same new key inserted on both
