@@ -8,6 +8,7 @@ inserts, updates, deletes, TRUNCATE and COPY run on a, with writes of b's own mi
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -117,4 +118,25 @@ async def test_basic(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "DROP TABLE public.basic_dml CASCADE")
         gone = "SELECT to_regclass('public.basic_dml') IS NULL"
         await wait_for(lambda: has(b.dsn(), gone, [(True,)]), "basic_dml dropped on b")
+        healthy(router)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17: a TRUNCATE meeting a row the other node wrote after it"
+                   " (at once) removes that row on one node only: the nodes end apart, silently")
+async def test_truncate_at_once_with_an_insert_on_the_other_node(mesh: MeshFactory) -> None:
+    """basic.sql's TRUNCATE, with the other node writing at the same time (links held: truly concurrent).
+    a truncates, then b inserts a row (later). On a, b's insert arrives after the TRUNCATE: the row is
+    there. On b, a's TRUNCATE arrives after b's insert and, applied as a plain TRUNCATE, removes it. Every
+    node must end alike: a TRUNCATE is a delete of the rows older than it (last update wins)."""
+    m = await mesh(nodes=2, schema=f"{BASIC_DML.replace('serial', 'int')}")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO basic_dml VALUES (1, 1, 'before', NULL)")
+        await wait_converged(m.nodes, ["basic_dml"])
+        await router.pause(None)
+        await execute(a.dsn(), "TRUNCATE basic_dml")
+        await execute(b.dsn(), "INSERT INTO basic_dml VALUES (2, 2, 'b, after the TRUNCATE', NULL)")
+        await router.resume(None)
+        await wait_converged(m.nodes, ["basic_dml"], 15)
+        assert await fetch(b.dsn(), ROWS) == [(2, 2, "b, after the TRUNCATE", None)]
         healthy(router)
