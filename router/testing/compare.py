@@ -17,13 +17,15 @@ Fingerprint = tuple[int, str]
 
 
 async def fingerprints(dsn: str, tables: Sequence[str]) -> dict[str, Fingerprint]:
-    """`tables` are `schema.table` or bare names (search_path)."""
+    """`tables` are `schema.table` or bare names (search_path). Rows are read as `(t.*)::text`: a bare `t`
+    would mean a user column named t, not the row."""
     out: dict[str, Fingerprint] = {}
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         for table in tables:
             name = sql.Identifier(*table.split(".", 1))
             query = sql.SQL(
-                "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {} t"
+                "SELECT count(*), md5(coalesce(string_agg((t.*)::text, '|' ORDER BY (t.*)::text), ''))"
+                " FROM {} t"
             ).format(name)
             cur = await conn.execute(query)
             row = await cur.fetchone()
