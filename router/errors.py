@@ -35,6 +35,7 @@ __all__ = [
     "CONFLICT_STATES",
     "JOIN_ATTEMPTS",
     "JOIN_LOCK_WAIT_S",
+    "JOIN_SLOT_WAIT_S",
     "SCHEMA_STATES",
     "SCHEMA_WAIT_S",
     "UNIQUE_ATTEMPTS",
@@ -279,6 +280,9 @@ def retry_unique(exc: BaseException, attempt: int) -> bool:
 # (lock_timeout), and an application session waiting for a lock the join holds waits about this long
 # before the join gives way (rolls its attempt back, so the application goes on).
 JOIN_LOCK_WAIT_S: Final = 5.0
+# Creating the join's slot waits for the transactions running on the donor to end (its snapshot needs
+# them ended: a wait on their transaction ids, so lock_timeout bounds it); at most this long.
+JOIN_SLOT_WAIT_S: Final = 60.0
 # A join attempt that met the application's locks starts again, with a new snapshot: this many in all.
 # 55P03: a lock_timeout ran out, or the join gave way to the application; 40P01: a deadlock the server
 # broke; 40001: a table was truncated or rewritten between the snapshot and the join's lock on it.

@@ -56,9 +56,17 @@ from protocol.lsn import format_lsn
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
-from router.errors import JOIN_LOCK_WAIT_S, ConfigError, PgmeshError, describe, retry_join
+from router.errors import (
+    JOIN_LOCK_WAIT_S,
+    JOIN_SLOT_WAIT_S,
+    ConfigError,
+    PgmeshError,
+    describe,
+    retry_join,
+)
 from router.service.admin import ask_router
 from router.stream.items import SourceOptions
+from router.stream.slots import SlotCreated
 from router.stream.source import ReplicationSource
 
 __all__ = ["JoinReport", "cmd_join", "cmd_part", "join_node", "part_node"]
@@ -184,11 +192,13 @@ async def join_node(
     progress: Callable[[Any], None] | None = None,
     fail_copy: bool = False,
     lock_wait_s: float = JOIN_LOCK_WAIT_S,
+    slot_wait_s: float = JOIN_SLOT_WAIT_S,
 ) -> JoinReport:
     """Copy `donor` (default: the first other node) to the new node `name` and set its positions.
 
     No session of the join waits more than `lock_wait_s` for a lock, and an application session that
-    waits that long for one of the join's locks makes the join give way and start again.
+    waits that long for one of the join's locks makes the join give way and start again. Creating the
+    join's slot waits at most `slot_wait_s` for the transactions running on the donor to end.
     `fail_copy` (tests only) makes the copy fail after the schema is in place, as a killed job would.
     """
     started = time.monotonic()
@@ -235,7 +245,7 @@ async def join_node(
             await uninstall(config, name)  # pgmesh objects of an earlier membership, if any
         await _mark(target, source_node.name)
         report = await _join_attempts(
-            config, new, source_node, others, conns, progress, fail_copy, lock_wait_s
+            config, new, source_node, others, conns, progress, fail_copy, (lock_wait_s, slot_wait_s)
         )
         lines = await _install_with_drift(config)
         for line in lines:
@@ -281,7 +291,7 @@ async def _join_attempts(
     conns: dict[str, Conn],
     progress: Callable[[Any], None] | None,
     fail_copy: bool,
-    lock_wait_s: float,
+    waits: tuple[float, float],
 ) -> tuple[dict[str, str], str, Any, int]:
     """`_copy_from_donor` until it succeeds, or fails in a way `retry_join` does not retry: an attempt
     that met a lock wait (it gave way to the application) is rolled back on the new node and started
@@ -296,7 +306,7 @@ async def _join_attempts(
             attempt += 1
             try:
                 found = await _copy_from_donor(
-                    config, new, donor, others, conns, progress, fail_copy, lock_wait_s
+                    config, new, donor, others, conns, progress, fail_copy, waits
                 )
             except PgmeshError as exc:
                 if not retry_join(exc, attempt):
@@ -322,7 +332,7 @@ async def _copy_from_donor(
     conns: dict[str, Conn],
     progress: Callable[[Any], None] | None,
     fail_copy: bool,
-    lock_wait_s: float,
+    waits: tuple[float, float],
 ) -> tuple[dict[str, str], str, Any]:
     """One attempt: snapshot, locks and plan, positions, schema, rows (docs/join.md, "Locks")."""
     from router.cluster.sync.copy import CopyAbort, copy_snapshot
@@ -330,10 +340,8 @@ async def _copy_from_donor(
     from router.cluster.sync.schema import dump_and_restore_pre_data, restore_post_data
 
     tag = _join_tag(config)
-    tables = await replicated_tables(conns[donor.name], config)
-    options = SourceOptions(application_name=tag)
-    slot = ReplicationSource(donor.name, donor.dsn, tag, [], options=options)
-    created = await slot.create_slot(export_snapshot=True, temporary=True)
+    lock_wait_s, slot_wait_s = waits
+    created, slot = await _join_slot(donor, tag, slot_wait_s, conns[donor.name])
     snapshot = created.snapshot
     assert snapshot is not None
     abort = CopyAbort()
@@ -342,6 +350,7 @@ async def _copy_from_donor(
     with tempfile.TemporaryDirectory(prefix="pgmesh-join-") as tmp:
         try:
             await slot.close()  # the temporary slot goes; the holder keeps the snapshot
+            tables = await replicated_tables(conns[donor.name], config)  # those in the snapshot are copied
             # the tables as the snapshot sees them, locked (bounded wait) and planned in one session
             locks = await asyncio.to_thread(
                 SnapshotLocks.open, donor.dsn, snapshot.name, tables, lock_wait_s=lock_wait_s,
@@ -362,6 +371,9 @@ async def _copy_from_donor(
         except (PgmeshError, psycopg.Error) as exc:
             if abort.error is not None and exc is not abort.error:
                 raise abort.error from None  # the join gave way: that is why this step failed
+            if isinstance(exc, psycopg.Error):  # a donor session's (its lock_timeout ran out...)
+                raise PgmeshError(f"reading the donor failed: {describe(exc)}", node=donor.name,
+                                  sqlstate=exc.sqlstate) from None
             raise
         finally:
             watch.cancel()
@@ -388,6 +400,35 @@ async def _end_copy_sessions(target: Conn, tag: str) -> None:
         if await _one(target, query, [tag]) is None:
             return
         await asyncio.sleep(0.2)
+
+
+async def _join_slot(
+    donor: NodeConfig, tag: str, slot_wait_s: float, donor_conn: Conn
+) -> tuple[SlotCreated, ReplicationSource]:
+    """The temporary slot with its exported snapshot (held). Its creation waits for the transactions
+    running on the donor to end, at most `slot_wait_s` (lock_timeout: the wait is on their xids)."""
+    params = psycopg.conninfo.conninfo_to_dict(donor.dsn)
+    options = f"{params.get('options') or ''} -c lock_timeout={round(slot_wait_s * 1000)}".strip()
+    dsn = psycopg.conninfo.make_conninfo(donor.dsn, options=options)
+    slot = ReplicationSource(donor.name, dsn, tag, [], options=SourceOptions(application_name=tag))
+    try:
+        return await slot.create_slot(export_snapshot=True, temporary=True), slot
+    except PgmeshError as exc:  # SlotError, ConnectionLost (the replication connection's errors)
+        await slot.close()
+        if exc.sqlstate != "55P03":
+            raise
+        oldest = await _one(
+            donor_conn,
+            "SELECT format('session %%s (%%s), in a transaction for %%s s', pid, application_name,"
+            " round(extract(epoch FROM now() - xact_start))) FROM pg_stat_activity"
+            " WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1",
+        )
+        raise PgmeshError(
+            f"the join's snapshot waited {slot_wait_s:g} s for transactions running on the donor to end"
+            f" (the oldest: {oldest or 'gone'})", node=donor.name, sqlstate=exc.sqlstate,
+            hint="a snapshot needs the transactions running when it is taken to end: commit or end the"
+            " long transaction, then run join again",
+        ) from None
 
 
 def _join_tag(config: Config) -> str:

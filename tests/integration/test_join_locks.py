@@ -17,7 +17,8 @@ import psycopg
 import pytest
 
 from router.cluster.membership import join_node
-from router.testing.mesh import fetch, free_port, running_router, wait_converged, wait_for
+from router.errors import PgmeshError
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 pytestmark = pytest.mark.slow  # each join attempt copies with Spark (a JVM)
@@ -130,3 +131,32 @@ async def test_join_gives_way_to_truncate_and_alter_on_the_donor(mesh: MeshFacto
         assert await fetch(node.dsn(), 'SELECT count(*) FROM "scratch" WHERE "note" = %s', ["seed"]) == [(0,)]
         assert await fetch(node.dsn(), 'SELECT count(*) FROM "acct" WHERE "note" IS NULL') == [(0,)]
         assert await fetch(node.dsn(), 'SELECT count(*) FROM "big"') == [(300_000,)]
+
+
+async def test_a_join_the_application_keeps_locked_out_fails_clearly_and_a_retry_succeeds(
+    mesh: MeshFactory,
+) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, spares=["c"])
+    nodes = m.all_nodes
+    a, _, c = nodes
+    config = m.config_for(nodes)
+    await execute(a.dsn(), """INSERT INTO "scratch" SELECT g, 'a' FROM generate_series(1, 500) g""")
+    async with await psycopg.AsyncConnection.connect(a.dsn()) as app:  # a transaction left open
+        await app.execute('LOCK TABLE "scratch" IN ACCESS EXCLUSIVE MODE')
+        # (its ACCESS EXCLUSIVE gave it a transaction id: the join's snapshot must wait for it to end)
+        with pytest.raises(PgmeshError, match="waited 1 s for transactions running on the donor") as failed:
+            await join_node(config, "c", lock_wait_s=1, slot_wait_s=1)
+        assert failed.value.sqlstate == "55P03" and failed.value.node == "a", failed.value
+        # nothing half done: the donor keeps only pgmesh's slot and no session of the join; the new
+        # node keeps the marker only
+        assert await fetch(a.dsn(), "SELECT slot_name FROM pg_replication_slots") == [("pgmesh_t",)]
+        joins = "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s"
+        assert await fetch(a.dsn(), joins, [JOIN_SESSIONS]) == [(0,)]
+        assert await fetch(c.dsn(), "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+        assert await fetch(c.dsn(), "SELECT count(*) FROM pgmesh_join.state") == [(1,)]
+        await app.rollback()
+    report = await join_node(config, "c", lock_wait_s=1)  # the retry: no --force
+    assert report.rows == 500 and report.attempts == 1, report
+    async with running_router(config):
+        await execute(c.dsn(), """INSERT INTO "scratch" VALUES (0, 'from c')""")
+        await wait_converged(nodes, TABLES)
