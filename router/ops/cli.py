@@ -114,11 +114,22 @@ def _with_config(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser
     return command
 
 
+def _version() -> str:
+    """The installed package's version (what `pip show pgmesh` says)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pgmesh")
+    except PackageNotFoundError:  # pragma: no cover - run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pgmesh", description="Active-active replication for stock PostgreSQL 15+."
     )
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser.add_argument("--version", action="version", version=f"pgmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="throw-away local nodes, live decoded changes, a final check")
     demo.add_argument("--seconds", type=float, default=10.0, help="how long to write (default 10)")
