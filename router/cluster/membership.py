@@ -481,6 +481,8 @@ async def cmd_join(config: Config, node: str, *, donor: str | None = None, force
     print(f"\nnode {report.node} joined from {report.donor} (snapshot at {report.snapshot_lsn}):"
           f" {report.tables} tables, {report.rows:,} rows, {mb:,.1f} MB copied in {report.copy_seconds:.1f} s"
           f" ({rate:,.1f} MB/s); {report.seconds:.1f} s in all")
+    if report.attempts > 1:
+        print(f"  {report.attempts} attempts: the join gave way to the application's locks and started again")
     for source, lsn in sorted(report.positions.items()):
         print(f"  reads {source} from {lsn}")
     print("start `pgmesh run` with this config: the new node's links show catching up, then streaming")
