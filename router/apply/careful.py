@@ -52,12 +52,7 @@ from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, r
 from router.errors import ApplyError
 
 __all__ = [
-    "CarefulApplier",
-    "ConflictRecord",
-    "read_row_sql",
-    "read_tombstone_sql",
-    "row_where",
-    "write_row_sql",
+    "CarefulApplier", "ConflictRecord", "read_row_sql", "read_tombstone_sql", "row_where", "write_row_sql",
 ]
 
 logger = logging.getLogger(__name__)

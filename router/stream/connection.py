@@ -27,6 +27,7 @@ from typing import Any, Final, Protocol
 
 import psycopg
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict
 
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
@@ -38,6 +39,9 @@ from router.stream.state import Lifecycle, SourceState, SourceStats
 __all__ = ["Positions", "ReplicationConnection"]
 
 logger = logging.getLogger(__name__)
+
+# Output settings of the walsender's session (libpq `options`), as PostgreSQL's walreceiver sets them.
+_OUTPUT_SETTINGS: Final = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 
 _XLOG_TAG: Final = 0x77  # 'w'
 _KEEPALIVE_TAG: Final = 0x6B  # 'k'
@@ -114,12 +118,17 @@ class ReplicationConnection:
             return self._conn
         self._life.to(SourceState.CONNECTING)
         try:
+            # pgoutput writes text values with the walsender's settings: fix those the applier's input
+            # functions must read back exactly, as PostgreSQL's own walreceiver does (a server's
+            # DateStyle 'SQL, DMY' or extra_float_digits 0 otherwise reach the target unreadable or cut)
+            given = str(conninfo_to_dict(self._dsn).get("options") or "")
             conn = await psycopg.AsyncConnection.connect(
                 self._dsn,
                 replication="database",
                 autocommit=True,
                 application_name=self.options.application_name,
                 connect_timeout=max(1, int(self.options.connect_timeout)),
+                options=f"{given} {_OUTPUT_SETTINGS}".strip(),
             )
         except psycopg.Error as exc:
             raise self._wrap(exc, "cannot open the replication connection") from exc

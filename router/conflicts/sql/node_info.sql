@@ -5,4 +5,6 @@
 
 CREATE TABLE {schema}.node_info (key text PRIMARY KEY, value text NOT NULL);
 
-INSERT INTO {schema}.node_info VALUES ('installed_at', clock_timestamp()::text);
+-- (ISO 8601 in UTC whatever the session's DateStyle and TimeZone: every session reads it back)
+INSERT INTO {schema}.node_info
+VALUES ('installed_at', to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US') || '+00');

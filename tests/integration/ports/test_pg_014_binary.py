@@ -153,14 +153,20 @@ resolver = "{__name__}:later_row"
 """
 
 
-async def test_every_type(mesh: MeshFactory) -> None:
+# Server settings that change how values are written as text (the walsender's output of them).
+ODD_OUTPUT = {"DateStyle": "SQL, DMY", "IntervalStyle": "sql_standard", "extra_float_digits": "0",
+              "bytea_output": "escape", "TimeZone": "Asia/Kathmandu"}
+
+
+@pytest.mark.parametrize("output", [{}, ODD_OUTPUT], ids=["default-output", "odd-output-settings"])
+async def test_every_type(mesh: MeshFactory, output: dict[str, str]) -> None:
     """A column of every base type of pg_catalog and an array of each, a composite of them all (and
     arrays of it, a domain over it), enums, ranges and multiranges, domains over arrays and enums, a base
     type without binary I/O: inserted, updated (by key and by whole row) and deleted on both nodes, a
     COPY-sized transaction, then the same rows written on both nodes while the links are paused (every
     conflict on every_type decided by a custom resolver that writes the row it picks)."""
     # a small logical_decoding_work_mem: the big transactions below reach the router streamed, in parts
-    settings = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
+    settings = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB", **output}
     m = await mesh(nodes=2, init=False, extra=CUSTOM, settings=settings)
     a, b = m.nodes
     names = await _typnames(a)
