@@ -33,7 +33,7 @@ from typing import Any
 from psycopg import sql
 
 HOT = 8  # keys every node writes
-KNOWN = ("key_conflicts", "toast_conflicts")  # shapes that end apart today (make_schedule)
+KNOWN = ("key_conflicts", "toast_conflicts", "root_only_full")  # shapes that fail today (make_schedule)
 FRESH = 1_000_000  # node i's own keys start at (i + 1) * FRESH
 BULK_ROWS = (150, 450)  # a bulk insert: well over 64kB of changes, so the walsender streams it
 
@@ -184,6 +184,7 @@ class Table:
     partition: tuple[str, str] | None  # ("range" | "list", column)
     replica_full: bool
     enum: str  # the schedule's enum type
+    full_partitions: bool = True  # REPLICA IDENTITY FULL also on each partition (see make_schedule)
 
     @property
     def ident(self) -> sql.Identifier:
@@ -231,7 +232,7 @@ def _key_where(table: Table, alias: sql.Composable | None = None) -> sql.Composa
     return sql.SQL(" AND ").join(parts)
 
 
-def make_table(rng: random.Random, name: str, enum: str) -> Table:
+def make_table(rng: random.Random, name: str, enum: str, root_only_full: bool = False) -> Table:
     enum_type = sql.Identifier("public", enum)
     names = rng.sample(COLUMN_NAMES, rng.randint(2, 9))
     nkey = min(len(names) - 1, rng.choice([1, 1, 1, 2, 2, 3]))
@@ -253,7 +254,7 @@ def make_table(rng: random.Random, name: str, enum: str) -> Table:
             partition = ("list", rng.choice(listable))
         elif rangeable:
             partition = ("range", rng.choice(rangeable))
-    return Table(name, tuple(columns), key, partition, rng.random() < 0.3, enum)
+    return Table(name, tuple(columns), key, partition, rng.random() < 0.3, enum, not root_only_full)
 
 
 def _partition_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
@@ -288,6 +289,12 @@ def _partition_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
     return out
 
 
+def _partition_names(table: Table, ddl: list[tuple[sql.Composable, list[str]]]) -> list[sql.Identifier]:
+    count = len(ddl)
+    indexes = range(4) if count == 4 else [*range(count - 1), 3]
+    return [sql.Identifier("public", f"{table.name} p{i}") for i in indexes]
+
+
 def table_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
     cols = [sql.SQL("{} {}").format(sql.Identifier(c.name), c.sql_type) for c in table.columns]
     cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(sql.Identifier(k) for k in table.key)))
@@ -297,7 +304,11 @@ def table_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
             statement, sql.SQL(table.partition[0].upper()), sql.Identifier(table.partition[1]))
     out = [(statement, [])]
     if table.partition is not None:
-        out += _partition_ddl(table)
+        parts = _partition_ddl(table)
+        out += parts
+        if table.replica_full and table.full_partitions:
+            out += [(sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(name), [])
+                    for name in _partition_names(table, parts)]
     if table.replica_full:
         out.append((sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(table.ident), []))
     return out
@@ -521,11 +532,15 @@ def make_schedule(
     - "toast_conflicts": updates of a hot row of a table without REPLICA IDENTITY FULL that leave a
       TOASTed column as it was: pgoutput does not send that value, so where the update wins over
       another node's version of the row, the other node's value of that column stays
-      (test_unchanged_toast_value_in_a_conflict_converges)."""
+      (test_unchanged_toast_value_in_a_conflict_converges);
+    - "root_only_full": REPLICA IDENTITY FULL on a partitioned table's root and not on its partitions:
+      an update that keeps the key and leaves a TOASTed column as it was stops the link
+      (test_update_in_a_partition_of_a_full_identity_root_keeps_the_link)."""
     rng = random.Random(seed)
     enum = f"mood {seed}"
     count = rng.randint(1, 3)
-    tables = [make_table(rng, f"{rng.choice(TABLE_WORDS)} {seed}#{i}", enum) for i in range(count)]
+    root_only = "root_only_full" in known
+    tables = [make_table(rng, f"{rng.choice(TABLE_WORDS)} {seed}#{i}", enum, root_only) for i in range(count)]
     ddl_node = rng.choice(nodes)
     seeder = _Writer(rng, tables, len(nodes), known)
     seed_rows = [seeder.insert(t, list(range(HOT))) for t in tables]
