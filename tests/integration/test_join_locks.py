@@ -17,11 +17,13 @@ import psycopg
 import pytest
 
 from router.cluster.membership import join_node
+from router.cluster.sync.locks import SnapshotLocks
 from router.errors import PgmeshError
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
+from tests.fix_cluster import NodeFactory
 from tests.fix_mesh import MeshFactory
 
-pytestmark = pytest.mark.slow  # each join attempt copies with Spark (a JVM)
+slow = pytest.mark.slow  # each join attempt copies with Spark (a JVM)
 
 SCHEMA = """
 CREATE TABLE "acct" ("id" int PRIMARY KEY, "v" int NOT NULL, "who" text);
@@ -79,6 +81,7 @@ async def app_statement(dsn: str, statement: str) -> None:
         await conn.execute(statement)
 
 
+@slow
 async def test_join_gives_way_to_truncate_and_alter_on_the_donor(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA + SEED, spares=["c"], admin_port=free_port(), extra=SYNC)
     nodes = m.all_nodes
@@ -133,6 +136,7 @@ async def test_join_gives_way_to_truncate_and_alter_on_the_donor(mesh: MeshFacto
         assert await fetch(node.dsn(), 'SELECT count(*) FROM "big"') == [(300_000,)]
 
 
+@slow
 async def test_a_join_the_application_keeps_locked_out_fails_clearly_and_a_retry_succeeds(
     mesh: MeshFactory,
 ) -> None:
@@ -160,3 +164,48 @@ async def test_a_join_the_application_keeps_locked_out_fails_clearly_and_a_retry
     async with running_router(config):
         await execute(c.dsn(), """INSERT INTO "scratch" VALUES (0, 'from c')""")
         await wait_converged(nodes, TABLES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The lock holder alone (no Spark): a snapshot exported by a session of the test's
+
+
+async def test_the_lock_holder_plans_under_its_locks_and_sees_the_snapshots_tables(
+    pg_nodes: NodeFactory,
+) -> None:
+    (node,) = pg_nodes(names=["a"])
+    dsn = node.dsn()
+    await execute(dsn, SCHEMA, """INSERT INTO "scratch" SELECT g, 's' FROM generate_series(1, 2000) g""",
+                  """INSERT INTO "acct" SELECT g, g, 'a' FROM generate_series(1, 10) g""")
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as exporter:
+        await exporter.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        snapshot = (await (await exporter.execute("SELECT pg_export_snapshot()")).fetchone() or [""])[0]
+        # after the snapshot: a column (no rewrite), a new table, and a truncated table
+        await execute(dsn, """ALTER TABLE "acct" ADD COLUMN "note" text""",
+                      """CREATE TABLE "later" ("id" int PRIMARY KEY)""")
+        wanted = [("public", "acct"), ("public", "big"), ("public", "later")]
+        locks = await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, wanted, lock_wait_s=1,
+                                        application_name="test-locks")
+        try:
+            assert [(t.name, t.columns) for t in locks.tables] == [("acct", ("id", "v", "who")),
+                                                                  ("big", ("id", "pad"))]
+            leaves = [(leaf.name, leaf.nblocks > 0) for leaf in locks.leaves]
+            assert leaves == [("acct", True), ("big", False)]
+            # the application's TRUNCATE waits for the holder (the test's own bound), the holder for nobody
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as app:
+                    await app.execute("SET lock_timeout = '200ms'")
+                    await app.execute('TRUNCATE "acct"')
+        finally:
+            await asyncio.to_thread(locks.close)
+        await execute(dsn, 'TRUNCATE "scratch"')  # once the holder is gone, the application goes on
+        with pytest.raises(PgmeshError, match="truncated or rewritten") as rewritten:
+            await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, [("public", "scratch")], lock_wait_s=1,
+                                    application_name="test-locks")
+        assert rewritten.value.sqlstate == "40001" and rewritten.value.relation == "public.scratch"
+        async with await psycopg.AsyncConnection.connect(dsn) as app:  # a lock held in an open transaction
+            await app.execute('LOCK TABLE "big" IN ACCESS EXCLUSIVE MODE')
+            with pytest.raises(PgmeshError, match="could not lock the tables to copy within 1 s") as late:
+                await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, [("public", "big")], lock_wait_s=1,
+                                        application_name="test-locks")
+            assert late.value.sqlstate == "55P03"
