@@ -44,6 +44,7 @@ from router.apply.statements import (
     quote_literal,
     table_lock,
     target_table,
+    tombstone_key,
     truncate_statement,
     typed,
 )
@@ -326,7 +327,7 @@ class CarefulApplier:
         return f"ARRAY[{', '.join(parts)}]::text[]"
 
     async def _tombstone(self, conn: Any, table: TargetTable, values: Row) -> _Local | None:
-        row = await conn.fetchrow(read_tombstone_sql(self._key_sql(table, values)), table.name)
+        row = await conn.fetchrow(read_tombstone_sql(tombstone_key(self._key_sql(table, values))), table.name)
         if row is None:
             return None
         version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
@@ -583,9 +584,10 @@ class CarefulApplier:
                 conn, txn, relation, table, ConflictType.DELETE_MISSING, None, remote, old, records
             )
             if tomb is None or tomb.version.order() < remote.order():
+                key = tombstone_key(self._key_sql(table, old))
                 await conn.execute(
                     "INSERT INTO pgmesh.tombstones (table_name, key, xid)"
-                    f" VALUES ($1, {self._key_sql(table, old)}, pg_catalog.pg_current_xact_id())"
+                    f" VALUES ($1, {key}, pg_catalog.pg_current_xact_id())"
                     " ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid",
                     table.name,
                 )

@@ -37,29 +37,10 @@ from protocol.transactions import Transaction
 from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
-    "COMMIT_ALIAS",
-    "KEY_LOCKS_MAX",
-    "RESERVED_NAMES",
-    "TABLE_ALIAS",
-    "TOMBSTONE_ALIAS",
-    "Prepared",
-    "TargetTable",
-    "delete_statement",
-    "guard",
-    "identity_match",
-    "insert_rows",
-    "key_lock",
-    "prepared_delete",
-    "prepared_insert",
-    "prepared_update",
-    "quote_ident",
-    "quote_literal",
-    "setup_args",
-    "table_lock",
-    "target_table",
-    "truncate_statement",
-    "typed",
-    "update_statement",
+    "COMMIT_ALIAS", "KEY_LOCKS_MAX", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS", "Prepared",
+    "TargetTable", "delete_statement", "guard", "identity_match", "insert_rows", "key_lock",
+    "prepared_delete", "prepared_insert", "prepared_update", "quote_ident", "quote_literal", "setup_args",
+    "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed", "update_statement",
     "xact_setup_sql",
 ]
 
@@ -434,6 +415,14 @@ def key_lock(table: TargetTable, key_array: str) -> str:
     )
 
 
+def tombstone_key(key_array: str) -> str:
+    """A key (`key_array`: SQL for it as text[]) as pgmesh.tombstones holds it: a key too long for the
+    table's index (a keyless table's whole row) by its md5, as the tombstone trigger stores it."""
+    size = f"pg_catalog.octet_length(({key_array})::text) + 8 * pg_catalog.cardinality({key_array})"
+    digest = f"ARRAY['pgmesh:md5:' || pg_catalog.md5(({key_array})::text)]"
+    return f"(CASE WHEN {size} > 2000 THEN {digest} ELSE {key_array} END)"
+
+
 def table_lock(table: TargetTable, *, exclusive: bool) -> str:
     """The advisory lock on a whole table that decisions on its keys share (router.apply.careful)."""
     mode = "" if exclusive else "_shared"
@@ -465,7 +454,8 @@ def insert_rows(
     )
     where = (
         f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones AS {ts}"
-        f" WHERE {ts}.table_name = {quote_literal(table.name)} AND {ts}.key = ARRAY[{key}]::text[])"
+        f" WHERE {ts}.table_name = {quote_literal(table.name)}"
+        f" AND {ts}.key = {tombstone_key(f'ARRAY[{key}]::text[]')})"
     )
     # The careful path's lock per (table, key), taken in a statement of its own so that the insert's
     # tombstone check runs on a snapshot taken after the lock: an applier of another source deciding
@@ -549,7 +539,7 @@ def _plan_insert(
             f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
             f" WHERE CASE WHEN EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
             f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
-            f" AND {TOMBSTONE_ALIAS}.key = ARRAY[{keys}]::text[])"
+            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
             " THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
         )
 

@@ -20,6 +20,10 @@ BEGIN
                           ORDER BY a.ord))
              FROM unnest(TG_ARGV) WITH ORDINALITY AS a(col, ord))
      INTO deleted_key USING OLD;
+  -- a key too long for the index (a keyless table's whole row): its md5 (router.apply.statements.tombstone_key)
+  IF pg_catalog.octet_length(deleted_key::text) + 8 * pg_catalog.cardinality(deleted_key) > 2000 THEN
+    deleted_key := ARRAY['pgmesh:md5:' || pg_catalog.md5(deleted_key::text)];
+  END IF;
   INSERT INTO {schema}.tombstones AS t (table_name, key, xid)
   VALUES (qualified, deleted_key, pg_catalog.pg_current_xact_id())
   ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid;
