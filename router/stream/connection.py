@@ -120,7 +120,9 @@ class ReplicationConnection:
         try:
             # pgoutput writes text values with the walsender's settings: fix those the applier's input
             # functions must read back exactly, as PostgreSQL's own walreceiver does (a server's
-            # DateStyle 'SQL, DMY' or extra_float_digits 0 otherwise reach the target unreadable or cut)
+            # DateStyle 'SQL, DMY' or extra_float_digits 0 otherwise reach the target unreadable or cut).
+            # Names and text values come in the walsender's client encoding, which the decoder reads as
+            # UTF-8: a database in another encoding (LATIN1) would otherwise send its own bytes.
             given = str(conninfo_to_dict(self._dsn).get("options") or "")
             conn = await psycopg.AsyncConnection.connect(
                 self._dsn,
@@ -129,6 +131,7 @@ class ReplicationConnection:
                 application_name=self.options.application_name,
                 connect_timeout=max(1, int(self.options.connect_timeout)),
                 options=f"{given} {_OUTPUT_SETTINGS}".strip(),
+                client_encoding="UTF8",
             )
         except psycopg.Error as exc:
             raise self._wrap(exc, "cannot open the replication connection") from exc
