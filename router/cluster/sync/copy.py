@@ -3,8 +3,9 @@ as a PySpark batch of parallel ctid-range COPY relays.
 
 Owns: the copy's API (`copy_snapshot` and its records), reading the tables' leaf relations and sizes on
 the donor under the snapshot, planning (through `router.cluster.sync.plan`), running the tasks on Spark
-(`router.cluster.sync.worker` is what each task does), progress reports, and turning a failed job into one
-`PgmeshError` naming the node role, the table and the SQL state.
+(`router.cluster.sync.worker` is what each task does), progress reports, stopping a running job from
+another thread (`CopyAbort`: the join gives way to the application's locks), and turning a failed job
+into one `PgmeshError` naming the node role, the table and the SQL state.
 
 Must not: create schema, indexes, slots or replication origins (the caller copies the pre-data schema
 before and builds indexes and constraints after, e.g. `pg_dump --section=pre-data` / `post-data`), hold
