@@ -11,6 +11,7 @@ makes the table REPLICA IDENTITY DEFAULT again, and conflicts are decided by tha
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import psycopg
@@ -255,3 +256,34 @@ async def test_a_no_op_update_against_an_update_of_the_same_row(mesh: MeshFactor
     async with running_router(m.config):
         # a: b's update meets a's row, later: (1, 1); b: a's update finds no (1, 0): inserts it
         await wait_converged(m.nodes, ["k"], 20)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_random_concurrent_changes_of_rows_never_equal_converge(mesh: MeshFactory, seed: int) -> None:
+    """Inserts, updates and deletes of the same rows on both nodes at once, by rounds with the router down
+    in between; no two rows are ever equal (each value written is new)."""
+    m = await mesh(nodes=2)
+    a = m.nodes[0]
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), 'CREATE TABLE "k" ("a" int, "b" int)',
+                      'INSERT INTO "k" SELECT g, 0 FROM generate_series(1, 30) g')
+        await identity_everywhere(m.nodes, "k", "f", router)
+        await wait_converged(m.nodes, ["k"])
+    rng = random.Random(seed)
+    written = 0
+    for _ in range(2):
+        for n, node in enumerate(m.nodes):
+            statements = []
+            for _ in range(25):
+                written += 1
+                row, value, choice = rng.randrange(1, 40), (n + 1) * 100_000 + written, rng.random()
+                if choice < 0.5:
+                    statements.append(f'UPDATE "k" SET "b" = {value} WHERE "a" = {row}')
+                elif choice < 0.75:
+                    statements.append(f'DELETE FROM "k" WHERE "a" = {row}')
+                else:
+                    statements.append(f'INSERT INTO "k" VALUES ({row}, {value})')
+            await execute(node.dsn(), *statements)
+        async with running_router(m.config) as router:
+            await wait_converged(m.nodes, ["k"])
+            healthy(router)
