@@ -64,13 +64,25 @@ class Tally:
     prepared: int = 0
     rows: int = 0
     statement_errors: int = 0
+    streamed: int = 0  # transactions the walsenders streamed before their commit (pg_stat_replication_slots)
     failures: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         return (f"{self.schedules} schedules, {self.transactions} transactions ({self.committed} committed,"
                 f" {self.aborted} rolled back or aborted, {self.prepared} prepared), about {self.rows} row"
-                f" changes, {self.statement_errors} statements failed on purpose or on a duplicate key;"
+                f" changes, {self.statement_errors} statements failed on purpose or on a duplicate key,"
+                f" {self.streamed} streamed by the walsenders (each once per receiving node);"
                 f" {len(self.failures)} failures")
+
+    async def count_streamed(self, dsns: Sequence[str]) -> None:
+        """Read how many transactions the nodes' slots streamed in progress (the statistics lag a little)."""
+        self.streamed = 0
+        for dsn in dsns:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                cur = await conn.execute(
+                    "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots")
+                row = await cur.fetchone()
+                self.streamed += int(row[0]) if row else 0
 
 
 async def _run_op(conn: psycopg.AsyncConnection[Any], op: Op, stack: list[str]) -> None:
@@ -240,7 +252,9 @@ async def drop_tables(dsn: str, schedule: Schedule) -> None:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         for table in schedule.tables:
             await conn.execute(sql.SQL("DROP TABLE {}").format(table.ident))
-        await conn.execute(sql.SQL("DROP TYPE {}").format(sql.Identifier("public", schedule.enum)))
+        types = schedule.user_types()
+        await conn.execute(sql.SQL("DROP TYPE {}, {}").format(types["enum"], types["pair"]))
+        await conn.execute(sql.SQL("DROP DOMAIN {}").format(types["word"]))
 
 
 # --------------------------------------------------------------------------------------------- long mode
@@ -271,7 +285,9 @@ async def long_run(
                     break  # the mesh may be stuck: a failure is the end of this run
                 await drop_tables(dsns[schedule.ddl_node], schedule)
                 if tally.schedules % 10 == 0:
+                    await tally.count_streamed(list(dsns.values()))
                     print(tally.line(), flush=True)
+        await tally.count_streamed(list(dsns.values()))
     finally:
         if tally.failures and os.environ.get("PGMESH_PROPERTY_KEEP"):
             print("nodes kept for a look:", ", ".join(f"{n.name}: {n.dsn()}" for n in nodes), flush=True)

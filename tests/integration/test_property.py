@@ -46,6 +46,7 @@ async def test_random_schedules_converge(mesh: MeshFactory) -> None:
             schedule = make_schedule(seed, names)
             await play(router, dsns, schedule, tally)  # raises naming the seed
             await drop_tables(dsns[schedule.ddl_node], schedule)
+    await tally.count_streamed(list(dsns.values()))
     print(tally.line())
     assert tally.schedules >= len(SEEDS) and tally.committed and tally.prepared and tally.aborted
 
