@@ -47,6 +47,7 @@ TableName = tuple[str, str]
 
 MIN_VERSION_NUM: Final = 150000
 CONNECT_TIMEOUT_S: Final = 10
+CHECK_LOCK_WAIT_S: Final = 10  # the longest the checks wait for a lock on a table they read
 APPLICATION_NAME: Final = "pgmesh init"
 OK_MARK: Final = "✓"
 FAIL_MARK: Final = "✗"
@@ -241,7 +242,14 @@ async def _probe(config: Config, node: NodeConfig) -> NodeFacts | Check:
         return Check(node.name, "connect", False, describe(exc), hint=_connect_hint(node.name, exc))
     try:
         async with conn:
+            # reading keys takes ACCESS SHARE locks: a session holding a table exclusively must not make the
+            # checks (init's, join's) wait on it without bound
+            await conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{CHECK_LOCK_WAIT_S}s")))
             return await _read_node(conn, config)
+    except psycopg.errors.LockNotAvailable as exc:
+        hint = f"a session on node {node.name} holds a table exclusively for more than {CHECK_LOCK_WAIT_S} s"
+        detail = f"reading the catalog waited too long: {describe(exc)}"
+        return Check(node.name, "catalog", False, detail, hint=hint)
     except (psycopg.Error, OSError) as exc:
         hint = f"check that the dsn of node {node.name} connects as a superuser to the right database"
         return Check(node.name, "catalog", False, f"reading the catalog failed: {describe(exc)}", hint=hint)

@@ -269,11 +269,12 @@ async def join_node(
 
 
 async def _install_with_drift(config: Config) -> list[str]:
-    """`pgmesh init` for the grown cluster. Columns may differ between nodes while DDL issued during
-    the join is still on its way (the router applies it in order once it runs): that is reported,
+    """`pgmesh init` for the grown cluster. Columns and keys may differ between nodes while DDL issued
+    during the join is still on its way (the router applies it in order once it runs): that is reported,
     not refused. Any other problem is."""
     report = await check_cluster(config)
-    drift = [c for c in report.problems if c.check == "table" and c.detail.startswith("column ")]
+    drift = [c for c in report.problems
+             if (c.check == "table" and c.detail.startswith("column ")) or c.check == "keys"]
     if len(drift) < len(report.problems):
         raise ConfigError("the joined cluster is not ready\n" + report.render())
     for check in drift:

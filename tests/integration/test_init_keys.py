@@ -344,3 +344,22 @@ async def test_one_database_twice_a_foreign_publication_and_a_busy_table_leave_e
     report, _ = await init_cluster(config)
     assert report.ok, report.render()
     await assert_installed(nodes, config)
+
+
+async def test_a_table_held_exclusively_makes_the_checks_fail_not_wait(pg_nodes: Nodes) -> None:
+    """The checks read keys under ACCESS SHARE: a session holding a table ACCESS EXCLUSIVE makes them fail
+    with a failed check naming the node after their lock wait, not wait for as long as it holds it."""
+    nodes = pg_nodes(2, names=["a", "b"])
+    for node in nodes:
+        await execute(node.dsn(), "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    config = config_for("held", [(n.name, n.dsn()) for n in nodes])
+    async with await psycopg.AsyncConnection.connect(nodes[1].dsn()) as holder:
+        await holder.execute("LOCK TABLE t IN ACCESS EXCLUSIVE MODE")  # held until the rollback below
+        report = await check_cluster(config)
+        await holder.rollback()
+    failed = [c for c in report.problems if c.node == "b"]
+    assert [c.check for c in failed] == ["catalog"], report.render()
+    assert "waited too long" in failed[0].detail and "holds a table exclusively" in (failed[0].hint or "")
+    report = await check_cluster(config)
+    assert report.ok, report.render()
+    await assert_clean(nodes)
