@@ -7,6 +7,8 @@ and CASCADE as the source ran it. Rows to truncate are written on the other node
 
 from __future__ import annotations
 
+import asyncio
+
 from router.testing.mesh import execute, fetch, running_router
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import converge, has, healthy, rows_everywhere
@@ -75,4 +77,23 @@ async def test_010_truncate(mesh: MeshFactory) -> None:
         for node in m.nodes:
             deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
             assert await has(node.dsn(), deadlocks, [(0,)])
+        healthy(router)
+
+
+async def test_010_truncate_synchronous(mesh: MeshFactory) -> None:
+    """Synchronous replication to pgmesh (its walsender's application_name is pgmesh_<cluster>): a commit
+    on a returns once the router confirmed it, which it does once every other node applied it durably."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        sync = "ALTER SYSTEM SET synchronous_standby_names TO 'pgmesh_t'"
+        await execute(a.dsn(), sync, "SELECT pg_reload_conf()")
+        await rows_everywhere([a], "SHOW synchronous_standby_names", [("pgmesh_t",)])
+        await asyncio.wait_for(execute(a.dsn(), "INSERT INTO tab1 VALUES (1), (2), (3)"), 60)
+        assert await fetch(b.dsn(), summary("tab1")) == [(3, 1, 3)]  # there when the commit returned
+        await asyncio.wait_for(execute(a.dsn(), "TRUNCATE tab1"), 60)
+        assert await fetch(b.dsn(), summary("tab1")) == EMPTY
+        await execute(b.dsn(), "INSERT INTO tab1 VALUES (4)")  # b -> a is not synchronous, and goes on
+        await rows_everywhere(m.nodes, summary("tab1"), [(1, 4, 4)])
+        await execute(a.dsn(), "ALTER SYSTEM RESET synchronous_standby_names", "SELECT pg_reload_conf()")
         healthy(router)
