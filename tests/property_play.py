@@ -51,6 +51,21 @@ EXPECTED = (pgerrors.UniqueViolation, pgerrors.DivisionByZero, pgerrors.Deadlock
             pgerrors.SerializationFailure)
 
 
+def describe(schedule: Schedule) -> str:
+    """The schedule as text (tables, then each session's transactions), for a failure report."""
+    lines = [f"seed {schedule.seed}: nodes {', '.join(schedule.nodes)}; DDL on {schedule.ddl_node}"]
+    for table in schedule.tables:
+        cols = ", ".join(f"{c.name!r} {c.type}" for c in table.columns)
+        lines.append(f"  table {table.name!r} ({cols}) key {table.key} partition {table.partition}"
+                     f" replica_full {table.replica_full}")
+    for (node, session), txs in sorted(schedule.sessions.items()):
+        lines.append(f"  {node}/{session}:")
+        for tx in txs:
+            steps = " ".join(op.kind if op.kind != "sql" else f"sql({op.rows})" for op in tx.ops)
+            lines.append(f"    [{steps}] {tx.end}")
+    return "\n".join(lines)
+
+
 class ScheduleFailed(AssertionError):
     """A schedule whose nodes did not converge or whose link stopped: the seed and the schedule say it."""
 
@@ -243,7 +258,7 @@ async def play(router: Router, dsns: dict[str, str], schedule: Schedule, tally: 
         ))
         await wait_healthy_and_converged(router, list(dsns.values()), tables, CONVERGE_LIMIT)
     except ScheduleFailed as exc:
-        raise ScheduleFailed(f"seed {schedule.seed}: {exc}\n{schedule.describe()}") from None
+        raise ScheduleFailed(f"seed {schedule.seed}: {exc}\n{describe(schedule)}") from None
     tally.schedules += 1
 
 

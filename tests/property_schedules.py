@@ -292,13 +292,13 @@ def make_table(
     return Table(name, tuple(columns), key, partition, rng.random() < 0.3, not root_only_full)
 
 
-def _partition_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
+def _partition_ddl(table: Table) -> list[tuple[sql.Composed, list[str]]]:
     """The partitions: RANGE over the key encodings of n (hot keys split, nodes' own keys apart) from
     MINVALUE to MAXVALUE; LIST over a few values, and a DEFAULT partition."""
     assert table.partition is not None
     how, column = table.partition
     col = table.column(column)
-    out: list[tuple[sql.Composable, list[str]]] = []
+    out: list[tuple[sql.Composed, list[str]]] = []
     part = [sql.Identifier("public", f"{table.name} p{i}") for i in range(4)]
     if how == "range":
         maker = TYPES[col.type].key
@@ -324,20 +324,20 @@ def _partition_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
     return out
 
 
-def _partition_names(table: Table, ddl: list[tuple[sql.Composable, list[str]]]) -> list[sql.Identifier]:
+def _partition_names(table: Table, ddl: list[tuple[sql.Composed, list[str]]]) -> list[sql.Identifier]:
     count = len(ddl)
     indexes = range(4) if count == 4 else [*range(count - 1), 3]
     return [sql.Identifier("public", f"{table.name} p{i}") for i in indexes]
 
 
-def table_ddl(table: Table) -> list[tuple[sql.Composable, list[str]]]:
+def table_ddl(table: Table) -> list[tuple[sql.Composed, list[str]]]:
     cols = [sql.SQL("{} {}").format(sql.Identifier(c.name), c.sql_type) for c in table.columns]
     cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(sql.Identifier(k) for k in table.key)))
     statement = sql.SQL("CREATE TABLE {} ({})").format(table.ident, sql.SQL(", ").join(cols))
     if table.partition is not None:
         statement = sql.SQL("{} PARTITION BY {} ({})").format(
             statement, sql.SQL(table.partition[0].upper()), sql.Identifier(table.partition[1]))
-    out = [(statement, [])]
+    out: list[tuple[sql.Composed, list[str]]] = [(statement, [])]
     if table.partition is not None:
         parts = _partition_ddl(table)
         out += parts
@@ -358,7 +358,7 @@ class Op:
     "rollback_to": `name`), or a statement that fails on purpose ("fail"). `rows` counts row changes."""
 
     kind: str
-    statement: sql.Composable | None = None
+    statement: sql.Composed | None = None
     params: tuple[str | None, ...] = ()
     name: str = ""
     rows: int = 0
@@ -392,10 +392,10 @@ class Schedule:
         """The schedule's own types ("enum", "pair", "word": `USER_TYPES`), named after its seed."""
         return user_types(self.seed)
 
-    def ddl(self) -> list[tuple[sql.Composable, list[str]]]:
+    def ddl(self) -> list[tuple[sql.Composed, list[str]]]:
         labels = sql.SQL(", ").join(sql.Literal(label) for label in ENUM_LABELS)
         types = self.user_types()
-        out: list[tuple[sql.Composable, list[str]]] = [
+        out: list[tuple[sql.Composed, list[str]]] = [
             (sql.SQL("CREATE TYPE {} AS ENUM ({})").format(types["enum"], labels), []),
             (sql.SQL("CREATE TYPE {} AS (a int4, b text, c int4[])").format(types["pair"]), []),
             (sql.SQL("CREATE DOMAIN {} AS text CHECK (VALUE <> 'forbidden')").format(types["word"]), []),
@@ -407,19 +407,6 @@ class Schedule:
     def table_names(self) -> list[str]:
         return [f"public.{t.name}" for t in self.tables]
 
-    def describe(self) -> str:
-        """The schedule as text (tables, then each session's transactions), for a failure report."""
-        lines = [f"seed {self.seed}: nodes {', '.join(self.nodes)}; DDL on {self.ddl_node}"]
-        for table in self.tables:
-            cols = ", ".join(f"{c.name!r} {c.type}" for c in table.columns)
-            lines.append(f"  table {table.name!r} ({cols}) key {table.key} partition {table.partition}"
-                         f" replica_full {table.replica_full}")
-        for (node, session), txs in sorted(self.sessions.items()):
-            lines.append(f"  {node}/{session}:")
-            for tx in txs:
-                steps = " ".join(op.kind if op.kind != "sql" else f"sql({op.rows})" for op in tx.ops)
-                lines.append(f"    [{steps}] {tx.end}")
-        return "\n".join(lines)
 
 
 def user_types(seed: int) -> dict[str, sql.Identifier]:
@@ -531,7 +518,7 @@ class _Writer:
         if roll < 0.87:
             return self.update_many(table, [self.some_key() for _ in range(rng.randint(2, 5))])
         if roll < 0.9:  # 3% of statements fail on purpose
-            return Op("fail", sql.SQL("SELECT 1 / 0"))
+            return Op("fail", sql.Composed([sql.SQL("SELECT 1 / 0")]))
         if roll < 0.96:
             keys = [self.fresh() for _ in range(rng.randint(*BULK_ROWS))]
             return self.insert(table, keys, " ON CONFLICT DO NOTHING")

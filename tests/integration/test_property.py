@@ -52,7 +52,7 @@ async def test_random_schedules_converge(mesh: MeshFactory) -> None:
 
 
 # A key-changing UPDATE that meets a concurrent change of the same row on another node. Found by the
-# property test (seed 209459776 with key_conflicts=True): the careful path applies it as an update of
+# property test (shape "key_conflicts" of make_schedule): the careful path applies it as an update of
 # the old key's row (no tombstone for the old key, the new key not checked as an insert), so:
 # - key update later than the other node's update: the node that made the key update gets the other
 #   node's update of the old key, finds no row and no tombstone, and re-creates the old key's row
@@ -113,7 +113,8 @@ async def test_unchanged_toast_value_in_a_conflict_converges(mesh: MeshFactory) 
 # waited, the read returned the row's new version (EvalPlanQual) but the lateral function's old output
 # (a non-locked relation's row is copied, not recomputed): the decision compared against the version
 # the row had before, and the local write, newer than the remote one, was overwritten on this node only.
-# Found by the property test (seeds 1 and 2 of SEEDS, now and then); fixed in router.apply.careful.
+# Found by the property test (two of the eight bounded schedules, now and then); fixed in
+# router.apply.careful.
 BLOCKED_READ = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                 " AND query LIKE '%FOR UPDATE OF%'")
 
@@ -148,7 +149,7 @@ async def _has(dsn: str, query: str, expected: list[tuple[object, ...]]) -> bool
 # Relation message marks every column as part of the identity, while the partition's own identity (the
 # key) decides what the old row holds: nothing for an update that keeps the key. The applier then
 # matches the row by every column of the new row, and a TOASTed column left as it was has no value
-# ("column big arrived as 'u', expected text"): the link stops. Found by the property test (seed 7 with
+# ("column big arrived as 'u', expected text"): the link stops. Found by the property test (shape
 # "root_only_full"); with REPLICA IDENTITY FULL on every partition too it replicates.
 ROOT_ONLY_FULL = """
 CREATE TABLE p (k text PRIMARY KEY, big text, v int) PARTITION BY LIST (k);
