@@ -16,9 +16,12 @@ SET search_path = pg_catalog, pg_temp AS $body$
   SELECT pg_catalog.pg_replication_origin_session_is_setup()
 $body$;
 
+-- The message's content is UTF-8 whatever the database's encoding (the text variant would carry the
+-- server's bytes: LATIN1 on a LATIN1 database), as the router reads it.
 CREATE OR REPLACE FUNCTION {schema}.ddl_emit(content text) RETURNS void LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl', content)
+  SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl',
+                                                           pg_catalog.convert_to(content, 'UTF8'))
 $body$;
 
 -- Note that this node's schema changed (router/apply/applier.py reads it: SCHEMA_CHANGES in capture.py).
@@ -177,7 +180,14 @@ BEGIN
     RETURN;
   END IF;
   qualified := nsp || '.' || tab;
+  SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+                  WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
   IF qualified !~ {schema}.ddl_setting('tables') OR qualified ~ {schema}.ddl_setting('exclude') THEN
+    IF published THEN  -- moved out of the replicated set (SET SCHEMA, RENAME): it stays local from here
+      EXECUTE format('ALTER PUBLICATION %I DROP TABLE %I.%I', pub, nsp, tab);
+      EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
+      DELETE FROM {schema}.known_columns WHERE relid = rel;
+    END IF;
     RETURN;
   END IF;
   FOR col IN SELECT k.name AS was, a.attname::text AS now, a.attisdropped AS dropped
@@ -192,8 +202,6 @@ BEGIN
   SELECT rel, a.attnum, a.attname FROM pg_attribute a
    WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
 
-  SELECT EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
-                  WHERE p.pubname = pub AND r.prrelid = rel) INTO published;
   -- what pgoutput can identify a row by: an immediate primary key, a replica identity index, or FULL
   usable := ident = 'f' OR EXISTS (
     SELECT 1 FROM pg_index i WHERE i.indrelid = rel

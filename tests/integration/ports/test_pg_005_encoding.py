@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from router.testing.mesh import execute, fetch, prepare_mesh, running_router, wait_for
 from tests.fix_cluster import NodeFactory
 from tests.integration.ports.common import healthy, rows_everywhere
@@ -50,9 +48,6 @@ async def test_005_encoding(pg_nodes: NodeFactory) -> None:
         assert await fetch(b.dsn(), "SELECT count(*) FROM test1") == [(2,)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a DDL message from a LATIN1 node carries its text in "
-                   "LATIN1 "
-                   "(pg_logical_emit_message of text sends the server's bytes); the router reads it as UTF-8")
 async def test_005_encoding_ddl_from_a_latin1_node(pg_nodes: NodeFactory) -> None:
     a, node_b = pg_nodes(names=["a", "b"])
     await execute(node_b.dsn(dbname="postgres"),

@@ -7,8 +7,6 @@ moved out of the schema or dropped.
 
 from __future__ import annotations
 
-import pytest
-
 from router.testing.mesh import execute, fetch, running_router
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import converge, healthy, rows_everywhere
@@ -59,8 +57,6 @@ async def test_025_rep_changes_for_schema(mesh: MeshFactory) -> None:
         healthy(router)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a table moved out of the replicated set by ALTER TABLE "
-                   "... SET SCHEMA stays in pgmesh's publication (router/ddl handles tables entering it)")
 async def test_025_table_moved_out_of_the_schema(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, replication='tables = ["sch1.*"]')
     a, b = m.nodes
