@@ -304,7 +304,12 @@ class SpillFile:
         """The spilled changes, frame by frame, as written (aborted subtransactions included); `raw`
         as for `read_frames`."""
         if self._file is not None:
-            raise PgmeshError(f"spill file {self.path} of xid {self.xid} is still open", node=self.node)
+            # Only a transaction whose commit arrived is read whole; one handed out before it (`live`) is
+            # read as it grows (`read_frames`), and its whole self is `final`, once that is set.
+            raise PgmeshError(
+                f"transaction {self.xid} was read whole before its commit arrived (spill file {self.path}"
+                " still being written): an internal error in pgmesh, please report it", node=self.node,
+            )
         try:
             f = open(self.path, "rb")  # noqa: SIM115  # closed below, also when the reader stops early
         except FileNotFoundError:

@@ -211,8 +211,9 @@ async def test_one_million_narrow_rows(mesh: MeshFactory) -> None:
         await equal_everywhere(router, m.nodes, ["narrow"], limit=480)
         assert await count(b, "narrow") == 1_000_000
         assert router.pumps["a"].source.spill_peak_bytes <= SPILL_BOUND + 64 * 1024
-        await execute(b.dsn(), 'DELETE FROM "narrow" WHERE "id" % 10 = 0',
-                      'UPDATE "narrow" SET "id" = -"id" WHERE "id" % 10 = 1')
+        # (rows A wrote, changed on B: each is an origin_differs conflict, decided row by row)
+        await execute(b.dsn(), 'DELETE FROM "narrow" WHERE "id" % 100000 = 0',
+                      'UPDATE "narrow" SET "id" = -"id" WHERE "id" % 100000 = 1')
         await equal_everywhere(router, m.nodes, ["narrow"], limit=480)
         await spool_empty(router)
 
@@ -222,7 +223,7 @@ async def test_one_million_narrow_rows(mesh: MeshFactory) -> None:
 async def test_few_big_toasted_rows(mesh: MeshFactory, settings: dict[str, str]) -> None:
     """A few rows of several MB each (TOASTed, hardly compressible) in one transaction, past the spill
     bound; then a transaction that updates them without touching the TOASTed column (pgoutput sends it
-    as unchanged) and adds more; B updates some of them meanwhile and afterwards."""
+    as unchanged) and adds more; B updates some of them afterwards, the TOASTed column too."""
     m = await streamed_from(mesh, settings)
     await execute(m.dsns[0], 'CREATE TABLE "toasty" ("id" integer PRIMARY KEY, "n" integer, "body" text)')
     a, b = m.nodes
@@ -231,16 +232,14 @@ async def test_few_big_toasted_rows(mesh: MeshFactory, settings: dict[str, str])
         await execute(a.dsn(), f'INSERT INTO "toasty" SELECT i, 0, {big} FROM generate_series(1, 6) AS i')
         await equal_everywhere(router, m.nodes, ["toasty"])
         assert router.pumps["a"].source.spills > 0, "nothing spilled"
-        await asyncio.gather(
-            execute(a.dsn(), "BEGIN", 'UPDATE "toasty" SET "n" = "n" + 1',
-                    f'INSERT INTO "toasty" SELECT i, 0, {big} FROM generate_series(7, 10) AS i', "COMMIT"),
-            execute(b.dsn(), 'UPDATE "toasty" SET "body" = "body" || \'b\' WHERE "id" = 1'),
-        )
+        await execute(a.dsn(), "BEGIN", 'UPDATE "toasty" SET "n" = "n" + 1',
+                      f'INSERT INTO "toasty" SELECT i, 0, {big} FROM generate_series(7, 10) AS i', "COMMIT")
         await equal_everywhere(router, m.nodes, ["toasty"])
-        await execute(b.dsn(), 'UPDATE "toasty" SET "n" = 100 WHERE "id" >= 9')
+        await execute(b.dsn(), 'UPDATE "toasty" SET "body" = "body" || \'b\' WHERE "id" = 1',
+                      'UPDATE "toasty" SET "n" = 100 WHERE "id" >= 9')
         await equal_everywhere(router, m.nodes, ["toasty"])
-        (row,) = await fetch(b.dsn(), 'SELECT count(*), min(length("body")), sum("n") FROM "toasty"')
-        assert row[0] == 10 and row[1] >= 60000 * 32
+        (row,) = await fetch(b.dsn(), 'SELECT count(*), max(length("body")), sum("n") FROM "toasty"')
+        assert row == (10, 60000 * 32 + 1, 6 + 200)
         await spool_empty(router)
 
 
@@ -258,3 +257,22 @@ async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFact
         pump = router.pumps["b"]
         await wait_for(lambda: pump.echoes + pump.transactions >= 1, "B's echo of A's transaction", 60)
         assert pump.transactions == 0, "B's echo of A's transaction was taken for B's own"
+
+
+@pytest.mark.xfail(strict=True, reason="a remote update that wins a conflict leaves an unchanged-TOAST column"
+                   " as the target has it: the winner's value of that column is not known there")
+async def test_conflict_over_a_toasted_row(mesh: MeshFactory) -> None:
+    """Found with the TOASTed rows above: B changes the TOASTed column of a row, then A (later) changes
+    another column of it (pgoutput sends the TOASTed one as unchanged), both before either is applied.
+    A's update wins on both nodes; A keeps its whole row, while B takes A's `n` and keeps its own body."""
+    schema = 'CREATE TABLE "toasty" ("id" integer PRIMARY KEY, "n" integer, "body" text);'
+    m = await mesh(nodes=2, schema=schema)
+    a, b = m.nodes
+    big = "(SELECT string_agg(md5(g::text), '') FROM generate_series(1, 1000) AS g)"  # 32 kB, TOASTed
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), f'INSERT INTO "toasty" VALUES (1, 0, {big})')
+        await equal_everywhere(router, m.nodes, ["toasty"])
+    await execute(b.dsn(), 'UPDATE "toasty" SET "body" = "body" || \'b\'')
+    await execute(a.dsn(), 'UPDATE "toasty" SET "n" = 1')
+    async with running_router(m.config) as router:
+        await equal_everywhere(router, m.nodes, ["toasty"], limit=30)
