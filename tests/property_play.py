@@ -230,13 +230,13 @@ async def create_tables(schedule: Schedule, dsns: dict[str, str], limit: float =
     async with await psycopg.AsyncConnection.connect(dsns[schedule.ddl_node], autocommit=True) as conn:
         for statement, params in schedule.ddl():
             await conn.execute(statement, params)
-        cur = await conn.execute(_SHAPE, [f"% {schedule.seed}#%"] * 2)
+        cur = await conn.execute(_SHAPE, [f"% {schedule.tag}#%"] * 2)
         want = await cur.fetchall()
     deadline = time.monotonic() + limit
     for node, dsn in dsns.items():
         while True:
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-                cur = await conn.execute(_SHAPE, [f"% {schedule.seed}#%"] * 2)
+                cur = await conn.execute(_SHAPE, [f"% {schedule.tag}#%"] * 2)
                 if await cur.fetchall() == want:
                     break
             if time.monotonic() > deadline:
@@ -253,13 +253,32 @@ async def play(router: Router, dsns: dict[str, str], schedule: Schedule, tally: 
             await run_transaction(conn, Transaction(tuple(schedule.seed_rows), "commit"), "seed", tally)
         await wait_healthy_and_converged(router, list(dsns.values()), tables, CONVERGE_LIMIT)
         await asyncio.gather(*(
-            run_session(dsns[node], f"pgmesh property {schedule.seed} {node} {session}", txs, tally)
+            run_session(dsns[node], f"pgmesh property {schedule.tag} {node} {session}", txs, tally)
             for (node, session), txs in schedule.sessions.items()
         ))
+        own = await own_rows(schedule, dsns)
         await wait_healthy_and_converged(router, list(dsns.values()), tables, CONVERGE_LIMIT)
+        if "key_conflicts" not in schedule.known:  # (then a hot row may move into a node's own keys)
+            nodes = schedule.nodes
+            elsewhere = {node: dsns[nodes[i - 1]] for i, node in enumerate(nodes)}  # read on another node
+            if (now := await own_rows(schedule, elsewhere)) != own:
+                raise ScheduleFailed(f"a node's own rows (no other node writes them) changed: {own} -> {now}")
     except ScheduleFailed as exc:
         raise ScheduleFailed(f"seed {schedule.seed}: {exc}\n{describe(schedule)}") from None
     tally.schedules += 1
+
+
+async def own_rows(schedule: Schedule, dsns: dict[str, str]) -> dict[tuple[str, str], tuple[Any, ...]]:
+    """(node, table) -> count and md5 of the node's own rows, read at `dsns[node]`."""
+    out = {}
+    for index, node in enumerate(schedule.nodes):
+        async with await psycopg.AsyncConnection.connect(dsns[node], autocommit=True) as conn:
+            for table in schedule.tables:
+                query, params = table.own_rows(index)
+                row = await (await conn.execute(query, params)).fetchone()
+                assert row is not None
+                out[(node, table.name)] = tuple(row)
+    return out
 
 
 async def drop_tables(dsn: str, schedule: Schedule) -> None:
@@ -276,7 +295,8 @@ async def drop_tables(dsn: str, schedule: Schedule) -> None:
 
 
 async def long_run(
-    minutes: float, seeds: list[int], names: Sequence[str], known: frozenset[str] = frozenset()
+    minutes: float, seeds: list[int], names: Sequence[str], known: frozenset[str] = frozenset(),
+    repeat: int = 1,
 ) -> Tally:
     from router.testing.localnodes import create_nodes
 
@@ -287,11 +307,14 @@ async def long_run(
         dsns = {n.name: n.dsn() for n in nodes}
         deadline = time.monotonic() + minutes * 60
         given = bool(seeds)
-        seeds = list(reversed(seeds))
+        seeds = list(reversed([seed for seed in seeds for _ in range(repeat)]))
+        played: dict[int, int] = {}
         async with running_router(mesh.config) as router:
             while (not given and time.monotonic() < deadline) or seeds:
                 this = seeds.pop() if seeds else random.randrange(10**9)
-                schedule = make_schedule(this, list(names), known=known)
+                played[this] = played.get(this, 0) + 1
+                again = f"r{played[this]}" if played[this] > 1 else ""
+                schedule = make_schedule(this, list(names), known=known, again=again)
                 try:
                     await play(router, dsns, schedule, tally)
                 except ScheduleFailed as exc:
@@ -317,13 +340,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=float(os.environ.get("PGMESH_PROPERTY_MINUTES", 30)))
     parser.add_argument("--seed", type=int, action="append", default=[],
                         help="run this schedule (repeat for several, in order) instead of random ones")
+    parser.add_argument("--repeat", type=int, default=1, help="play each --seed this many times")
     parser.add_argument("--nodes", type=int, default=3, choices=(2, 3))
     parser.add_argument("--known", action="append", default=[], choices=KNOWN,
                         help="also shapes known to end apart today (tests.property_schedules.make_schedule)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     started = time.monotonic()
-    tally = asyncio.run(long_run(args.minutes, args.seed, "abc"[: args.nodes], frozenset(args.known)))
+    names = "abc"[: args.nodes]
+    tally = asyncio.run(long_run(args.minutes, args.seed, names, frozenset(args.known), args.repeat))
     print(f"{tally.line()} in {time.monotonic() - started:.0f} s", flush=True)
     return 1 if tally.failures else 0
 

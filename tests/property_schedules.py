@@ -24,19 +24,15 @@ to end apart today are left out unless asked for (`KNOWN`, `make_schedule`).
 
 from __future__ import annotations
 
-import json
 import random
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from psycopg import sql
 
+from tests.property_types import ENUM_LABELS, FRESH, KEY_TYPES, TYPES, USER_TYPES, VALUE_TYPES, enum_type
+
 HOT = 8  # keys every node writes
 KNOWN = ("key_conflicts", "toast_conflicts", "root_only_full")  # shapes that fail today (make_schedule)
-FRESH = 1_000_000  # node i's own keys start at (i + 1) * FRESH
 BULK_ROWS = (150, 450)  # a bulk insert: well over 64kB of changes, so the walsender streams it
 
 # Names pgmesh's generated SQL uses or used for its own things (router/apply/statements.py, careful.py,
@@ -52,152 +48,6 @@ KEYWORDS = ["select", "order", "user", "group", "from", "table", "check", "defau
 ODD = ["Mixed Case", "with space", 'quo"te', "semi;colon", "ünï", "x" * 63]
 COLUMN_NAMES = PGMESH_NAMES + KEYWORDS + ODD
 TABLE_WORDS = ["t", "c", "order", "pgmesh_t", "tombstones", "User Table", "select", "data"]
-ENUM_LABELS = ["sad", "ok", "happy", "with space", "quo'te", "ünï"]
-
-EPOCH = datetime(2001, 2, 3, 4, 5, 6, tzinfo=UTC)
-
-
-# --------------------------------------------------------------------------------------------- value types
-
-
-def _text(rng: random.Random) -> str:
-    if rng.random() < 0.25:  # TOASTed: random hex compresses to about half, still over 2 kB
-        return rng.randbytes(rng.randint(2_000, 12_000)).hex()
-    return "".join(rng.choices("abc xyz'\"\\,{}()ü€\t", k=rng.randint(0, 30)))
-
-
-def _numeric(rng: random.Random) -> str:
-    if rng.random() < 0.05:
-        return rng.choice(["NaN", "Infinity", "-Infinity"])
-    return f"{rng.randint(-10**20, 10**20)}.{rng.randint(0, 10**6):06d}"
-
-
-def _float8(rng: random.Random) -> str:
-    if rng.random() < 0.1:
-        return rng.choice(["NaN", "Infinity", "-Infinity", "-0", "1e308", "5e-324"])
-    return repr(rng.uniform(-1e6, 1e6))
-
-
-def _timestamptz(rng: random.Random) -> str:
-    if rng.random() < 0.05:
-        return rng.choice(["infinity", "-infinity"])
-    moment = EPOCH + timedelta(seconds=rng.randint(-10**9, 10**9), microseconds=rng.randint(0, 999_999))
-    return moment.isoformat()
-
-
-def _jsonb_value(rng: random.Random, depth: int = 0) -> Any:
-    kind = rng.random()
-    if depth > 2 or kind < 0.3:
-        return rng.choice([None, True, 1, -2.5, "s", "ü\"'", 10**20])
-    if kind < 0.6:
-        return [_jsonb_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {rng.choice(["k", "key", "a b", "€"]) + str(i): _jsonb_value(rng, depth + 1)
-            for i in range(rng.randint(0, 4))}
-
-
-def _jsonb(rng: random.Random) -> str:
-    if rng.random() < 0.1:  # TOASTed
-        return json.dumps({"big": [_text(rng) for _ in range(3)], "n": rng.random()})
-    return json.dumps(_jsonb_value(rng))
-
-
-def _array_element(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _int_array(rng: random.Random) -> str:
-    if rng.random() < 0.2:  # two dimensions
-        pairs = (f"{{{rng.randint(-9, 9)},{rng.randint(-9, 9)}}}" for _ in range(2))
-        return "{" + ",".join(pairs) + "}"
-    items = ["NULL" if rng.random() < 0.2 else str(rng.randint(-10**9, 10**9))
-             for _ in range(rng.randint(0, 6))]
-    return "{" + ",".join(items) + "}"
-
-
-def _text_array(rng: random.Random) -> str:
-    items = ["NULL" if rng.random() < 0.2 else _array_element(_text(rng)) for _ in range(rng.randint(0, 4))]
-    return "{" + ",".join(items) + "}"
-
-
-def _bytea(rng: random.Random) -> str:
-    size = rng.randint(3_000, 20_000) if rng.random() < 0.2 else rng.randint(0, 40)
-    return "\\x" + rng.randbytes(size).hex()
-
-
-def _interval(rng: random.Random) -> str:
-    return f"{rng.randint(-400, 400)} days {rng.randint(0, 86_399)} seconds"
-
-
-def _int4range(rng: random.Random) -> str:
-    if rng.random() < 0.1:
-        return "empty"
-    lo = rng.randint(-1000, 1000)
-    return f"[{lo},{lo + rng.randint(1, 100)})"
-
-
-def _numrange(rng: random.Random) -> str:
-    lo = rng.uniform(-1e3, 1e3)
-    return rng.choice([f"({lo:.3f},{lo + 5:.3f}]", f"[{lo:.3f},)", "(,)"])
-
-
-def _tstzrange(rng: random.Random) -> str:
-    start = EPOCH + timedelta(seconds=rng.randint(-10**8, 10**8), microseconds=rng.randint(0, 999_999))
-    return f'["{start.isoformat()}","{(start + timedelta(hours=rng.randint(1, 99))).isoformat()}")'
-
-
-def _pair(rng: random.Random) -> str:
-    """The schedule's composite type (a int4, b text, c int4[]): NULL fields are empty."""
-    a = "" if rng.random() < 0.2 else str(rng.randint(-9, 9))
-    b = "" if rng.random() < 0.2 else _array_element(_text(rng))
-    c = "" if rng.random() < 0.2 else _array_element(_int_array(rng))
-    return f"({a},{b},{c})"
-
-
-def _day(n: int) -> int:
-    """Key n as a day count within the date range: each node's keys (well under 100k) in their own span."""
-    return n // FRESH * 100_000 + n % FRESH
-
-
-@dataclass(frozen=True)
-class ColumnType:
-    """One column type: its SQL name, a random value (text input form), and, if it can be a key, the n-th
-    key value (injective and order-preserving in n, so range partitions of n are range partitions of
-    the column; `None` for a type that is no key, 'enum' for one that is no injective key)."""
-
-    sql: str
-    value: Callable[[random.Random], str]
-    key: Callable[[int], str] | None = None
-    range_ok: bool = True  # a RANGE partition key
-
-
-TYPES: dict[str, ColumnType] = {
-    "int4": ColumnType("int4", lambda r: str(r.randint(-2**31, 2**31 - 1)), str),
-    "int8": ColumnType("int8", lambda r: str(r.randint(-2**63, 2**63 - 1)), lambda n: str(n * 1_000_003)),
-    "numeric": ColumnType("numeric", _numeric, lambda n: f"{n}.25"),
-    "text": ColumnType("text", _text, lambda n: f"k{n:08d}"),
-    "timestamptz": ColumnType("timestamptz", _timestamptz,
-                              lambda n: (EPOCH + timedelta(seconds=n)).isoformat()),
-    "date": ColumnType("date", lambda r: (EPOCH + timedelta(days=r.randint(-9999, 9999))).date().isoformat(),
-                       lambda n: (EPOCH + timedelta(days=_day(n))).date().isoformat()),
-    "uuid": ColumnType("uuid", lambda r: str(uuid.UUID(int=r.getrandbits(128))),
-                       lambda n: str(uuid.UUID(int=n))),
-    "bytea": ColumnType("bytea", _bytea, lambda n: "\\x" + n.to_bytes(8, "big").hex()),
-    "int4[]": ColumnType("int4[]", _int_array, lambda n: f"{{{n},{n % 5}}}", range_ok=False),
-    "float8": ColumnType("float8", _float8),
-    "jsonb": ColumnType("jsonb", _jsonb),
-    "text[]": ColumnType("text[]", _text_array),
-    "interval": ColumnType("interval", _interval),
-    "bool": ColumnType("bool", lambda r: r.choice(["true", "false"])),
-    "int4range": ColumnType("int4range", _int4range),
-    "numrange": ColumnType("numrange", _numrange),
-    "tstzrange": ColumnType("tstzrange", _tstzrange),
-    "pair": ColumnType("pair", _pair),  # the schedule's composite type
-    "word": ColumnType("word", _text),  # the schedule's domain over text
-}
-USER_TYPES = ("enum", "pair", "word")  # made by the schedule's DDL, named after its seed
-KEY_TYPES = [name for name, t in TYPES.items() if t.key is not None]
-_ENUM = ColumnType("enum", lambda r: r.choice(ENUM_LABELS))
-VALUE_TYPES = [*TYPES, "text", "text", "enum"]  # text thrice: more TOAST
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -244,10 +94,27 @@ class Table:
                 out.append(maker(n))
         return out
 
+    def own_range(self, index: int) -> tuple[sql.Composed, list[str]]:
+        """WHERE the row's key is one of node `index`'s own: a range of the first key column that is no
+        enum (its key encodings keep the order of n)."""
+        column = next(k for k in self.key if self.column(k).type != "enum")
+        first = (index + 1) * FRESH
+        bounds = [self.key_values(n)[self.key.index(column)] for n in (first, first + FRESH)]
+        typed, ident = _typed(self.column(column)), sql.Identifier(column)
+        return sql.SQL("{} >= {} AND {} < {}").format(ident, typed, ident, typed), bounds
+
+    def own_rows(self, index: int) -> tuple[sql.Composed, list[str]]:
+        """Count and md5 of node `index`'s own rows: only that node writes them, so every node must end
+        with exactly what it held when its sessions were done (nothing lost, nothing applied twice)."""
+        where, bounds = self.own_range(index)
+        query = sql.SQL("SELECT count(*), md5(coalesce(string_agg((r.*)::text, '|'"
+                        " ORDER BY (r.*)::text), '')) FROM {} AS r WHERE {}").format(self.ident, where)
+        return query, bounds
+
     def value(self, rng: random.Random, col: Column) -> str | None:
         if rng.random() < 0.15:
             return None
-        return (_ENUM if col.type == "enum" else TYPES[col.type]).value(rng)
+        return (enum_type() if col.type == "enum" else TYPES[col.type]).value(rng)
 
 
 def _typed(col: Column) -> sql.Composable:
@@ -377,6 +244,8 @@ class Schedule:
     tables: list[Table]
     ddl_node: str
     seed_rows: list[Op]  # one transaction on ddl_node before the concurrent phase
+    known: frozenset[str]  # the shapes known to fail that it may hold (make_schedule)
+    tag: str = ""  # the seed and this name its tables and types (a seed played again gets fresh names)
     sessions: dict[tuple[str, int], list[Transaction]] = field(default_factory=dict)
 
     @property
@@ -390,7 +259,7 @@ class Schedule:
 
     def user_types(self) -> dict[str, sql.Identifier]:
         """The schedule's own types ("enum", "pair", "word": `USER_TYPES`), named after its seed."""
-        return user_types(self.seed)
+        return user_types(self.tag)
 
     def ddl(self) -> list[tuple[sql.Composed, list[str]]]:
         labels = sql.SQL(", ").join(sql.Literal(label) for label in ENUM_LABELS)
@@ -409,8 +278,8 @@ class Schedule:
 
 
 
-def user_types(seed: int) -> dict[str, sql.Identifier]:
-    return {t: sql.Identifier("public", f"{t} {seed}") for t in USER_TYPES}
+def user_types(tag: str) -> dict[str, sql.Identifier]:
+    return {t: sql.Identifier("public", f"{t} {tag}") for t in USER_TYPES}
 
 
 class _Writer:
@@ -491,12 +360,9 @@ class _Writer:
         """Every row of this node's own keys (a range of the first key column that is no enum: its key
         encodings keep the order of n), a large transaction once bulk inserts have run."""
         sets, params = self._sets(table)
-        column = next(k for k in table.key if table.column(k).type != "enum")
-        lo, hi = (table.key_values(n)[table.key.index(column)] for n in (self.first, self.first + FRESH))
-        typed = _typed(table.column(column))
-        statement = sql.SQL("UPDATE {} SET {} WHERE {} >= {} AND {} < {}").format(
-            table.ident, sets, sql.Identifier(column), typed, sql.Identifier(column), typed)
-        return Op("sql", statement, (*params, lo, hi), rows=BULK_ROWS[0])
+        where, bounds = table.own_range(self.first // FRESH - 1)
+        statement = sql.SQL("UPDATE {} SET {} WHERE {}").format(table.ident, sets, where)
+        return Op("sql", statement, (*params, *bounds), rows=BULK_ROWS[0])
 
     def op(self) -> Op:
         rng = self.rng
@@ -552,9 +418,11 @@ def make_schedule(
     transactions: tuple[int, int] = (2, 6),
     *,
     known: frozenset[str] = frozenset(),
+    again: str = "",
 ) -> Schedule:
     """The schedule of `seed` over `nodes`: tables named after the seed (fresh in every schedule), the hot
-    keys written on one node first, then on each node one or two sessions of transactions.
+    keys written on one node first, then on each node one or two sessions of transactions. `again`
+    (for a seed played again on the same nodes) is added to the names, nothing else changes.
 
     `known` turns on shapes that end with nodes apart today (issue 17; each has its xfail test in
     tests/integration/test_property.py), left out by default so that the test finds what is new:
@@ -572,13 +440,14 @@ def make_schedule(
     rng = random.Random(seed)
     count = rng.randint(1, 3)
     root_only = "root_only_full" in known
-    types = user_types(seed)
+    tag = f"{seed}{again}"
+    types = user_types(tag)
     words = [rng.choice(TABLE_WORDS) for _ in range(count)]
-    tables = [make_table(rng, f"{word} {seed}#{i}", types, root_only) for i, word in enumerate(words)]
+    tables = [make_table(rng, f"{word} {tag}#{i}", types, root_only) for i, word in enumerate(words)]
     ddl_node = rng.choice(nodes)
     seeder = _Writer(rng, tables, len(nodes), known)
     seed_rows = [seeder.insert(t, list(range(HOT))) for t in tables]
-    schedule = Schedule(seed, list(nodes), tables, ddl_node, seed_rows)
+    schedule = Schedule(seed, list(nodes), tables, ddl_node, seed_rows, known, tag)
     for index, node in enumerate(nodes):
         writer = _Writer(rng, tables, index, known)
         for session in range(rng.choice([1, 1, 2])):
