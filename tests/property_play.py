@@ -1,17 +1,22 @@
 """Playing the property test's schedules on a real mesh with a running router, and its long mode.
 
 Owns: one schedule's run (`play`: its DDL on one node, waited for everywhere; the hot rows; then every
-node's sessions at once; then convergence of every table and every link healthy), the counts of what
-ran (`Tally`), and the long mode: `python -m tests.property_play --minutes 30` (or `--seed N` to run
-one schedule again) starts its own three nodes, runs schedules from random seeds until the time is up,
-and prints the counts and any failure with its seed.
+node's sessions at once; then every table equal on every node, every link healthy, and each node's own
+rows as it left them), the counts of what ran (`Tally`), and the long mode:
+`python -m tests.property_play --minutes 30` starts its own nodes (`--nodes 2` or 3), runs schedules
+from random seeds until the time is up on one router, and prints the counts every ten schedules and
+any failure with its seed and schedule (it stops at the first; PGMESH_PROPERTY_KEEP=1 leaves the nodes
+running to look at). `--seed N` (repeatable, `--repeat K` times each) plays given schedules again;
+`--known SHAPE` adds a shape known to fail today (`tests.property_schedules.KNOWN`).
 Must not: generate anything (`tests.property_schedules` does, from the seed), or sleep for a fixed time.
 
 Why seeds and not hypothesis's own examples: a schedule runs its sessions concurrently against a live
 router, so the same example does not replay the same interleaving; hypothesis would call a failure
 that does not repeat "flaky", and each shrinking attempt costs seconds of real cluster time. A schedule
 is drawn from `random.Random(seed)` instead: the seed names the tables, types and transactions exactly
-(`make_schedule(seed, nodes)`), a failure prints the seed and the schedule, and `--seed` replays it.
+(`make_schedule(seed, nodes)`), a failure prints the seed and the schedule, and `--seed` replays it
+(`--repeat` until the interleaving that fails comes again); the minimal reproductions are then written
+by hand from the conflict history the kept nodes hold (tests/integration/test_property.py).
 """
 
 from __future__ import annotations
