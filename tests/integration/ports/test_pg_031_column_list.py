@@ -20,6 +20,7 @@ async def test_031_column_list_is_not_pgmeshs(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "CREATE PUBLICATION pub1 FOR TABLE tab1 (a, \"B\")")
         await execute(a.dsn(), "INSERT INTO tab1 VALUES (1, 2, 3), (4, 5, 6)")
         await execute(b.dsn(), "INSERT INTO tab1 VALUES (7, 8, 9)")
+        await rows_everywhere(m.nodes, "SELECT count(*) FROM tab1", [(3,)])
         await execute(a.dsn(), "UPDATE tab1 SET c = c * 10 WHERE a = 7")
         rows = [(1, 2, 3), (4, 5, 6), (7, 8, 90)]
         await rows_everywhere(m.nodes, "SELECT a, \"B\", c FROM tab1 ORDER BY a", rows)
