@@ -96,8 +96,9 @@ async def test_001_rep_changes(mesh: MeshFactory) -> None:
 
         # toasted values: a large one, then an update that leaves it unchanged (not sent)
         await execute(a.dsn(), "UPDATE tab_mixed SET b = repeat('xyzzy', 100000) WHERE a = 2")
-        await execute(b.dsn(), "UPDATE tab_mixed SET c = 3.3 WHERE a = 2")
         lengths = "SELECT a, length(b), c::text FROM tab_mixed ORDER BY a"
+        await rows_everywhere(m.nodes, lengths, [(1, 3, "1.1"), (2, 500000, "2.2"), (3, 6, "3.3")])
+        await execute(b.dsn(), "UPDATE tab_mixed SET c = 3.3 WHERE a = 2")
         await rows_everywhere(m.nodes, lengths, [(1, 3, "1.1"), (2, 500000, "3.3"), (3, 6, "3.3")])
 
         # dropped columns: the update before the DROP, the DROP (replicated), an update after it
