@@ -46,8 +46,9 @@ from router.apply.statements import (
     target_table,
     tombstone_key,
     truncate_statement,
-    typed,
 )
+from router.apply.uniques import clash_wheres, row_where
+from router.apply.uniques import literal as _lit
 from router.config import Config
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
 from router.errors import ApplyError
@@ -109,15 +110,6 @@ def read_tombstone_sql(key_sql: str) -> str:
     )
 
 
-def row_where(values: Mapping[str, Any], columns: tuple[str, ...], types: Mapping[str, str] | None = None,
-              ) -> str:
-    """`columns` of TABLE_ALIAS equal to (or, for None, NULL as) `values`, cast to `types` (the target's
-    column types by name: an untyped literal compared with a composite would be read as a record)."""
-    kinds, ident = types or {}, quote_ident
-    return " AND ".join(f"{T}.{ident(k)} IS NULL" if values.get(k) is None
-                        else f"{T}.{ident(k)} = {typed(_lit(values[k]), kinds.get(k))}" for k in columns)
-
-
 def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None) -> str:
     """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
     names = [k for k in row if k in table.columns]
@@ -130,6 +122,14 @@ def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None)
 
 
 _APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
+# Tables without a key or unique index hold a multiset of rows: a change whose old row is found (an equal
+# row, whoever wrote it) replaces or deletes it, and such changes commute (docs/conflicts.md).
+_KEYLESS = Decision(Outcome.APPLY_REMOTE, "none", "no key: an equal row, whoever wrote it, is the old row")
+_NO_OP = Decision(Outcome.KEEP_LOCAL, "none", "no key: an update leaving its row as it was changes nothing")
+
+
+def _keyless(table: TargetTable) -> bool:
+    return not (table.pk or table.uniques or table.indexes)
 
 
 class ConflictRecord:
@@ -161,16 +161,6 @@ def _new_row(relation: Relation, change: Update) -> Row:
         for name, value in _row(relation, change.old).items():
             new.setdefault(name, value)
     return new
-
-
-def _lit(value: Any) -> str:
-    if value is None:
-        return "NULL"
-    if isinstance(value, (dict, list)):
-        return quote_literal(json.dumps(value))
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return quote_literal(str(value))
 
 
 class _Local:
@@ -346,9 +336,11 @@ class CarefulApplier:
         remote: Version,
         remote_row: Row,
         records: list[ConflictRecord],
+        fixed: Decision | None = None,
     ) -> Decision:
+        """Decide (or take `fixed`, a decision no policy changes) and record the conflict."""
         policy = self.config.policy(relation.schema, relation.name, conflict.value)
-        decision = resolve(
+        decision = fixed or resolve(
             conflict,
             local.version if local else None,
             remote,
@@ -442,10 +434,7 @@ class CarefulApplier:
         change came from the other row's later arrival deletes it. True when the remote row may be
         written.
         """
-        for unique in table.uniques:
-            if any(new.get(c) is None for c in unique) or (own is not None and set(unique) <= set(table.pk)):
-                continue
-            where = row_where(new, unique, table.compare)
+        for where in clash_wheres(table, new, updating=own is not None):
             other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
             if other is None:
                 continue
@@ -484,7 +473,7 @@ class CarefulApplier:
         if local is None:
             await self._update_missing(conn, txn, relation, table, change, new, remote, records)
             return
-        if table.uniques and not await self._unique_clash(
+        if (table.uniques or table.indexes) and not await self._unique_clash(
             conn, txn, relation, table, new, remote, records, local.where
         ):
             return
@@ -492,7 +481,8 @@ class CarefulApplier:
             await self._overwrite(conn, table, _APPLY, new, local.where)
             return
         decision = await self._decide(
-            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records
+            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records,
+            _KEYLESS if _keyless(table) else None,
         )
         where = local.where
         if deltas and change.old is not None:
@@ -541,6 +531,12 @@ class CarefulApplier:
         remote: Version,
         records: list[ConflictRecord],
     ) -> None:
+        if _keyless(table) and change.old is not None and _row(relation, change.old) == new:
+            # -old +old: nothing, wherever its old row is (on a node where an equal row was found,
+            # replacing it by itself changed nothing either)
+            await self._decide(conn, txn, relation, table, ConflictType.UPDATE_MISSING, None, remote, new,
+                               records, _NO_OP)
+            return
         tomb = await self._tombstone(conn, table, new)
         conflict = ConflictType.UPDATE_DELETED if tomb is not None else ConflictType.UPDATE_MISSING
         decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records)
@@ -593,7 +589,8 @@ class CarefulApplier:
                 )
             return
         decision = await self._decide(
-            conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records
+            conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records,
+            _KEYLESS if _keyless(table) else None,
         )
         if decision.outcome is Outcome.APPLY_REMOTE:
             await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")

@@ -27,7 +27,7 @@ from protocol.lsn import datetime_to_pg_us, parse_lsn
 from protocol.transactions import Transaction
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
-from router.apply.statements import Prepared, TargetTable
+from router.apply.statements import Prepared, TargetTable, UniqueIndex
 from router.config import Config, NodeConfig
 from router.ddl.reconcile import Drift, reconcile
 
@@ -40,7 +40,8 @@ WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
 """
 
 # Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
-# and the other unique keys (plain column lists, not partial, not on expressions).
+# the other unique keys (plain column lists, not partial, not on expressions), and the unique indexes
+# with a predicate or on expressions (their key terms and predicate deparsed: statements.UniqueIndex).
 _TABLES_QUERY = """
 SELECT n.nspname, c.relname,
   (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod),
@@ -53,7 +54,13 @@ SELECT n.nspname, c.relname,
        JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
      FROM pg_catalog.pg_index i
      WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text,
-  c.relkind = 'p'
+  c.relkind = 'p',
+  (SELECT coalesce(jsonb_agg(jsonb_build_array(
+       (SELECT jsonb_agg(pg_catalog.pg_get_indexdef(i.indexrelid, k.k, true) ORDER BY k.k)
+        FROM pg_catalog.generate_series(1, i.indnkeyatts) AS k(k)),
+       pg_catalog.pg_get_expr(i.indpred, i.indrelid, true)) ORDER BY i.indexrelid), '[]')
+     FROM pg_catalog.pg_index i
+     WHERE i.indrelid = c.oid AND i.indisunique AND (i.indpred IS NOT NULL OR i.indexprs IS NOT NULL))::text
 FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgmesh')
@@ -122,7 +129,9 @@ class LinkSession:
         """Read the target's tables and the columns DDL renamed or dropped there."""
         assert self.conn is not None
         tables = {}
-        for schema, name, columns_json, keys_json, partitioned in await self.conn.fetch(_TABLES_QUERY):
+        for schema, name, columns_json, keys_json, partitioned, indexes_json in await self.conn.fetch(
+            _TABLES_QUERY
+        ):
             columns = json.loads(columns_json or "[]")
             types = {col: kind for col, kind, _ in columns}
             bases = {col: base for col, _, base in columns if base}  # of domain columns
@@ -130,8 +139,9 @@ class LinkSession:
             pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
             replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
             uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
+            indexes: tuple[UniqueIndex, ...] = tuple((tuple(t), p) for t, p in json.loads(indexes_json))
             table = TargetTable(schema, name, frozenset(types), types, pk, uniques, partitioned=partitioned,
-                                bases=bases)
+                                bases=bases, indexes=indexes)
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
             tables[(schema, name)] = table

@@ -37,11 +37,11 @@ from protocol.transactions import Transaction
 from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
-    "COMMIT_ALIAS", "KEY_LOCKS_MAX", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS", "Prepared",
-    "TargetTable", "delete_statement", "guard", "identity_match", "insert_rows", "key_lock",
-    "prepared_delete", "prepared_insert", "prepared_update", "quote_ident", "quote_literal", "setup_args",
-    "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed", "update_statement",
-    "xact_setup_sql",
+    "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS",
+    "Prepared", "TargetTable", "UniqueIndex", "delete_statement", "guard", "identity_match", "insert_rows",
+    "key_lock", "prepared_delete", "prepared_insert", "prepared_update", "quote_ident", "quote_literal",
+    "setup_args", "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed",
+    "update_statement", "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -67,8 +67,9 @@ VALUES_ALIAS: Final = '"pgmesh_v"'  # the rows of a guarded insert, columns "pgm
 TOMBSTONE_ALIAS: Final = '"pgmesh_ts"'  # pgmesh.tombstones
 COMMIT_ALIAS: Final = '"pgmesh_c"'  # pg_xact_commit_timestamp_origin(xmin): "timestamp", roident
 FULL_ALIAS: Final = '"pgmesh_f"'  # the replicated table again, in a REPLICA IDENTITY FULL match
+REMOTE_ALIAS: Final = '"pgmesh_r"'  # a remote row as a one-row VALUES, for unique indexes' expressions
 RESERVED_NAMES: Final = frozenset(
-    {"pgmesh_t", "pgmesh_v", "pgmesh_ts", "pgmesh_c", "pgmesh_f", "pgmesh_w"}
+    {"pgmesh_t", "pgmesh_v", "pgmesh_ts", "pgmesh_c", "pgmesh_f", "pgmesh_w", "pgmesh_r"}
 )  # (and the row labels of router.apply.careful, and the columns "pgmesh_c<i>" of pgmesh_v)
 
 
@@ -81,12 +82,18 @@ def quote_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+# A unique index with a predicate or on expressions, as the target's catalog deparses it: its key terms
+# (a column's name or an expression: pg_get_indexdef(index, k, true)) and its predicate (or None), their
+# column references unqualified (evaluated where one relation is in scope: router.apply.uniques).
+UniqueIndex = tuple[tuple[str, ...], str | None]
+
+
 class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "columns", "compare", "name", "partitioned", "pk", "qualified", "tombstone_key", "types",
-        "uniques",
+        "_fits", "columns", "compare", "indexes", "name", "partitioned", "pk", "qualified", "tombstone_key",
+        "types", "uniques",
     )
 
     def __init__(
@@ -100,6 +107,7 @@ class TargetTable:
         *,
         partitioned: bool = False,
         bases: Mapping[str, str] | None = None,
+        indexes: tuple[UniqueIndex, ...] = (),
     ) -> None:
         self.name = f"{schema}.{name}"  # as pgmesh.tombstones and pgmesh.conflict_history name it
         self.partitioned = partitioned  # a partitioned root: a ctid names a row only with its tableoid
@@ -109,7 +117,8 @@ class TargetTable:
         # the types values are compared and keyed as: a domain's base type (no CHECK of it runs there)
         self.compare = {**self.types, **(bases or {})}
         self.pk = pk
-        self.uniques = uniques
+        self.uniques = uniques  # the other unique keys: plain column lists
+        self.indexes = indexes  # the unique indexes with a predicate or on expressions
         # Relation descriptions already checked against this table, by id() (each kept alive here so
         # that its id stays its own): the check runs once per relation version, not once per row.
         self._fits: dict[int, Relation] = {}

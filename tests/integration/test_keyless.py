@@ -3,9 +3,10 @@
 A table created without a primary key is made REPLICA IDENTITY FULL by the capture trigger on every node
 (`new_table_without_key = "full"`, the default): its inserts, updates and deletes replicate from the
 first row on, and a row is matched on the other nodes by all its columns (docs/ddl.md). Without a key a
-row has no identity beyond its values: an update whose old row is gone on a node (updated or deleted
-there at the same time) keeps its new row there, so concurrent changes end the same on every node
-(docs/conflicts.md). A primary key added later (pg_dump's order: CREATE TABLE, rows, ADD CONSTRAINT)
+row has no identity beyond its values: an update or delete takes away a row equal to its old row,
+whoever wrote it; an update whose old row is gone on a node (updated or deleted there at the same time)
+keeps its new row there, unless it left its row as it was (then it changes nothing), so concurrent
+changes end the same on every node, but for the patterns docs/conflicts.md lists. A primary key added later (pg_dump's order: CREATE TABLE, rows, ADD CONSTRAINT)
 makes the table REPLICA IDENTITY DEFAULT again, and conflicts are decided by that key.
 """
 
@@ -240,22 +241,29 @@ async def test_what_is_refused(mesh: MeshFactory) -> None:
     assert await identity(a, "t") == "d"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: without a key every update changes the row's key (all its "
-                   "columns), and a key-changing update in conflict is not decided as delete + insert (no "
-                   "tombstone for the old row): a no-op update on a and an update on b of the same row end "
-                   "apart (docs/conflicts.md, tables without a key)")
-async def test_a_no_op_update_against_an_update_of_the_same_row(mesh: MeshFactory) -> None:
+@pytest.mark.parametrize("later", ["b", "a"])
+async def test_a_no_op_update_against_an_update_of_the_same_row(mesh: MeshFactory, later: str) -> None:
+    """Row (1, 0) on both; with the router down, a runs a no-op update of it (`SET b = 0`) and b sets it
+    to (1, 1), in either order. a's no-op, found nowhere on b, changes nothing there (it takes a row
+    away and puts the same row back); b's update finds the old row on a, whoever wrote it last, and
+    replaces it: both nodes hold (1, 1). (Until issue 17 the no-op update was inserted on b as a
+    missing row's new row, and a decided b's update by the versions: the nodes ended apart.)"""
     m = await mesh(nodes=2)
     a, b = m.nodes
     async with running_router(m.config) as router:
         await execute(a.dsn(), 'CREATE TABLE "k" ("a" int, "b" int)', 'INSERT INTO "k" VALUES (1, 0)')
         await identity_everywhere(m.nodes, "k", "f", router)
         await wait_converged(m.nodes, ["k"])
-    await execute(a.dsn(), 'UPDATE "k" SET "b" = 0 WHERE "a" = 1')  # the same values: a version of a's
-    await execute(b.dsn(), 'UPDATE "k" SET "b" = 1 WHERE "a" = 1')  # later
-    async with running_router(m.config):
-        # a: b's update meets a's row, later: (1, 1); b: a's update finds no (1, 0): inserts it
+    no_op = (a.dsn(), 'UPDATE "k" SET "b" = 0 WHERE "a" = 1')  # the same values: a version of a's
+    update = (b.dsn(), 'UPDATE "k" SET "b" = 1 WHERE "a" = 1')
+    for dsn, statement in (no_op, update) if later == "b" else (update, no_op):
+        await execute(dsn, statement)
+    async with running_router(m.config) as router:
         await wait_converged(m.nodes, ["k"], 20)
+        healthy(router)
+    assert await fetch(a.dsn(), 'SELECT * FROM "k"') == [(1, 1)]
+    skipped = "SELECT resolution FROM pgmesh.conflict_history WHERE table_name = 'public.k'"
+    assert await fetch(b.dsn(), skipped) == [("keep_local",)]
 
 
 @pytest.mark.parametrize("seed", [1, 2])

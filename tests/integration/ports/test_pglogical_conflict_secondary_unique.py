@@ -69,8 +69,8 @@ async def test_conflict_secondary_unique(mesh: MeshFactory) -> None:
         healthy(router)
 
 
-# Secondary unique keys the conflict path does not see (router/apply/link.py reads unique indexes without
-# a predicate and without expressions only): two rows inserted at once on two nodes collide on them.
+# Secondary unique keys with a predicate or on expressions (the conflict path once read plain column lists
+# only, and both links stopped on the unique violation): two rows inserted at once on two nodes collide.
 UNSEEN_KEYS = {
     "partial": (SCHEMA, "secondary_unique_pred", "(7, 20, true)", "(8, 20, true)"),
     "expression": (
@@ -81,8 +81,6 @@ UNSEEN_KEYS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a collision on a partial or expression unique index pauses"
-                   " both links (the conflict path reads plain unique keys only: apply/link.py, careful.py)")
 @pytest.mark.parametrize("shape", sorted(UNSEEN_KEYS))
 async def test_conflict_on_an_unseen_unique_index_at_once(mesh: MeshFactory, shape: str) -> None:
     """Two nodes insert at once rows that collide on such an index: to be decided like any insert_exists on
