@@ -1,11 +1,12 @@
 """The initial copy of `pgmesh join`: every row an exported snapshot shows on the donor, into the target,
 as a PySpark batch of parallel ctid-range COPY relays.
 
-Owns: the copy's API (`copy_snapshot` and its records), reading the tables' leaf relations and sizes on
-the donor under the snapshot, planning (through `router.cluster.sync.plan`), running the tasks on Spark
-(`router.cluster.sync.worker` is what each task does), progress reports, stopping a running job from
-another thread (`CopyAbort`: the join gives way to the application's locks), and turning a failed job
-into one `PgmeshError` naming the node role, the table and the SQL state.
+Owns: the copy's API (`copy_snapshot` and its records), reading the tables' leaf relations, sizes and
+COPY format (binary unless a column's type cannot take it) on the donor under the snapshot, planning
+(through `router.cluster.sync.plan`), running the tasks on Spark (`router.cluster.sync.worker` is what
+each task does), progress reports, stopping a running job from another thread (`CopyAbort`: the join
+gives way to the application's locks), and turning a failed job into one `PgmeshError` naming the node
+role, the table and the SQL state.
 
 Must not: create schema, indexes, slots or replication origins (the caller copies the pre-data schema
 before and builds indexes and constraints after, e.g. `pg_dump --section=pre-data` / `post-data`), hold
@@ -70,6 +71,30 @@ ORDER BY t.level, n.nspname, c.relname
 _SIZE_SQL: Final = (
     "SELECT pg_catalog.pg_relation_size(%s::oid) / pg_catalog.current_setting('block_size')::bigint"
 )
+# The types among a table's copied columns that binary COPY cannot carry, looking into array elements,
+# domains' base types, composites' attributes and ranges' subtypes: a type without send or receive
+# function (aclitem, a user's base type made without them), and int2vector / oidvector, whose receive
+# functions refuse the empty value their send functions write ("invalid int2vector data").
+_TEXT_ONLY_TYPES_SQL: Final = """
+WITH RECURSIVE used(type) AS (
+    SELECT a.atttypid FROM pg_catalog.pg_attribute a
+    WHERE a.attrelid = %s::oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY(%s::text[])
+  UNION
+    SELECT inner_type.oid FROM used JOIN pg_catalog.pg_type t ON t.oid = used.type
+    CROSS JOIN LATERAL (
+        SELECT t.typelem WHERE t.typelem <> 0
+        UNION ALL SELECT t.typbasetype WHERE t.typbasetype <> 0
+        UNION ALL SELECT f.atttypid FROM pg_catalog.pg_attribute f
+                  WHERE t.typrelid <> 0 AND f.attrelid = t.typrelid AND f.attnum > 0 AND NOT f.attisdropped
+        UNION ALL SELECT r.rngsubtype FROM pg_catalog.pg_range r WHERE t.oid IN (r.rngtypid, r.rngmultitypid)
+    ) inner_type(oid)
+)
+SELECT pg_catalog.format_type(t.oid, NULL)
+FROM used JOIN pg_catalog.pg_type t ON t.oid = used.type
+WHERE t.typsend::oid = 0 OR t.typreceive::oid = 0
+   OR t.oid IN ('pg_catalog.int2vector'::pg_catalog.regtype, 'pg_catalog.oidvector'::pg_catalog.regtype)
+ORDER BY 1
+"""
 _ROOT_SQL: Final = """
 SELECT c.oid, c.relkind FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
@@ -80,7 +105,8 @@ WHERE n.nspname = %s AND c.relname = %s
 class CopyTable(msgspec.Struct, frozen=True):
     """A table to copy: a plain table, or a partitioned table (each leaf partition is copied into the
     partition of the same name on the target). `columns` are copied in this order and must have the
-    same names and types on both sides (binary COPY); leave out generated columns."""
+    same names and types on both sides; leave out generated columns. The COPY format is binary, or text
+    when a column's type cannot take binary COPY (decided when planning: `plan_leaves`)."""
 
     schema: str
     name: str
@@ -92,7 +118,7 @@ class CopyTable(msgspec.Struct, frozen=True):
 
 
 class TableResult(msgspec.Struct, frozen=True):
-    """One table's share: rows (the target's COPY counts), bytes (binary COPY stream), tasks run."""
+    """One table's share: rows (the target's COPY counts), bytes (of the COPY stream), tasks run."""
 
     schema: str
     name: str
@@ -266,7 +292,8 @@ def plan_leaves(
     conn: psycopg.Connection[Any], tables: Sequence[CopyTable], *, node: str = "donor"
 ) -> list[Leaf]:
     """`read_leaves` on a session that already imported the snapshot (and, best, holds the tables'
-    locks: reading a size takes ACCESS SHARE, which would otherwise queue behind a TRUNCATE)."""
+    locks: reading a size takes ACCESS SHARE, which would otherwise queue behind a TRUNCATE). Each
+    leaf also carries its table's COPY format, from the column types the snapshot sees (`Leaf.binary`)."""
     relation = None
     try:
         row = conn.execute("SELECT pg_catalog.current_setting('block_size')::int").fetchone()
@@ -294,16 +321,27 @@ def _table_leaves(conn: psycopg.Connection[Any], index: int, table: CopyTable, b
     if relkind not in ("r", "p"):
         raise PgmeshError(f"not a table (relkind {relkind!r}): only tables and partitioned tables can be "
                           "copied", node="donor", relation=table.relation)
+    binary = _binary_copy(conn, oid, table)
     if relkind == "r":  # a plain table (or itself a partition): pg_partition_tree would list it alone
         row = conn.execute(_SIZE_SQL, [oid]).fetchone()
-        return [Leaf(index, table.schema, table.name, int(row[0]) if row else 0, block_size)]
+        return [Leaf(index, table.schema, table.name, int(row[0]) if row else 0, block_size, binary)]
     leaves: list[Leaf] = []
     for schema, name, kind, nblocks in conn.execute(_LEAVES_SQL, [oid]).fetchall():
         if kind != "r":
             raise PgmeshError(f"partition {schema}.{name} is not a plain table (relkind {kind!r}); "
                               "foreign partitions cannot be copied", node="donor", relation=table.relation)
-        leaves.append(Leaf(index, schema, name, int(nblocks), block_size))
+        leaves.append(Leaf(index, schema, name, int(nblocks), block_size, binary))
     return leaves
+
+
+def _binary_copy(conn: psycopg.Connection[Any], oid: int, table: CopyTable) -> bool:
+    """Whether `table` copies in binary COPY (faster): False when a copied column's type, or a type
+    inside it, cannot make the round trip (`_TEXT_ONLY_TYPES_SQL`); then the table copies as text."""
+    text_only = [row[0] for row in conn.execute(_TEXT_ONLY_TYPES_SQL, [oid, list(table.columns)]).fetchall()]
+    if text_only:
+        logger.info("table %s copies in text COPY, not binary: it holds %s, which binary COPY cannot carry",
+                    table.relation, ", ".join(text_only))
+    return not text_only
 
 
 def _run_job(

@@ -13,9 +13,9 @@ for a lock of the join's (router.cluster.membership).
 
 Owns: the holder session (REPEATABLE READ READ ONLY, `SET TRANSACTION SNAPSHOT`, `lock_timeout`), the
 LOCK statement, the check that each relation's file is still the snapshot's, reading columns (as the
-snapshot sees them: the schema the dump restores) and leaves (router.cluster.sync.copy.plan_leaves);
-and `give_way`, the watch that stops a join attempt when an application session has waited too long
-for one of the join's locks.
+snapshot sees them: the schema the dump restores) and leaves with their COPY format
+(router.cluster.sync.copy.plan_leaves); and `give_way`, the watch that stops a join attempt when an
+application session has waited too long for one of the join's locks.
 
 Must not: wait for a lock without a lock_timeout, write anything, decide whether a join attempt is
 tried again (router.errors.retry_join does), or put a DSN in a message.

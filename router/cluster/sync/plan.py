@@ -4,8 +4,9 @@ Owns: how many tasks a relation gets (from its size, the cluster's parallelism o
 how its heap blocks [0, nblocks) are cut into ranges, the open-ended last range, and the order in
 which tasks are handed to Spark (largest first, so small tables fill in behind the big ones).
 
-Must not: touch a database, Spark or a clock. Sizes are read by `router.cluster.sync.copy` on the donor under
-the exported snapshot and passed in; everything here is a pure function of its arguments.
+Must not: touch a database, Spark or a clock. Sizes, and each table's COPY format (binary unless a column
+type cannot take it: `Leaf.binary`), are read by `router.cluster.sync.copy` on the donor under the
+exported snapshot and passed in; everything here is a pure function of its arguments.
 
 Why an open-ended last range: a relation's size is read after the snapshot was taken. Every row version
 the snapshot can see lies in a block that existed when it was taken, so the sizes are enough; the last
@@ -63,6 +64,7 @@ class Leaf(msgspec.Struct, frozen=True):
     name: str
     nblocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
+    binary: bool = True  # False: a column's type cannot round-trip binary COPY; the table copies as text
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +80,7 @@ class CopyTask(msgspec.Struct, frozen=True):
     columns: tuple[str, ...]
     range: BlockRange
     blocks: int  # estimated size in blocks (the open-ended range counts up to the size read)
+    binary: bool = True  # COPY format: binary, or text for a table with a type binary COPY cannot take
 
     @property
     def relation(self) -> str:
@@ -137,6 +140,7 @@ def plan_tasks(
                     columns=columns[leaf.table],
                     range=block_range,
                     blocks=block_range.blocks(leaf.nblocks),
+                    binary=leaf.binary,
                 )
             )
     # Stable sort: equal sizes keep the caller's table order and the ranges' block order.

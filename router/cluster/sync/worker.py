@@ -1,11 +1,11 @@
 """What one Spark task of the initial copy does: relay one ctid range from donor to target as COPY bytes.
 
 Owns: the task's two sessions (donor: REPEATABLE READ READ ONLY importing the exported snapshot, with
-the job's lock_timeout;
-target: `session_replication_role = replica`, `synchronous_commit = off`, one transaction), the SQL of
-both COPY statements, the byte relay between them, the tagged error a failed task raises (the driver
-turns it back into a `PgmeshError`), the per-task counters sent to the driver, and the test-only
-failure hook.
+the job's lock_timeout; target: `session_replication_role = replica`, `synchronous_commit = off`, one
+transaction), the SQL of both COPY statements (binary, or text for a table the planner found a type in
+that binary COPY cannot carry: `CopyTask.binary`), the byte relay between them, the tagged error a
+failed task raises (the driver turns it back into a `PgmeshError`), the per-task counters sent to the
+driver, and the test-only failure hook.
 
 Must not: decode rows into Python values, import pyspark at module level (this module is imported by the
 driver too; only `TaskContext` is imported, inside a running task), log or raise a DSN, or commit
@@ -56,6 +56,13 @@ SNAPSHOT_HINT: Final = (
     "the exported snapshot must stay importable for the whole copy: keep the connection that exported it "
     "(or the replication connection that created the slot) open and idle until copy_snapshot returns"
 )
+# Text COPY reads back what the donor wrote whatever either node's settings (as pg_dump sets them): dates
+# in ISO (unambiguous under any DateStyle), intervals in the postgres style, floats exactly.
+_TEXT_SETTINGS_SQL: Final = (
+    "SELECT pg_catalog.set_config('datestyle', 'ISO', false),"
+    " pg_catalog.set_config('intervalstyle', 'postgres', false),"
+    " pg_catalog.set_config('extra_float_digits', '3', false)"
+)
 _COPY_OUT = pq.ExecStatus.COPY_OUT
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
 
@@ -76,7 +83,7 @@ class CopyJob(msgspec.Struct, frozen=True):
 
 
 class TaskOutcome(msgspec.Struct, frozen=True):
-    """A finished task: rows (the target's COPY count) and bytes (of the binary COPY stream) copied."""
+    """A finished task: rows (the target's COPY count) and bytes (of the COPY stream) copied."""
 
     table: int
     schema: str
@@ -153,18 +160,25 @@ def _range_condition(block_range: BlockRange) -> sql.Composable:
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions)
 
 
+def _format(task: CopyTask) -> sql.SQL:
+    return sql.SQL("binary" if task.binary else "text")
+
+
 def copy_out_sql(task: CopyTask) -> sql.Composed:
-    """`COPY (SELECT cols FROM ONLY rel WHERE ctid range) TO STDOUT (FORMAT binary)` (a TID Range Scan)."""
-    return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT binary)").format(
+    """`COPY (SELECT cols FROM ONLY rel WHERE ctid range) TO STDOUT (FORMAT binary)` (a TID Range Scan);
+    `FORMAT text` for a task whose table holds a type binary COPY cannot carry (`CopyTask.binary`)."""
+    return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT {})").format(
         sql.SQL(", ").join(map(sql.Identifier, task.columns)),
         sql.Identifier(task.schema, task.name),
         _range_condition(task.range),
+        _format(task),
     )
 
 
 def copy_in_sql(task: CopyTask) -> sql.Composed:
-    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT binary)").format(
-        sql.Identifier(task.schema, task.name), sql.SQL(", ").join(map(sql.Identifier, task.columns))
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+        sql.Identifier(task.schema, task.name), sql.SQL(", ").join(map(sql.Identifier, task.columns)),
+        _format(task),
     )
 
 
@@ -232,6 +246,8 @@ def _open_snapshot(donor: psycopg.Connection[Any], job: CopyJob, task: CopyTask)
     try:
         if job.lock_timeout_ms > 0:  # COPY's ACCESS SHARE may queue behind an application's TRUNCATE
             donor.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(job.lock_timeout_ms)))
+        if not task.binary:
+            donor.execute(_TEXT_SETTINGS_SQL)
         donor.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         donor.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshot)))
     except psycopg.Error as exc:
@@ -243,6 +259,8 @@ def _prepare_target(target: psycopg.Connection[Any], task: CopyTask) -> None:
     try:
         target.execute("SET session_replication_role = replica")
         target.execute("SET synchronous_commit = off")
+        if not task.binary:
+            target.execute(_TEXT_SETTINGS_SQL)
     except psycopg.Error as exc:
         raise _fail("target", task, exc, "the target session must be a superuser's") from None
 
