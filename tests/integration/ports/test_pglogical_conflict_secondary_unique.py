@@ -101,3 +101,36 @@ async def test_conflict_on_an_unseen_unique_index_at_once(mesh: MeshFactory, sha
 
         await wait_for(equal_or_stopped, f"{table} equal on both nodes")
         assert await fetch(a.dsn(), f"SELECT {key} FROM {table}") == [(8,)]
+
+
+# An index on two expressions with a predicate, on columns named after pgmesh's own aliases (the remote
+# row's VALUES is "pgmesh_r", the table "pgmesh_t": the index's terms name columns unqualified).
+ALIASED = """CREATE TABLE public.w (id int PRIMARY KEY, "pgmesh_r" text, "pgmesh_t" int);
+CREATE UNIQUE INDEX ON public.w (lower("pgmesh_r"), ("pgmesh_t" % 10)) WHERE "pgmesh_t" > 0;
+INSERT INTO public.w VALUES (1, 'p', 1), (2, 'q', 2), (3, 'r', 3)"""
+
+
+async def test_updates_onto_one_value_of_an_expression_index_at_once(mesh: MeshFactory) -> None:
+    """a sets row 1 and b, later, row 2 to values that collide on the index (lower('X') = 'x', 13 % 10 =
+    3 % 10): decided like any update onto another row's unique value (docs/conflicts.md): b's row 2 wins
+    and row 1 goes, on both nodes. Row 3 is set at once on a to a colliding value outside the predicate
+    (-3 % 10 is -3, and -3 > 0 fails): no conflict, it stays."""
+    m = await mesh(nodes=2, schema=ALIASED)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await router.pause(None)
+        await execute(a.dsn(), """UPDATE w SET "pgmesh_r" = 'X', "pgmesh_t" = 13 WHERE id = 1""",
+                      """UPDATE w SET "pgmesh_r" = 'x', "pgmesh_t" = -3 WHERE id = 3""")
+        await execute(b.dsn(), """UPDATE w SET "pgmesh_r" = 'x', "pgmesh_t" = 3 WHERE id = 2""")
+        await router.resume(None)
+
+        async def equal_or_stopped() -> bool:
+            healthy(router)
+            return await converged(m.nodes, ["w"])
+
+        await wait_for(equal_or_stopped, "w equal on both nodes")
+        rows = await fetch(a.dsn(), 'SELECT id, "pgmesh_r", "pgmesh_t" FROM w ORDER BY id')
+        assert rows == [(2, "x", 3), (3, "x", -3)], rows
+        history = "SELECT conflict_type FROM pgmesh.conflict_history WHERE table_name = 'public.w'"
+        for node in m.nodes:
+            assert ("insert_exists",) in await fetch(node.dsn(), history)
