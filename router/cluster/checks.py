@@ -68,7 +68,7 @@ _DELTA_TYPES: Final = frozenset({"smallint", "integer", "bigint", "numeric", "re
 # table stands for its partitions (the publication publishes via the partition root).
 _TABLES_SQL: Final = """
 SELECT n.nspname, c.relname, c.relpersistence::text, c.relreplident::text,
-       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
+       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate),
        a.attname, format_type(a.atttypid, a.atttypmod)
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -393,18 +393,27 @@ _KEYS_HINT: Final = (
 )
 
 
-def _key_problem(facts: TableFacts) -> str | None:
-    """Why rows of the table cannot be identified on the other nodes, or None when they can."""
+def without_key(facts: TableFacts) -> bool:
+    """Whether the table has no usable replica identity: DEFAULT without an immediate primary key (a
+    deferrable one is no replica identity to PostgreSQL)."""
+    return facts.replident == "d" and not facts.has_pk
+
+
+def _key_problem(facts: TableFacts, keyless: str) -> str | None:
+    """Why rows of the table cannot be identified on the other nodes, or None when they can. Under
+    `new_table_without_key = "full"` (`keyless`) a table without a key is not a problem: install makes it
+    REPLICA IDENTITY FULL, as the DDL capture does with one created later."""
     if facts.replident == "n":
         return "has REPLICA IDENTITY NOTHING: its updates and deletes cannot be replicated"
-    if facts.replident == "d" and not facts.has_pk:
-        return "has no primary key and no REPLICA IDENTITY FULL: its rows cannot be matched on other nodes"
+    if without_key(facts) and keyless != "full":
+        return ("has no primary key (or only a deferrable one) and no REPLICA IDENTITY FULL: its rows"
+                " cannot be matched on other nodes")
     if facts.replident == "i" and facts.keys.identity == IDENTITY_GONE:
         return "has REPLICA IDENTITY USING INDEX, but that index is gone: its rows cannot be matched"
     return None
 
 
-def _table_problems(name: str, table: TableName, facts: Mapping[str, NodeFacts]) -> list[Check]:
+def _table_problems(name: str, table: TableName, facts: Mapping[str, NodeFacts], keyless: str) -> list[Check]:
     """What is wrong with `table` on node `name`, compared with the first node that has it."""
     qualified = _qualified(table)
     exclude = f'list "{qualified}" under [replication] exclude'
@@ -428,20 +437,24 @@ def _table_problems(name: str, table: TableName, facts: Mapping[str, NodeFacts])
     if mine.persistence == "u":
         fix = f"ALTER TABLE {_sql_name(table)} SET LOGGED, or {exclude}"
         found.append(("is UNLOGGED: unlogged tables cannot be published", fix))
-    problem = _key_problem(mine)
+    problem = _key_problem(mine, keyless)
     if problem:
         found.append((problem, f"add a primary key, or ALTER TABLE {_sql_name(table)} REPLICA IDENTITY FULL"))
     return [Check(name, "table", False, detail, qualified, hint) for detail, hint in found] + checks
 
 
-def _table_checks(facts: Mapping[str, NodeFacts]) -> list[Check]:
-    """Every replicated table seen on any node must be on every node, alike, with a key."""
+def _table_checks(facts: Mapping[str, NodeFacts], keyless: str) -> list[Check]:
+    """Every replicated table seen on any node must be on every node, alike, with a key (or made
+    REPLICA IDENTITY FULL by install, under `new_table_without_key = "full"`)."""
     wanted = sorted({t for f in facts.values() for t in f.tables})
     checks: list[Check] = []
     for name in facts:
-        problems = [p for table in wanted for p in _table_problems(name, table, facts)]
+        problems = [p for table in wanted for p in _table_problems(name, table, facts, keyless)]
         if not problems:
             detail = f"{len(wanted)} replicated tables, alike on every node (columns, keys), each with a key"
+            bare = sum(without_key(facts[name].tables[t]) for t in wanted)
+            if bare:
+                detail += f" or made REPLICA IDENTITY FULL by init ({bare} without a key)"
             if not wanted:
                 detail = "no replicated tables yet (the publication starts empty)"
             problems = [Check(name, "tables", True, detail)]
@@ -500,7 +513,7 @@ async def check_cluster(config: Config) -> InitReport:
             facts[node.name] = result
             checks.extend(_node_checks(node.name, result, config))
     order = {name: i for i, name in enumerate(config.node_names)}
-    checks += _table_checks(facts) + _delta_checks(config, facts)
+    checks += _table_checks(facts, config.replication.new_table_without_key) + _delta_checks(config, facts)
     checks = sorted(checks, key=lambda c: order[c.node])
     tables = sorted({t for f in facts.values() for t in f.tables})
     report = InitReport(checks, tables, config.cluster.name)

@@ -159,7 +159,7 @@ class _Created:
     Objects that were there before (an earlier init, another tool's slot) are never recorded, so never
     removed: undoing a second init leaves the first one's installation as it was."""
 
-    __slots__ = ("committed", "event_triggers", "origins", "publication", "schema", "slot")
+    __slots__ = ("committed", "event_triggers", "identities", "origins", "publication", "schema", "slot")
 
     def __init__(self) -> None:
         self.committed = False  # the catalog transaction committed (else rolling back undid it)
@@ -168,6 +168,7 @@ class _Created:
         self.event_triggers: list[str] = []
         self.origins: list[str] = []
         self.slot = False
+        self.identities: list[int] = []  # tables (oids) made REPLICA IDENTITY FULL
 
     @property
     def anything(self) -> bool:
@@ -190,6 +191,38 @@ async def _pgmesh_objects(conn: Conn, config: Config) -> tuple[bool, bool, set[s
     return bool(row[0]), bool(row[1]), set(row[2]), set(row[3])
 
 
+_WITHOUT_KEY: Final = """
+SELECT c.oid::int8, n.nspname, c.relname
+FROM unnest(%s::text[]) t
+CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(t) AS relid  -- a plain table has no partition tree
+                    UNION SELECT relid FROM pg_catalog.pg_partition_tree(pg_catalog.to_regclass(t))) p
+JOIN pg_catalog.pg_class c ON c.oid = p.relid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND c.relreplident = 'd' AND NOT EXISTS (
+  SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate)
+"""
+
+
+async def _ensure_identities(
+    conn: Conn, config: Config, tables: Sequence[TableName], created: _Created
+) -> list[str]:
+    """Under `new_table_without_key = "full"`, a replicated table without a usable replica identity (no
+    primary key, or a deferrable one) is made REPLICA IDENTITY FULL here, partitions included, as the DDL
+    capture does with one created later (`ddl_identity`); the caller lists them in
+    `pgmesh.auto_identity`, so that a primary key added later makes them DEFAULT again."""
+    if config.replication.new_table_without_key != "full" or not tables:
+        return []
+    names = [sql.Identifier(*table).as_string(conn) for table in tables]
+    found = await (await conn.execute(_WITHOUT_KEY, [names])).fetchall()
+    for _oid, schema_name, table in found:
+        identity = "ALTER TABLE {} REPLICA IDENTITY FULL"
+        await conn.execute(sql.SQL(identity).format(sql.Identifier(schema_name, table)))
+    created.identities = sorted(oid for oid, _schema, _table in found)
+    if not found:
+        return []
+    return [f"made {len(found)} tables without a key REPLICA IDENTITY FULL (partitions too)"]
+
+
 async def _stage_node(
     conn: Conn, config: Config, node: str, tables: Sequence[TableName], created: _Created
 ) -> list[str]:
@@ -204,8 +237,12 @@ async def _stage_node(
     done = await _ensure_schema(conn)
     done += await _ensure_links(conn, config, node)
     done += await _ensure_publication(conn, config, tables)
+    done += await _ensure_identities(conn, config, tables, created)  # before the tombstone triggers' key
     done += await install_conflict_catalog(conn, tables)
     done += await install_ddl_capture(conn, config, tables)
+    if created.identities:  # listed as pgmesh's doing: a primary key added later makes them DEFAULT again
+        listed = "INSERT INTO {}.auto_identity SELECT unnest(%s::oid[]) ON CONFLICT DO NOTHING"
+        await conn.execute(sql.SQL(listed).format(sql.Identifier(PGMESH_SCHEMA)), [created.identities])
     done += await _ensure_origins(conn, config, node)  # origins are transactional: they commit with the rest
     now = await _pgmesh_objects(conn, config)
     created.schema, created.publication = now[0] and not schema, now[1] and not publication
@@ -326,6 +363,13 @@ async def _undo_node(config: Config, node: NodeConfig, created: _Created) -> lis
             if created.publication:
                 pub = sql.Identifier(config.publication_name)
                 await conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(pub))
+            for oid in created.identities:  # back to what it was: DEFAULT (a table with no usable key)
+                found = await conn.execute(
+                    "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n"
+                    " ON n.oid = c.relnamespace WHERE c.oid = %s AND c.relreplident = 'f'", [oid])
+                for schema_name, table in await found.fetchall():
+                    identity = "ALTER TABLE {} REPLICA IDENTITY DEFAULT"
+                    await conn.execute(sql.SQL(identity).format(sql.Identifier(schema_name, table)))
             if created.schema:  # with it go the tombstone and TRUNCATE triggers on the user tables
                 await conn.execute(
                     sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(PGMESH_SCHEMA))
@@ -335,6 +379,7 @@ async def _undo_node(config: Config, node: NodeConfig, created: _Created) -> lis
             (f"replication origins {', '.join(created.origins)}", created.origins),
             (f"publication {config.publication_name}", created.publication),
             (f"schema {PGMESH_SCHEMA}", created.schema),
+            (f"REPLICA IDENTITY FULL of {len(created.identities)} tables", created.identities),
         ) if made]
     return done
 

@@ -20,7 +20,7 @@ import pytest
 from router.cluster.checks import Check, InitReport, check_cluster
 from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
-from router.errors import ConfigError, SlotError
+from router.errors import ConfigError, PgmeshError, SlotError
 from router.testing.mesh import free_port
 
 Nodes = Callable[..., list[Any]]
@@ -51,13 +51,16 @@ def config_for(
     dsns: Sequence[tuple[str, str]],
     tables: Sequence[str] = ("*.*",),
     exclude: Sequence[str] = (),
+    keyless: str = "full",
 ) -> Config:
-    """A config.toml text for these nodes, parsed the way `pgmesh` parses the file."""
+    """A config.toml text for these nodes, parsed the way `pgmesh` parses the file (`keyless`:
+    `new_table_without_key`)."""
     lines = [f"[cluster]\nname = {json.dumps(cluster)}\n"]
     for name, dsn in dsns:
         lines.append(f"[[nodes]]\nname = {json.dumps(name)}\ndsn = {json.dumps(dsn)}\n")
     lines.append(
         f"[replication]\ntables = {json.dumps(list(tables))}\nexclude = {json.dumps(list(exclude))}\n"
+        f"new_table_without_key = {json.dumps(keyless)}\n"
     )
     return parse_config("\n".join(lines))
 
@@ -218,7 +221,12 @@ async def test_table_problems_are_refused_naming_node_and_table(pg_nodes: Nodes)
     assert "column qty is bigint here but integer on node a" in problem.detail
     assert "column note (text) is missing here" in problem.detail
 
-    config = config_for("tab", dsns, ["nk"])
+    # A table without a key (or with only a deferrable one), under "warn" or "refuse": refused.
+    await execute(nodes[0].dsn(), "CREATE TABLE dk (id int PRIMARY KEY DEFERRABLE)")
+    report = await check_cluster(config_for("tab", dsns, ["dk"], keyless="warn"))
+    assert ("a", "table", "public.dk") in problems_of(report)
+    assert "(or only a deferrable one)" in report.problems[0].detail
+    config = config_for("tab", dsns, ["nk"], keyless="refuse")
     report = await check_cluster(config)
     assert problems_of(report) == [(n, "table", "public.nk") for n in ("a", "b", "c")]
     assert all("REPLICA IDENTITY FULL" in (c.hint or "") for c in report.problems)
@@ -235,6 +243,46 @@ async def test_table_problems_are_refused_naming_node_and_table(pg_nodes: Nodes)
     report = await check_cluster(config)
     assert report.ok, report.render()
     assert report.tables == [("public", "nk")]
+
+
+async def test_init_makes_a_table_without_a_key_replica_identity_full(pg_nodes: Nodes) -> None:
+    """Under `new_table_without_key = "full"` (the default) init accepts a table without a key and makes it
+    REPLICA IDENTITY FULL on every node, partitions included, as the DDL capture does with one created
+    later; a primary key added later makes it DEFAULT again. A failed init leaves the identity as it was."""
+    nodes = pg_nodes(2, names=["a", "b"])
+    dsns = [(n.name, n.dsn()) for n in nodes]
+    schema = (
+        "CREATE TABLE nk (id int, v text);"
+        "CREATE TABLE pk (id int PRIMARY KEY);"
+        "CREATE TABLE pt (id int, v text) PARTITION BY RANGE (id);"
+        "CREATE TABLE pt_1 PARTITION OF pt FOR VALUES FROM (0) TO (100);"
+    )
+    for node in nodes:
+        await execute(node.dsn(), schema)
+    identities = (
+        "SELECT c.relname, c.relreplident::text FROM pg_class c"
+        " WHERE c.relname IN ('nk', 'pk', 'pt', 'pt_1') ORDER BY 1"
+    )
+    config = config_for("bare", dsns)
+    report = await check_cluster(config)
+    assert report.ok, report.render()
+    assert "made REPLICA IDENTITY FULL by init (2 without a key)" in report.render()
+    # a failure on the last node (a slot of pgmesh's name is taken there) rolls the identities back too
+    taken = f"SELECT pg_create_logical_replication_slot('{config.slot_name}', 'test_decoding')"
+    await execute(nodes[1].dsn(), taken)
+    with pytest.raises(PgmeshError, match="what it had created on node a, b was removed"):
+        await install(config, report)
+    await execute(nodes[1].dsn(), f"SELECT pg_drop_replication_slot('{config.slot_name}')")
+    for node in nodes:
+        assert await rows(node.dsn(), identities) == [("nk", "d"), ("pk", "d"), ("pt", "d"), ("pt_1", "d")]
+    report, done = await init_cluster(config)
+    assert report.ok, report.render()
+    made = "made 3 tables without a key REPLICA IDENTITY FULL (partitions too)"
+    assert any(made in line for line in done), done
+    for node in nodes:
+        assert await rows(node.dsn(), identities) == [("nk", "f"), ("pk", "d"), ("pt", "f"), ("pt_1", "f")]
+        await execute(node.dsn(), "SET pgmesh.ddl_local = on; ALTER TABLE nk ADD PRIMARY KEY (id)")
+        assert (await rows(node.dsn(), identities))[0] == ("nk", "d")
 
 
 async def test_wal_level_replica_and_a_role_that_is_not_superuser_are_refused(pg_nodes: Nodes) -> None:
