@@ -147,6 +147,7 @@ async def test_001_rows_missing_on_the_target(mesh: MeshFactory) -> None:
     assert await conflicts(m.nodes, "public.tab_full_pk"), "no conflict recorded for tab_full_pk"
 
 
+@pytest.mark.slow
 async def test_001_source_restart(mesh: MeshFactory) -> None:
     """The original restarts the publisher and checks the subscriber streams again after catching up."""
     m = await mesh(nodes=2, schema=SCHEMA_A, replication=EXCLUDE)

@@ -7,6 +7,8 @@ and the cascaded table sync (a mesh has no cascade: every node gets every node's
 
 from __future__ import annotations
 
+import pytest
+
 from router.testing.mesh import execute, fetch, running_router
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import converge, healthy, rows_everywhere
@@ -93,6 +95,7 @@ async def test_100_schema_renamed_in_a_transaction(mesh: MeshFactory) -> None:
         healthy(router)
 
 
+@pytest.mark.slow
 async def test_100_full_identity_with_dropped_columns(mesh: MeshFactory) -> None:
     """REPLICA IDENTITY FULL after a column was dropped (the DROP is replicated, so run once)."""
     schema = """
