@@ -6,8 +6,9 @@ first row on, and a row is matched on the other nodes by all its columns (docs/d
 row has no identity beyond its values: an update or delete takes away a row equal to its old row,
 whoever wrote it; an update whose old row is gone on a node (updated or deleted there at the same time)
 keeps its new row there, unless it left its row as it was (then it changes nothing), so concurrent
-changes end the same on every node, but for the patterns docs/conflicts.md lists. A primary key added later (pg_dump's order: CREATE TABLE, rows, ADD CONSTRAINT)
-makes the table REPLICA IDENTITY DEFAULT again, and conflicts are decided by that key.
+changes end the same on every node, but for the patterns docs/conflicts.md lists. A primary key added
+later (pg_dump's order: CREATE TABLE, rows, ADD CONSTRAINT) makes the table REPLICA IDENTITY DEFAULT
+again, and conflicts are decided by that key.
 """
 
 from __future__ import annotations
