@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 
+from router.cluster.install import init_cluster
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
-from tests.integration.ports.common import has, same_rows
+from tests.integration.ports.common import has, healthy, rows_everywhere, same_rows
 
 PARTITIONED = """
 CREATE TABLE tab1 (a int PRIMARY KEY, b text) PARTITION BY LIST (a);
@@ -203,3 +205,66 @@ async def test_013_partition_full_identity_touches_one_row(mesh: MeshFactory) ->
             await same_rows(a, b, ROWS_PF, f"pf equal after {statement!r}")
         assert await fetch(b.dsn(), ROWS_PF) == [("pf_2", 101, "changed on b")]
         assert all(applier.last_error is None for applier in router.appliers.values())
+
+
+LIST_ON_A = """
+CREATE TABLE tab3 (a int PRIMARY KEY, b text) PARTITION BY LIST (a);
+CREATE TABLE tab3_1 PARTITION OF tab3 FOR VALUES IN (1, 2, 3);
+CREATE TABLE tab3_2 PARTITION OF tab3 FOR VALUES IN (4, 5, 6);
+CREATE TABLE tab3_def PARTITION OF tab3 DEFAULT;
+"""
+RANGE_ON_B = """
+CREATE TABLE tab3 (a int PRIMARY KEY, b text) PARTITION BY RANGE (a);
+CREATE TABLE tab3_low (b text, a int NOT NULL);
+ALTER TABLE tab3 ATTACH PARTITION tab3_low FOR VALUES FROM (MINVALUE) TO (5);
+CREATE TABLE tab3_high PARTITION OF tab3 FOR VALUES FROM (5) TO (MAXVALUE);
+"""
+ROWS3 = "SELECT a, b FROM tab3 ORDER BY a"
+
+
+async def test_013_partitioned_differently_on_each_node(mesh: MeshFactory) -> None:
+    """The original's subscriber partitions its tables otherwise than the publisher; rows travel under the
+    root's name, so each node routes them to its own partitions."""
+    m = await mesh(nodes=2, init=False)
+    a, b = m.nodes
+    await execute(a.dsn(), LIST_ON_A)
+    await execute(b.dsn(), RANGE_ON_B)
+    report, _ = await init_cluster(m.config)
+    assert report.ok, report.render()
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO tab3 VALUES (1, 'a'), (4, 'a'), (10, 'a')")
+        await execute(b.dsn(), "INSERT INTO tab3 VALUES (2, 'b'), (6, 'b')")
+        await rows_everywhere(m.nodes, "SELECT count(*) FROM tab3", [(5,)])
+        await execute(a.dsn(), "UPDATE tab3 SET a = 3 WHERE a = 10")  # a: def -> tab3_1; b: high -> low
+        await execute(b.dsn(), "UPDATE tab3 SET a = 7, b = 'moved' WHERE a = 2")  # b: low -> high
+        await execute(a.dsn(), "DELETE FROM tab3 WHERE a = 4")
+        rows = [(1, "a"), (3, "a"), (6, "b"), (7, "moved")]
+        await rows_everywhere(m.nodes, ROWS3, rows)
+        where_b = "SELECT tableoid::regclass::text, a FROM tab3 ORDER BY a"
+        assert await fetch(b.dsn(), where_b) == [("tab3_low", 1), ("tab3_low", 3), ("tab3_high", 6),
+                                                 ("tab3_high", 7)]
+        await execute(b.dsn(), "TRUNCATE tab3")
+        await execute(a.dsn(), "INSERT INTO tab3 VALUES (5, 'after')")
+        await rows_everywhere(m.nodes, ROWS3, [(5, "after")])
+        await same_rows(a, b, ROWS3, "tab3 equal")
+        healthy(router)
+
+
+@pytest.mark.slow  # waits out its limit while it fails
+@pytest.mark.xfail(strict=True, reason="issue 17: TRUNCATE of a partition that another node does not have "
+                   "(it partitions the table otherwise) is replayed there as TRUNCATE ONLY <partition> and "
+                   "pauses the link (router/ddl: the partition's TRUNCATE trigger)")
+async def test_013_truncate_of_a_partition_the_other_node_lacks(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, init=False)
+    a, b = m.nodes
+    await execute(a.dsn(), LIST_ON_A)
+    await execute(b.dsn(), RANGE_ON_B)
+    report, _ = await init_cluster(m.config)
+    assert report.ok, report.render()
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO tab3 VALUES (1, 'a'), (4, 'a'), (10, 'a')")
+        await rows_everywhere(m.nodes, "SELECT count(*) FROM tab3", [(3,)])
+        await execute(a.dsn(), "TRUNCATE tab3_2")
+        await execute(a.dsn(), "INSERT INTO tab3 VALUES (20, 'marker')")
+        await rows_everywhere(m.nodes, ROWS3, [(1, "a"), (10, "a"), (20, "marker")], 20)
+        healthy(router)
