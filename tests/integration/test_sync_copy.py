@@ -333,3 +333,31 @@ def test_types_binary_copy_cannot_carry_copy_as_text(pg_nodes: Any, spark: None)
         assert fingerprints(conn, TEXT_TABLES) == expected
     assert {f"{t.schema}.{t.name}": t.rows for t in report.tables} == {k: v[0] for k, v in expected.items()}
     assert expected["app.vec"][0] == 3 and expected["app.mine"][0] == 1000
+
+
+def test_a_latin1_donor_copies_into_a_utf8_node(pg_nodes: Any, spark: None) -> None:
+    """The copy's sessions talk UTF8 to both ends: a LATIN1 donor's text reaches a UTF8 node as the same
+    characters, by binary COPY and by text COPY (a table with an aclitem column)."""
+    donor_node, target = pg_nodes(2, names=["donor", "target"], password=PASSWORD)
+    with psycopg.connect(donor_node.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE latin ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    dsn = donor_node.dsn(dbname="latin")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app;"
+                     " CREATE TABLE app.b (id int PRIMARY KEY, v text);"
+                     " CREATE TABLE app.t (id int PRIMARY KEY, v text, acl aclitem);"
+                     " INSERT INTO app.b VALUES (1, 'Motörhead'), (2, 'Ærøskøbing');"
+                     " INSERT INTO app.t VALUES (1, 'Motörhead', 'postgres=r/postgres');")
+    tables = [CopyTable("app", "b", ("id", "v")), CopyTable("app", "t", ("id", "v", "acl"))]
+    exported = Exported(dsn)
+    try:
+        schema_section(dsn, target.dsn(), exported.name, "pre-data")
+        leaves = read_leaves(dsn, exported.name, tables)
+        assert {leaf.name: leaf.binary for leaf in leaves} == {"b": True, "t": False}
+        copy_snapshot(dsn, target.dsn(), exported.name, tables, spark_master=MASTER, partitions_per_table=1)
+    finally:
+        exported.close()
+    with psycopg.connect(target.dsn(), autocommit=True) as conn:
+        assert conn.execute("SELECT id, v FROM app.b ORDER BY id").fetchall() == [
+            (1, "Motörhead"), (2, "Ærøskøbing")]
+        assert conn.execute("SELECT id, v FROM app.t").fetchall() == [(1, "Motörhead")]

@@ -237,7 +237,10 @@ def _fail(role: str, task: CopyTask, exc: BaseException, hint: str | None = None
 
 def _connect(dsn: str, job: CopyJob, role: str, task: CopyTask) -> psycopg.Connection[Any]:
     try:
-        return psycopg.connect(dsn, autocommit=True, application_name=job.application_name)
+        # both ends in UTF8: a donor and a new node whose databases' encodings differ convert through it
+        # (binary COPY's text values are in the client encoding too)
+        return psycopg.connect(dsn, autocommit=True, application_name=job.application_name,
+                               client_encoding="UTF8")
     except psycopg.Error as exc:
         raise _fail(role, task, exc, f"cannot connect to the {role}") from None
 
