@@ -198,8 +198,12 @@ CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(t) AS relid  -- a plain table 
                     UNION SELECT relid FROM pg_catalog.pg_partition_tree(pg_catalog.to_regclass(t))) p
 JOIN pg_catalog.pg_class c ON c.oid = p.relid
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p') AND c.relreplident = 'd' AND NOT EXISTS (
-  SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate)
+WHERE c.relkind IN ('r', 'p') AND c.relreplident <> 'f' AND (
+  %s AND c.relreplident = 'd' AND NOT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate)
+  OR EXISTS (  -- a partition of a root made FULL: its changes would come with its key only
+    SELECT 1 FROM pg_catalog.pg_class r WHERE r.oid = pg_catalog.pg_partition_root(c.oid) AND r.oid <> c.oid
+       AND r.relreplident = 'f'))
 """
 
 
@@ -207,20 +211,23 @@ async def _ensure_identities(
     conn: Conn, config: Config, tables: Sequence[TableName], created: _Created
 ) -> list[str]:
     """Under `new_table_without_key = "full"`, a replicated table without a usable replica identity (no
-    primary key, or a deferrable one) is made REPLICA IDENTITY FULL here, partitions included, as the DDL
+    primary key, or a deferrable one) is made REPLICA IDENTITY FULL here, partitions included; whatever
+    the setting, so is a partition of a root made FULL (pgoutput sends a partition's changes with the partition's identity:
+    a key-only old row under a root matched by whole rows stopped the link), as the DDL
     capture does with one created later (`ddl_identity`); the caller lists them in
     `pgmesh.auto_identity`, so that a primary key added later makes them DEFAULT again."""
-    if config.replication.new_table_without_key != "full" or not tables:
+    if not tables:
         return []
     names = [sql.Identifier(*table).as_string(conn) for table in tables]
-    found = await (await conn.execute(_WITHOUT_KEY, [names])).fetchall()
+    keyless = config.replication.new_table_without_key == "full"
+    found = await (await conn.execute(_WITHOUT_KEY, [names, keyless])).fetchall()
     for _oid, schema_name, table in found:
         identity = "ALTER TABLE {} REPLICA IDENTITY FULL"
         await conn.execute(sql.SQL(identity).format(sql.Identifier(schema_name, table)))
     created.identities = sorted(oid for oid, _schema, _table in found)
     if not found:
         return []
-    return [f"made {len(found)} tables without a key REPLICA IDENTITY FULL (partitions too)"]
+    return [f"made {len(found)} tables without a key (or under a FULL root) REPLICA IDENTITY FULL"]
 
 
 async def _stage_node(

@@ -108,13 +108,14 @@ END
 $body$;
 
 -- The replica identity pgmesh gives a table of the replicated set that has no usable one (no immediate
--- primary key, no replica identity index): FULL, on the table and every partition under it, each listed
+-- primary key, no replica identity index), or a partition whose root its owner made FULL: FULL, on the table and every partition under it, each listed
 -- in auto_identity (to_full); or, once a usable key is back, DEFAULT again on those it had set
 -- (NOT to_full). pgoutput then sends whole old rows, matched on the other nodes by all their columns.
 CREATE OR REPLACE FUNCTION {schema}.ddl_identity(rel oid, to_full boolean) RETURNS void LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
   t record;
+  owner_full boolean;
 BEGIN
   DELETE FROM {schema}.auto_identity a WHERE NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = a.relid);
   FOR t IN SELECT c.oid, n.nspname, c.relname, c.relreplident
@@ -122,12 +123,17 @@ BEGIN
              JOIN pg_class c ON c.oid = p.relid
              JOIN pg_namespace n ON n.oid = c.relnamespace
             WHERE c.relkind IN ('r', 'p') LOOP
-    IF to_full AND t.relreplident <> 'f' AND NOT EXISTS (
+    -- a partition under a root its owner made FULL is FULL too: pgoutput sends a partition's changes with
+    -- the partition's own replica identity, and a key-only old row cannot be matched by whole rows
+    owner_full := EXISTS (SELECT 1 FROM pg_class r WHERE r.oid = pg_partition_root(t.oid) AND r.oid <> t.oid
+                            AND r.relreplident = 'f'
+                            AND NOT EXISTS (SELECT 1 FROM {schema}.auto_identity a WHERE a.relid = r.oid));
+    IF to_full AND t.relreplident <> 'f' AND (owner_full OR NOT EXISTS (
          SELECT 1 FROM pg_index i WHERE i.indrelid = t.oid AND (i.indisreplident AND t.relreplident = 'i'
-           OR i.indisprimary AND i.indimmediate AND t.relreplident = 'd')) THEN
+           OR i.indisprimary AND i.indimmediate AND t.relreplident = 'd'))) THEN
       EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY FULL', t.nspname, t.relname);
       INSERT INTO {schema}.auto_identity VALUES (t.oid) ON CONFLICT DO NOTHING;
-    ELSIF NOT to_full AND t.relreplident = 'f'
+    ELSIF NOT to_full AND t.relreplident = 'f' AND NOT owner_full
           AND EXISTS (SELECT 1 FROM {schema}.auto_identity a WHERE a.relid = t.oid)
           AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = t.oid AND i.indisprimary AND i.indimmediate) THEN
       EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY DEFAULT', t.nspname, t.relname);
