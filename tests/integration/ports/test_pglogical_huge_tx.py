@@ -12,6 +12,10 @@ spill bound was handed out before its commit, then sent down the careful path, w
 transaction and found its spill file still being written: the link paused on "spill file ... is still
 open". A large transaction now runs its DDL in place on the large path (router.apply.large), part by
 part, whatever the DDL's position in it.
+
+Two strict xfails record what these scenarios found and is not fixed here: the echo of a streamed
+transaction that opens with DDL is not recognised on PostgreSQL 15, and a conflict over a TOASTed row
+whose winner left the TOASTed column unchanged ends with the nodes apart.
 """
 
 from __future__ import annotations
