@@ -69,11 +69,38 @@ BEGIN
                   WHERE p.pubname = {schema}.ddl_setting('publication') AND r.prrelid = root) THEN
     RETURN NULL;
   END IF;
+  -- replayed through truncate_partition: a node that partitions the root otherwise has no such partition,
+  -- and deletes the rows of this partition's bounds from the root instead
   PERFORM {schema}.ddl_emit(pg_catalog.json_build_object(
-    'sql', pg_catalog.format('TRUNCATE ONLY %I.%I CASCADE', tg_table_schema, tg_table_name),
+    'sql', pg_catalog.format('SELECT {schema}.truncate_partition(%L, %L, %L, %L, %L)',
+                             tg_table_schema, tg_table_name,
+                             (SELECT n.nspname FROM pg_catalog.pg_class c
+                                JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = root),
+                             (SELECT c.relname FROM pg_catalog.pg_class c WHERE c.oid = root),
+                             pg_catalog.pg_get_partition_constraintdef(tg_relid)),
     'search_path', pg_catalog.current_setting('search_path'), 'role', current_user,
     'tag', 'TRUNCATE')::text);
   RETURN NULL;
+END
+$body$;
+
+-- A partition's TRUNCATE replayed from another node (truncate_capture): TRUNCATE ONLY ... CASCADE of the
+-- partition of that name under the same root; a node that has none (it partitions the root otherwise)
+-- deletes from the root the rows within the partition's bounds on the source (`bounds`, the source's
+-- pg_get_partition_constraintdef, an expression on the root's columns).
+CREATE OR REPLACE FUNCTION {schema}.truncate_partition(part_schema text, part_name text, root_schema text,
+                                                       root_name text, bounds text) RETURNS void
+LANGUAGE plpgsql AS $body$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = part_schema AND c.relname = part_name AND c.relispartition
+                AND pg_catalog.pg_partition_root(c.oid)
+                    = pg_catalog.to_regclass(pg_catalog.format('%I.%I', root_schema, root_name))) THEN
+    EXECUTE pg_catalog.format('TRUNCATE ONLY %I.%I CASCADE', part_schema, part_name);
+  ELSE
+    EXECUTE pg_catalog.format('DELETE FROM %I.%I WHERE %s', root_schema, root_name,
+                              coalesce(bounds, 'true'));
+  END IF;
 END
 $body$;
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-import pytest
 
 from router.cluster.install import init_cluster
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
@@ -250,11 +249,10 @@ async def test_013_partitioned_differently_on_each_node(mesh: MeshFactory) -> No
         healthy(router)
 
 
-@pytest.mark.slow  # waits out its limit while it fails
-@pytest.mark.xfail(strict=True, reason="issue 17: TRUNCATE of a partition that another node does not have "
-                   "(it partitions the table otherwise) is replayed there as TRUNCATE ONLY <partition> and "
-                   "pauses the link (router/ddl: the partition's TRUNCATE trigger)")
 async def test_013_truncate_of_a_partition_the_other_node_lacks(mesh: MeshFactory) -> None:
+    """A TRUNCATE of one partition reaches a node that partitions the table otherwise as a DELETE of the
+    rows within that partition's bounds on the source (a list partition on a, a range one on b); its
+    partition-level TRUNCATE on a node that has the same partition stays a TRUNCATE."""
     m = await mesh(nodes=2, init=False)
     a, b = m.nodes
     await execute(a.dsn(), LIST_ON_A)
@@ -267,4 +265,9 @@ async def test_013_truncate_of_a_partition_the_other_node_lacks(mesh: MeshFactor
         await execute(a.dsn(), "TRUNCATE tab3_2")
         await execute(a.dsn(), "INSERT INTO tab3 VALUES (20, 'marker')")
         await rows_everywhere(m.nodes, ROWS3, [(1, "a"), (10, "a"), (20, "marker")], 20)
+        # b's range partition below 5 (MINVALUE to 5), which a (LIST) does not have
+        await execute(b.dsn(), "INSERT INTO tab3 VALUES (-7, 'b'), (4, 'b'), (5, 'b')")
+        await rows_everywhere(m.nodes, "SELECT count(*) FROM tab3", [(6,)])
+        await execute(b.dsn(), "TRUNCATE tab3_low")
+        await rows_everywhere(m.nodes, ROWS3, [(5, "b"), (10, "a"), (20, "marker")], 20)
         healthy(router)
