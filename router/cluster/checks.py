@@ -438,7 +438,10 @@ def _table_problems(name: str, table: TableName, facts: Mapping[str, NodeFacts],
         fix = f"ALTER TABLE {_sql_name(table)} SET LOGGED, or {exclude}"
         found.append(("is UNLOGGED: unlogged tables cannot be published", fix))
     problem = _key_problem(mine, keyless)
-    if problem:
+    if not mine.columns:
+        fix = f"give it columns and a primary key, or {exclude}"
+        found.append(("has no columns: its rows cannot be told apart, matched or keyed on other nodes", fix))
+    elif problem:
         found.append((problem, f"add a primary key, or ALTER TABLE {_sql_name(table)} REPLICA IDENTITY FULL"))
     return [Check(name, "table", False, detail, qualified, hint) for detail, hint in found] + checks
 

@@ -170,20 +170,18 @@ async def test_001_source_restart(mesh: MeshFactory) -> None:
         healthy(router)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a table with no columns and REPLICA IDENTITY FULL passes "
-                   "init's checks, then install fails on every node ('deletions cannot be keyed')")
-async def test_001_table_without_columns(mesh: MeshFactory) -> None:
-    """A table with no columns at all (tab_no_col): its rows are matched by all (no) columns."""
-    schema = "CREATE TABLE tab_no_col(); ALTER TABLE tab_no_col REPLICA IDENTITY FULL;"
-    m = await mesh(nodes=2, schema=schema + "CREATE TABLE marker (id int PRIMARY KEY);")
-    a, b = m.nodes
-    async with running_router(m.config) as router:
-        await execute(a.dsn(), "INSERT INTO tab_no_col default VALUES")
-        await execute(b.dsn(), "INSERT INTO tab_no_col default VALUES")
-        await rows_everywhere(m.nodes, "SELECT count(*) FROM tab_no_col", [(2,)])
-        await execute(a.dsn(), "INSERT INTO marker VALUES (1)")
-        await rows_everywhere(m.nodes, "SELECT count(*) FROM marker", [(1,)])
-        healthy(router)
+async def test_001_table_without_columns_is_refused_by_init(mesh: MeshFactory) -> None:
+    """tab_no_col (no columns at all, REPLICA IDENTITY FULL; the original replicates its inserts): its rows
+    cannot be told apart, so no update, delete or conflict on it can be decided. `pgmesh init` refuses it
+    up front, naming node and table (docs/limits.md), instead of installing and failing."""
+    m = await mesh(nodes=2, schema="CREATE TABLE tab_no_col(); ALTER TABLE tab_no_col REPLICA IDENTITY FULL;",
+                   init=False)
+    report = await check_cluster(m.config)
+    problems = [(c.node, c.relation) for c in report.problems]
+    assert problems == [("a", "public.tab_no_col"), ("b", "public.tab_no_col")], report.render()
+    assert "has no columns" in report.render() and "give it columns and a primary key" in report.render()
+    for node in m.nodes:
+        assert await fetch(node.dsn(), "SELECT count(*) FROM pg_namespace WHERE nspname = 'pgmesh'") == [(0,)]
 
 
 async def test_001_replica_identity_nothing_is_refused_by_init(mesh: MeshFactory) -> None:
