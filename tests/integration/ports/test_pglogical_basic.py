@@ -122,7 +122,8 @@ async def test_basic(mesh: MeshFactory) -> None:
 
 
 @pytest.mark.slow  # while it fails: waits 15 s for nodes that stay apart
-@pytest.mark.xfail(strict=True, reason="issue 17: a TRUNCATE meeting a row the other node wrote after it"
+@pytest.mark.xfail(strict=True, reason="issue 18 (no way left to diverge):"
+                   " a TRUNCATE meeting a row the other node wrote after it"
                    " (at once) removes that row on one node only: the nodes end apart, silently")
 async def test_truncate_at_once_with_an_insert_on_the_other_node(mesh: MeshFactory) -> None:
     """basic.sql's TRUNCATE, with the other node writing at the same time (links held: truly concurrent).
