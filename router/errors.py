@@ -244,14 +244,20 @@ class SchemaWait:
 
 
 def _closed_by_asyncpg(exc: BaseException) -> bool:
+    """A session asyncpg found closed, or whose protocol state it lost ("cannot switch to state ...;
+    another operation is in progress", after a stalled event loop): either way the session is dropped
+    and opened again."""
     asyncpg = sys.modules.get("asyncpg")  # not loaded: the exception is none of its
-    return asyncpg is not None and isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc)
+    if asyncpg is None:
+        return False
+    return isinstance(exc, asyncpg.InternalClientError) or (
+        isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc))
 
 
 def decide_link(exc: BaseException, schema: SchemaWait, *, now: float, schema_wait_s: float) -> Action:
-    """`decide` for a link's applier: a session asyncpg found closed is opened again; a SchemaMismatch is
-    retried for `schema_wait_s` (SCHEMA_WAIT_S unless set) and then pauses the link, naming table and
-    column; anything else as `decide` says."""
+    """`decide` for a link's applier: a session asyncpg found closed (or lost) is opened again; a
+    SchemaMismatch is retried for `schema_wait_s` (SCHEMA_WAIT_S unless set) and then pauses the link,
+    naming table and column; anything else as `decide` says."""
     if _closed_by_asyncpg(exc):
         return Action.RETRY
     if isinstance(exc, SchemaMismatch):

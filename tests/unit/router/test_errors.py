@@ -83,6 +83,8 @@ def test_a_link_retries_a_closed_session() -> None:
     assert decide_link(asyncpg.InterfaceError("connection is closed"), wait, now=0, schema_wait_s=60) \
         is Action.RETRY
     assert decide_link(asyncpg.InterfaceError("other"), wait, now=0, schema_wait_s=60) is Action.FAIL
+    lost = asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+    assert decide_link(lost, wait, now=0, schema_wait_s=60) is Action.RETRY
     assert decide_link(psycopg.OperationalError("timeout"), wait, now=0, schema_wait_s=60) is Action.RETRY
     assert decide_link(PgmeshError("x", sqlstate="23502"), wait, now=0, schema_wait_s=60) is Action.PAUSE
 
