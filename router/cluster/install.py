@@ -212,9 +212,9 @@ async def _ensure_identities(
 ) -> list[str]:
     """Under `new_table_without_key = "full"`, a replicated table without a usable replica identity (no
     primary key, or a deferrable one) is made REPLICA IDENTITY FULL here, partitions included; whatever
-    the setting, so is a partition of a root made FULL (pgoutput sends a partition's changes with the partition's identity:
-    a key-only old row under a root matched by whole rows stopped the link), as the DDL
-    capture does with one created later (`ddl_identity`); the caller lists them in
+    the setting, so is a partition of a root made FULL (pgoutput sends a partition's changes with the
+    partition's identity: a key-only old row under a root matched by whole rows stopped the link), as
+    the DDL capture does with one created later (`ddl_identity`); the caller lists them in
     `pgmesh.auto_identity`, so that a primary key added later makes them DEFAULT again."""
     if not tables:
         return []

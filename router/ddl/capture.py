@@ -26,8 +26,8 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
   on the root `pgmesh_truncate_start` / `_end` (`truncate_capture`): the publication publishes via the
   root, so pgoutput never sends a TRUNCATE of one partition; the trigger writes it as a command message
   (`truncate_partition`: `TRUNCATE ONLY ... CASCADE` of that partition, or, on a node that partitions
-  the root otherwise, a DELETE of the rows within its bounds; tag TRUNCATE), replayed like DDL; a TRUNCATE of the root itself travels
-  as pgoutput's Truncate alone;
+  the root otherwise, a DELETE of the rows within its bounds; tag TRUNCATE), replayed like DDL; a
+  TRUNCATE of the root itself travels as pgoutput's Truncate alone;
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
   cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY) and query strings that
   mix DDL with transaction control (`ddl_statements` splits a query string into its top-level statements
