@@ -17,7 +17,9 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
+
+import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, pg_us_to_datetime
 from protocol.messages import (
@@ -32,11 +34,16 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
+from router.apply.careful_sql import (
+    put_tombstone_sql,
+    read_row_sql,
+    read_tombstone_sql,
+    tombstone_xid_sql,
+    write_row_sql,
+)
 from router.apply.statements import (
-    COMMIT_ALIAS,
     KEY_LOCKS_MAX,
     TABLE_ALIAS,
-    TOMBSTONE_ALIAS,
     TargetTable,
     identity_match,
     key_lock,
@@ -69,56 +76,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::te
 """
 
 
-T, C, TS = TABLE_ALIAS, COMMIT_ALIAS, TOMBSTONE_ALIAS  # pgmesh's aliases (router.apply.statements)
-
-
-def _row_json(table: TargetTable) -> str:
-    """The row of TABLE_ALIAS as JSON: each column's text (or null), as pgoutput's text values are (to_jsonb's
-    numbers lose digits once parsed; its arrays and composites are JSON no input function reads)."""
-    names = tuple(table.types) or tuple(sorted(table.columns))
-    keys = ", ".join(quote_literal(n) for n in names)
-    values = ", ".join(f"{T}.{quote_ident(n)}::text" for n in names)
-    return f"pg_catalog.json_object(ARRAY[{keys}]::text[], ARRAY[{values}]::text[])"
-
-
-def read_row_sql(table: TargetTable, where: str) -> str:
-    """The first row of `table` matching `where` (columns qualified by TABLE_ALIAS), locked, with its
-    version: labels pgmesh_row (JSON text: each column's text, see `_row_json`), pgmesh_ts,
-    pgmesh_origin, pgmesh_ours, and where it is: pgmesh_tableoid and pgmesh_ctid (a ctid alone is not
-    unique in a partitioned table). The version is read in the select list, from the row FOR UPDATE
-    returns: a LATERAL function beside it kept its output for the row version before a wait (EvalPlanQual
-    recomputes only the locked row), so a local write committed during the wait was overwritten."""
-    return (
-        f'SELECT {_row_json(table)}::text AS "pgmesh_row",'
-        f' (pg_catalog.pg_xact_commit_timestamp_origin({T}.xmin))."timestamp" AS "pgmesh_ts",'
-        f' (pg_catalog.pg_xact_commit_timestamp_origin({T}.xmin)).roident AS "pgmesh_origin",'
-        f' {T}.xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours",'
-        f' {T}.tableoid::oid::int8 AS "pgmesh_tableoid", {T}.ctid::text AS "pgmesh_ctid"'
-        f" FROM {table.qualified} AS {T}"
-        f" WHERE {where} LIMIT 1 FOR UPDATE OF {T}"
-    )
-
-
-def read_tombstone_sql(key_sql: str) -> str:
-    """The tombstone of key `key_sql` in table $1, with its version (labels as `read_row_sql`'s)."""
-    return (
-        f'SELECT {C}."timestamp" AS "pgmesh_ts", {C}.roident AS "pgmesh_origin",'
-        f' pg_catalog.xid({TS}.xid) = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours"'
-        f" FROM pgmesh.tombstones AS {TS},"
-        f" LATERAL pg_catalog.pg_xact_commit_timestamp_origin(pg_catalog.xid({TS}.xid)) AS {C}"
-        f" WHERE {TS}.table_name = $1 AND {TS}.key = {key_sql}"
-    )
-
-
-def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None) -> str:
-    """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
-    names = [k for k in row if k in table.columns]
-    if where is None:
-        cols = ", ".join(quote_ident(k) for k in names)
-        vals = ", ".join(_lit(row[k]) for k in names)
-        return f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
-    sets = ", ".join(f"{quote_ident(k)} = {_lit(row[k])}" for k in names)
-    return f"UPDATE {table.qualified} AS {T} SET {sets} WHERE {where}"
+T = TABLE_ALIAS  # pgmesh's alias of the target table (router.apply.statements)
 
 
 _APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
@@ -166,14 +124,16 @@ def _new_row(relation: Relation, change: Update) -> Row:
 class _Local:
     """The local row (or tombstone) a change met."""
 
-    __slots__ = ("mine", "row", "version", "where")
+    __slots__ = ("mine", "row", "version", "where", "xid")
 
     def __init__(
-        self, row: dict[str, Any] | None, version: Version, mine: bool, at: tuple[int, str] | None = None
+        self, row: dict[str, Any] | None, version: Version, mine: bool, at: tuple[int, str] | None = None,
+        xid: str | None = None,
     ) -> None:
         self.row = row
         self.version = version
         self.mine = mine  # written by the source itself (or by this very transaction)
+        self.xid = xid  # a tombstone's deletion (its transaction), to tell it from a later one
         # exactly that row: its partition (tableoid) and its place there (ctid); a ctid alone names one
         # row in every partition of a partitioned table
         self.where = (
@@ -321,7 +281,32 @@ class CarefulApplier:
         if row is None:
             return None
         version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
-        return _Local(None, version, bool(row["pgmesh_ours"]) or version.node == self.source)
+        mine = bool(row["pgmesh_ours"]) or version.node == self.source
+        return _Local(None, version, mine, xid=row["pgmesh_xid"])
+
+    async def _create(
+        self, conn: Any, table: TargetTable, row: Row, values: Row, tomb: _Local | None
+    ) -> None:
+        """Insert `row`, decided on no row holding its key and on the tombstone `tomb` of key `values` (None:
+        none). A local transaction that inserted that key and deleted it again after that read (the
+        insert waited for it, or it ended before) left a later tombstone, now committed: the decision no
+        longer holds, and the whole transaction is read and decided again, as after a local insert of
+        the key (a unique violation, `router.errors.retry_unique`). router.apply.careful_sql says why
+        nothing later can slip in."""
+        await self._write_row(conn, table, row, None)
+        await self._check_tombstone(conn, table, values, tomb)
+
+    async def _check_tombstone(self, conn: Any, table: TargetTable, values: Row, tomb: _Local | None) -> None:
+        key_sql = tombstone_key(self._key_sql(table, values))
+        xid = await conn.fetchval(tombstone_xid_sql(key_sql), table.name)
+        if xid != (tomb.xid if tomb else None):
+            self._moved(table, values)
+
+    def _moved(self, table: TargetTable, values: Row) -> NoReturn:
+        key = ",".join(str(values.get(k)) for k in table.tombstone_key)
+        raise asyncpg.exceptions.UniqueViolationError(
+            f"key ({key}) of {table.name} was deleted here while the careful path decided it: decided again"
+        )
 
     # ---------------------------------------------------------------- deciding and recording
 
@@ -412,8 +397,10 @@ class CarefulApplier:
             )
             if decision.outcome is Outcome.KEEP_LOCAL:
                 return
-            new = dict(decision.row) if decision.row is not None else new
-        await self._write_row(conn, table, new, None)
+            row = dict(decision.row) if decision.row is not None else new
+            await self._create(conn, table, row, new, tomb)
+            return
+        await self._create(conn, table, new, new, tomb)
 
     async def _unique_clash(
         self,
@@ -557,7 +544,7 @@ class CarefulApplier:
         # Re-created, the row may bring a secondary unique value another row took meanwhile: decided
         # as where the row still exists (insert_exists against that row's version).
         if await self._unique_clash(conn, txn, relation, table, row, remote, records, None):
-            await self._write_row(conn, table, row, None)
+            await self._create(conn, table, row, new, tomb)
 
     async def _delete(
         self,
@@ -580,13 +567,10 @@ class CarefulApplier:
                 conn, txn, relation, table, ConflictType.DELETE_MISSING, None, remote, old, records
             )
             if tomb is None or tomb.version.order() < remote.order():
-                key = tombstone_key(self._key_sql(table, old))
-                await conn.execute(
-                    "INSERT INTO pgmesh.tombstones (table_name, key, xid)"
-                    f" VALUES ($1, {key}, pg_catalog.pg_current_xact_id())"
-                    " ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid",
-                    table.name,
-                )
+                key = tombstone_key(self._key_sql(table, old))  # unless a local deletion came after the read:
+                status = await conn.execute(put_tombstone_sql(key), table.name, tomb.xid if tomb else None)
+                if status.endswith(" 0"):
+                    self._moved(table, old)
             return
         decision = await self._decide(
             conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records,
