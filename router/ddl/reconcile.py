@@ -17,9 +17,10 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Delete, Insert, RawInsert, Relation, TupleData, Update
+from protocol.messages import Delete, Insert, Message, RawInsert, Relation, TupleData, Update
 from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Transaction
+from router.ddl.messages import DDL_PREFIX
 
 __all__ = ["Drift", "reconcile"]
 
@@ -44,8 +45,9 @@ def reconcile(
     """`txn` with its rows fitted to the target's columns where DDL explains the difference.
 
     A column the target lacks that pgmesh saw renamed here is sent under its new name; one it saw
-    dropped is left out. None when nothing needed fitting or a difference is not explained (the
-    caller then reports the missing column).
+    dropped is left out. Only the rows before the transaction's first DDL command are fitted: the
+    command changes the columns the rows after it meet. None when nothing needed fitting or a
+    difference is not explained (the caller then reports the missing column).
     """
     fitted: dict[int, tuple[Relation, list[int] | None]] = {}  # id(relation) -> (fitted, kept positions)
 
@@ -84,7 +86,13 @@ def reconcile(
         relations[relid] = result[0]
         changed = changed or result[1] is not None
     changes: list[Any] = []
-    for change in txn.changes:
+    for n, change in enumerate(txn.changes):
+        if isinstance(change, Message) and change.prefix == DDL_PREFIX:
+            # DDL in this transaction runs on the target before the rows after it: those rows are fitted
+            # to the columns it leaves, not to today's (a column dropped long ago and added again here is
+            # not the dropped one); a difference still left then is reported, never dropped silently
+            changes.extend(txn.changes[n:])
+            break
         if isinstance(change, Relation):
             result = fit(change)
             if result is None:

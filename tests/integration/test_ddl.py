@@ -194,6 +194,27 @@ async def test_unexplained_missing_column_pauses_the_link_naming_table_and_colum
         await wait_for(lambda: _has(b.dsn(), "SELECT d FROM t WHERE id = 2", [(5,)]), "row 2 on b with d = 5")
 
 
+async def test_a_column_dropped_then_added_again_in_the_transaction_of_its_rows(mesh: MeshFactory) -> None:
+    """`w` added, dropped (pgmesh.column_changes records the drop), then added again in the transaction
+    that fills it: the rows after the new ADD COLUMN meet the new `w`, not the dropped one; their values
+    reach b (they were left out as values of a dropped column: b kept NULL, with no error)."""
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "ALTER TABLE t ADD COLUMN w int")
+        await execute(a.dsn(), "ALTER TABLE t DROP COLUMN w")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM pgmesh.column_changes", [(1,)]),
+                       "the drop recorded on b")
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as conn:
+            await conn.execute("ALTER TABLE t ADD COLUMN w int")
+            await conn.execute("INSERT INTO t VALUES (1, 'a', 5)")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM t", [(1,)]), "a's row on b")
+        await execute(b.dsn(), "INSERT INTO t VALUES (2, 'b', 6)")
+        await wait_converged(m.nodes, ["t"])
+        assert await fetch(b.dsn(), "SELECT id, v, w FROM t ORDER BY id") == [(1, "a", 5), (2, "b", 6)]
+        assert all(applier.last_error is None for applier in router.appliers.values())
+
+
 async def _has(dsn: str, query: str, expected: Any) -> bool:
     return await fetch(dsn, query) == expected
 
