@@ -5,7 +5,10 @@ The applier's fast path sends guarded statements that raise at the first conflic
 read first (`FOR UPDATE`) with its version (`pg_xact_commit_timestamp_origin(xmin)`), or its tombstone when it
 is gone; `router.conflicts.resolve.resolve` decides; the decision is written; every conflict is recorded in
 `pgmesh.conflict_history` in the same transaction. Rows written by the source itself are no conflict. Delta
-columns add the remote change to the local value instead of overwriting it.
+columns add the remote change to the local value instead of overwriting it. A decision on a key no row
+holds rests on its tombstone: after the write, the tombstone is read again (`router.apply.careful_sql`),
+and a local deletion of the key committed meanwhile raises a unique violation, for the applier to read
+and decide the whole transaction again (`router.errors.retry_unique`).
 
 Must not: retry, pause, or read the source. Runs on the applier's connection, inside the transaction
 it opens itself (with the origin set up for the session by the applier).
