@@ -41,11 +41,11 @@ from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import LinkSession
 from router.apply.parts import is_large, whole_transaction
-from router.apply.scripts import transaction_script
+from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.side import SideSession
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.apply.statements import TargetTable, quote_ident
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config import Config, NodeConfig
 from router.ddl.capture import SCHEMA_CHANGES
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
 from router.errors import (
@@ -72,20 +72,6 @@ __all__ = ["Applier"]
 # BEGIN, origin setup and COMMIT), so every row keeps its source commit time; only the trips are shared.
 BATCH_TRANSACTIONS = 256
 BATCH_BYTES = 4 << 20
-
-# A row written under the source's origin before each replicated DDL command (`Applier._run_ddl`).
-# PostgreSQL 15 announces a transaction it streams in progress with the origin of the transaction's first
-# decoded change (reorderbuffer.c, ReorderBufferProcessTXN: `txn->origin_id = change->origin_id` before
-# stream_start; pgoutput_stream_start sends the Origin message from it, once). A DDL command's first change
-# is an internal one (the command id of its catalog writes), which has no origin: a large target
-# transaction that opened with DDL was streamed by the target's walsender without an Origin, and the
-# target's source took it for the target's own and sent it back (invariant 3). A heap write carries the
-# session's origin, so written first, it names the origin of the whole stream. The row (one per source:
-# no lock shared between links) says where on that source the last DDL command applied here stands.
-_ORIGIN_MARK = (
-    f"INSERT INTO {quote_ident(PGMESH_SCHEMA)}.node_info (key, value) VALUES ('ddl_applied_from.' || $1, $2)"
-    " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
-)
 
 logger = logging.getLogger(__name__)
 
@@ -510,7 +496,9 @@ class Applier(LinkView):
         if message.prefix != DDL_PREFIX:
             return None
         command = ddl_command(message)
-        await conn.execute(_ORIGIN_MARK, self.source, format_lsn(message.lsn))  # first: see _ORIGIN_MARK
+        # first: its first change has no origin, and a target transaction that opens with it would
+        # stream without one (router.apply.scripts.ORIGIN_MARK)
+        await conn.execute(ORIGIN_MARK)
         path = await conn.fetchval("SELECT current_setting('search_path')")
         await conn.execute("SELECT set_config('search_path', $1, true)", command.search_path)
         me = await conn.fetchval("SELECT current_user")

@@ -54,6 +54,7 @@ __all__ = [
     "COPY_MIN_ROWS",
     "COPY_RUN",
     "INSERT_RUN",
+    "ORIGIN_MARK",
     "CopyRun",
     "copy_text",
     "transaction_script",
@@ -65,6 +66,18 @@ INSERT_RUN = 1000  # rows per multi-row INSERT
 # than KEY_LOCKS_MAX row changes), goes in as COPY when the target may take it (see `CopyRun`).
 COPY_MIN_ROWS: Final = 200
 COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
+# Two row writes under the session's replication origin, leaving nothing: before a TRUNCATE here, and
+# before each replicated DDL command (router.apply.applier). PostgreSQL 15 announces a transaction it
+# streams in progress with the origin of its first decoded change (reorderbuffer.c, ReorderBufferProcessTXN:
+# `txn->origin_id = change->origin_id` before stream_start; pgoutput_stream_start sends the Origin from it,
+# once), and the first change of DDL or of a TRUNCATE is internal (the command id of its catalog writes),
+# without origin: the target streamed a transaction that opened with one without an Origin, and its source
+# took it for the target's own and sent it back (invariant 3). A row write carries the origin.
+ORIGIN_MARK: Final = (
+    "INSERT INTO \"pgmesh\".\"node_info\" (\"key\", \"value\")"
+    " VALUES ('origin_mark.' || pg_catalog.pg_current_xact_id(), '');"
+    " DELETE FROM \"pgmesh\".\"node_info\" WHERE \"key\" = 'origin_mark.' || pg_catalog.pg_current_xact_id()"
+)
 _INSERT_TYPES: Final = frozenset((Insert, RawInsert))
 _RAW_ONLY: Final = frozenset((RawInsert,))
 _RELID: Final = attrgetter("relid")
@@ -342,6 +355,7 @@ def transaction_segments(
             continue
         if isinstance(change, Truncate):
             opening()
+            out.append(ORIGIN_MARK)  # a TRUNCATE's first change has no origin
             out.append(truncate_statement(change, relations, tables))
             continue
         relation = relations[change.relid]

@@ -13,11 +13,11 @@ transaction and found its spill file still being written: the link paused on "sp
 open". A large transaction now runs its DDL in place on the large path (router.apply.large), part by
 part, whatever the DDL's position in it.
 
-Found here and fixed: on PostgreSQL 15 the echo of a streamed transaction that opened with DDL came back
-as the target's own (its first decoded change, the DDL's internal one, has no origin; the applier now
-writes a row under the origin before each DDL command: router.apply.applier). A strict xfail records what
-is not fixed here: a conflict over a TOASTed row whose winner left the TOASTed column unchanged ends with
-the nodes apart.
+Found here and fixed: on PostgreSQL 15 the echo of a streamed transaction that opened with DDL (or with a
+TRUNCATE) came back as the target's own (its first decoded change, an internal one, has no origin; the
+applier now writes rows under the origin before each DDL command and each TRUNCATE:
+router.apply.scripts.ORIGIN_MARK). A strict xfail records what is not fixed here: a conflict over a
+TOASTed row whose winner left the TOASTed column unchanged ends with the nodes apart.
 """
 
 from __future__ import annotations
@@ -251,27 +251,35 @@ async def test_few_big_toasted_rows(mesh: MeshFactory, settings: dict[str, str])
 WIDE = "(SELECT string_agg(md5(g::text || i), '') FROM generate_series(1, 100) AS g)"  # 3.2 kB, TOASTed
 
 
-@pytest.mark.parametrize("path", ["large", "careful"])
+@pytest.mark.parametrize("path", ["large", "careful", "truncate"])
 async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFactory, path: str) -> None:
     """Both servers stream in progress: A's CREATE TABLE and rows, applied on B by the router, must come
     back from B as an echo (invariant 3), not as B's own transaction. PostgreSQL 15 announces a streamed
-    transaction with the origin of its first decoded change, and a DDL command's first one has none: B
-    streamed the router's transaction without an Origin. Through the large path (20k rows, COPY) and
-    the careful one (40 wide rows, few enough for it: router.apply.parts.is_large), each more than B's
-    logical_decoding_work_mem, so that B streams it."""
+    transaction with the origin of its first decoded change, and the first one of a DDL command has none:
+    B streamed the router's transaction without an Origin. Through the large path (20k rows, COPY), the
+    careful one (40 wide rows, few enough for it: router.apply.parts.is_large), each more than B's
+    logical_decoding_work_mem so that B streams it, and a TRUNCATE in place of the DDL (the same: its
+    first change is that of its catalog writes), then 20k rows."""
     m = await mesh(nodes=2, settings=STREAMED)
     a, b = m.nodes
-    rows = (fill("s_huge", 1, 20_000) if path == "large"
-            else f'INSERT INTO "s_huge" SELECT i, i, {WIDE} FROM generate_series(1, 40) AS i')
+    rows = (f'INSERT INTO "s_huge" SELECT i, i, {WIDE} FROM generate_series(1, 40) AS i' if path == "careful"
+            else fill("s_huge", 1, 20_000))
     async with running_router(m.config) as router:
-        await execute(a.dsn(), "BEGIN", huge_table("s_huge"), rows, "COMMIT")
-        await equal_everywhere(router, m.nodes, ["s_huge"])
         pump = router.pumps["b"]
-        await wait_for(lambda: pump.echoes + pump.transactions >= 1, "B's echo of A's transaction", 60)
+        if path == "truncate":
+            await execute(a.dsn(), huge_table("s_huge"), fill("s_huge", 1, 10))
+            await equal_everywhere(router, m.nodes, ["s_huge"])
+            await wait_for(lambda: pump.echoes >= 1, "B's echo of A's rows", 60)  # (the DDL's was empty)
+            await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows, "COMMIT")
+        else:
+            await execute(a.dsn(), "BEGIN", huge_table("s_huge"), rows, "COMMIT")
+        await equal_everywhere(router, m.nodes, ["s_huge"])
+        expected = 2 if path == "truncate" else 1
+        await wait_for(lambda: pump.echoes + pump.transactions >= expected, "B's echo of A's transaction", 60)
         assert pump.transactions == 0, "B's echo of A's transaction was taken for B's own"
         link = router.appliers[("a", "b")]
         assert link.ddl_applied == 1
-        assert (link.stats.copied_transactions > 0) == (path == "large"), "not the path meant"
+        assert (link.stats.copied_transactions > 0) == (path != "careful"), "not the path meant"
         (streamed,) = await fetch(b.dsn(), "SELECT coalesce(sum(stream_txns), 0)"
                                   " FROM pg_stat_replication_slots")
         assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
