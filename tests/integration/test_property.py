@@ -158,8 +158,6 @@ ALTER TABLE p REPLICA IDENTITY FULL;
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the whole-row match of a root marked FULL uses a row that has"
-                   " unchanged TOAST values when the partition is not FULL")
 async def test_update_in_a_partition_of_a_full_identity_root_keeps_the_link(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=ROOT_ONLY_FULL)
     a, b = m.nodes
