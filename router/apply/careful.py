@@ -389,6 +389,15 @@ class CarefulApplier:
             decision = await self._decide(
                 conn, txn, relation, table, ConflictType.INSERT_EXISTS, local, remote, new, records
             )
+            # each other row met on a secondary unique key is a meeting of its own (docs/conflicts.md,
+            # "A row meeting several rows"): if the remote row loses one, it is not written, and the row
+            # it beat on its key goes all the same
+            if (table.uniques or table.indexes) and not await self._unique_clash(
+                conn, txn, relation, table, new, remote, records, local.where
+            ):
+                if decision.outcome is not Outcome.KEEP_LOCAL:
+                    await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
+                return
             await self._overwrite(conn, table, decision, new, local.where)
             return
         if not await self._unique_clash(conn, txn, relation, table, new, remote, records, None):
@@ -415,28 +424,30 @@ class CarefulApplier:
         remote: Version,
         records: list[ConflictRecord],
         own: str | None,
+        moved: bool = False,
     ) -> bool:
-        """Another row holds a secondary unique value the remote row brings (insert_exists on that key).
+        """Other rows hold a secondary unique value the remote row brings (insert_exists on that key).
 
-        Decided like an insert meeting it: when the remote version wins, the other row goes; when it
-        loses, the row the change would write goes (`own`, its WHERE; None when it is not here yet: an
-        insert, or an update re-creating a missing row, which is then not written), exactly as where the
-        change came from the other row's later arrival deletes it. True when the remote row may be
-        written.
+        Each row met is decided like an insert meeting it, all of them whatever the outcomes: a row the
+        remote version beats goes; if one beats it, the remote row is not written (False; True when it
+        may be). `own` is the WHERE of the row the change would write over (None when it is not here: an
+        insert, or an update re-creating a missing row), never a row met; the caller decides what becomes
+        of it. `moved`: an update moving its row to another primary key, met there too.
         """
-        for where in clash_wheres(table, new, updating=own is not None):
+        wins, seen = True, set()
+        for where in clash_wheres(table, new, updating=own is not None, moved=moved):
             other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
-            if other is None:
+            if other is None or other.where in seen:  # a row met on two keys is decided once
                 continue
+            seen.add(other.where)
             decision = await self._decide(
                 conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
             )
             if decision.outcome is Outcome.KEEP_LOCAL:
-                if own is not None:
-                    await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {own}")
-                return False
-            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {other.where}")
-        return True
+                wins = False
+            else:
+                await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {other.where}")
+        return wins
 
     async def _overwrite(
         self, conn: Any, table: TargetTable, decision: Decision, new: Row, where: str
@@ -463,9 +474,12 @@ class CarefulApplier:
         if local is None:
             await self._update_missing(conn, txn, relation, table, change, new, remote, records)
             return
-        if (table.uniques or table.indexes) and not await self._unique_clash(
-            conn, txn, relation, table, new, remote, records, local.where
-        ):
+        old = _row(relation, change.old) if change.old is not None else new
+        moved = any(old.get(k) != new.get(k) for k in table.pk)  # onto another row's key: met there too
+        if (table.uniques or table.indexes or moved) and not await self._unique_clash(
+            conn, txn, relation, table, new, remote, records, local.where, moved
+        ):  # the remote row lost: its old row goes, as where the change came from
+            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
             return
         if local.mine:
             await self._overwrite(conn, table, _APPLY, new, local.where)

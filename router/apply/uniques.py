@@ -75,11 +75,13 @@ def index_where(table: TargetTable, index: UniqueIndex, row: Mapping[str, Any]) 
     return f"({where}) AND {local} = {remote}" if where else f"{local} = {remote}"
 
 
-def clash_wheres(table: TargetTable, row: Mapping[str, Any], *, updating: bool) -> list[str]:
+def clash_wheres(table: TargetTable, row: Mapping[str, Any], *, updating: bool, moved: bool = False,
+                 ) -> list[str]:
     """One WHERE per secondary unique key of `table` on which `row` may collide with another row: every
     plain key whose columns `row` has non-NULL (but the ones inside the primary key when `updating` a
-    row found by that key), and every unique index with a predicate or on expressions."""
-    wheres = []
+    row found by that key), and every unique index with a predicate or on expressions; first the
+    primary key itself when `moved` (an update moving its row to another key)."""
+    wheres = [row_where(row, table.pk, table.compare)] if moved and table.pk else []
     for unique in table.uniques:
         if any(row.get(c) is None for c in unique) or (updating and set(unique) <= set(table.pk)):
             continue

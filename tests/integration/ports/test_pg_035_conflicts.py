@@ -24,15 +24,6 @@ CREATE TABLE conf_tab_2_p1 PARTITION OF conf_tab_2 FOR VALUES FROM (MINVALUE) TO
 ROWS = "SELECT * FROM conf_tab ORDER BY a"
 
 
-XFAIL_KEY_AND_UNIQUE = (
-    "issue 17: a remote row that meets one local row on its primary key and another on a secondary unique "
-    "key pauses the link with 23505 (router/apply/careful.py: _insert decides the key match and overwrites "
-    "without deciding the secondary clash first, as _update does)"
-)
-
-
-@pytest.mark.slow  # waits out the convergence limit while it fails
-@pytest.mark.xfail(strict=True, reason=XFAIL_KEY_AND_UNIQUE)
 async def test_035_insert_meets_three_rows(mesh: MeshFactory) -> None:
     """INSERT: a's newer row meets three of b's rows, one on each unique key."""
     m = await mesh(nodes=2, schema=SCHEMA)
@@ -66,8 +57,6 @@ async def test_035_insert_meets_two_rows_on_secondary_keys(mesh: MeshFactory) ->
     assert found.count("insert_exists") >= 2, found
 
 
-@pytest.mark.slow  # waits out the convergence limit while it fails
-@pytest.mark.xfail(strict=True, reason=XFAIL_KEY_AND_UNIQUE)
 async def test_035_update_meets_three_rows(mesh: MeshFactory) -> None:
     """UPDATE of a's row onto the key and unique values of three of b's rows."""
     m = await mesh(nodes=2, schema=SCHEMA)
@@ -95,4 +84,29 @@ async def test_035_leaf_partition(mesh: MeshFactory) -> None:
         await router.resume(None)
         await converge(router, m.nodes, ["conf_tab_2"])
         await rows_everywhere(m.nodes, "SELECT * FROM conf_tab_2", [(55, 2, 4)])
+        healthy(router)
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "kept"),
+    [
+        ("(2,2,2)", "(5,3,5)", (5, 3, 5)),  # b's row beats a's older row on a, loses to a's newer on b
+        ("(5,3,5)", "(2,2,2)", (2, 2, 2)),  # b's row beats a's older row on b, loses to a's newer on a
+    ],
+)
+async def test_035_insert_wins_one_meeting_loses_another(
+    mesh: MeshFactory, first: str, last: str, kept: tuple[int, int, int]
+) -> None:
+    """b's row (2,3,9) meets two of a's rows, one older and one newer: each meeting is decided alone (the
+    older row goes, b's row is not written), and both nodes keep only a's newer row."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await router.pause(None)
+        await execute(a.dsn(), f"INSERT INTO conf_tab VALUES {first};")
+        await execute(b.dsn(), "INSERT INTO conf_tab VALUES (2,3,9);")
+        await execute(a.dsn(), f"INSERT INTO conf_tab VALUES {last};")
+        await router.resume(None)
+        await converge(router, m.nodes, ["conf_tab"])
+        await rows_everywhere(m.nodes, ROWS, [kept])
         healthy(router)
