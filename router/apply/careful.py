@@ -44,6 +44,7 @@ from router.apply.careful_sql import (
     tombstone_xid_sql,
     write_row_sql,
 )
+from router.apply.scripts import ORIGIN_MARK
 from router.apply.statements import (
     KEY_LOCKS_MAX,
     TABLE_ALIAS,
@@ -191,8 +192,8 @@ class CarefulApplier:
             for change in txn.changes:
                 if isinstance(change, Relation):
                     relations[change.relid] = change
-                elif isinstance(change, Truncate):
-                    await conn.execute(truncate_statement(change, relations, tables))
+                elif isinstance(change, Truncate):  # the origin mark first: its first change has none
+                    await conn.execute(ORIGIN_MARK + "; " + truncate_statement(change, relations, tables))
                 elif isinstance(change, Message):
                     if on_message is not None:
                         tables = await on_message(conn, change) or tables

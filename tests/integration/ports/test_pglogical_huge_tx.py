@@ -285,6 +285,35 @@ async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFact
         assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
 
 
+async def test_streamed_echo_of_a_truncate_applied_the_careful_way(mesh: MeshFactory) -> None:
+    """The TRUNCATE variant above, with a conflict in the same transaction (a row of another table B
+    changed while the links were held): the whole transaction is applied on the careful path, which
+    writes the origin mark before its TRUNCATE too; B streams it and its echo is recognised."""
+    m = await mesh(nodes=2, settings=STREAMED)
+    a, b = m.nodes
+    rows = f'INSERT INTO "s_huge" SELECT i, i, {WIDE} FROM generate_series(1, 40) AS i'
+    async with running_router(m.config) as router:
+        pump = router.pumps["b"]
+        await execute(a.dsn(), huge_table("s_huge"), fill("s_huge", 1, 10),
+                      'CREATE TABLE "u" ("id" integer PRIMARY KEY, "v" text)',
+                      "INSERT INTO \"u\" VALUES (1, 'a')")
+        await equal_everywhere(router, m.nodes, ["s_huge", "u"])
+        await wait_for(lambda: pump.echoes >= 2, "B's echoes of A's rows", 60)
+        echoes = pump.echoes
+        await router.pause(None)
+        await execute(b.dsn(), "UPDATE \"u\" SET \"v\" = 'b' WHERE \"id\" = 1")
+        await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows,
+                      "UPDATE \"u\" SET \"v\" = 'a, later' WHERE \"id\" = 1", "COMMIT")
+        await router.resume(None)
+        await equal_everywhere(router, m.nodes, ["s_huge", "u"])
+        await wait_for(lambda: pump.echoes > echoes, "B's echo of A's transaction", 60)
+        assert pump.transactions == 1, "B's echo of A's transaction was taken for B's own"  # B's update
+        (streamed,) = await fetch(b.dsn(), "SELECT coalesce(sum(stream_txns), 0)"
+                                  " FROM pg_stat_replication_slots")
+        assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
+        assert await fetch(b.dsn(), 'SELECT v FROM "u"') == [("a, later",)]
+
+
 @pytest.mark.xfail(strict=True, reason="a remote update that wins a conflict leaves an unchanged-TOAST column"
                    " as the target has it: the winner's value of that column is not known there")
 async def test_conflict_over_a_toasted_row(mesh: MeshFactory) -> None:
