@@ -24,6 +24,10 @@ IDENTITIES = ("SELECT c.relname::text, c.relreplident::text FROM pg_class c"
               " WHERE c.relname ~ '^[pq][0-9]*$' AND c.relkind IN ('r', 'p') ORDER BY 1")
 
 
+async def _full(dsn: str, table: str) -> bool:
+    return await fetch(dsn, f"SELECT relreplident::text FROM pg_class WHERE relname = '{table}'") == [("f",)]
+
+
 async def _identities_everywhere(nodes: list[object], expected: list[tuple[str, str]]) -> None:
     for node in nodes:
         dsn = node.dsn()  # type: ignore[attr-defined]
@@ -48,6 +52,7 @@ async def test_partitions_of_a_full_root_are_full_and_toasted_updates_replicate(
         await execute(a.dsn(), "CREATE TABLE q (k int PRIMARY KEY, big text, v int) PARTITION BY RANGE (k);"
                       " CREATE TABLE q1 PARTITION OF q FOR VALUES FROM (0) TO (10)")
         await execute(a.dsn(), "ALTER TABLE q REPLICA IDENTITY FULL")
+        await wait_for(lambda: _full(b.dsn(), "q"), "q made FULL on b")
         await execute(b.dsn(), "CREATE TABLE q2 PARTITION OF q FOR VALUES FROM (10) TO (20)")
         expected = [("p", "f"), ("p1", "f"), ("p2", "f"), ("q", "f"), ("q1", "f"), ("q2", "f")]
         await _identities_everywhere(m.nodes, expected)
