@@ -62,6 +62,11 @@ async def test_replication_set(mesh: MeshFactory) -> None:
                 await execute(node.dsn(), f"INSERT INTO {table} (id) VALUES ({first}), ({first + 1})")
             await execute(node.dsn(), f"INSERT INTO test_unlogged VALUES ({first})",
                           f"INSERT INTO test_local_only VALUES ({first})")
+        # a updates b's row 100 and b deletes a's row 1: both must have arrived first
+        await wait_for(lambda: _has(a, "SELECT EXISTS (SELECT 1 FROM test_publicschema WHERE id = 100)"),
+                       "b's row 100 on a")
+        await wait_for(lambda: _has(b, f"SELECT EXISTS (SELECT 1 FROM {STRANGE} WHERE id = 1)"),
+                       "a's row 1 on b")
         await execute(a.dsn(), "UPDATE test_publicschema SET data = 'upd' WHERE id = 100")
         await execute(b.dsn(), 'DELETE FROM "strange.schema-IS".test_strangeschema WHERE id = 1')
         await execute(a.dsn(), "TRUNCATE normalschema.test_normalschema")
