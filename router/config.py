@@ -17,7 +17,7 @@ from typing import Final
 
 import msgspec
 
-from router.conflicts.resolve import ConflictType, Policy, Resolver
+from router.conflicts.resolve import ConflictType, Policy, Resolver, can_diverge
 from router.errors import ConfigError
 
 __all__ = [
@@ -99,8 +99,9 @@ class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     resolver: str = Resolver.LAST_UPDATE_WINS.value
     node_priority: list[str] = msgspec.field(default_factory=list)  # first listed wins
-    window_ms: int = 0  # node_priority: versions within one window are ordered by rank
+    window_ms: int = 0  # node_priority: versions within one window are ordered by rank (only 0 for now)
     types: dict[str, str] = msgspec.field(default_factory=dict)  # conflict type -> resolver
+    allow_divergence: bool = False  # accept keep_local / apply_remote / first_update_wins (status says so)
 
 
 class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -205,6 +206,21 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             window_us=self.conflicts.window_ms * 1000,
             custom=custom,
         )
+
+    def divergent_resolvers(self) -> list[str]:
+        """Every resolver setting that can leave nodes with different rows, as `key = resolver (where)`
+        (empty for a cluster that converges; non-empty only with `allow_divergence = true`)."""
+        found = []
+        for key, value in _resolvers_in_effect(self):
+            if value not in RESOLVER_NAMES:
+                continue
+            kind = key.rpartition(".types.")[2] if ".types." in key else None
+            if not can_diverge(Resolver(value), ConflictType(kind) if kind else None):
+                continue
+            index = key.partition("[")[2].partition("]")[0]
+            where = self.tables[int(index)].name if key.startswith("tables[") else "every table"
+            found.append(f"{key} = {value} ({where})")
+        return found
 
     def delta_columns(self, schema: str, table: str) -> tuple[str, ...]:
         """The table's delta columns (changes add up instead of overwriting); () for none."""
@@ -351,6 +367,11 @@ def _validate_conflicts(config: Config) -> None:
     _check_types(section.types, "conflicts.types")
     if section.window_ms < 0:
         raise ConfigError("conflicts.window_ms: must be >= 0")
+    if section.window_ms > 0:
+        raise ConfigError(
+            "conflicts.window_ms: node_priority's hold for a time window is not built, so a window can"
+            " leave nodes apart; use window_ms = 0"
+        )
     nodes = set(config.node_names)
     seen: set[str] = set()
     for name in section.node_priority:
@@ -386,6 +407,14 @@ def _validate_tables(config: Config) -> None:
         for key, value in _resolvers_in_effect(config):
             if value == Resolver.NODE_PRIORITY:
                 raise ConfigError(f'{key}: node_priority needs [conflicts] node_priority = ["node", ...]')
+    if not config.conflicts.allow_divergence:
+        for setting in config.divergent_resolvers():
+            key, _, rest = setting.partition(" = ")
+            raise ConfigError(
+                f"{key}: {rest} can leave nodes with different rows for ever (docs/conflicts.md,"
+                " Resolvers); use last_update_wins or node_priority, or accept that with [conflicts]"
+                " allow_divergence = true"
+            )
 
 
 def _validate_sequences(config: Config) -> None:

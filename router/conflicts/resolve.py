@@ -31,6 +31,7 @@ __all__ = [
     "Policy",
     "Resolver",
     "Version",
+    "can_diverge",
     "load_custom",
     "merge_deltas",
     "resolve",
@@ -57,6 +58,24 @@ class Resolver(enum.StrEnum):
     APPLY_REMOTE = "apply_remote"
     ERROR = "error"
     CUSTOM = "custom"
+
+
+# Built-in resolvers that are not a total order over versions that also covers local writes: nodes using
+# them can end with different rows (docs/conflicts.md "Resolvers"). The config refuses them unless
+# `[conflicts] allow_divergence = true`.
+_DIVERGENT: Final = frozenset({Resolver.KEEP_LOCAL, Resolver.APPLY_REMOTE, Resolver.FIRST_UPDATE_WINS})
+
+
+def can_diverge(resolver: Resolver, conflict: ConflictType | None = None) -> bool:
+    """Whether `resolver`, used for `conflict` (None: for every type), can leave nodes apart.
+
+    For delete_missing every built-in resolver does nothing (the row is gone everywhere); for
+    update_missing every one but keep_local inserts the row, as last_update_wins does. Custom resolvers
+    are not judged here: `init` runs them on generated pairs (router.conflicts.symmetry).
+    """
+    if resolver not in _DIVERGENT or conflict is ConflictType.DELETE_MISSING:
+        return False
+    return conflict is not ConflictType.UPDATE_MISSING or resolver is Resolver.KEEP_LOCAL
 
 
 class Outcome(enum.StrEnum):

@@ -85,7 +85,7 @@ async def offline_status(config: Config) -> StatusReport:
                 sources.append(await _offline_source(conn, config, node.name))
         except psycopg.Error as exc:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, describe(exc)))
-    return StatusReport(config.cluster.name, False, links, sources)
+    return StatusReport(config.cluster.name, False, links, sources, config.divergent_resolvers())
 
 
 async def _offline_links(
@@ -145,6 +145,11 @@ def render_status(report: StatusReport) -> str:
             f"source {source.node}: {source.state}, received {source.received_lsn}, confirmed "
             f"{source.confirmed_lsn}, reconnects {source.reconnects}"
             + (f", last error: {source.last_error}" if source.last_error else "")
+        )
+    if report.divergence:  # [conflicts] allow_divergence = true: never let it be forgotten
+        lines.append(
+            "DIVERGENCE ALLOWED ([conflicts] allow_divergence = true): nodes may keep different rows under "
+            + "; ".join(report.divergence)
         )
     return "\n".join(lines)
 

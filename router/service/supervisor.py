@@ -75,6 +75,7 @@ class StatusReport(msgspec.Struct, frozen=True):
     running: bool
     links: list[LinkStatus]
     sources: list[SourceStatus]
+    divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
 
 
 class _Target:
@@ -497,7 +498,9 @@ class Router:
             )
             for node, pump in self.pumps.items()
         ]
-        return StatusReport(self.config.cluster.name, self.running, links, sources)
+        return StatusReport(
+            self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers()
+        )
 
     @staticmethod
     def _lag_bytes(source: ReplicationSource, link: LinkProgress) -> int:

@@ -188,7 +188,8 @@ CONFLICTS = (
 [conflicts]
 resolver = "last_update_wins"
 node_priority = ["b", "a"]
-window_ms = 250
+window_ms = 0
+allow_divergence = true
 
 [conflicts.types]
 update_missing = "keep_local"
@@ -230,7 +231,7 @@ def test_conflict_sections_default_to_last_update_wins_everywhere() -> None:
 def test_conflict_sections_decode() -> None:
     config = parse_config(CONFLICTS)
     assert config.conflicts.node_priority == ["b", "a"]
-    assert config.conflicts.window_ms == 250
+    assert config.conflicts.window_ms == 0 and config.conflicts.allow_divergence
     assert config.conflicts.types == {
         "update_missing": "keep_local",
         "delete_origin_differs": "first_update_wins",
@@ -283,10 +284,10 @@ def test_policy_precedence(table: str, kind: ConflictType, expected: str) -> Non
 def test_policy_carries_priority_window_and_custom_function() -> None:
     config = parse_config(CONFLICTS)
     assert config.policy("public", "inventory", "update_origin_differs") == Policy(
-        Resolver.NODE_PRIORITY, ("b", "a"), 250_000
+        Resolver.NODE_PRIORITY, ("b", "a"), 0
     )
     custom = config.policy("public", "orders", ConflictType.UPDATE_ORIGIN_DIFFERS)
-    assert custom == Policy(Resolver.CUSTOM, ("b", "a"), 250_000, "shop.rules:orders_resolver")
+    assert custom == Policy(Resolver.CUSTOM, ("b", "a"), 0, "shop.rules:orders_resolver")
     with pytest.raises(ValueError):
         config.policy("public", "orders", "no_such_conflict")
 
@@ -297,9 +298,57 @@ def test_custom_resolvers_are_not_imported_at_config_time() -> None:
 
 
 def test_node_priority_only_needed_when_some_resolver_uses_it() -> None:
-    parse_config(MINIMAL + '\n[[tables]]\nname = "t"\nresolver = "keep_local"\n')
+    diverging = '\n[conflicts]\nallow_divergence = true\n[[tables]]\nname = "t"\nresolver = "keep_local"\n'
+    parse_config(MINIMAL + diverging)
     message = error_of(MINIMAL + '\n[[tables]]\nname = "t"\nresolver = "node_priority"\n')
     assert message.startswith("config.toml:14: tables[0].resolver: node_priority needs"), message
+
+
+def test_resolvers_that_can_diverge_are_refused_naming_the_key() -> None:
+    for resolver in ("keep_local", "apply_remote", "first_update_wins"):
+        message = error_of(MINIMAL + f'\n[[tables]]\nname = "t"\nresolver = "{resolver}"\n')
+        expected = f"config.toml:14: tables[0].resolver: {resolver} (t) can leave nodes"
+        assert message.startswith(expected), message
+        assert "allow_divergence = true" in message
+    message = error_of(conflicts('update_origin_differs = "apply_remote"\n', "conflicts.types"))
+    assert message.startswith("config.toml:13: conflicts.types.update_origin_differs: apply_remote"), message
+    message = error_of(conflicts('resolver = "keep_local"\n'))
+    assert message.startswith("config.toml:13: conflicts.resolver: keep_local (every table)"), message
+
+
+def test_resolvers_that_decide_like_last_update_wins_for_a_type_are_accepted() -> None:
+    """delete_missing: every built-in resolver does nothing; update_missing: all but keep_local insert."""
+    body = 'delete_missing = "keep_local"\nupdate_missing = "apply_remote"\n'
+    config = parse_config(conflicts(body, "conflicts.types"))
+    assert config.divergent_resolvers() == []
+    message = error_of(conflicts('update_missing = "keep_local"\n', "conflicts.types"))
+    assert message.startswith("config.toml:13: conflicts.types.update_missing: keep_local"), message
+
+
+def test_allow_divergence_accepts_them_and_lists_them() -> None:
+    text = conflicts('allow_divergence = true\n[conflicts.types]\ninsert_exists = "keep_local"\n') + (
+        '\n[[tables]]\nname = "t"\nresolver = "apply_remote"\n'
+    )
+    config = parse_config(text)
+    assert config.divergent_resolvers() == [
+        "conflicts.types.insert_exists = keep_local (every table)",
+        "tables[0].resolver = apply_remote (t)",
+    ]
+    assert parse_config(MINIMAL).divergent_resolvers() == []
+    assert parse_config(CONFLICTS).divergent_resolvers() == [
+        "conflicts.types.update_missing = keep_local (every table)",
+        "conflicts.types.delete_origin_differs = first_update_wins (every table)",
+        "tables[2].types.insert_exists = apply_remote (sales.events)",
+    ]
+
+
+def test_a_node_priority_window_is_refused_until_its_hold_is_built() -> None:
+    message = error_of(conflicts('resolver = "node_priority"\nnode_priority = ["a", "b"]\nwindow_ms = 50\n'))
+    assert message.startswith("config.toml:15: conflicts.window_ms: node_priority's hold"), message
+    assert "use window_ms = 0" in message
+    body = 'resolver = "node_priority"\nnode_priority = ["a", "b"]\nwindow_ms = 0\n'
+    config = parse_config(conflicts(body))
+    assert config.policy("public", "t", "insert_exists").window_us == 0
 
 
 def test_the_conflict_module_does_not_import_the_config() -> None:
@@ -358,3 +407,16 @@ def test_bad_conflict_config_is_one_line_naming_key_and_line(text: str, names: s
     message = error_of(text)
     assert names in message, message
     assert message.startswith(f"config.toml:{line}: "), message
+
+
+def test_status_keeps_saying_that_divergence_is_allowed() -> None:
+    from router.ops.control import render_status
+    from router.service.supervisor import StatusReport
+
+    config = parse_config(conflicts('allow_divergence = true\nresolver = "apply_remote"\n'))
+    text = render_status(StatusReport("demo", True, [], [], config.divergent_resolvers()))
+    assert text.splitlines()[-1] == (
+        "DIVERGENCE ALLOWED ([conflicts] allow_divergence = true): nodes may keep different rows under"
+        " conflicts.resolver = apply_remote (every table)"
+    )
+    assert "DIVERGENCE" not in render_status(StatusReport("demo", True, [], []))
