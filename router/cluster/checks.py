@@ -5,7 +5,8 @@ their columns, key and replica identity) and the checks, pure functions of what 
 version, the settings logical replication and commit timestamps need, free slots and WAL senders, the
 role's privileges, and that every replicated table exists on every node with the same columns, a key,
 and the same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`:
-compared by shape, never by name), and that tables with delta columns can have them. The report
+compared by shape, never by name), that tables with delta columns can have them, and that each custom
+resolver decides alike whichever side is local (`router.conflicts.symmetry`). The report
 (`InitReport`) renders one block per node, one line per check, and what to do under each problem.
 Also the admin connection `pgmesh init` uses (`connect`), shared with `router.cluster.install`.
 
@@ -28,7 +29,9 @@ from psycopg import sql
 
 from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
 from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
-from router.errors import PgmeshError, describe
+from router.conflicts.resolve import ConflictType, load_custom
+from router.conflicts.symmetry import asymmetry
+from router.errors import ConfigError, PgmeshError, describe
 
 __all__ = [
     "Check",
@@ -504,6 +507,38 @@ def _delta_checks(config: Config, facts: Mapping[str, NodeFacts]) -> list[Check]
     return checks
 
 
+def _resolver_checks(config: Config, facts: Mapping[str, NodeFacts]) -> list[Check]:
+    """Each custom resolver in effect on a replicated table, run on generated pairs in both orders
+    (router.conflicts.symmetry): one that ends two nodes apart is refused. Reported under the first node
+    read (the router, not a node, runs it), once per table."""
+    if not facts:
+        return []
+    name, node = next(iter(facts.items()))
+    checks: list[Check] = []
+    for table in sorted(t for t in node.tables if config.replicates(*t)):
+        policies = {kind: config.policy(*table, kind.value) for kind in ConflictType}
+        specs = sorted({p.custom for p in policies.values() if p.custom is not None})
+        if not specs:
+            continue
+        spec = ", ".join(specs)
+        try:
+            loaded = {s: load_custom(s) for s in specs}
+        except ConfigError as exc:
+            hint = "install the module where the router runs (on its PYTHONPATH), or fix the name"
+            checks.append(Check(name, "resolver", False, exc.message, _qualified(table), hint))
+            continue
+        resolvers = {k: (p, loaded.get(p.custom or "")) for k, p in policies.items()}
+        why = asymmetry(resolvers, node.tables[table].columns)
+        if why is None:
+            detail = f"custom resolver {spec}: the same outcome whichever side is local"
+            checks.append(Check(name, "resolver", True, detail, _qualified(table)))
+            continue
+        hint = "make it a deterministic choice between the two versions that ignores which is local"
+        detail = f"custom resolver {spec} can leave nodes apart: {why}"
+        checks.append(Check(name, "resolver", False, detail, _qualified(table), hint))
+    return checks
+
+
 async def check_cluster(config: Config) -> InitReport:
     """Read every node concurrently and check it; a node that cannot be reached is a failed check."""
     results = await asyncio.gather(*(_probe(config, node) for node in config.nodes))
@@ -517,6 +552,7 @@ async def check_cluster(config: Config) -> InitReport:
             checks.extend(_node_checks(node.name, result, config))
     order = {name: i for i, name in enumerate(config.node_names)}
     checks += _table_checks(facts, config.replication.new_table_without_key) + _delta_checks(config, facts)
+    checks += _resolver_checks(config, facts)
     checks = sorted(checks, key=lambda c: order[c.node])
     tables = sorted({t for f in facts.values() for t in f.tables})
     report = InitReport(checks, tables, config.cluster.name)

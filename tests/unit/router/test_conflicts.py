@@ -19,6 +19,7 @@ from router.conflicts.resolve import (
     merge_deltas,
     resolve,
 )
+from router.conflicts.symmetry import Resolvers, asymmetry, sample_rows
 from router.errors import ConfigError
 
 A, K, R = Outcome.APPLY_REMOTE, Outcome.KEEP_LOCAL, Outcome.ERROR
@@ -180,3 +181,69 @@ def test_delta_columns_add_up() -> None:
     on_a = merge_deltas({"qty": 7, "name": "x"}, {"qty": 10}, {"qty": 8, "name": "x"}, ["qty"])
     on_b = merge_deltas({"qty": 8, "name": "x"}, {"qty": 10}, {"qty": 7, "name": "x"}, ["qty"])
     assert on_a["qty"] == on_b["qty"] == 5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# init's symmetry check for custom resolvers (router.conflicts.symmetry)
+
+COLUMNS = {"id": "integer", "qty": "numeric(10,2)", "note": "text"}
+
+
+def _later_wins(conflict: str, local: dict[str, Any], remote: dict[str, Any], lv: Any, rv: Any) -> Any:
+    """Symmetric: the later version wins, as last_update_wins."""
+    if lv is not None and lv.order() > rv.order():
+        return dict(local) if local else "keep_local"
+    return dict(remote) if conflict in ("update_origin_differs", "insert_exists") else "apply_remote"
+
+
+def _larger_qty(conflict: str, local: dict[str, Any], remote: dict[str, Any], lv: Any, rv: Any) -> Any:
+    """Symmetric on rows (typed compare of the text); a delete loses to any update."""
+    if not local:
+        return "apply_remote"
+    if conflict == "delete_origin_differs":
+        return "keep_local"
+    mine, theirs = float(local["qty"] or 0), float(remote["qty"] or 0)
+    return local if (mine, local["note"]) > (theirs, remote["note"]) else remote
+
+
+def _remote_always(conflict: str, local: dict[str, Any], remote: dict[str, Any], lv: Any, rv: Any) -> Any:
+    return "apply_remote"
+
+
+def _typed_ids(conflict: str, local: dict[str, Any], remote: dict[str, Any], lv: Any, rv: Any) -> Any:
+    return int(local["id"]) + int(remote["id"])  # not a valid result either way
+
+
+def _everywhere(function: Any, only: ConflictType | None = None) -> Resolvers:
+    """Each conflict type's (policy, function): `function` for `only` (None: every type), else the default."""
+    custom = (Policy(Resolver.CUSTOM, custom="m:f"), function)
+    return {k: custom if only in (None, k) else (Policy(), None) for k in ConflictType}
+
+
+def test_a_symmetric_custom_resolver_passes() -> None:
+    assert asymmetry(_everywhere(_later_wins), COLUMNS) is None
+    assert asymmetry(_everywhere(_larger_qty), COLUMNS) is None
+
+
+def test_only_pairs_a_custom_resolver_decides_are_played() -> None:
+    """_remote_always for delete_missing only: every node does nothing there, whatever it returns."""
+    assert asymmetry(_everywhere(_remote_always, ConflictType.DELETE_MISSING), COLUMNS) is None
+    why = asymmetry(_everywhere(_remote_always, ConflictType.UPDATE_DELETED), COLUMNS)
+    assert why is not None and why.startswith("update against delete"), why
+
+
+def test_an_asymmetric_custom_resolver_is_named_with_the_pair() -> None:
+    why = asymmetry(_everywhere(_remote_always), COLUMNS)
+    assert why is not None and why.startswith("update against update, x = {'id': '1'"), why
+    assert "the node holding x ends with {'id': '2'" in why, why
+
+
+def test_a_custom_resolver_that_fails_on_a_pair_is_reported() -> None:
+    why = asymmetry(_everywhere(_typed_ids), COLUMNS)
+    assert why is not None and "returned 3" in why, why
+
+
+def test_sample_rows_are_text_as_the_applier_gives_them() -> None:
+    first, second = sample_rows(COLUMNS)
+    assert first == {"id": "1", "qty": "1.5", "note": "a"}
+    assert second == {"id": "2", "qty": "2.25", "note": "b"}
