@@ -260,6 +260,7 @@ class Metrics:
         "apply_errors_total",
         "apply_retries_total",
         "conflicts_total",
+        "divergence_allowed",
         "early_rolled_back_total",
         "early_transactions_total",
         "echo_transactions_total",
@@ -335,6 +336,12 @@ class Metrics:
 
     def _declare_node_metrics(self) -> None:
         counter = self.registry.counter
+        self.divergence_allowed = self.registry.gauge(
+            PREFIX + "divergence_allowed",
+            "1 for each resolver setting that can leave nodes with different rows, accepted only under"
+            " [conflicts] allow_divergence = true (none: the cluster's resolvers converge).",
+            ("setting",),
+        )
         self.echo_transactions_total = counter(
             PREFIX + "echo_transactions_total",
             "Transactions decoded from the node that carried a replication origin, so were not fanned out.",

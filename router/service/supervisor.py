@@ -445,6 +445,8 @@ class Router:
                     child.inc(count - child.get())
         for node, pump in self.pumps.items():
             m.observe_source(node, pump.stats)
+        for setting in self.config.divergent_resolvers():
+            m.divergence_allowed.labels(setting=setting).set(1)
 
     def health(self) -> tuple[bool, str]:
         if not self.running:

@@ -14,6 +14,7 @@ import pytest
 from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster
 from router.errors import ConfigError
+from router.testing.mesh import running_router, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
@@ -67,3 +68,19 @@ async def test_init_refuses_an_asymmetric_custom_resolver_and_accepts_a_symmetri
     report, _done = await init_cluster(fair_only)
     assert report.ok, report.render()
     assert [c.relation for c in report.checks if c.check == "resolver"] == ["public.fair"]
+
+
+async def test_a_cluster_allowing_divergence_says_so_in_status_and_metrics(mesh: MeshFactory) -> None:
+    """`allow_divergence = true` with a resolver that can diverge: the running router's status lists the
+    setting, and /metrics has `pgmesh_divergence_allowed{setting=...} 1` for it, for as long as it runs."""
+    extra = '[conflicts]\nallow_divergence = true\nresolver = "keep_local"\n'
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);", extra=extra)
+    async with running_router(m.config) as router:
+        assert any("keep_local" in s for s in router.status().divergence), router.status().divergence
+
+        def exported() -> bool:
+            text = router.metrics.registry.render()
+            return any(line.startswith("pgmesh_divergence_allowed{setting=") and "keep_local" in line
+                       and line.endswith(" 1") for line in text.splitlines())
+
+        await wait_for(exported, "the divergence gauge in /metrics")
