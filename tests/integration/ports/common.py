@@ -17,9 +17,13 @@ from router.testing.mesh import fetch, wait_for
 
 
 async def same_rows(a: Any, b: Any, query: str, what: str) -> list[tuple[Any, ...]]:
-    """Wait until `query` returns the same rows on both nodes; those rows."""
+    """Wait until `query` returns the same rows on both nodes; those rows. A table or column the query
+    names that a node does not have yet (its DDL is on its way) is waited for."""
     async def check() -> bool:
-        return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+        try:
+            return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            return False
 
     await wait_for(check, what, 60)
     return await fetch(a.dsn(), query)
