@@ -113,6 +113,7 @@ class Applier(LinkView):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.user_paused = False
+        self.drift: str | None = None  # held on schema drift (router.ddl.drift) until the schemas agree
         self._large = LargeApply(self.link, self._run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
@@ -137,11 +138,33 @@ class Applier(LinkView):
 
     def resume(self) -> None:
         self.user_paused = False
+        if self.drift is not None:  # the router re-checks the schemas; `release_drift` runs it again
+            self.condition.move(LinkState.SCHEMA_DRIFT, self.drift)
+            return
         if self.condition.state is LinkState.PAUSED and self.link.connected:
             self.condition.move(self._running(), None)  # a paused link is streaming again at once
         else:
             self.condition.move(self.condition.state, None)  # reconnecting says when it runs again
         self._resumed.set()
+
+    def hold_for_drift(self, reason: str) -> None:
+        """Apply nothing (the source's slot is confirmed no further) while the schemas differ."""
+        self.drift = reason
+        self._resumed.clear()
+        self._side.drop("the link holds on schema drift")
+        if self.condition.state is not LinkState.ERROR:  # an error stays in view until resumed
+            self.condition.move(LinkState.SCHEMA_DRIFT, reason)
+
+    def release_drift(self) -> None:
+        """The schemas agree again: run, unless the operator paused the link or an error holds it."""
+        if self.drift is None:
+            return
+        self.drift = None
+        if self.condition.state is LinkState.SCHEMA_DRIFT:
+            running = self._running() if self.link.connected else LinkState.DOWN
+            self.condition.move(LinkState.PAUSED if self.user_paused else running, None)
+        if not self.user_paused and self.condition.state is not LinkState.ERROR:
+            self._resumed.set()
 
     def _running(self, backlog: int = 0) -> LinkState:
         return LinkState.CATCHING_UP if len(self.queue) > backlog else LinkState.STREAMING

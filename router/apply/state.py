@@ -31,6 +31,7 @@ class LinkState(enum.Enum):
     CATCHING_UP = "catching up"
     DOWN = "down"
     ERROR = "error"
+    SCHEMA_DRIFT = "schema drift"  # the nodes' replicated tables differ (router.ddl.drift): held
 
 
 _S = LinkState
@@ -40,13 +41,17 @@ _RUNNING: Final = frozenset({_S.STREAMING, _S.CATCHING_UP})
 # in ERROR, its error in view, until it is resumed (pausing it only keeps it held after that).
 # STREAMING <-> CATCHING_UP follow the backlog after each batch. A link runs again (STREAMING or
 # CATCHING_UP) from DOWN, PAUSED or ERROR when it (re)connects, and from PAUSED also at once when it is
-# resumed while connected.
+# resumed while connected. SCHEMA_DRIFT holds a link whose source or target has a replicated table whose
+# columns differ from the other nodes' (router.ddl.drift), from any state but ERROR (an ERROR link moves
+# there when it is resumed while the drift lasts), and runs it again once the schemas agree.
+_ANY: Final = frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED, _S.SCHEMA_DRIFT})
 TRANSITIONS: Final[Mapping[LinkState, frozenset[LinkState]]] = {
-    _S.DOWN: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
-    _S.STREAMING: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
-    _S.CATCHING_UP: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
-    _S.PAUSED: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED}),
-    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR}),
+    _S.DOWN: _ANY,
+    _S.STREAMING: _ANY,
+    _S.CATCHING_UP: _ANY,
+    _S.PAUSED: _ANY,
+    _S.SCHEMA_DRIFT: _ANY,
+    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.SCHEMA_DRIFT}),
 }
 
 # How a move into each state is logged: level, what the link does, what comes after the error.
@@ -54,6 +59,8 @@ _LOG: Final[Mapping[LinkState, tuple[int, str, str]]] = {
     _S.DOWN: (logging.WARNING, "is down", "; retrying"),
     _S.ERROR: (logging.ERROR, "paused", " (fix it, then `pgmesh resume`)"),
     _S.PAUSED: (logging.INFO, "paused", ""),
+    # router.ddl.drift logs the drift once, naming node, table and column (not once per link)
+    _S.SCHEMA_DRIFT: (logging.DEBUG, "holds on schema drift", ""),
     _S.STREAMING: (logging.DEBUG, "streaming", ""),
     _S.CATCHING_UP: (logging.DEBUG, "catching up", ""),
 }
