@@ -79,6 +79,13 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     `row_count` still counts every row. Changes of the subtransactions in `aborted_subxids` (aborted
     after part of the transaction had spilled) must be dropped from the spilled part when reading it
     back; the tail is already without them.
+
+    `seen` is set by the router, never by the decoder (the assembler leaves it `()`): the versions the
+    source node had already applied from each other node when this transaction committed there, as
+    (node name, newest commit time of that node's transactions applied on the source so far, in µs since
+    2000-01-01 like `commit_time`) pairs sorted by node name. `()` means nothing is known (a router
+    restart starts it empty), never "saw nothing": every version of another node then counts as
+    concurrent. Its fan-out sets it (router.stream.seen); router.conflicts.causality reads it.
     """
 
     xid: int
@@ -95,6 +102,7 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     spilled: int = 0
     aborted_subxids: tuple[int, ...] = ()
     spill: Any = None
+    seen: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.row_count < 0:

@@ -10,6 +10,9 @@ have those transactions skip them. A transaction that spilled to disk carries a 
 it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
 A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
 attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.
+Every echo also updates the source's `SeenVersions` (router.stream.seen), and every transaction handed
+out (announced, handed out at its first spill, or whole) carries its vector as it stood then
+(`Transaction.seen`, set in place: one shared tuple, no copy of the transaction).
 Owns no database connection and no clock.
 """
 
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from msgspec.structs import force_setattr
 
 from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
@@ -27,6 +32,7 @@ from router.progress import LinkProgress, SourceProgress
 from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
+from router.stream.seen import SeenVersions
 from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
 
@@ -50,12 +56,16 @@ class SourcePump:
         queues: dict[str, LinkQueue],
         *,
         on_echo: Callable[[Transaction], None] | None = None,
+        origins: Mapping[str, str] | None = None,
     ) -> None:
+        """`origins`: replication origin name -> node name (router.stream.seen.origin_nodes), for
+        the vector of what this source had applied from each node; without it, every `seen` stays ()."""
         self.source = source
         self.stats = source.stats
         self.progress = progress
         self.queues = queues  # target node -> queue
         self._on_echo = on_echo
+        self.seen = SeenVersions(origins or {}, own=source.node)
         self._reattach: list[LinkProgress] = []
         # Per target: the transaction last handed out before its commit (its spill file) and where the
         # link's `enqueued` stood before it. If the source loses it before the commit, the link must
@@ -86,6 +96,8 @@ class SourcePump:
 
     def _announce(self, item: EarlyStream) -> None:
         """A streamed transaction in progress: the appliers of attached links may start on it."""
+        if self.seen.snapshot:
+            force_setattr(item.txn, "seen", self.seen.snapshot)  # made for this announcement alone
         for link in self.progress.links:
             if link.receiving:
                 item.spill.acquire()  # released by the applier (or the queue) that got it
@@ -104,7 +116,10 @@ class SourcePump:
         spill = txn.spill
         if spill is not None and spill.early and spill.final is txn:
             # The commit of a transaction handed out at its first spill: the links that took it then
-            # have it whole now (their appliers were waiting for this); nothing more to hand out.
+            # have it whole now (their appliers were waiting for this); nothing more to hand out. No echo
+            # came between its first spill and its commit: its vector is the one it was handed out with.
+            if self.seen.snapshot:
+                force_setattr(txn, "seen", self.seen.snapshot)
             for link in self.progress.links:
                 if link.target in spill.handed:
                     link.enqueued = max(link.enqueued, txn.end_lsn)
@@ -126,12 +141,16 @@ class SourcePump:
     async def _dispatch_to_links(self, txn: Transaction) -> None:
         if txn.origin is not None:
             self.stats.echoes += 1
+            self.seen.note(txn, self.source.confirmed_lsn)
             if self._on_echo is not None:
                 self._on_echo(txn)
         elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
             pass  # nothing a target needs (a transactional message, a schema description only)
         else:
             self.stats.transactions += 1
+            seen = self.seen.snapshot
+            if seen:
+                force_setattr(txn, "seen", seen)  # fresh from the source (or its spill file's `final`)
             for link in self.progress.links:
                 early = self._early.get(link.target)
                 if early is not None and early[0].abandoned:
@@ -187,6 +206,7 @@ class SourcePump:
             return None
         position = max(min(link.applied for link in links), self.source.confirmed_lsn)
         self.source.rewind(position)
+        self.seen.rewind(position)
         self._reattach.extend(links)
         logger.info("node %s: re-reading from %s for %s", self.node, format_lsn(position),
                     ", ".join(link.target for link in links))
