@@ -34,6 +34,7 @@ from router.service.metrics import Metrics
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
+from router.stream.seen import origin_nodes
 from router.stream.source import ReplicationSource
 from router.stream.spool import Spool
 from router.stream.state import SourceState
@@ -238,6 +239,9 @@ class Router:
     ) -> None:
         queue_max = self.config.replication.queue_max_transactions
         members = [n for n in self.config.nodes if n.name not in self.not_members]
+        # origin name -> node: each source's echoes tell what it had applied (Transaction.seen)
+        origins = origin_nodes(self.config.node_names, self.config.origin_name(""),
+                               self.config.early_origin_name(""))
         for source_node in members:
             links: list[LinkProgress] = []
             queues: dict[str, LinkQueue] = {}
@@ -263,7 +267,7 @@ class Router:
                 spool=self.spool,
             )
             self.progress[source_node.name] = progress
-            self.pumps[source_node.name] = SourcePump(source, progress, queues)
+            self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins)
 
     # ------------------------------------------------------------ running
 
