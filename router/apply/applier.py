@@ -114,6 +114,7 @@ class Applier(LinkView):
         self._resumed.set()
         self.user_paused = False
         self.drift: str | None = None  # held on schema drift (router.ddl.drift) until the schemas agree
+        self._reread = False  # released from drift: the target's tables may have been fixed by hand
         self._large = LargeApply(self.link, self._run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
@@ -159,7 +160,7 @@ class Applier(LinkView):
         """The schemas agree again: run, unless the operator paused the link or an error holds it."""
         if self.drift is None:
             return
-        self.drift = None
+        self.drift, self._reread = None, True
         if self.condition.state is LinkState.SCHEMA_DRIFT:
             running = self._running() if self.link.connected else LinkState.DOWN
             self.condition.move(LinkState.PAUSED if self.user_paused else running, None)
@@ -262,6 +263,9 @@ class Applier(LinkView):
             if not self._held:
                 self._held = [await self.queue.get()]
             await self._resumed.wait()  # paused while it waited for the queue
+            if self._reread:
+                self._reread = False
+                await self.link.reload_tables()
             self._take_more()
             fresh = [t for t in self._held if t.end_lsn > self.progress.applied]
             for txn in self._held:
