@@ -25,6 +25,7 @@ __all__ = [
     "ClusterSection",
     "Config",
     "ConflictSection",
+    "DdlSection",
     "NodeConfig",
     "ReplicationSection",
     "SequencesSection",
@@ -46,6 +47,7 @@ DEFAULT_SCHEMA: Final = "public"
 RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
 CONFLICT_TYPES: Final = tuple(t.value for t in ConflictType)
 SEQUENCE_MODES: Final = ("snowflake", "step")
+DDL_MODES: Final = ("replicated", "locked")
 _CUSTOM_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -94,6 +96,14 @@ class SequencesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step: int = 100  # step mode: each node's values are node_id mod step, so step > every node id
 
 
+class DdlSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[ddl]`: how DDL may run (docs/ddl.md). "replicated": DDL run on any node is replayed on the others;
+    "locked": the nodes refuse DDL on replicated objects unless it comes through `pgmesh ddl` (drain, run
+    on one node, wait until replayed everywhere). Installed on the nodes by `pgmesh init`."""
+
+    mode: str = "replicated"
+
+
 class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`[conflicts]`: the cluster-wide resolver, and per conflict type overrides in `[conflicts.types]`."""
 
@@ -134,6 +144,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conflicts: ConflictSection = msgspec.field(default_factory=ConflictSection)
     tables: list[TableSection] = msgspec.field(default_factory=list)
     sequences: SequencesSection = msgspec.field(default_factory=SequencesSection)
+    ddl: DdlSection = msgspec.field(default_factory=DdlSection)
     sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
@@ -323,6 +334,10 @@ def _validate(config: Config) -> None:
     if rep.new_table_without_key not in ("full", "warn", "refuse"):
         choice = rep.new_table_without_key
         raise bad(f"{choice!r} is not full, warn or refuse", "replication.new_table_without_key")
+    if config.ddl.mode not in DDL_MODES:
+        raise bad(f"{config.ddl.mode!r} is not one of {', '.join(DDL_MODES)}", "ddl.mode")
+    if config.ddl.mode == "locked" and not rep.replicate_ddl:
+        raise bad("locked needs [replication] replicate_ddl = true (it locks replicated DDL)", "ddl.mode")
     _host, sep, port = config.admin.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise bad(f"{config.admin.listen!r} is not HOST:PORT", "admin.listen")

@@ -31,7 +31,9 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
   cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY) and query strings that
   mix DDL with transaction control (`ddl_statements` splits a query string into its top-level statements
-  as the server does: a function body, a DO block, a string or a comment is not transaction control).
+  as the server does: a function body, a DO block, a string or a comment is not transaction control);
+- with `[ddl] mode = "locked"`, `ddl_capture` refuses a replicated command unless the session set
+  `pgmesh.ddl = on` (`pgmesh ddl` does; `ALLOWED_SETTING`), or it is local or replayed by the router.
 
 `pgmesh ddl` (a statement cluster-wide on purpose) is `router.ddl.command`.
 
@@ -51,13 +53,16 @@ from psycopg import sql
 from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, Config
 
-__all__ = ["LOCAL_SETTING", "SCHEMA_CHANGES", "glob_regex", "install_ddl_capture"]
+__all__ = ["ALLOWED_SETTING", "LOCAL_SETTING", "SCHEMA_CHANGES", "glob_regex", "install_ddl_capture"]
 
 logger = logging.getLogger(__name__)
 
 Conn = psycopg.AsyncConnection[Any]
 
 LOCAL_SETTING: Final = "pgmesh.ddl_local"  # SET pgmesh.ddl_local = on: DDL that stays on this node
+# `[ddl] mode = "locked"`: DDL is replicated only from a session with pgmesh.ddl = on (`pgmesh ddl`); a
+# guard against mistakes, not a security boundary (any session may set it)
+ALLOWED_SETTING: Final = "pgmesh.ddl"
 # How many DDL commands on replicated objects ran on a node (captured or replayed; `pgmesh.ddl_changed`):
 # when it moved, what an applier knows of the node's tables (keys, unique constraints) may be stale.
 SCHEMA_CHANGES: Final = (
@@ -110,6 +115,7 @@ async def install_ddl_capture(conn: Conn, config: Config, tables: Sequence[tuple
         "ddl.exclude": glob_regex(rep.exclude),
         "ddl.new_table_without_key": rep.new_table_without_key,
         "ddl.replicate": "on" if rep.replicate_ddl else "off",
+        "ddl.mode": config.ddl.mode,  # "locked": direct DDL refused (ddl_locked); `pgmesh ddl` may
     }
     for key, value in settings.items():
         await conn.execute(

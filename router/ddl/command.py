@@ -5,6 +5,10 @@ The statement runs on one node (default: the first in the config); the capture t
 catch up (every node's slot confirmed up to that node's WAL position when asked), and a second one
 returns once the statement has reached every node. The barrier needs the router running.
 
+Under `[ddl] mode = "locked"` the nodes refuse direct DDL (`router.ddl.capture`); this is the way in: it
+always drains first (the barrier: no change in flight anywhere), runs the statement in a session with
+`pgmesh.ddl = on` (which the capture trigger accepts), then waits until every node replayed it.
+
 Must not: parse arguments (that is `router.ops.cli`), replicate anything itself, or put a DSN into a
 message (psycopg errors go through `describe`).
 """
@@ -19,6 +23,7 @@ import psycopg
 
 from protocol.lsn import format_lsn
 from router.config import Config, NodeConfig
+from router.ddl.capture import ALLOWED_SETTING
 from router.errors import PgmeshError, describe
 
 __all__ = ["barrier", "cmd_ddl"]
@@ -80,16 +85,20 @@ async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
 async def cmd_ddl(
     config: Config, statement: str, *, node: str | None = None, wait: bool = False, limit: float = 300.0
 ) -> int:
-    """Run `statement` on one node (default: the first); the capture trigger replicates it. With `wait`,
-    first let every link catch up, then wait until the statement has reached every node."""
+    """Run `statement` on one node (default: the first); the capture trigger replicates it. With `wait`
+    (always under `[ddl] mode = "locked"`), first let every link catch up, then wait until the statement
+    has reached every node."""
     target = next((n for n in config.nodes if node is None or n.name == node), None)
     if target is None:
         raise PgmeshError(f"no node {node!r} in the config")
+    wait = wait or config.ddl.mode == "locked"
     if wait:
         await barrier(config, limit)
         print("barrier: every link has caught up")
     async with await _connect(target) as conn:
         try:
+            # the locked capture trigger lets this session's DDL through (a guard, not a boundary)
+            await conn.execute("SELECT pg_catalog.set_config(%s, 'on', false)", [ALLOWED_SETTING])
             await conn.execute(statement.encode())  # the operator's own SQL, as given
         except psycopg.Error as exc:
             raise PgmeshError(

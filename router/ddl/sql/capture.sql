@@ -302,12 +302,28 @@ BEGIN
 END
 $body$;
 
--- ddl_command_end: record the command in the transaction (unless it is local or replayed here).
+-- [ddl] mode = "locked" (setting 'ddl.mode'): DDL on replicated objects runs only through `pgmesh ddl`,
+-- which drains the links, runs it in a session with pgmesh.ddl = on and waits until every node replayed
+-- it. A guard against mistakes, not a security boundary: any session may set pgmesh.ddl.
+CREATE OR REPLACE FUNCTION {schema}.ddl_locked(tag text) RETURNS void LANGUAGE plpgsql AS $body$
+BEGIN
+  RAISE EXCEPTION 'pgmesh: % refused: DDL on replicated objects runs only through pgmesh ddl in this cluster '
+                  '([ddl] mode = "locked")', tag
+    USING ERRCODE = '0A000',
+          HINT = 'run it with `pgmesh ddl --config config.toml "<statement>"`: it waits until no change is in '
+                 'flight, runs it on one node and waits until every node replayed it (a change meant for '
+                 'this node only: SET pgmesh.ddl_local = on)';
+END
+$body$;
+
+-- ddl_command_end: record the command in the transaction (unless it is local or replayed here); under
+-- [ddl] mode = "locked", refuse it unless it comes through `pgmesh ddl` (ddl_locked).
 -- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
 CREATE OR REPLACE FUNCTION {schema}.ddl_capture() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
   cmd record;
   replicated boolean := false;
+  locked boolean;
   stamp text;
 BEGIN
   IF coalesce(pg_catalog.current_setting('pgmesh.ddl_inner', true), '') = 'on' THEN
@@ -316,12 +332,22 @@ BEGIN
   PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'on', true);
   replicated := coalesce(pg_catalog.current_setting('pgmesh.ddl_dropped', true), '') = 'on';
   PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'off', true);
+  locked := {schema}.ddl_setting('mode') = 'locked' AND {schema}.ddl_setting('replicate') = 'on'
+            AND coalesce(pg_catalog.current_setting('pgmesh.ddl', true), '') NOT IN ('on', 'true', '1')
+            AND coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') NOT IN ('on', 'true', '1')
+            AND NOT {schema}.ddl_applying();
+  IF locked AND replicated THEN
+    PERFORM {schema}.ddl_locked(tg_tag);
+  END IF;
   FOR cmd IN SELECT * FROM pg_catalog.pg_event_trigger_ddl_commands() LOOP
     CONTINUE WHEN cmd.in_extension OR cmd.schema_name IS NOT NULL
       AND (cmd.schema_name IN ('pgmesh', 'pgmesh_join') OR cmd.schema_name LIKE 'pg\_temp%'
            OR cmd.schema_name LIKE 'pg\_toast%');
     CONTINUE WHEN cmd.object_type IN ('publication', 'publication relation', 'publication namespace',
                                       'subscription', 'event trigger');
+    IF locked THEN
+      PERFORM {schema}.ddl_locked(tg_tag);
+    END IF;
     replicated := true;
     IF cmd.object_type IN ('table', 'table column') THEN
       PERFORM {schema}.ddl_table(cmd.objid);
