@@ -146,6 +146,8 @@ def render_status(report: StatusReport) -> str:
             f"{source.confirmed_lsn}, reconnects {source.reconnects}"
             + (f", last error: {source.last_error}" if source.last_error else "")
         )
+    for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold
+        lines.append(f"SCHEMA DRIFT: {drift} (fix it by hand; docs/ddl.md, Schema drift)")
     if report.divergence:  # [conflicts] allow_divergence = true: never let it be forgotten
         lines.append(
             "DIVERGENCE ALLOWED ([conflicts] allow_divergence = true): nodes may keep different rows under "

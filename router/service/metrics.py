@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX: Final = "pgmesh_"
 LINK_LABELS: Final = ("source", "target")
-LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error")
+LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error", "schema_drift")
 
 _METRIC_NAME_RE: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME_RE: Final = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -269,6 +269,7 @@ class Metrics:
         "link_state",
         "queue_transactions",
         "registry",
+        "schema_drift",
         "skipped_transactions_total",
         "source_received_bytes_total",
         "source_reconnects_total",
@@ -341,6 +342,12 @@ class Metrics:
             "1 for each resolver setting that can leave nodes with different rows, accepted only under"
             " [conflicts] allow_divergence = true (none: the cluster's resolvers converge).",
             ("setting",),
+        )
+        self.schema_drift = self.registry.gauge(
+            PREFIX + "schema_drift",
+            "1 for each node and replicated table whose columns differ from the other nodes' (the links"
+            " into and out of the node hold until they agree; router.ddl.drift).",
+            ("node", "table"),
         )
         self.echo_transactions_total = counter(
             PREFIX + "echo_transactions_total",

@@ -16,7 +16,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.state import LinkState, LinkStats
 from router.config import Config, NodeConfig
+from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
@@ -77,6 +78,7 @@ class StatusReport(msgspec.Struct, frozen=True):
     links: list[LinkStatus]
     sources: list[SourceStatus]
     divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
+    schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
 
 
 class _Target:
@@ -173,6 +175,11 @@ class Router:
         self._held = asyncio.Event()
         self._release = asyncio.Event()
         self.not_members: set[str] = set()  # nodes in the config without pgmesh yet (a join to come)
+        # Schema drift (router.ddl.drift): the members' replicated tables compared, on connections of its own
+        self.drift = DriftWatch({}, publication=config.publication_name, slot=config.slot_name,
+                                on_change=self._drift_changed)
+        self._drift_targets: list[_Target] = []
+        self._ddl_seen = 0  # DDL commands replayed by every link, when the drift watch was last poked
 
     # ------------------------------------------------------------ building
 
@@ -261,6 +268,7 @@ class Router:
                 queues[target_node.name] = queue
                 self.appliers[key] = applier
             progress = SourceProgress(source_node.name, links)
+            self._drift_targets.append(_Target(self.config, source_node))
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
                 options=self.source_options, start_lsn=progress.start_position(), clock=self.clock,
@@ -268,6 +276,10 @@ class Router:
             )
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins)
+        self.drift = DriftWatch(
+            {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
+            slot=self.config.slot_name, on_change=self._drift_changed,
+        )
 
     # ------------------------------------------------------------ running
 
@@ -298,7 +310,7 @@ class Router:
             self.spool.close()
             if self.admin is not None:
                 await self.admin.close()
-            for target in self.targets.values():
+            for target in [*self.targets.values(), *self._drift_targets]:
                 await target.close()
 
     async def _stream(self, stop: asyncio.Event) -> None:
@@ -311,6 +323,7 @@ class Router:
                 for p in self.pumps.values()
             ]
             ticker = group.create_task(self._tick_forever(), name="progress")
+            drift = group.create_task(self.drift.run(), name="schema drift")
             self.started.set()
             waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
             try:
@@ -318,6 +331,7 @@ class Router:
             finally:
                 for waiter in waits:
                     waiter.cancel()
+            await _cancel_all([drift], "schema drift")
             await self._shutdown(pump_tasks, applier_tasks, ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
@@ -336,8 +350,9 @@ class Router:
         self._release.clear()
         if stop.is_set():
             return False
-        for target in self.targets.values():
+        for target in [*self.targets.values(), *self._drift_targets]:
             await target.close()
+        self._drift_targets = []
         if self._reload is not None:
             self.config = self._reload()
         self.targets = {n.name: _Target(self.config, n) for n in self.config.nodes}
@@ -415,6 +430,10 @@ class Router:
                 applier = self.appliers.get((source, name))
                 if applier is not None:
                     applier.progress.on_flushed(lsn)
+        ddl = sum(applier.stats.ddl_applied for applier in self.appliers.values())
+        if ddl != self._ddl_seen:  # DDL replayed: do the nodes' replicated tables still agree?
+            self._ddl_seen = ddl
+            self.drift.poke()
         for node, progress in self.progress.items():
             pump = self.pumps[node]
             pump.source.confirm(progress.confirmable())
@@ -451,6 +470,20 @@ class Router:
             m.observe_source(node, pump.stats)
         for setting in self.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
+        m.schema_drift.clear()
+        for node, tables in drifted_nodes(self.drift.drifted).items():
+            for item in tables:
+                m.schema_drift.labels(node=node, table=item.table).set(1)
+
+    def _drift_changed(self, drift: Mapping[str, TableDrift]) -> None:
+        """Hold the links into and out of every node a replicated table differs on; run the others."""
+        nodes = drifted_nodes(drift)
+        for (source, target), applier in self.appliers.items():
+            found = {item.table: item for item in [*nodes.get(source, ()), *nodes.get(target, ())]}
+            if found:
+                applier.hold_for_drift("; ".join(item.describe() for item in found.values()))
+            else:
+                applier.release_drift()
 
     def health(self) -> tuple[bool, str]:
         if not self.running:
@@ -459,6 +492,7 @@ class Router:
                if p.source.state is SourceState.ERROR]
         bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
                 if a.state is LinkState.ERROR]
+        bad += [f"schema drift: {d.describe()}" for d in self.drift.drifted.values()]
         return (not bad, "; ".join(bad) if bad else "ok")
 
     # ------------------------------------------------------------ control
@@ -491,6 +525,7 @@ class Router:
                 await self.targets[tgt].set_paused(source, False, None)
                 applier.resume()
                 done.append(applier.name)
+        self.drift.poke()  # a link stopped on DDL may have been fixed by hand: do the tables agree?
         return done
 
     def status(self) -> StatusReport:
@@ -505,7 +540,8 @@ class Router:
             for node, pump in self.pumps.items()
         ]
         return StatusReport(
-            self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers()
+            self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers(),
+            [d.describe() for d in self.drift.drifted.values()],
         )
 
     @staticmethod

@@ -172,6 +172,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_early_rolled_back_total": ("counter", ("source", "target")),
     "pgmesh_echo_transactions_total": ("counter", ("node",)),
     "pgmesh_divergence_allowed": ("gauge", ("setting",)),
+    "pgmesh_schema_drift": ("gauge", ("node", "table")),
     "pgmesh_lag_bytes": ("gauge", ("source", "target")),
     "pgmesh_lag_seconds": ("gauge", ("source", "target")),
     "pgmesh_queue_transactions": ("gauge", ("source", "target")),
