@@ -1,0 +1,94 @@
+"""`router.ddl.drift`'s comparison (pure) and `[ddl] mode` in the config (issue 18, item 3)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from router.config import parse_config
+from router.ddl.drift import Shape, compare, drifted_nodes, shapes_from_rows
+from router.errors import ConfigError
+from router.service.metrics import LINK_STATES
+
+T = "public.t"
+BASE: Shape = (("id", "bigint", True), ("v", "text", False))
+
+
+def with_column(*column: tuple[str, str, bool]) -> Shape:
+    return tuple(sorted((*BASE, *column)))
+
+
+def test_rows_become_shapes_sorted_by_name_whatever_the_attnum_order() -> None:
+    rows = [(T, "v", "text", False), (T, "id", "bigint", True), ("public.u", "k", "integer", True)]
+    other = [(T, "id", "bigint", True), (T, "v", "text", False), ("public.u", "k", "integer", True)]
+    assert shapes_from_rows(rows) == shapes_from_rows(other)
+    assert shapes_from_rows(rows)[T] == BASE
+
+
+def test_same_columns_everywhere_is_no_drift() -> None:
+    assert compare({"a": {T: BASE}, "b": {T: BASE}, "c": {T: BASE}}) == {}
+    assert compare({"a": {}, "b": {}}) == {}
+
+
+def test_two_nodes_differing_in_a_type_both_drift_naming_the_column() -> None:
+    found = compare({"a": {T: with_column(("z", "text", False))},
+                     "b": {T: with_column(("z", "integer", False))}})
+    drift = found[T]
+    assert drift.nodes == ("a", "b") and drift.columns == ("z",)
+    assert drift.detail == "column z: text on a; integer on b"
+    assert drift.describe() == "table public.t differs on a, b: column z: text on a; integer on b"
+
+
+def test_a_majority_leaves_only_the_odd_node_drifted() -> None:
+    z = with_column(("z", "integer", False))
+    found = compare({"a": {T: z}, "b": {T: with_column(("z", "integer", True))}, "c": {T: z}})
+    assert found[T].nodes == ("b",)
+    assert found[T].detail == "column z: integer on a, c; integer NOT NULL on b"
+    assert drifted_nodes(found) == {"b": [found[T]]}
+
+
+def test_no_majority_drifts_every_node() -> None:
+    found = compare({"a": {T: with_column(("z", "text", False))},
+                     "b": {T: with_column(("z", "integer", False))}, "c": {T: BASE}})
+    assert found[T].nodes == ("a", "b", "c")
+    assert found[T].detail == "column z: text on a; integer on b; missing on c"
+
+
+def test_a_table_missing_from_a_node_is_drift() -> None:
+    found = compare({"a": {T: BASE, "public.u": BASE}, "b": {T: BASE, "public.u": BASE}, "c": {T: BASE}})
+    assert list(found) == ["public.u"]
+    assert found["public.u"].nodes == ("c",)
+    assert found["public.u"].detail == "table published on a, b; absent on c"
+
+
+def test_many_differing_columns_are_named_up_to_five() -> None:
+    wide = with_column(*((f"c{i}", "integer", False) for i in range(7)))
+    found = compare({"a": {T: wide}, "b": {T: BASE}})
+    assert found[T].columns == tuple(f"c{i}" for i in range(7))
+    assert found[T].detail.endswith("(and 2 more columns)")
+
+
+def test_schema_drift_is_a_link_state_in_the_metrics() -> None:
+    assert "schema_drift" in LINK_STATES
+
+
+MINIMAL = '[cluster]\nname = "d"\n[[nodes]]\nname = "a"\ndsn = "x"\n[[nodes]]\nname = "b"\ndsn = "y"\n'
+
+
+def test_ddl_mode_defaults_to_replicated_and_accepts_locked() -> None:
+    assert parse_config(MINIMAL).ddl.mode == "replicated"
+    assert parse_config(MINIMAL + '[ddl]\nmode = "locked"\n').ddl.mode == "locked"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ('[ddl]\nmode = "global"\n', "ddl.mode: 'global' is not one of replicated, locked"),
+        ('[replication]\nreplicate_ddl = false\n[ddl]\nmode = "locked"\n', "ddl.mode: locked needs"),
+        ('[ddl]\nlock = true\n', "unknown key 'lock' in [ddl]"),
+    ],
+)
+def test_ddl_mode_is_validated(extra: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(MINIMAL + extra)
