@@ -22,6 +22,7 @@ from router.errors import ConfigError
 
 __all__ = [
     "AdminSection",
+    "ClocksSection",
     "ClusterSection",
     "Config",
     "ConflictSection",
@@ -104,6 +105,16 @@ class DdlSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: str = "replicated"
 
 
+class ClocksSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[clocks]`: how far a node's clock may be from the router's (router.cluster.clocks, docs/conflicts.md
+    "Clocks"). Beyond warn_offset_ms the router logs a warning; beyond max_offset_ms `pgmesh init` fails
+    and the links into and out of the node that decide conflicts by commit times hold until it is back
+    under."""
+
+    warn_offset_ms: int = 50
+    max_offset_ms: int = 500
+
+
 class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`[conflicts]`: the cluster-wide resolver, and per conflict type overrides in `[conflicts.types]`."""
 
@@ -112,6 +123,9 @@ class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     window_ms: int = 0  # node_priority: versions within one window are ordered by rank (only 0 for now)
     types: dict[str, str] = msgspec.field(default_factory=dict)  # conflict type -> resolver
     allow_divergence: bool = False  # accept keep_local / apply_remote / first_update_wins (status says so)
+    # Tombstone pruning (router.conflicts.pruning): the margin behind the links' safe times, and how often
+    tombstone_margin_ms: int = 60_000
+    tombstone_prune_interval_ms: int = 10_000
 
 
 class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -144,6 +158,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conflicts: ConflictSection = msgspec.field(default_factory=ConflictSection)
     tables: list[TableSection] = msgspec.field(default_factory=list)
     sequences: SequencesSection = msgspec.field(default_factory=SequencesSection)
+    clocks: ClocksSection = msgspec.field(default_factory=ClocksSection)
     ddl: DdlSection = msgspec.field(default_factory=DdlSection)
     sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
 
@@ -341,6 +356,11 @@ def _validate(config: Config) -> None:
     _host, sep, port = config.admin.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise bad(f"{config.admin.listen!r} is not HOST:PORT", "admin.listen")
+    clocks = config.clocks
+    if clocks.warn_offset_ms < 1:
+        raise bad("must be >= 1", "clocks.warn_offset_ms")
+    if clocks.max_offset_ms < clocks.warn_offset_ms:
+        raise bad(f"must be >= warn_offset_ms ({clocks.warn_offset_ms})", "clocks.max_offset_ms")
     _validate_conflicts(config)
     _validate_tables(config)
     _validate_sequences(config)
@@ -382,6 +402,10 @@ def _validate_conflicts(config: Config) -> None:
     _check_types(section.types, "conflicts.types")
     if section.window_ms < 0:
         raise ConfigError("conflicts.window_ms: must be >= 0")
+    if section.tombstone_margin_ms < 0:
+        raise ConfigError("conflicts.tombstone_margin_ms: must be >= 0")
+    if section.tombstone_prune_interval_ms < 10:
+        raise ConfigError("conflicts.tombstone_prune_interval_ms: must be >= 10")
     if section.window_ms > 0:
         raise ConfigError(
             "conflicts.window_ms: node_priority's hold for a time window is not built, so a window can"

@@ -273,6 +273,9 @@ class Metrics:
         "skipped_transactions_total",
         "source_received_bytes_total",
         "source_reconnects_total",
+        "tombstone_horizon_age_seconds",
+        "tombstones",
+        "tombstones_pruned_total",
     )
 
     def __init__(self) -> None:
@@ -361,6 +364,23 @@ class Metrics:
         )
         self.source_reconnects_total = counter(
             PREFIX + "source_reconnects_total", "Replication connections to the node opened again.", ("node",)
+        )
+        self.tombstones = self.registry.gauge(
+            PREFIX + "tombstones",
+            "Tombstones kept on the node (pgmesh.tombstones: the statistics' live tuples, read after each"
+            " prune).",
+            ("node",),
+        )
+        self.tombstones_pruned_total = counter(
+            PREFIX + "tombstones_pruned_total",
+            "Tombstones deleted on the node behind its horizon (router.conflicts.pruning).",
+            ("node",),
+        )
+        self.tombstone_horizon_age_seconds = self.registry.gauge(
+            PREFIX + "tombstone_horizon_age_seconds",
+            "Seconds from the node's tombstone horizon to now (+Inf: none yet; it grows while an incoming"
+            " link is paused, down or silent, and nothing newer is pruned there).",
+            ("node",),
         )
 
     def observe_source(self, node: str, stats: SourceStats) -> None:
