@@ -45,6 +45,7 @@ from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.side import SideSession
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.apply.statements import TargetTable, quote_ident
+from router.cluster.clocks import LinkClock
 from router.config import Config, NodeConfig
 from router.ddl.capture import SCHEMA_CHANGES
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
@@ -89,6 +90,7 @@ class Applier(LinkView):
         *,
         on_applied: Callable[[Applier, Transaction], None] | None = None,
         clock: Callable[[], float] = time.time,
+        target_clock: LinkClock | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -101,6 +103,8 @@ class Applier(LinkView):
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
         self._clock = clock
+        # the target's clock offset from the router's, and the clock-skew hold (router.cluster.clocks)
+        self._target_clock = target_clock or LinkClock(None, source, target.name)
         self._on_applied = on_applied
         self._schema = SchemaWait()  # since when a missing table / column is awaited
         self.schema_wait = SCHEMA_WAIT_S
@@ -293,13 +297,17 @@ class Applier(LinkView):
         self._held.extend(self.queue.take(room))
 
     async def _delay(self, txn: Transaction) -> None:
-        """Hold `txn` until its commit time plus the apply delay; never apply a commit time that is still
-        in the future here (clock skew), so a local write after it always commits later (docs/conflicts.md).
+        """Hold `txn` until its commit time plus the apply delay has passed on the *target's* clock (the
+        router's plus the target's measured offset): never apply a commit time that is still in the future
+        there, so a local write after it always commits later (docs/conflicts.md, Clocks). Held while
+        the source's or target's clock is beyond [clocks] max_offset_ms (router.cluster.clocks).
         """
+        clocks = self._target_clock
+        if await clocks.hold(self.condition):
+            await self._resumed.wait()  # paused (or held on drift) while it was held
         due = pg_us_to_datetime(txn.commit_time).timestamp() + self.apply_delay
-        wait = due - self._clock()
-        if wait > 0:
-            await asyncio.sleep(wait)
+        while (wait := due - (self._clock() + clocks.offset())) > 0:
+            await asyncio.sleep(wait)  # then again: the offset may have been measured anew meanwhile
 
     def _script(self, txn: Transaction, prelude: list[str]) -> str:
         link = self.link

@@ -32,6 +32,7 @@ class LinkState(enum.Enum):
     DOWN = "down"
     ERROR = "error"
     SCHEMA_DRIFT = "schema drift"  # the nodes' replicated tables differ (router.ddl.drift): held
+    CLOCK_SKEW = "clock skew"  # a node's clock is beyond [clocks] max_offset_ms (router.cluster.clocks): held
 
 
 _S = LinkState
@@ -43,14 +44,17 @@ _RUNNING: Final = frozenset({_S.STREAMING, _S.CATCHING_UP})
 # CATCHING_UP) from DOWN, PAUSED or ERROR when it (re)connects, and from PAUSED also at once when it is
 # resumed while connected. SCHEMA_DRIFT holds a link whose source or target has a replicated table whose
 # columns differ from the other nodes' (router.ddl.drift), from any state but ERROR (an ERROR link moves
-# there when it is resumed while the drift lasts), and runs it again once the schemas agree.
-_ANY: Final = frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED, _S.SCHEMA_DRIFT})
+# there when it is resumed while the drift lasts), and runs it again once the schemas agree. CLOCK_SKEW
+# holds a running link that decides by commit times while its source's or target's clock is too far from
+# the router's (router.cluster.clocks), and runs it again (STREAMING) once it is back under the bound.
+_ANY: Final = frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED, _S.SCHEMA_DRIFT, _S.CLOCK_SKEW})
 TRANSITIONS: Final[Mapping[LinkState, frozenset[LinkState]]] = {
     _S.DOWN: _ANY,
     _S.STREAMING: _ANY,
     _S.CATCHING_UP: _ANY,
     _S.PAUSED: _ANY,
     _S.SCHEMA_DRIFT: _ANY,
+    _S.CLOCK_SKEW: _ANY,
     _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.SCHEMA_DRIFT}),
 }
 
@@ -61,6 +65,8 @@ _LOG: Final[Mapping[LinkState, tuple[int, str, str]]] = {
     _S.PAUSED: (logging.INFO, "paused", ""),
     # router.ddl.drift logs the drift once, naming node, table and column (not once per link)
     _S.SCHEMA_DRIFT: (logging.DEBUG, "holds on schema drift", ""),
+    # router.cluster.clocks logs the skew once per node (not once per link)
+    _S.CLOCK_SKEW: (logging.DEBUG, "holds on clock skew", ""),
     _S.STREAMING: (logging.DEBUG, "streaming", ""),
     _S.CATCHING_UP: (logging.DEBUG, "catching up", ""),
 }
