@@ -1,0 +1,306 @@
+"""Tombstone pruning: each node's `pgmesh.tombstones` is cut behind a horizon no late change can cross.
+
+A tombstone at node T says "key k of table t was deleted at d" (d: the commit time of the deleting
+transaction, `pg_xact_commit_timestamp(xid(xid))`, on the clock of the node that committed it). The
+conflict path reads it when a remote insert or update meets no row on T: the change loses to the deletion
+when its own commit time is older (docs/conflicts.md). A tombstone is therefore needed only as long as a
+change with commit time < d can still arrive at T. Changes reach T over the links X -> T alone, one per
+other node X, and each carries only X's own transactions, in X's commit (LSN) order.
+
+The horizon of T (`horizon`, pure) is the minimum over its incoming links of the link's safe time minus
+`[conflicts] tombstone_margin_ms`. The safe time of X -> T (`link_safe_time`) is a commit time, on X's
+clock, up to which all of X's transactions are applied on T; the later of
+- the commit time of the last transaction the link applied since the router started, counted only once
+  T's replication origin for X is flushed at or past that transaction's end (a target that crashed and
+  lost commits it had not flushed has not applied them: they come again), and
+- `now()` read on X in the same statement that found X's slot confirmed at or past X's flushed WAL
+  position (`CAUGHT_UP_SQL`): the router confirms a slot only up to what every link out of X has
+  durably applied, so every transaction X had flushed then is applied on T, and every transaction
+  X flushes later committed (took its commit time) at about that `now()` or later.
+Any change from X with commit time c < d < horizon <= safe(X -> T) - margin is then already committed
+on T: pruning the tombstone cannot change a decision still to come. Clocks of different nodes are never
+compared with each other here: X's commit times are measured against X's own times, so skew between
+nodes does not matter. The margin covers what the argument takes as exact and is not: commit times do
+not quite follow commit LSN order (a commit time is taken just before the commit record is inserted, and
+the record may be flushed a little later, up to about 3 x wal_writer_delay with asynchronous commit),
+and a clock on X stepping backwards. A step or a flush stall longer than the margin is excluded
+(docs/conflicts.md, Tombstone pruning).
+
+A link that is not running (paused, down, in error, held on schema drift) or that has not reported
+since the router started stops the horizon of its target: nothing is pruned there meanwhile. A tombstone
+whose commit time is unknown (NULL: its xid is older than the commit timestamps kept) is pruned: it is
+older than anything commit timestamps still order.
+
+`TombstonePruner` is the I/O shell, one long-lived task of the router: every
+`[conflicts] tombstone_prune_interval_ms` it reads each source's caught-up time and each target's flushed
+origin positions, deletes on each target at most `BATCHES` x `BATCH_ROWS` tombstones older than its
+horizon (short transactions, so the conflict path is never held long), and updates the metrics.
+
+Must not: decide conflicts, write anything but `pgmesh.tombstones` deletions, or prune on a node whose
+horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+import psycopg
+
+from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
+from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.errors import describe
+
+if TYPE_CHECKING:
+    from router.service.metrics import Metrics
+
+__all__ = [
+    "BATCHES",
+    "BATCH_ROWS",
+    "CAUGHT_UP_SQL",
+    "HorizonTracker",
+    "LinkReport",
+    "PruneStats",
+    "TombstonePruner",
+    "horizon",
+    "link_safe_time",
+]
+
+logger = logging.getLogger(__name__)
+
+BATCH_ROWS: Final = 5_000  # tombstones deleted per transaction
+BATCHES: Final = 40  # transactions per node and round at most (the rest waits for the next round)
+
+# On a source: its clock, when its slot is confirmed at or past its flushed WAL (else no row / false).
+CAUGHT_UP_SQL: Final = (
+    "SELECT pg_catalog.now(), s.confirmed_flush_lsn >= pg_catalog.pg_current_wal_flush_lsn()"
+    " FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = %s"
+)
+# On a target: its flushed position of each source's origin.
+_FLUSHED_SQL: Final = (
+    "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
+    " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)"
+)
+_OLD: Final = (
+    "coalesce(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(xid)) < %(horizon)s::timestamptz, true)"
+)
+_T: Final = f'"{PGMESH_SCHEMA}".tombstones'
+# The ctid list is taken once; a tombstone written again meanwhile (a newer xid) is a new row version
+# with another ctid, and the condition is checked again on it: it stays.
+_PRUNE_SQL: Final = (
+    f"DELETE FROM {_T} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_T} WHERE {_OLD} LIMIT %(limit)s))"
+    f" AND {_OLD}"
+)
+# A cheap count: the statistics' live tuples (exact enough for a gauge, no scan).
+_COUNT_SQL: Final = f"SELECT pg_catalog.pg_stat_get_live_tuples('{_T}'::regclass)"
+
+
+def link_safe_time(applied: tuple[int, int] | None, flushed: int | None, caught_up: int | None) -> int | None:
+    """A commit time (microseconds since 2000, the source's clock) up to which every transaction of the
+    source is applied on the target, or None when the link has not said.
+
+    `applied`: (end LSN, commit time) of the last transaction the link applied; `flushed`: the target's
+    flushed origin position for the source (the commit time counts only once that reaches the end);
+    `caught_up`: the source's clock when its slot was last seen confirmed up to its flushed WAL.
+    """
+    best = caught_up
+    if applied is not None and flushed is not None and flushed >= applied[0]:
+        best = applied[1] if best is None else max(best, applied[1])
+    return best
+
+
+class LinkReport(msgspec.Struct, frozen=True):
+    """One link as the router sees it now: whether it runs (applies whatever comes)."""
+
+    source: str
+    target: str
+    running: bool
+
+
+def horizon(safe_times: Iterable[int | None], margin_us: int) -> int | None:
+    """The target's horizon: the least safe time of its incoming links minus the margin; None when a
+    link has none (not running, or not reported) or the target has no incoming link."""
+    times = list(safe_times)
+    if not times or any(t is None for t in times):
+        return None
+    return min(t for t in times if t is not None) - margin_us
+
+
+class PruneStats(msgspec.Struct):
+    """One node's pruning, read whole by the metrics and the tests."""
+
+    rounds: int = 0  # rounds that looked at this node (its horizon known or not)
+    pruned: int = 0  # tombstones deleted since the router started
+    tombstones: int = 0  # the statistics' count of live tombstones, after the last round
+    horizon: int | None = None  # the last horizon pruned behind (microseconds since 2000)
+    last_error: str | None = None
+
+
+class HorizonTracker:
+    """What the links have reported, and the horizon of each target from it. Pure: no I/O; the clock
+    (seconds since 1970, like `time.time`) is only for the horizon's age."""
+
+    __slots__ = ("_applied", "_caught_up", "clock", "margin_us")
+
+    def __init__(self, margin_ms: int, clock: Callable[[], float] = time.time) -> None:
+        self.margin_us = margin_ms * 1000
+        self.clock = clock
+        self._applied: dict[tuple[str, str], tuple[int, int]] = {}  # link -> (end LSN, commit time)
+        self._caught_up: dict[str, int] = {}  # source -> its clock when its slot was caught up
+
+    def note_applied(self, source: str, target: str, end_lsn: int, commit_time: int) -> None:
+        """The link committed a transaction on its target (in order; after a lost commit, lower again)."""
+        self._applied[(source, target)] = (end_lsn, commit_time)
+
+    def note_caught_up(self, source: str, at: int) -> None:
+        """The source's slot was confirmed up to its flushed WAL when its clock read `at`."""
+        self._caught_up[source] = max(at, self._caught_up.get(source, at))
+
+    def safe_time(self, source: str, target: str, flushed: int | None) -> int | None:
+        return link_safe_time(self._applied.get((source, target)), flushed, self._caught_up.get(source))
+
+    def horizon_for(self, target: str, links: Iterable[LinkReport], flushed: Mapping[str, int]) -> int | None:
+        """`target`'s horizon from its incoming links (`flushed`: source -> the target's origin position)."""
+        incoming = [link for link in links if link.target == target]
+        return horizon(
+            (self.safe_time(link.source, target, flushed.get(link.source)) if link.running else None
+             for link in incoming),
+            self.margin_us,
+        )
+
+    def age_seconds(self, at: int | None) -> float:
+        """Seconds from the horizon `at` to now on the router's clock (+Inf: no horizon yet)."""
+        if at is None:
+            return math.inf
+        return max(0.0, (unix_seconds_to_pg_us(self.clock()) - at) / 1_000_000)
+
+
+class TombstonePruner:
+    """The router's pruning task: a `HorizonTracker` fed by the nodes, and the deletions it allows."""
+
+    def __init__(
+        self,
+        config: Config,
+        nodes: Sequence[NodeConfig],
+        links: Callable[[], Iterable[LinkReport]],
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`nodes`: the members; `links`: the router's links as they are now (called every round)."""
+        self.config = config
+        self.nodes = list(nodes)
+        self._links = links
+        self.metrics = metrics
+        self.interval = config.conflicts.tombstone_prune_interval_ms / 1000
+        self.tracker = HorizonTracker(config.conflicts.tombstone_margin_ms, clock)
+        self.stats = {node.name: PruneStats() for node in self.nodes}
+        self._conns: dict[str, psycopg.AsyncConnection[Any]] = {}
+        self._exported: dict[str, int] = {}  # node -> `pruned` when last added to the metrics
+
+    def note_applied(self, source: str, target: str, end_lsn: int, commit_time: int) -> None:
+        self.tracker.note_applied(source, target, end_lsn, commit_time)
+
+    async def run(self) -> None:
+        """Prune every interval until cancelled; a node that fails is reported and tried next round."""
+        try:
+            while True:
+                await asyncio.sleep(self.interval)
+                await self.prune_once()
+        finally:
+            await self.close()
+
+    async def prune_once(self) -> None:
+        """One round: the sources' caught-up times, then each target's horizon and deletions."""
+        for node in self.nodes:
+            try:
+                await self._read_caught_up(node)
+            except (psycopg.Error, OSError):
+                await self._drop(node.name)  # a source that does not answer: no news (said below)
+        links = list(self._links())
+        for node in self.nodes:
+            stats = self.stats[node.name]
+            stats.rounds += 1
+            try:
+                await self._prune(node, links, stats)
+                stats.last_error = None
+            except (psycopg.Error, OSError) as exc:
+                await self._drop(node.name)
+                if stats.last_error is None:
+                    logger.warning("node %s: tombstone pruning failed: %s; trying again in %.0f s",
+                                   node.name, describe(exc), self.interval)
+                stats.last_error = describe(exc)
+            self._export(node.name, stats)
+
+    async def _read_caught_up(self, node: NodeConfig) -> None:
+        rows = await self._query(node, CAUGHT_UP_SQL, [self.config.slot_name])
+        if rows and rows[0][1] is True:
+            now: datetime = rows[0][0]
+            self.tracker.note_caught_up(node.name, datetime_to_pg_us(now))
+
+    async def _prune(self, node: NodeConfig, links: list[LinkReport], stats: PruneStats) -> None:
+        prefix = self.config.origin_name("")
+        rows = await self._query(node, _FLUSHED_SQL, [prefix])
+        flushed = {r[0][len(prefix):]: parse_lsn(r[1]) for r in rows if r[1]}
+        at = self.tracker.horizon_for(node.name, links, flushed)
+        if at is not None:
+            deleted = await self._delete_before(node, at)
+            stats.pruned += deleted
+            stats.horizon = at
+            if deleted:
+                logger.debug("node %s: %d tombstones pruned before %s (origins flushed at %s)", node.name,
+                             deleted, pg_us_to_datetime(at).isoformat(),
+                             ", ".join(f"{s} {format_lsn(lsn)}" for s, lsn in sorted(flushed.items())))
+        rows = await self._query(node, _COUNT_SQL)
+        stats.tombstones = int(rows[0][0]) if rows else 0
+
+    async def _delete_before(self, node: NodeConfig, at: int) -> int:
+        params = {"horizon": pg_us_to_datetime(at), "limit": BATCH_ROWS}
+        total = 0
+        for _ in range(BATCHES):
+            conn = await self._conn(node)
+            cur = await conn.execute(_PRUNE_SQL, params)
+            total += max(0, cur.rowcount)
+            if cur.rowcount < BATCH_ROWS:
+                break
+        return total
+
+    def _export(self, node: str, stats: PruneStats) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.tombstones.labels(node=node).set(stats.tombstones)
+        m.tombstones_pruned_total.labels(node=node).inc(stats.pruned - self._exported.get(node, 0))
+        self._exported[node] = stats.pruned
+        m.tombstone_horizon_age_seconds.labels(node=node).set(self.tracker.age_seconds(stats.horizon))
+
+    async def _conn(self, node: NodeConfig) -> psycopg.AsyncConnection[Any]:
+        conn = self._conns.get(node.name)
+        if conn is None or conn.closed:
+            conn = await psycopg.AsyncConnection.connect(
+                node.dsn, autocommit=True, application_name="pgmesh-pruner", connect_timeout=5
+            )
+            self._conns[node.name] = conn
+        return conn
+
+    async def _query(self, node: NodeConfig, text: str, params: Any = None) -> list[tuple[Any, ...]]:
+        conn = await self._conn(node)
+        cur = await conn.execute(text, params)
+        return await cur.fetchall() if cur.description else []
+
+    async def _drop(self, name: str) -> None:
+        conn = self._conns.pop(name, None)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def close(self) -> None:
+        for name in list(self._conns):
+            await self._drop(name)
