@@ -306,8 +306,10 @@ class Applier(LinkView):
         if await clocks.hold(self.condition):
             await self._resumed.wait()  # paused (or held on drift) while it was held
         due = pg_us_to_datetime(txn.commit_time).timestamp() + self.apply_delay
-        while (wait := due - (self._clock() + clocks.offset())) > 0:
-            await asyncio.sleep(wait)  # then again: the offset may have been measured anew meanwhile
+        wait = due - (self._clock() + clocks.offset())
+        while wait > 0:
+            await asyncio.sleep(wait)
+            wait = due - (self._clock() + clocks.offset())  # the offset may have been measured anew
 
     def _script(self, txn: Transaction, prelude: list[str]) -> str:
         link = self.link

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX: Final = "pgmesh_"
 LINK_LABELS: Final = ("source", "target")
-LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error", "schema_drift")
+LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error", "schema_drift", "clock_skew")
 
 _METRIC_NAME_RE: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME_RE: Final = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -259,6 +259,7 @@ class Metrics:
         "applied_transactions_total",
         "apply_errors_total",
         "apply_retries_total",
+        "clock_offset_seconds",
         "conflicts_total",
         "divergence_allowed",
         "early_rolled_back_total",
@@ -351,6 +352,13 @@ class Metrics:
             "1 for each node and replicated table whose columns differ from the other nodes' (the links"
             " into and out of the node hold until they agree; router.ddl.drift).",
             ("node", "table"),
+        )
+        self.clock_offset_seconds = self.registry.gauge(
+            PREFIX + "clock_offset_seconds",
+            "Seconds the node's clock is ahead of the router's (negative: behind), measured every 10 s"
+            " (router.cluster.clocks); beyond [clocks] max_offset_ms its links deciding by commit times"
+            " hold.",
+            ("node",),
         )
         self.echo_transactions_total = counter(
             PREFIX + "echo_transactions_total",

@@ -26,6 +26,7 @@ from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.state import LinkState, LinkStats
+from router.cluster.clocks import ClockWatch, NodeClock
 from router.config import Config, NodeConfig
 from router.conflicts.pruning import LinkReport, TombstonePruner
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
@@ -80,6 +81,7 @@ class StatusReport(msgspec.Struct, frozen=True):
     sources: list[SourceStatus]
     divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
     schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
+    clocks: list[NodeClock] = msgspec.field(default_factory=list)  # router.cluster.clocks: offsets
 
 
 class _Target:
@@ -181,6 +183,7 @@ class Router:
         self.drift = DriftWatch({}, publication=config.publication_name, slot=config.slot_name,
                                 on_change=self._drift_changed)
         self._drift_targets: list[_Target] = []
+        self.clocks = ClockWatch(config)  # each node's clock offset; the links' guard and hold
         self._ddl_seen = 0  # DDL commands replayed by every link, when the drift watch was last poked
 
     # ------------------------------------------------------------ building
@@ -247,6 +250,7 @@ class Router:
         self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
     ) -> None:
         queue_max = self.config.replication.queue_max_transactions
+        self.clocks = ClockWatch(self.config)
         members = [n for n in self.config.nodes if n.name not in self.not_members]
         self.pruner = TombstonePruner(self.config, members, self._link_reports, metrics=self.metrics,
                                       clock=self.clock)
@@ -264,8 +268,10 @@ class Router:
                 if target_node.name in down:
                     link.detach(0)  # its position is unknown until the node answers
                 queue = LinkQueue(queue_max)
+                target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=self._note_applied, clock=self.clock)
+                                  on_applied=self._note_applied, clock=self.clock, target_clock=target_clock)
+                target_clock.show_on(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")
                 links.append(link)
@@ -328,6 +334,7 @@ class Router:
             ]
             ticker = group.create_task(self._tick_forever(), name="progress")
             drift = group.create_task(self.drift.run(), name="schema drift")
+            clocks = group.create_task(self.clocks.run(), name="clocks")
             assert self.pruner is not None
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
             self.started.set()
@@ -337,7 +344,7 @@ class Router:
             finally:
                 for waiter in waits:
                     waiter.cancel()
-            await _cancel_all([drift], "schema drift")
+            await _cancel_all([drift, clocks], "schema drift and clocks")
             await _cancel_all([pruner], "tombstone pruning")
             await self._shutdown(pump_tasks, applier_tasks, ticker)
 
@@ -477,6 +484,7 @@ class Router:
             m.observe_source(node, pump.stats)
         for setting in self.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
+        self.clocks.export(m.clock_offset_seconds)
         m.schema_drift.clear()
         for node, tables in drifted_nodes(self.drift.drifted).items():
             for item in tables:
@@ -513,6 +521,7 @@ class Router:
         bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
                 if a.state is LinkState.ERROR]
         bad += [f"schema drift: {d.describe()}" for d in self.drift.drifted.values()]
+        bad += self.clocks.problems()
         return (not bad, "; ".join(bad) if bad else "ok")
 
     # ------------------------------------------------------------ control
@@ -561,7 +570,7 @@ class Router:
         ]
         return StatusReport(
             self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers(),
-            [d.describe() for d in self.drift.drifted.values()],
+            [d.describe() for d in self.drift.drifted.values()], self.clocks.report(),
         )
 
     @staticmethod

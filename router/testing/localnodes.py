@@ -224,6 +224,8 @@ class LocalNode:
     host: str = "127.0.0.1"
     password: str | None = None
     settings: dict[str, str] = field(default_factory=dict)
+    # extra environment of the server (e.g. libfaketime's LD_PRELOAD and FAKETIME), from its next start
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def datadir(self) -> Path:
@@ -288,7 +290,7 @@ class LocalNode:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=self.base_dir,
-            env=_clean_env(),
+            env={**_clean_env(), **self.env},
             timeout=START_TIMEOUT_S + 30,
         )
         self.check_started(done.returncode, done.stdout)
@@ -434,7 +436,7 @@ def _start_all(nodes: Sequence[LocalNode]) -> None:
                 stderr=subprocess.STDOUT,
                 text=True,
                 cwd=node.base_dir,
-                env=_clean_env(),
+                env={**_clean_env(), **node.env},
             )
             for node in pending
         ]

@@ -183,6 +183,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_source_received_bytes_total": ("counter", ("node",)),
     "pgmesh_source_reconnects_total": ("counter", ("node",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
+    "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }
 
 
