@@ -39,8 +39,7 @@ async def test_a_write_on_top_of_another_nodes_version_carries_its_commit_time(m
     def applied_from(source: str, target: str) -> list[Transaction]:
         return [txn for s, t, txn in applied if (s, t) == (source, target)]
 
-    async def holds(node: Any, key: int, value: str) -> bool:
-        return await fetch(node.dsn(), "SELECT v FROM t WHERE id = %s", [key]) == [(value,)]
+    holds = _holds
 
     async with running_router(m.config, on_applied=record) as router:
         await execute(b.dsn(), "INSERT INTO t VALUES (2, 'b first')")  # before anything of A's reached B
@@ -64,3 +63,43 @@ async def test_a_write_on_top_of_another_nodes_version_carries_its_commit_time(m
         assert sequential("b", version_b, update_c.seen, remote_commit_time=update_c.commit_time)
         assert sequential("a", version_a, update_c.seen, remote_commit_time=update_c.commit_time)
         assert router.pumps["c"].seen.snapshot == update_c.seen
+
+
+
+async def test_every_update_in_a_round_of_sequential_updates_is_sequential(mesh: MeshFactory) -> None:
+    """Nodes take turns updating one row, each once the previous update reached every node: each update
+    carries the version it was written on top of (the previous writer's, as every node holds it)."""
+    m = await mesh(nodes=3, schema=SCHEMA)
+    nodes = m.nodes
+    applied: list[tuple[str, Transaction]] = []
+
+    def record(applier: Applier, txn: Transaction) -> None:
+        applied.append((applier.source, txn))
+
+    async def everywhere(value: str) -> None:
+        for node in nodes:
+            await wait_for(lambda node=node: _holds(node, 1, value), f"{value!r} on {node.name}")
+
+    def from_(source: str) -> list[Transaction]:
+        return [txn for s, txn in applied if s == source]
+
+    rounds = 15
+    sequential_rounds = 0
+    async with running_router(m.config, on_applied=record):
+        await execute(nodes[0].dsn(), "INSERT INTO t VALUES (1, '0')")
+        await everywhere("0")
+        for i in range(1, rounds + 1):
+            writer, before = nodes[i % 3], nodes[(i - 1) % 3]
+            version = await commit_time(writer, 1)  # the previous round's version, as the writer holds it
+            done = len(from_(writer.name))
+            await execute(writer.dsn(), "UPDATE t SET v = %s WHERE id = 1", params=[str(i)])
+            await everywhere(str(i))
+            await wait_for(lambda w=writer.name, n=done + 2: len(from_(w)) == n, f"round {i} applied on both")
+            txn = from_(writer.name)[-1]
+            sequential_rounds += sequential(before.name, version, txn.seen,
+                                            remote_commit_time=txn.commit_time)
+    assert sequential_rounds == rounds  # no sequential update left looking concurrent
+
+
+async def _holds(node: Any, key: int, value: str) -> bool:
+    return await fetch(node.dsn(), "SELECT v FROM t WHERE id = %s", [key]) == [(value,)]
