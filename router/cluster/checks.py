@@ -27,6 +27,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.clocks import ClockLevel, Sample, connection_query, decides_by_time, level_of, measure
 from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
 from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
@@ -153,6 +154,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     walsenders: int
     tables: dict[TableName, TableFacts]
     publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
+    clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,6 +224,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
     )
     publication = await cur.fetchone()
     tables = {t: f for t, f in (await _table_facts(conn)).items() if config.replicates(*t)}
+    clock = await measure(connection_query(conn))
     return NodeFacts(
         settings=settings,
         user=user,
@@ -232,6 +235,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         database=database,
         walsenders=int(walsenders),
         tables=tables,
+        clock=clock,
     )
 
 
@@ -286,6 +290,26 @@ def _check_commit_ts(f: NodeFacts, config: Config) -> Check:
     detail = "on" if ok else f"is {value}; conflict resolution needs each row's commit time"
     hint = None if ok else f"set track_commit_timestamp = on {_RESTART}"
     return Check("", "track_commit_timestamp", ok, detail, hint=hint)
+
+
+def _check_clock(f: NodeFacts, config: Config) -> Check | None:
+    """The node's clock against this host's (the router's, when init runs where the router will)."""
+    if f.clock is None:
+        return None
+    bounds = config.clocks
+    level = level_of(f.clock.offset, bounds)
+    detail = (f"{f.clock.offset * 1000:+.1f} ms from this host's clock"
+              f" (round trip {f.clock.round_trip * 1000:.1f} ms)")
+    if level is ClockLevel.OK:
+        return Check("", "clock", True, detail)
+    if level is ClockLevel.WARN:
+        return Check("", "clock", True, f"{detail}, beyond [clocks] warn_offset_ms = {bounds.warn_offset_ms}")
+    if not decides_by_time(config):
+        return Check("", "clock", True, f"{detail}; no resolver decides by commit times")
+    detail += f", beyond [clocks] max_offset_ms = {bounds.max_offset_ms}"
+    hint = ("sync the node's clock with this host's (NTP, chrony); until then the router holds the links into"
+            " and out of the node that decide conflicts by commit times")
+    return Check("", "clock", False, detail, hint=hint)
 
 
 def _check_slots(f: NodeFacts, config: Config) -> Check:
@@ -349,6 +373,7 @@ _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
     _check_version,
     _check_wal_level,
     _check_commit_ts,
+    _check_clock,
     _check_slots,
     _check_walsenders,
     _check_superuser,

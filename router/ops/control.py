@@ -23,6 +23,7 @@ from typing import Any, Final, TextIO
 import msgspec
 import psycopg
 
+from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
 from router.config import Config
 from router.errors import ConfigError, PgmeshError, describe
@@ -77,15 +78,18 @@ async def offline_status(config: Config) -> StatusReport:
     """What the nodes say when no router is running: applied positions and slot positions."""
     links: list[LinkStatus] = []
     sources: list[SourceStatus] = []
+    clocks: list[NodeClock] = []
     for node in config.nodes:
         try:
             conn = await psycopg.AsyncConnection.connect(node.dsn, autocommit=True, connect_timeout=5)
             async with conn:
                 links += await _offline_links(conn, config, node.name)
                 sources.append(await _offline_source(conn, config, node.name))
+                clocks.append(node_clock(node.name, await measure(connection_query(conn)), config.clocks))
         except psycopg.Error as exc:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, describe(exc)))
-    return StatusReport(config.cluster.name, False, links, sources, config.divergent_resolvers())
+    divergence = config.divergent_resolvers()
+    return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks)
 
 
 async def _offline_links(
@@ -146,6 +150,8 @@ def render_status(report: StatusReport) -> str:
             f"{source.confirmed_lsn}, reconnects {source.reconnects}"
             + (f", last error: {source.last_error}" if source.last_error else "")
         )
+    for clock in report.clocks:  # router.cluster.clocks: each node's offset from the router's clock
+        lines.append(f"clock {clock.node}: {clock.describe()}")
     for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold
         lines.append(f"SCHEMA DRIFT: {drift} (fix it by hand; docs/ddl.md, Schema drift)")
     if report.divergence:  # [conflicts] allow_divergence = true: never let it be forgotten
