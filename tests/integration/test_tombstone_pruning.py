@@ -31,7 +31,8 @@ async def churn(node: Any, base: int, peak: dict[str, int], nodes: list[Any]) ->
         for i in range(ROUNDS):
             first = base + i * ROWS
             last = first + ROWS - 1
-            await conn.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(%s::int, %s::int) g", [first, last])
+            await conn.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(%s::int, %s) g",
+                               [first, last])
             await conn.execute("DELETE FROM t WHERE id BETWEEN %s AND %s", [first, last])
             if i % 5 == 4:
                 for other in nodes:
@@ -48,7 +49,6 @@ async def test_delete_heavy_run_keeps_tombstones_bounded(mesh: MeshFactory) -> N
         assert router.pruner is not None
         await asyncio.gather(*(churn(n, 1_000_000 * (k + 1), peak, nodes) for k, n in enumerate(nodes)))
         await wait_converged(nodes, ["t"])
-        print("peak tombstones", peak, "deleted per node", deleted_per_node)
         # bounded while the writes ran: well under what was deleted
         for node in nodes:
             assert peak[node.name] < deleted_per_node // 4, (node.name, peak, deleted_per_node)
