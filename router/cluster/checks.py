@@ -298,7 +298,7 @@ def _check_clock(f: NodeFacts, config: Config) -> Check | None:
         return None
     bounds = config.clocks
     level = level_of(f.clock.offset, bounds)
-    detail = (f"{f.clock.offset * 1000:+.1f} ms from this host's clock"
+    detail = (f"{f.clock.offset * 1000 + 0.0:+.1f} ms from this host's clock"
               f" (round trip {f.clock.round_trip * 1000:.1f} ms)")
     if level is ClockLevel.OK:
         return Check("", "clock", True, detail)

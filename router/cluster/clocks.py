@@ -56,7 +56,9 @@ TRIES: Final = 5  # measurements per refresh; the one with the shortest round tr
 REFRESH_S: Final = 10.0
 TIMEOUT_S: Final = 5.0  # connecting and measuring one node
 # Resolvers that compare commit times: a skewed clock can make them pick the wrong version.
-TIME_RESOLVERS: Final = frozenset({Resolver.LAST_UPDATE_WINS, Resolver.FIRST_UPDATE_WINS, Resolver.NODE_PRIORITY})
+TIME_RESOLVERS: Final = frozenset(
+    {Resolver.LAST_UPDATE_WINS, Resolver.FIRST_UPDATE_WINS, Resolver.NODE_PRIORITY}
+)
 _SHOWN: Final = frozenset({LinkState.STREAMING, LinkState.CATCHING_UP, LinkState.CLOCK_SKEW})
 
 # A query on one node: sql -> rows.
@@ -129,7 +131,7 @@ def level_of(offset: float, bounds: ClocksSection) -> ClockLevel:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:+.1f} ms"
+    return f"{seconds * 1000 + 0.0:+.1f} ms"  # + 0.0: no "-0.0"
 
 
 class NodeClock(msgspec.Struct, frozen=True):
@@ -145,7 +147,7 @@ class NodeClock(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         if self.offset_ms is None:
             return f"not measured{': ' + self.error if self.error else ''}"
-        text = f"{self.offset_ms:+.1f} ms from the router's (round trip {self.round_trip_ms:.1f} ms)"
+        text = f"{self.offset_ms + 0.0:+.1f} ms from the router's (round trip {self.round_trip_ms:.1f} ms)"
         if self.level == ClockLevel.OVER.value:
             text += (f", beyond [clocks] max_offset_ms = {self.bound_ms}: links deciding by commit times"
                      " into and out of it hold")
@@ -166,7 +168,7 @@ def node_clock(node: str, found: Sample | None, bounds: ClocksSection, error: st
 class ClockWatch:
     """Every node's clock offset, refreshed every `refresh_s`; the links' `LinkClock`s read it."""
 
-    __slots__ = ("_dsns", "_links", "_round", "bounds", "errors", "levels", "refresh_s", "samples",
+    __slots__ = ("_dsns", "_links", "_round", "bounds", "errors", "levels", "refresh_s", "rounds", "samples",
                  "time_based")
 
     def __init__(self, config: Config, *, dsns: Mapping[str, str] | None = None) -> None:
@@ -179,6 +181,7 @@ class ClockWatch:
         self.errors: dict[str, str] = {}
         self._links: dict[tuple[str, str], LinkClock] = {}
         self._round = asyncio.Event()  # set (and replaced) after each refresh
+        self.rounds = 0  # refreshes done
 
     def link(self, source: str, target: str) -> LinkClock:
         """The `LinkClock` of source -> target (one per link)."""
@@ -246,6 +249,7 @@ class ClockWatch:
         await asyncio.gather(*(self._measure(node) for node in self._dsns))
         for link in self._links.values():
             link.show()
+        self.rounds += 1
         done, self._round = self._round, asyncio.Event()
         done.set()
 
@@ -311,6 +315,8 @@ class LinkClock:
     async def hold(self, condition: LinkCondition) -> bool:
         """Wait while the link is held, showing why on `condition`; True if it waited."""
         waited = False
+        if self._watch is not None and not self._watch.rounds:
+            await self._watch.next_round()  # no commit time is applied before the first measurement
         while self._watch is not None and (reason := self.held()) is not None:
             waited = True
             if condition.state in _SHOWN:
