@@ -6,10 +6,14 @@ import re
 
 import pytest
 
+from router.apply.applier import Applier
+from router.apply.state import LinkState
 from router.config import parse_config
 from router.ddl.drift import Shape, compare, drifted_nodes, shapes_from_rows
 from router.errors import ConfigError
+from router.progress import LinkProgress
 from router.service.metrics import LINK_STATES
+from router.stream.linkqueue import LinkQueue
 
 T = "public.t"
 BASE: Shape = (("id", "bigint", True), ("v", "text", False))
@@ -92,3 +96,37 @@ def test_ddl_mode_defaults_to_replicated_and_accepts_locked() -> None:
 def test_ddl_mode_is_validated(extra: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(MINIMAL + extra)
+
+
+def applier() -> Applier:
+    config = parse_config(MINIMAL)
+    return Applier(config, "a", config.node("b"), LinkQueue(10), LinkProgress("a", "b"))
+
+
+def test_a_drifted_link_holds_through_resume_and_runs_once_released() -> None:
+    link = applier()
+    link.hold_for_drift("table public.t differs on a, b: column z: text on a; integer on b")
+    assert link.state is LinkState.SCHEMA_DRIFT and "column z" in (link.last_error or "")
+    assert not link.ready_for_more
+    link.resume()  # `pgmesh resume`: the router compares again; until the tables agree, held
+    assert link.state is LinkState.SCHEMA_DRIFT and not link.ready_for_more
+    link.release_drift()
+    assert (link.state, link.last_error) == (LinkState.DOWN, None)  # not connected here: it reconnects
+    link.release_drift()  # again: nothing to do
+    assert link.drift is None
+
+
+def test_release_keeps_an_operator_pause_and_an_error() -> None:
+    paused = applier()
+    paused.hold_for_drift("drift")
+    paused.pause()
+    paused.release_drift()
+    assert paused.state is LinkState.PAUSED and paused.user_paused
+    failed = applier()
+    failed.condition.move(LinkState.ERROR, "node b: 42701")
+    failed.hold_for_drift("drift")
+    assert (failed.state, failed.last_error) == (LinkState.ERROR, "node b: 42701")  # the error stays in view
+    failed.resume()
+    assert (failed.state, failed.last_error) == (LinkState.SCHEMA_DRIFT, "drift")
+    failed.release_drift()
+    assert failed.state is LinkState.DOWN
