@@ -49,7 +49,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
 import psycopg
@@ -59,6 +59,7 @@ from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import describe
 
 if TYPE_CHECKING:
+    from protocol.transactions import Transaction
     from router.service.metrics import Metrics
 
 __all__ = [
@@ -114,6 +115,22 @@ def link_safe_time(applied: tuple[int, int] | None, flushed: int | None, caught_
     if applied is not None and flushed is not None and flushed >= applied[0]:
         best = applied[1] if best is None else max(best, applied[1])
     return best
+
+
+class Link(Protocol):
+    """What the pruner reads of a link's applier: its source and target, and whether it runs (applies
+    whatever comes: not paused, held or failing)."""
+
+    source: str
+
+    @property
+    def target(self) -> NodeConfig: ...
+
+    @property
+    def ready_for_more(self) -> bool: ...
+
+
+AppliedHook = Callable[[Any, "Transaction"], None]
 
 
 class LinkReport(msgspec.Struct, frozen=True):
@@ -189,12 +206,13 @@ class TombstonePruner:
         self,
         config: Config,
         nodes: Sequence[NodeConfig],
-        links: Callable[[], Iterable[LinkReport]],
+        links: Callable[[], Mapping[tuple[str, str], Link]],
         *,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`nodes`: the members; `links`: the router's links as they are now (called every round)."""
+        """`nodes`: the members; `links`: the router's appliers by (source, target), as they are now
+        (called every round)."""
         self.config = config
         self.nodes = list(nodes)
         self._links = links
@@ -205,8 +223,16 @@ class TombstonePruner:
         self._conns: dict[str, psycopg.AsyncConnection[Any]] = {}
         self._exported: dict[str, int] = {}  # node -> `pruned` when last added to the metrics
 
-    def note_applied(self, source: str, target: str, end_lsn: int, commit_time: int) -> None:
-        self.tracker.note_applied(source, target, end_lsn, commit_time)
+    def chain(self, then: AppliedHook | None) -> AppliedHook:
+        """The appliers' `on_applied` hook: note each committed transaction, then call `then`."""
+        note = self.tracker.note_applied
+
+        def applied(applier: Link, txn: Transaction) -> None:
+            note(applier.source, applier.target.name, txn.end_lsn, txn.commit_time)
+            if then is not None:
+                then(applier, txn)
+
+        return applied
 
     async def run(self) -> None:
         """Prune every interval until cancelled; a node that fails is reported and tried next round."""
@@ -224,7 +250,8 @@ class TombstonePruner:
                 await self._read_caught_up(node)
             except (psycopg.Error, OSError):
                 await self._drop(node.name)  # a source that does not answer: no news (said below)
-        links = list(self._links())
+        links = [LinkReport(source, target, applier.ready_for_more)
+                 for (source, target), applier in self._links().items()]
         for node in self.nodes:
             stats = self.stats[node.name]
             stats.rounds += 1

@@ -28,7 +28,7 @@ from router.apply.applier import Applier
 from router.apply.state import LinkState, LinkStats
 from router.cluster.clocks import ClockWatch, NodeClock
 from router.config import Config, NodeConfig
-from router.conflicts.pruning import LinkReport, TombstonePruner
+from router.conflicts.pruning import TombstonePruner
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
@@ -165,7 +165,6 @@ class Router:
         )
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self._on_applied_hook = on_applied
-        self.pruner: TombstonePruner | None = None  # built with the links (router.conflicts.pruning)
         self.targets = {n.name: _Target(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
         self.pumps: dict[str, SourcePump] = {}
@@ -252,8 +251,8 @@ class Router:
         queue_max = self.config.replication.queue_max_transactions
         self.clocks = ClockWatch(self.config)
         members = [n for n in self.config.nodes if n.name not in self.not_members]
-        self.pruner = TombstonePruner(self.config, members, self._link_reports, metrics=self.metrics,
-                                      clock=self.clock)
+        self.pruner = TombstonePruner(self.config, members, lambda: self.appliers, metrics=self.metrics,
+                                      clock=self.clock)  # router.conflicts.pruning
         # origin name -> node: each source's echoes tell what it had applied (Transaction.seen)
         origins = origin_nodes(self.config.node_names, self.config.origin_name(""),
                                self.config.early_origin_name(""))
@@ -270,7 +269,8 @@ class Router:
                 queue = LinkQueue(queue_max)
                 target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=self._note_applied, clock=self.clock, target_clock=target_clock)
+                                  on_applied=self.pruner.chain(self._on_applied_hook), clock=self.clock,
+                                  target_clock=target_clock)
                 target_clock.show_on(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")
@@ -335,7 +335,6 @@ class Router:
             ticker = group.create_task(self._tick_forever(), name="progress")
             drift = group.create_task(self.drift.run(), name="schema drift")
             clocks = group.create_task(self.clocks.run(), name="clocks")
-            assert self.pruner is not None
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
             self.started.set()
             waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
@@ -344,8 +343,7 @@ class Router:
             finally:
                 for waiter in waits:
                     waiter.cancel()
-            await _cancel_all([drift, clocks], "schema drift and clocks")
-            await _cancel_all([pruner], "tombstone pruning")
+            await _cancel_all([drift, clocks, pruner], "schema drift, clocks and tombstone pruning")
             await self._shutdown(pump_tasks, applier_tasks, ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
@@ -489,19 +487,6 @@ class Router:
         for node, tables in drifted_nodes(self.drift.drifted).items():
             for item in tables:
                 m.schema_drift.labels(node=node, table=item.table).set(1)
-
-    def _note_applied(self, applier: Applier, txn: Transaction) -> None:
-        """A transaction committed on a link's target: the pruner's safe time for the link moves."""
-        if self.pruner is not None:
-            self.pruner.note_applied(applier.source, applier.target.name, txn.end_lsn, txn.commit_time)
-        if self._on_applied_hook is not None:
-            self._on_applied_hook(applier, txn)
-
-    def _link_reports(self) -> list[LinkReport]:
-        """Each link and whether it runs, for the pruner (a paused, held or failing link stops the
-        horizon of its target)."""
-        return [LinkReport(source, target, applier.ready_for_more)
-                for (source, target), applier in self.appliers.items()]
 
     def _drift_changed(self, drift: Mapping[str, TableDrift]) -> None:
         """Hold the links into and out of every node a replicated table differs on; run the others."""
