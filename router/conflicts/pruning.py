@@ -26,6 +26,10 @@ the record may be flushed a little later, up to about 3 x wal_writer_delay with 
 and a clock on X stepping backwards. A step or a flush stall longer than the margin is excluded
 (docs/conflicts.md, Tombstone pruning).
 
+Pruning changes no outcome when a change newer than a deletion wins against it with or without its
+tombstone: true of last_update_wins and node_priority (window 0). Under the resolvers accepted only with
+allow_divergence, and custom ones, a change arriving after its key's tombstone went meets no row.
+
 A link that is not running (paused, down, in error, held on schema drift) or that has not reported
 since the router started stops the horizon of its target: nothing is pruned there meanwhile. A tombstone
 whose commit time is unknown (NULL: its xid is older than the commit timestamps kept) is pruned: it is
@@ -78,6 +82,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_ROWS: Final = 5_000  # tombstones deleted per transaction
 BATCHES: Final = 40  # transactions per node and round at most (the rest waits for the next round)
+NODE_TIMEOUT_S: Final = 60.0  # one node's part of a round at most (a hung node waits for the next)
 
 # On a source: its clock, when its slot is confirmed at or past its flushed WAL (else no row / false).
 CAUGHT_UP_SQL: Final = (
@@ -239,7 +244,10 @@ class TombstonePruner:
         try:
             while True:
                 await asyncio.sleep(self.interval)
-                await self.prune_once()
+                try:
+                    await self.prune_once()
+                except Exception:  # a bug here must not stop the router: said, and tried next round
+                    logger.exception("tombstone pruning round failed")
         finally:
             await self.close()
 
@@ -247,8 +255,9 @@ class TombstonePruner:
         """One round: the sources' caught-up times, then each target's horizon and deletions."""
         for node in self.nodes:
             try:
-                await self._read_caught_up(node)
-            except (psycopg.Error, OSError):
+                async with asyncio.timeout(NODE_TIMEOUT_S):
+                    await self._read_caught_up(node)
+            except (psycopg.Error, OSError, TimeoutError):
                 await self._drop(node.name)  # a source that does not answer: no news (said below)
         links = [LinkReport(source, target, applier.ready_for_more)
                  for (source, target), applier in self._links().items()]
@@ -256,14 +265,17 @@ class TombstonePruner:
             stats = self.stats[node.name]
             stats.rounds += 1
             try:
-                await self._prune(node, links, stats)
+                async with asyncio.timeout(NODE_TIMEOUT_S):
+                    await self._prune(node, links, stats)
                 stats.last_error = None
-            except (psycopg.Error, OSError) as exc:
+            except (psycopg.Error, OSError, TimeoutError) as exc:
                 await self._drop(node.name)
+                timed_out = isinstance(exc, TimeoutError)
+                text = f"no answer within {NODE_TIMEOUT_S:.0f} s" if timed_out else describe(exc)
                 if stats.last_error is None:
                     logger.warning("node %s: tombstone pruning failed: %s; trying again in %.0f s",
-                                   node.name, describe(exc), self.interval)
-                stats.last_error = describe(exc)
+                                   node.name, text, self.interval)
+                stats.last_error = text
             self._export(node.name, stats)
 
     async def _read_caught_up(self, node: NodeConfig) -> None:
@@ -278,8 +290,9 @@ class TombstonePruner:
         flushed = {r[0][len(prefix):]: parse_lsn(r[1]) for r in rows if r[1]}
         at = self.tracker.horizon_for(node.name, links, flushed)
         if at is not None:
-            deleted = await self._delete_before(node, at)
-            stats.pruned += deleted
+            before = stats.pruned
+            await self._delete_before(node, at, stats)
+            deleted = stats.pruned - before
             stats.horizon = at
             if deleted:
                 logger.debug("node %s: %d tombstones pruned before %s (origins flushed at %s)", node.name,
@@ -288,16 +301,15 @@ class TombstonePruner:
         rows = await self._query(node, _COUNT_SQL)
         stats.tombstones = int(rows[0][0]) if rows else 0
 
-    async def _delete_before(self, node: NodeConfig, at: int) -> int:
+    async def _delete_before(self, node: NodeConfig, at: int, stats: PruneStats) -> None:
+        """At most BATCHES transactions of BATCH_ROWS deletions each (each counted as it commits)."""
         params = {"horizon": pg_us_to_datetime(at), "limit": BATCH_ROWS}
-        total = 0
         for _ in range(BATCHES):
             conn = await self._conn(node)
             cur = await conn.execute(_PRUNE_SQL, params)
-            total += max(0, cur.rowcount)
+            stats.pruned += max(0, cur.rowcount)
             if cur.rowcount < BATCH_ROWS:
                 break
-        return total
 
     def _export(self, node: str, stats: PruneStats) -> None:
         m = self.metrics
