@@ -46,9 +46,10 @@ from bench.harness.nodes import NODE_SETTINGS, pgbench_init, run_async
 from bench.harness.pgmesh import Pgmesh2
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
+from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_script
 from router.apply.sessions import open_session
-from router.apply.statements import Prepared, TargetTable
+from router.apply.statements import TargetTable
 from router.testing.localnodes import LocalNode, create_nodes
 
 PER_BATCH = 250

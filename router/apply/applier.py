@@ -491,7 +491,10 @@ class Applier(LinkView):
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start."""
-        return dict(self._careful.counts)
+        counts = dict(self._careful.counts)
+        for key, count in self.link.conflicts.items():
+            counts[key] = counts.get(key, 0) + count
+        return counts
 
     async def _apply_carefully(self, txn: Transaction) -> None:
         """Row by row, with conflict detection and resolution, in its own target transaction.
@@ -566,6 +569,7 @@ class Applier(LinkView):
             return  # the next connect reads the origin's progress
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
+            await link.forget_prepared()
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
             self._held = [whole_transaction(t) for t in self._held]

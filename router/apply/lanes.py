@@ -28,12 +28,14 @@ import asyncpg
 
 from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
+from router.apply.decide import Decisions
 from router.apply.link import LinkSession
 from router.apply.parallel import plan_lanes
 from router.apply.parts import is_large
+from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_segments
 from router.apply.sessions import LET_ORIGIN_GO
-from router.apply.statements import Prepared, quote_literal
+from router.apply.statements import quote_literal
 from router.errors import ApplyError, describe
 
 __all__ = ["LaneRun", "Lanes"]
@@ -48,9 +50,9 @@ class _Lane:
 
     __slots__ = ("conn", "prepared")
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: asyncpg.Connection, decisions: Decisions) -> None:
         self.conn = conn
-        self.prepared = Prepared()
+        self.prepared = Prepared(decisions)
 
 
 class LaneRun(NamedTuple):
@@ -85,8 +87,8 @@ class Lanes:
         link = self._link
         assert link.conn is not None
         while len(self._extra) < self.lanes - 1:
-            self._extra.append(_Lane(await link.open_other()))
-        main = _Lane(link.conn)
+            self._extra.append(_Lane(await link.open_other(), link.decisions))
+        main = _Lane(link.conn, link.decisions)
         main.prepared = link.prepared
         return [main, *self._extra]
 

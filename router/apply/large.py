@@ -32,8 +32,9 @@ from protocol.messages import Message, Relation
 from protocol.transactions import SpilledChange, Transaction
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts, parts
+from router.apply.prepared import Prepared
 from router.apply.scripts import CopyRun, transaction_segments
-from router.apply.statements import KEY_LOCKS_MAX, Prepared, xact_setup_sql
+from router.apply.statements import KEY_LOCKS_MAX, xact_setup_sql
 from router.ddl.messages import DDL_PREFIX
 from router.errors import ApplyError, LostBeforeCommit
 

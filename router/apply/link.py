@@ -25,9 +25,11 @@ import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, parse_lsn
 from protocol.transactions import Transaction
+from router.apply.decide import Decisions, session_settings
+from router.apply.prepared import Prepared
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
-from router.apply.statements import Prepared, TargetTable, UniqueIndex
+from router.apply.statements import TargetTable, UniqueIndex
 from router.config import Config, NodeConfig
 from router.ddl.reconcile import Drift, reconcile
 
@@ -75,8 +77,8 @@ class LinkSession:
     """One link's main session on its target and its view of that target (see the module docstring)."""
 
     __slots__ = (
-        "ahead", "config", "conn", "drift", "installed_at", "name", "origin", "origin_held", "prepared",
-        "source", "source_origin", "stats", "tables", "target",
+        "ahead", "config", "conflicts", "conn", "decisions", "drift", "installed_at", "name", "origin",
+        "origin_held", "prepared", "settings", "source", "source_origin", "stats", "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -88,7 +90,12 @@ class LinkSession:
         self.stats = stats
         self.conn: asyncpg.Connection | None = None
         self.origin_held = False
-        self.prepared = Prepared()
+        self.decisions = Decisions(config)
+        self.prepared = Prepared(self.decisions)
+        # what the decision functions need of every session (router.apply.decide), once origins are read
+        self.settings = ""
+        # (table, conflict type) -> conflicts decided on the target by the decision functions
+        self.conflicts: dict[tuple[str, str], int] = {}
         self.tables: dict[tuple[str, str], TargetTable] = {}
         self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self.source_origin: int | None = None
@@ -103,11 +110,23 @@ class LinkSession:
     async def open(self) -> int:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
         self.conn = await open_session(self.target.dsn)  # installed_at: set by load_origins
-        self.prepared = Prepared()  # a new session has no prepared statements
+        self.conn.add_log_listener(self._notice)
+        self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self.origin_held = True
         return await self.origin_progress()
+
+    async def forget_prepared(self) -> None:
+        """After a rolled-back transaction: the session's decision functions may have gone with it (a
+        CREATE FUNCTION runs in the transaction it is sent in, a PREPARE outlives it), so the session's
+        prepared statements start again."""
+        assert self.conn is not None
+        names = self.prepared.names()
+        if names:  # not DEALLOCATE ALL: asyncpg's own statements stay
+            await self.conn.execute(";\n".join(f"DEALLOCATE {name}" for name in names))
+        self.prepared = Prepared(self.decisions)
+        self.ahead = {}
 
     async def close(self) -> None:
         """Close the main session (terminated when it does not close in 5 s)."""
@@ -174,6 +193,8 @@ class LinkSession:
             " (SELECT value FROM pgmesh.node_info WHERE key = 'installed_at') END"
         )
         self.installed_at = installed
+        self.settings = session_settings(self.source, self.target.name, self.source_origin, prefix)
+        await self.conn.execute(self.settings)
         if not installed:
             return nodes, None
         # rows older than this are every node's common start: no conflict (expect_origin)
@@ -212,4 +233,15 @@ class LinkSession:
 
     async def open_other(self) -> asyncpg.Connection:
         """Another session on the target, set up as the main one (a lane, the side session)."""
-        return await open_session(self.target.dsn, self.installed_at)
+        conn = await open_session(self.target.dsn, self.installed_at)
+        conn.add_log_listener(self._notice)
+        if self.settings:
+            await conn.execute(self.settings)
+        return conn
+
+    def _notice(self, conn: object, message: object) -> None:
+        """Counts the conflicts the decision functions decided (a NOTICE each, router.apply.decide)."""
+        if getattr(message, "message", None) != "pgmesh conflict":
+            return
+        table, _, kind = str(getattr(message, "detail", "") or "").partition("\t")
+        self.conflicts[(table, kind)] = self.conflicts.get((table, kind), 0) + 1

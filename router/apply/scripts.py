@@ -31,16 +31,14 @@ from protocol.messages import (
 )
 from protocol.pgoutput import decode_raw_insert, raw_copy_text, raw_tuple
 from protocol.transactions import SpilledChange, Transaction
+from router.apply.prepared import Prepared, prepared_delete, prepared_insert, prepared_update
 from router.apply.statements import (
     KEY_LOCKS_MAX,
-    Prepared,
     TargetTable,
     delete_statement,
     guard,
     insert_rows,
-    prepared_delete,
-    prepared_insert,
-    prepared_update,
+    remote_setting_sql,
     setup_args,
     table_lock,
     target_table,
@@ -291,6 +289,8 @@ def transaction_segments(
     # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
     # single guarded insert: see `prepared_insert`).
     pending = begin and at_commit is None and setup
+    if begin and not pending and guard_origin is not None:
+        out.append(remote_setting_sql(args))  # the decision functions need the remote version before
 
     def opening() -> None:
         nonlocal pending

@@ -26,11 +26,13 @@ import asyncpg
 
 from protocol.messages import Message, Relation, Truncate
 from protocol.transactions import SpilledChange, Transaction
+from router.apply.decide import Decisions
 from router.apply.large import LargeApply
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts
+from router.apply.prepared import Prepared
 from router.apply.sessions import LET_ORIGIN_GO, take_origin
-from router.apply.statements import Prepared, quote_literal, xact_setup_sql
+from router.apply.statements import quote_literal, xact_setup_sql
 from router.ddl.messages import has_ddl
 from router.errors import LostBeforeCommit, describe
 from router.progress import LinkProgress
@@ -52,11 +54,11 @@ class SideTransaction:
 
     __slots__ = ("conn", "finishing", "generation", "item", "prepared", "tables", "task", "why")
 
-    def __init__(self, item: EarlyStream, generation: int) -> None:
+    def __init__(self, item: EarlyStream, generation: int, decisions: Decisions) -> None:
         self.item = item
         self.generation = generation  # LinkQueue.cleared when it began
         self.conn: asyncpg.Connection | None = None
-        self.prepared = Prepared()
+        self.prepared = Prepared(decisions)
         self.tables: set[tuple[str, str]] = set()  # every table it may have locked
         self.task: asyncio.Task[None] | None = None
         self.finishing = False  # the main session is committing it (or taking it over)
@@ -120,7 +122,7 @@ class SideSession:
             if not self._wanted() or item.spill.abandoned or item.spill.deleted:
                 item.spill.release()
                 continue
-            side = self.current = SideTransaction(item, self._queue.cleared)
+            side = self.current = SideTransaction(item, self._queue.cleared, self._link.decisions)
             link.stats.early_streams += 1
             side.task = asyncio.create_task(self._run(side), name=f"side apply {link.name}")
 

@@ -17,7 +17,8 @@ Must not: connect, retry, decide conflicts, or know which node it runs for.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
@@ -38,10 +39,10 @@ from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
     "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS",
-    "Prepared", "TargetTable", "UniqueIndex", "delete_statement", "guard", "identity_match", "insert_rows",
-    "key_lock", "prepared_delete", "prepared_insert", "prepared_update", "quote_ident", "quote_literal",
-    "setup_args", "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed",
-    "update_statement", "xact_setup_sql",
+    "TargetTable", "UniqueIndex", "commit_time_literal", "delete_statement", "guard", "identity_match",
+    "insert_rows", "key_lock", "quote_ident", "quote_literal", "remote_setting_sql", "setup_args",
+    "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed", "update_statement",
+    "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -271,142 +272,19 @@ def delete_statement(relation: Relation, table: TargetTable, change: Delete) -> 
     return f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
 
 
-_SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
-
-
-class Prepared:
-    """Server-side prepared statements of one target session, by (relation version, shape).
-
-    A prepared statement is planned once; afterwards each row costs the server only the parse of a
-    short EXECUTE. The cache lives as long as the session: a new session needs a new `Prepared`.
-    Names never repeat within a session; `forget_since(mark)` drops names whose PREPARE was never sent.
-    """
-
-    __slots__ = ("_counter", "_names", "_order", "_relations", "insert_plans", "plans")
-
-    def __init__(self) -> None:
-        self._names: dict[tuple[int, str, bytes], str] = {}
-        # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
-        # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
-        self.plans: dict[tuple[int, str, bytes], tuple[str, list[int], list[int]]] = {}
-        # id(relation) -> insert, key positions, key types
-        self.insert_plans: dict[int, tuple[str, list[int], list[str]]] = {}
-        self._order: list[tuple[int, str, bytes]] = []
-        self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
-        self._counter = 0
-
-    def name(
-        self, relation: Relation, shape: str, mask: bytes, build: Callable[[], str], out: list[str]
-    ) -> str:
-        key = (id(relation), shape, mask)
-        name = self._names.get(key)
-        if name is None:
-            name = self._new(key, build(), out)
-            self._relations[id(relation)] = relation
-        return name
-
-    def setup(self, args: list[str], out: list[str]) -> str:
-        """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once);
-        `args` from `setup_args`."""
-        name = self._names.get(_SETUP_KEY)
-        if name is None:
-            name = self._new(_SETUP_KEY, "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)", out)
-        return _execute(name, args)
-
-    def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
-        self._counter += 1
-        name = f"pgmesh_{self._counter}"
-        self._names[key] = name
-        self._order.append(key)
-        out.append(f"PREPARE {name} AS {body}")
-        return name
-
-    def mark(self) -> int:
-        return len(self._order)
-
-    def forget_since(self, mark: int) -> None:
-        if mark < len(self._order):
-            self.plans.clear()  # some may name a statement forgotten here
-            self.insert_plans.clear()
-        for key in self._order[mark:]:
-            del self._names[key]
-        del self._order[mark:]
-
-
-def _execute(name: str, literals: list[str]) -> str:
-    return f"EXECUTE {name}({', '.join(literals)})"
-
-
 def setup_args(txn: Transaction, origin_lsn: int | None) -> list[str]:
-    """The origin's position and commit time for `txn`'s target transaction, as SQL literals."""
+    """The origin's position and commit time for `txn`'s target transaction, and the remote version
+    the decision functions read (`pgmesh.remote`, router.apply.decide.remote_setting), as SQL literals."""
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
-    return [f"'{lsn}'", f"'{commit_time_literal(txn.commit_time)}'"]
+    when = commit_time_literal(txn.commit_time)
+    seen = txn.seen if hasattr(txn, "seen") else ()
+    views = json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
+    return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{views}")]
 
 
-def prepared_update(
-    relation: Relation,
-    table: TargetTable,
-    change: Update,
-    prepared: Prepared,
-    out: list[str],
-    origin: int | None = None,
-) -> str:
-    new = change.new
-    row_key = change.old if change.old is not None else new
-    cols = relation.columns
-    shape = "U" if origin is None else "UG"
-    plan = prepared.plans.get((id(relation), shape, new.kinds))
-    if plan is not None:
-        name, sets, keys = plan
-        literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
-        if origin is not None:
-            literals.append(f"'{origin}'")
-        return _execute(name, literals)
-    sets = [i for i in range(len(cols)) if new.kinds[i] != KIND_UNCHANGED]
-    keys = [i for i, c in enumerate(cols) if c.key]
-
-    def build() -> str:
-        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
-        where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
-            for n, i in enumerate(keys, len(sets) + 1)
-        )
-        statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
-        return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
-
-    mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
-    name = prepared.name(relation, shape, mask, build, out)
-    prepared.plans[(id(relation), shape, new.kinds)] = (name, sets, keys)
-    literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
-    if origin is not None:
-        literals.append(f"'{origin}'")
-    return _execute(name, literals)
-
-
-def prepared_delete(
-    relation: Relation,
-    table: TargetTable,
-    change: Delete,
-    prepared: Prepared,
-    out: list[str],
-    origin: int | None = None,
-) -> str:
-    cols = relation.columns
-    keys = [i for i, c in enumerate(cols) if c.key]
-
-    def build() -> str:
-        where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
-            for n, i in enumerate(keys, 1)
-        )
-        statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
-        return guard(statement, None if origin is None else f"${len(keys) + 1}")
-
-    name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
-    literals = _literals(relation, change.old, keys)
-    if origin is not None:
-        literals.append(f"'{origin}'")
-    return _execute(name, literals)
+def remote_setting_sql(args: list[str]) -> str:
+    """Only `pgmesh.remote` of `setup_args` (for a transaction that sets its origin up at commit)."""
+    return f"SELECT pg_catalog.set_config('pgmesh.remote', {args[2]}, true)"
 
 
 # A transaction with more row changes than this locks whole tables, not keys: advisory locks held to
@@ -485,79 +363,6 @@ def insert_rows(
     return f"{lock};\nWITH pgmesh_w AS ({statement}) {_rows_check(len(rows))}"
 
 
-def prepared_insert(
-    relation: Relation,
-    table: TargetTable,
-    change: Insert,
-    prepared: Prepared,
-    out: list[str],
-    setup: list[str] | None = None,
-) -> str:
-    """A single guarded insert as two prepared statements: the locks (the table shared, the key
-    exclusive), then the insert, which raises PGM02 if a tombstone holds the key. Planned once per
-    relation: a text INSERT ... SELECT with the tombstone check costs the server far more to parse and
-    plan. With `setup` (`setup_args`), the first statement also does the origin's xact_setup (the
-    transaction's first statement then: one fewer for the target to run)."""
-    plan = prepared.insert_plans.get(id(relation))
-    if plan is None:
-        plan = _plan_insert(relation, table, prepared, out)
-    insert, key_columns, key_types = plan
-    values = _literals(relation, change.new, range(len(relation.columns)))
-    keys = [values[i] for i in key_columns]
-    if setup is None:
-        lock = prepared.name(relation, "IL", b"", lambda: f"SELECT {_insert_locks(table, key_types)}", out)
-        first = _execute(lock, keys)
-    else:
-        n = len(keys)
-        fused = prepared.name(
-            relation, "ISL", b"",
-            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),"
-                     f" {_insert_locks(table, key_types)}"),
-            out,
-        )
-        first = _execute(fused, [*keys, *setup])
-    return f"{first};\n{_execute(insert, values)}"
-
-
-def _insert_locks(table: TargetTable, key_types: list[str]) -> str:
-    """The locks of a single guarded insert, its key as parameters $1...: the table's, shared (as
-    `table_lock`), then the key's (`key_lock`)."""
-    key = ", ".join(f"${n}::{t}::text" for n, t in enumerate(key_types, 1))
-    return (
-        f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({quote_literal(table.name)}), 0),"
-        f" {key_lock(table, f'ARRAY[{key}]::text[]')}"
-    )
-
-
-def _plan_insert(
-    relation: Relation, table: TargetTable, prepared: Prepared, out: list[str]
-) -> tuple[str, list[int], list[str]]:
-    """The PREPARE (into `out`) of a single guarded insert into `relation`, where its key is."""
-    cols = relation.columns
-    position = {c.name: i for i, c in enumerate(cols)}
-    key = [k for k in table.tombstone_key if k in position]
-    key_types = [table.compare[k] for k in key]
-
-    def build_insert() -> str:
-        names = ", ".join(quote_ident(c.name) for c in cols)
-        picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
-        keys = ", ".join(f"${position[k] + 1}::{table.compare[k]}::text" for k in key)
-        # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
-        # folding the call) is cheaper for the target than counting through a data-modifying CTE.
-        return (
-            f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
-            f" WHERE CASE WHEN EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
-            f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
-            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
-            " THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
-        )
-
-    insert = prepared.name(relation, "IG", b"", build_insert, out)
-    plan = (insert, [position[k] for k in key], key_types)
-    prepared.insert_plans[id(relation)] = plan
-    return plan
-
-
 @functools.lru_cache(maxsize=64)
 def _utc_second(seconds: int) -> str:
     return pg_us_to_datetime(seconds * 1_000_000).strftime("%Y-%m-%d %H:%M:%S")
@@ -571,9 +376,11 @@ def commit_time_literal(us: int) -> str:
 
 
 def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None) -> str:
-    """The origin's position and commit time for the target transaction applying `txn`."""
-    lsn, when = setup_args(txn, origin_lsn)
-    return f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when})"
+    """The origin's position and commit time for the target transaction applying `txn` (and
+    `pgmesh.remote`, see `setup_args`)."""
+    lsn, when, remote = setup_args(txn, origin_lsn)
+    return (f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when}),"
+            f" pg_catalog.set_config('pgmesh.remote', {remote}, true)")
 
 
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:

@@ -86,6 +86,10 @@ _FUNCTIONS: Final = (
     _function("tombstone.sql", ""),
     _function("expect_origin.sql", "xid, oid"),
     _function("expect_rows.sql", "bigint, bigint"),
+    _function("same_origin.sql", "xid, oid"),
+    _function("origin_node.sql", "oid"),
+    _function("remote_wins.sql", "text, text[], timestamptz, text, timestamptz, text"),
+    _function("decide.sql", "text, text, text, timestamptz, oid, text, text, text, text[]"),
 )
 
 # Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.

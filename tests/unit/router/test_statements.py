@@ -32,7 +32,8 @@ def test_script_is_one_transaction_with_origin_setup() -> None:
     lines = script.split(";\n")
     assert lines[0] == "BEGIN"
     assert lines[1] == (
-        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00')"
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00'),"
+        " pg_catalog.set_config('pgmesh.remote', '1/200|2000-01-01 00:00:00.000000+00|', true)"
     )
     assert lines[2] == (
         'INSERT INTO "public"."Odd Name" ("id", "note", "doc") OVERRIDING SYSTEM VALUE'
@@ -94,7 +95,7 @@ def test_runs_of_inserts_become_one_statement() -> None:
 
 
 def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> None:
-    from router.apply.statements import Prepared
+    from router.apply.prepared import Prepared
 
     prepared = Prepared()
     up = Update(7, TupleData(b"ttu", (b"1", b"x", UNCHANGED_TOAST)))
@@ -118,7 +119,8 @@ def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> N
 
 
 def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() -> None:
-    from router.apply.statements import KEY_LOCKS_MAX, Prepared
+    from router.apply.prepared import Prepared
+    from router.apply.statements import KEY_LOCKS_MAX
 
     table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
                         {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
@@ -130,13 +132,16 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     # the origin's setup; the insert, unless a tombstone holds the key; the setup with the locks (the
     # transaction's first statement)
     assert len(prelude) == 3
-    assert prelude[0] == "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+    assert prelude[0] == (
+        "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2),"
+        " pg_catalog.set_config('pgmesh.remote', $3, true)"
+    )
     assert "EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
     assert "pg_replication_origin_xact_setup($2, $3)" in prelude[2]
     assert "pg_advisory_xact_lock_shared" in prelude[2] and "hashtextextended" in prelude[2]
     assert script.startswith(
-        "BEGIN;\nEXECUTE pgmesh_3('1', '1/200', '2000-01-01 00:00:00.000000+00');\n"
-        "EXECUTE pgmesh_2('1', 'it''s', NULL);\nCOMMIT;"
+        "BEGIN;\nEXECUTE pgmesh_3('1', '1/200', '2000-01-01 00:00:00.000000+00',"
+        " '1/200|2000-01-01 00:00:00.000000+00|');\nEXECUTE pgmesh_2('1', 'it''s', NULL);\nCOMMIT;"
     )
     again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert len(prelude) == 3 and "EXECUTE pgmesh_3" in again  # planned once per relation

@@ -1,0 +1,317 @@
+"""Conflicts decided in the transaction's own round trip: the target-side functions the fast path falls
+back to when a remote change does not fit the row it meets.
+
+The applier's prepared statements (router.apply.prepared) apply a change directly when its row was last
+written by the source (the common case, no function call). When it was not - another node's version,
+no row, a tombstone, a row already there for an insert - the same statement calls a decision function
+for its shape, created once per session as `pg_temp.pgmesh_d<n>(VARIADIC text[])`, which, on the target,
+in the applying transaction:
+
+1. takes the advisory locks every decision on a key takes (the table's, shared; the key's: the same as
+   the careful path's, router.apply.statements.key_lock), so that appliers of other sources deciding
+   the same key go one after the other;
+2. reads the row by key `FOR UPDATE` with its version (router.apply.careful_sql.read_row_sql), or its
+   tombstone;
+3. asks `pgmesh.decide` (router/conflicts/sql/decide.sql: the SQL twin of router.conflicts.resolve for the
+   built-in resolvers), which records the conflict in `pgmesh.conflict_history` and says whether the
+   remote change wins;
+4. writes what was decided: the update, the re-created row, the delete, the tombstone of a delete that
+   found nothing.
+
+No rollback, no replay, no extra round trip: a transaction with conflicts costs what its statements cost
+on the target. What these functions do not decide raises SQLSTATE PGM01, and the transaction goes the
+careful way (router.apply.careful), as every conflict did before: custom and `error` resolvers, tables
+with delta columns or other unique keys than the primary key, an update that moves its row to another key,
+and re-creating a row whose unchanged TOASTed values pgoutput did not send.
+
+The remote version comes from the session: `pgmesh.source`, `pgmesh.target`, `pgmesh.source_origin`,
+`pgmesh.origin_prefix` (set once per session, `session_settings`) and `pgmesh.remote` (set with each
+transaction's origin set-up, `remote_setting`).
+
+Must not: connect or run anything (callers send the SQL), or decide anything in Python.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from protocol.messages import Relation
+from router.apply.careful_sql import read_row_sql, read_tombstone_sql
+from router.apply.statements import (
+    TABLE_ALIAS,
+    TOMBSTONE_ALIAS,
+    TargetTable,
+    commit_time_literal,
+    key_lock,
+    quote_ident,
+    quote_literal,
+    tombstone_key,
+    typed,
+)
+from router.config import Config
+
+__all__ = ["Decisions", "remote_setting", "session_settings"]
+
+T, TS = TABLE_ALIAS, TOMBSTONE_ALIAS
+_BODY: Final = "$pgmesh_d$"
+
+# Raised by a decision function for what it leaves to the careful path (router.errors.is_conflict).
+_CAREFUL: Final = "RAISE EXCEPTION 'pgmesh: % goes the careful way', {why} USING ERRCODE = 'PGM01';"
+_REMOTE_TIME: Final = (
+    "pg_catalog.split_part(pg_catalog.current_setting('pgmesh.remote'), '|', 2)::timestamptz"
+)
+_MINE: Final = (  # a row written by the source, by this transaction, or before pgmesh: no conflict
+    "pgmesh_l.pgmesh_ours OR pgmesh_l.pgmesh_origin = pg_catalog.current_setting('pgmesh.source_origin')::oid"
+    " OR ((pgmesh_l.pgmesh_origin IS NULL OR pgmesh_l.pgmesh_origin = 0) AND (pgmesh_l.pgmesh_ts IS NULL"
+    " OR pgmesh_l.pgmesh_ts < coalesce(nullif(pg_catalog.current_setting('pgmesh.installed_at', true), ''),"
+    " '-infinity')::timestamptz))"
+)
+
+
+def session_settings(source: str, target: str, source_origin: int | None, origin_prefix: str) -> str:
+    """The SQL that sets a target session up for the decision functions (once per session)."""
+    pairs = {
+        "pgmesh.source": source, "pgmesh.target": target, "pgmesh.origin_prefix": origin_prefix,
+        "pgmesh.source_origin": str(source_origin if source_origin is not None else 0),
+    }
+    return "SELECT " + ", ".join(
+        f"pg_catalog.set_config({quote_literal(k)}, {quote_literal(v)}, false)" for k, v in pairs.items()
+    )
+
+
+def remote_setting(lsn: str, commit_time: int, seen: Sequence[tuple[str, int]]) -> str:
+    """`pgmesh.remote` for one transaction: source LSN | commit time | what the source had seen of
+    other nodes when it committed (JSON node -> commit time; router.stream.fanout sets `seen`)."""
+    views = json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
+    return f"{lsn}|{commit_time_literal(commit_time)}|{views}"
+
+
+class Decisions:
+    """Makes the decision functions of one session's prepared statements, from the config's policies."""
+
+    __slots__ = ("_counter", "config")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._counter = 0
+
+    def _name(self) -> str:
+        self._counter += 1
+        return f"pg_temp.pgmesh_d{self._counter}"
+
+    def _policy(self, table: TargetTable, conflict: str) -> str:
+        """`resolver, priority` literals for pgmesh.decide."""
+        schema, _, name = table.name.partition(".")
+        policy = self.config.policy(schema, name, conflict)
+        priority = "ARRAY[" + ", ".join(quote_literal(n) for n in policy.node_priority) + "]::text[]"
+        return f"{quote_literal(policy.resolver.value)}, {priority}"
+
+    def _unsupported(self, table: TargetTable, key: Mapping[str, str]) -> str | None:
+        """Why this table's conflicts all go the careful way (None: they are decided here); `key`: the
+        columns the change names its row by."""
+        schema, _, name = table.name.partition(".")
+        if self.config.delta_columns(schema, name):
+            return "delta columns"
+        if table.uniques or table.indexes:
+            return "unique keys besides the primary key"
+        if not table.pk or not set(table.pk) <= set(key):
+            return "no primary key, or rows named by another key"
+        return None
+
+    def _decide(self, table: TargetTable, conflict: str, local: str) -> str:
+        """A call of pgmesh.decide for `conflict`; `local` names the record holding the local version
+        ('l': the row, 'tb': its tombstone, '': none)."""
+        l_row = "pgmesh_l.pgmesh_row" if local == "l" else "NULL"
+        version = f"pgmesh_{local}.pgmesh_ts, pgmesh_{local}.pgmesh_origin" if local else "NULL, NULL"
+        return (
+            f"pgmesh.decide({quote_literal(conflict)}, {quote_literal(table.name)}, pgmesh_key, {version},"
+            f" {l_row}, pgmesh_r_row, {self._policy(table, conflict)})"
+        )
+
+    def _function(self, name: str, declare: str, body: str) -> str:
+        return (
+            f"CREATE OR REPLACE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean LANGUAGE plpgsql AS"
+            f" {_BODY}\n#variable_conflict use_column\nDECLARE\n  pgmesh_l record;\n  pgmesh_tb record;\n"
+            f"  pgmesh_won boolean;\n  pgmesh_n bigint;\n  pgmesh_had boolean;\n{declare}"
+            f"BEGIN\n{body}\nEND\n{_BODY}"
+        )
+
+    def update(
+        self, relation: Relation, table: TargetTable, sets: list[int], keys: list[int], out: list[str]
+    ) -> str:
+        """The decision function of a keyed UPDATE setting columns `sets` (arguments 1...) of the row
+        with key columns `keys` (the arguments after them): its CREATE goes to `out`, its name back."""
+        cols = relation.columns
+        name = self._name()
+        new = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(sets, 1)}
+        old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, len(sets) + 1)}
+        why = self._unsupported(table, old)
+        if why:
+            return self._emit(name, table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+        complete = len(sets) == len(cols)  # no unchanged TOAST value: the row can be re-created
+        lines = []
+        moved = " OR ".join(f"{new[k]} IS DISTINCT FROM {old[k]}" for k in table.pk if k in new and k in old)
+        if moved:
+            lines.append(f"IF {moved} THEN {_CAREFUL.format(why=quote_literal('a new primary key'))} END IF;")
+        lines += self._lock(table, old)
+        lines.append(f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, old))}) AS r;")
+        assignments = ", ".join(f"{quote_ident(c)} = {_cast(table, c, v)}" for c, v in new.items())
+        lines += [
+            "IF FOUND THEN",
+            f"  IF {_MINE} THEN pgmesh_won := true;",
+            f"  ELSE pgmesh_won := {self._decide(table, 'update_origin_differs', 'l')}; END IF;",
+            f"  IF pgmesh_won THEN UPDATE {table.qualified} AS {T} SET {assignments} WHERE {_at()}; END IF;",
+            "  RETURN pgmesh_won;",
+            "END IF;",
+            *self._tombstone(table, new),
+            "IF pgmesh_had THEN",
+            f"  pgmesh_won := {self._decide(table, 'update_deleted', 'tb')};",
+            f"ELSE pgmesh_won := {self._decide(table, 'update_missing', '')}; END IF;",
+            "IF NOT pgmesh_won THEN RETURN false; END IF;",
+        ]
+        if not complete:
+            lines.append(_CAREFUL.format(why=quote_literal("unchanged TOAST values to re-create the row")))
+        else:
+            lines += self._create(table, new)
+        return self._emit(name, table, new, new, lines, out)
+
+    def delete(self, relation: Relation, table: TargetTable, keys: list[int], out: list[str]) -> str:
+        """The decision function of a keyed DELETE (its key columns `keys` are the arguments)."""
+        cols = relation.columns
+        name = self._name()
+        old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, 1)}
+        why = self._unsupported(table, old)
+        if why:
+            return self._emit(name, table, old, old, [_CAREFUL.format(why=quote_literal(why))], out)
+        lines = self._lock(table, old)
+        lines.append(f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, old))}) AS r;")
+        lines += [
+            "IF FOUND THEN",
+            f"  IF {_MINE} THEN pgmesh_won := true;",
+            f"  ELSE pgmesh_won := {self._decide(table, 'delete_origin_differs', 'l')}; END IF;",
+            f"  IF pgmesh_won THEN DELETE FROM {table.qualified} AS {T} WHERE {_at()}; END IF;",
+            "  RETURN pgmesh_won;",
+            "END IF;",
+            *self._tombstone(table, old),
+            f"PERFORM {self._decide(table, 'delete_missing', '')};",
+            # a newer deletion than the one recorded (or none) is the key's tombstone now, unless a local
+            # deletion came after the read (then the whole transaction is decided again)
+            "IF NOT pgmesh_had OR pgmesh.remote_wins('last_update_wins', '{}', pgmesh_tb.pgmesh_ts,"
+            f" pgmesh.origin_node(pgmesh_tb.pgmesh_origin), {_REMOTE_TIME},"
+            " pg_catalog.current_setting('pgmesh.source')) THEN",
+            f"  INSERT INTO pgmesh.tombstones AS {TS} (table_name, key, xid)"
+            f" VALUES ({quote_literal(table.name)}, {self._key_array(table, old)},"
+            " pg_catalog.pg_current_xact_id())"
+            f" ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid"
+            f" WHERE {TS}.xid::text IS NOT DISTINCT FROM"
+            " (CASE WHEN pgmesh_had THEN pgmesh_tb.pgmesh_xid END);",
+            "  GET DIAGNOSTICS pgmesh_n = ROW_COUNT;",
+            f"  IF pgmesh_n = 0 THEN {_MOVED} END IF;",
+            "END IF;",
+            "RETURN false;",
+        ]
+        return self._emit(name, table, old, old, lines, out)
+
+    def insert_deleted(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
+        """The decision of a single insert whose key has a tombstone (all columns are the arguments):
+        whether to insert."""
+        new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
+        why = self._unsupported(table, new)
+        if why:
+            return self._emit(self._name(), table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+        lines = [
+            *self._tombstone(table, new),
+            "IF NOT pgmesh_had OR pgmesh_tb.pgmesh_ours OR pgmesh_tb.pgmesh_origin"
+            " = pg_catalog.current_setting('pgmesh.source_origin')::oid THEN RETURN true; END IF;",
+            f"RETURN {self._decide(table, 'insert_deleted', 'tb')};",
+        ]
+        return self._emit(self._name(), table, new, new, lines, out)
+
+    def insert_exists(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
+        """The decision of a single insert meeting a row with its primary key (all columns are the
+        arguments; the row is locked by ON CONFLICT): whether to overwrite that row."""
+        new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
+        why = self._unsupported(table, new)
+        if why:
+            return self._emit(self._name(), table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+        lines = [
+            f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, new))}) AS r;",
+            f"RETURN {self._decide(table, 'insert_exists', 'l')};",
+        ]
+        return self._emit(self._name(), table, new, new, lines, out)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _emit(
+        self, name: str, table: TargetTable, key_of: Mapping[str, str], row: Mapping[str, str],
+        lines: list[str], out: list[str],
+    ) -> str:
+        key = " || ',' || ".join(f"coalesce({key_of.get(k, 'NULL')}, 'None')" for k in table.tombstone_key)
+        names = ", ".join(quote_literal(c) for c in row)
+        values = ", ".join(row.values())
+        declare = (
+            f"  pgmesh_key text := {key or quote_literal('')};\n"
+            f"  pgmesh_r_row text := pg_catalog.json_object(ARRAY[{names}]::text[],"
+            f" ARRAY[{values}]::text[])::text;\n"
+        )
+        out.append(self._function(name, declare, "\n".join("  " + line for line in lines)))
+        return name
+
+    def _key_array(self, table: TargetTable, values: Mapping[str, str]) -> str:
+        """The key as pgmesh.tombstones holds it."""
+        return tombstone_key(_key_text(table, values))
+
+    def _lock(self, table: TargetTable, values: Mapping[str, str]) -> list[str]:
+        """The careful path's locks: the table's, shared, then the key's."""
+        name = quote_literal(table.name)
+        shared = f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0)"
+        return [f"PERFORM {shared}, {key_lock(table, _key_text(table, values))};"]
+
+    def _tombstone(self, table: TargetTable, values: Mapping[str, str]) -> list[str]:
+        read = read_tombstone_sql(self._key_array(table, values)).replace("$1", quote_literal(table.name))
+        return [f"SELECT * INTO pgmesh_tb FROM ({read}) AS r;", "pgmesh_had := FOUND;"]
+
+    def _create(self, table: TargetTable, row: Mapping[str, str]) -> list[str]:
+        """Insert the row; then the tombstone read must still be the key's (else decided again)."""
+        names = ", ".join(quote_ident(c) for c in row)
+        values = ", ".join(_cast(table, c, v) for c, v in row.items())
+        check = read_tombstone_sql(self._key_array(table, row)).replace("$1", quote_literal(table.name))
+        return [
+            f"INSERT INTO {table.qualified} ({names}) OVERRIDING SYSTEM VALUE VALUES ({values});",
+            f"IF (SELECT r.pgmesh_xid FROM ({check}) AS r) IS DISTINCT FROM"
+            f" (CASE WHEN pgmesh_had THEN pgmesh_tb.pgmesh_xid END) THEN {_MOVED} END IF;",
+            "RETURN true;",
+        ]
+
+
+# A local deletion of the key committed while this decision rested on the tombstone read before it: the
+# transaction is decided again, as after a local insert of the key (router.errors.retry_unique).
+_MOVED: Final = (
+    "RAISE EXCEPTION 'pgmesh: a key decided here was deleted meanwhile: decided again'"
+    " USING ERRCODE = 'unique_violation';"
+)
+
+
+def _key_text(table: TargetTable, values: Mapping[str, str]) -> str:
+    """The key (`values` by column) as text[], each value cast to its type and back (router.apply.careful
+    `_key_sql`)."""
+    parts = [
+        f"({typed(values.get(k, 'NULL'), table.compare.get(k, 'text'))})::text" for k in table.tombstone_key
+    ]
+    return f"ARRAY[{', '.join(parts)}]::text[]"
+
+
+def _cast(table: TargetTable, column: str, value: str) -> str:
+    return typed(value, table.types.get(column, "text"))
+
+
+def _where(table: TargetTable, values: Mapping[str, str]) -> str:
+    return " AND ".join(
+        f"{T}.{quote_ident(k)} = {typed(values[k], table.compare.get(k, 'text'))}" for k in table.pk
+    )
+
+
+def _at() -> str:
+    return f"{T}.ctid = pgmesh_l.pgmesh_ctid::tid AND {T}.tableoid = pgmesh_l.pgmesh_tableoid::oid"

@@ -1,0 +1,288 @@
+"""Server-side prepared statements of one target session (`Prepared`) and the keyed changes that run as
+them: a keyed UPDATE or DELETE, a single insert.
+
+With the source's origin (`origin` / `guard_origin`) each statement applies its change directly when the
+row it meets was last written by the source, and otherwise calls the decision function of its shape
+(router.apply.decide), created in the session beside the PREPARE: the conflict is decided and recorded
+in the same statement, in the transaction's own round trip. Without a `Decisions` (a session built by
+hand, the micro benchmarks) the statements raise at a conflict instead (router.apply.statements.guard),
+for the careful path.
+
+Must not: connect, retry, or decide conflicts itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from protocol.messages import KIND_UNCHANGED, Delete, Insert, Relation, Update
+from router.apply.decide import Decisions
+from router.apply.statements import (
+    _OVERRIDING,
+    TABLE_ALIAS,
+    TOMBSTONE_ALIAS,
+    TargetTable,
+    _literals,
+    guard,
+    key_lock,
+    quote_ident,
+    quote_literal,
+    tombstone_key,
+    typed,
+)
+
+__all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
+
+_SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
+
+
+class Prepared:
+    """Server-side prepared statements of one target session, by (relation version, shape).
+
+    A prepared statement is planned once; afterwards each row costs the server only the parse of a
+    short EXECUTE. The cache lives as long as the session: a new session needs a new `Prepared`.
+    Names never repeat within a session; `forget_since(mark)` drops names whose PREPARE was never sent.
+    """
+
+    __slots__ = ("_counter", "_names", "_order", "_relations", "decisions", "insert_plans", "plans")
+
+    def __init__(self, decisions: Decisions | None = None) -> None:
+        self.decisions = decisions  # makes the decision functions (None: guarded statements raise)
+        self._names: dict[tuple[int, str, bytes], str] = {}
+        # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
+        # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
+        self.plans: dict[tuple[int, str, bytes], tuple[str, list[int], list[int]]] = {}
+        # id(relation) -> insert, key positions, key types
+        self.insert_plans: dict[int, tuple[str, list[int], list[str]]] = {}
+        self._order: list[tuple[int, str, bytes]] = []
+        self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
+        self._counter = 0
+
+    def name(
+        self, relation: Relation, shape: str, mask: bytes, build: Callable[[], str], out: list[str]
+    ) -> str:
+        key = (id(relation), shape, mask)
+        name = self._names.get(key)
+        if name is None:
+            name = self._new(key, build(), out)
+            self._relations[id(relation)] = relation
+        return name
+
+    def setup(self, args: list[str], out: list[str]) -> str:
+        """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once);
+        `args` from `setup_args`."""
+        name = self._names.get(_SETUP_KEY)
+        if name is None:
+            name = self._new(_SETUP_KEY, "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2),"
+                             " pg_catalog.set_config('pgmesh.remote', $3, true)", out)
+        return _execute(name, args)
+
+    def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
+        self._counter += 1
+        name = f"pgmesh_{self._counter}"
+        self._names[key] = name
+        self._order.append(key)
+        out.append(f"PREPARE {name} AS {body}")
+        return name
+
+    def names(self) -> list[str]:
+        """The names of the statements prepared (or about to be) in the session."""
+        return list(self._names.values())
+
+    def mark(self) -> int:
+        return len(self._order)
+
+    def forget_since(self, mark: int) -> None:
+        if mark < len(self._order):
+            self.plans.clear()  # some may name a statement forgotten here
+            self.insert_plans.clear()
+        for key in self._order[mark:]:
+            del self._names[key]
+        del self._order[mark:]
+
+
+def _execute(name: str, literals: list[str]) -> str:
+    return f"EXECUTE {name}({', '.join(literals)})"
+
+
+def _deciding(statement: str, origin: str, function: str, arguments: int) -> str:
+    """`statement` (an UPDATE or DELETE ending in its WHERE) applied to a row the source wrote last (or
+    this transaction, or one from before pgmesh: `pgmesh.same_origin`); when it touched no row, decision
+    function `function` gets the statement's first `arguments` parameters as text and decides."""
+    args = ", ".join(f"${n}::text" for n in range(1, arguments + 1))
+    check = (
+        f"CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin({TABLE_ALIAS}.xmin)).roident = {origin}"
+        f" THEN true ELSE pgmesh.same_origin({TABLE_ALIAS}.xmin, {origin}) END"
+    )
+    return (
+        f"WITH pgmesh_w AS ({statement} AND {check} RETURNING 1) SELECT CASE WHEN pg_catalog.count(*) = 1"
+        f" THEN NULL ELSE {function}(VARIADIC ARRAY[{args}]::text[]) END FROM pgmesh_w"
+    )
+
+
+
+def prepared_update(
+    relation: Relation,
+    table: TargetTable,
+    change: Update,
+    prepared: Prepared,
+    out: list[str],
+    origin: int | None = None,
+) -> str:
+    new = change.new
+    row_key = change.old if change.old is not None else new
+    cols = relation.columns
+    shape = "U" if origin is None else "UG"
+    plan = prepared.plans.get((id(relation), shape, new.kinds))
+    if plan is not None:
+        name, sets, keys = plan
+        literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
+        if origin is not None:
+            literals.append(f"'{origin}'")
+        return _execute(name, literals)
+    sets = [i for i in range(len(cols)) if new.kinds[i] != KIND_UNCHANGED]
+    keys = [i for i, c in enumerate(cols) if c.key]
+
+    def build() -> str:
+        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
+        where = " AND ".join(
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
+            for n, i in enumerate(keys, len(sets) + 1)
+        )
+        statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
+        if origin is not None and prepared.decisions is not None:
+            function = prepared.decisions.update(relation, table, sets, keys, out)
+            return _deciding(statement, f"${len(sets) + len(keys) + 1}", function, len(sets) + len(keys))
+        return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
+
+    mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
+    name = prepared.name(relation, shape, mask, build, out)
+    prepared.plans[(id(relation), shape, new.kinds)] = (name, sets, keys)
+    literals = _literals(relation, new, sets) + _literals(relation, row_key, keys)
+    if origin is not None:
+        literals.append(f"'{origin}'")
+    return _execute(name, literals)
+
+
+def prepared_delete(
+    relation: Relation,
+    table: TargetTable,
+    change: Delete,
+    prepared: Prepared,
+    out: list[str],
+    origin: int | None = None,
+) -> str:
+    cols = relation.columns
+    keys = [i for i, c in enumerate(cols) if c.key]
+
+    def build() -> str:
+        where = " AND ".join(
+            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
+            for n, i in enumerate(keys, 1)
+        )
+        statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
+        if origin is not None and prepared.decisions is not None:
+            function = prepared.decisions.delete(relation, table, keys, out)
+            return _deciding(statement, f"${len(keys) + 1}", function, len(keys))
+        return guard(statement, None if origin is None else f"${len(keys) + 1}")
+
+    name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
+    literals = _literals(relation, change.old, keys)
+    if origin is not None:
+        literals.append(f"'{origin}'")
+    return _execute(name, literals)
+
+
+
+def prepared_insert(
+    relation: Relation,
+    table: TargetTable,
+    change: Insert,
+    prepared: Prepared,
+    out: list[str],
+    setup: list[str] | None = None,
+) -> str:
+    """A single guarded insert as two prepared statements: the locks (the table shared, the key
+    exclusive), then the insert, which raises PGM02 if a tombstone holds the key. Planned once per
+    relation: a text INSERT ... SELECT with the tombstone check costs the server far more to parse and
+    plan. With `setup` (`setup_args`), the first statement also does the origin's xact_setup (the
+    transaction's first statement then: one fewer for the target to run)."""
+    plan = prepared.insert_plans.get(id(relation))
+    if plan is None:
+        plan = _plan_insert(relation, table, prepared, out)
+    insert, key_columns, key_types = plan
+    values = _literals(relation, change.new, range(len(relation.columns)))
+    keys = [values[i] for i in key_columns]
+    if setup is None:
+        lock = prepared.name(relation, "IL", b"", lambda: f"SELECT {_insert_locks(table, key_types)}", out)
+        first = _execute(lock, keys)
+    else:
+        n = len(keys)
+        fused = prepared.name(
+            relation, "ISL", b"",
+            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),"
+                     f" pg_catalog.set_config('pgmesh.remote', ${n + 3}, true),"
+                     f" {_insert_locks(table, key_types)}"),
+            out,
+        )
+        first = _execute(fused, [*keys, *setup])
+    return f"{first};\n{_execute(insert, values)}"
+
+
+def _insert_locks(table: TargetTable, key_types: list[str]) -> str:
+    """The locks of a single guarded insert, its key as parameters $1...: the table's, shared (as
+    `table_lock`), then the key's (`key_lock`)."""
+    key = ", ".join(f"${n}::{t}::text" for n, t in enumerate(key_types, 1))
+    return (
+        f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({quote_literal(table.name)}), 0),"
+        f" {key_lock(table, f'ARRAY[{key}]::text[]')}"
+    )
+
+
+def _plan_insert(
+    relation: Relation, table: TargetTable, prepared: Prepared, out: list[str]
+) -> tuple[str, list[int], list[str]]:
+    """The PREPARE (into `out`) of a single guarded insert into `relation`, where its key is."""
+    cols = relation.columns
+    position = {c.name: i for i, c in enumerate(cols)}
+    key = [k for k in table.tombstone_key if k in position]
+    key_types = [table.compare[k] for k in key]
+
+    def build_insert() -> str:
+        names = ", ".join(quote_ident(c.name) for c in cols)
+        picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
+        keys = ", ".join(f"${position[k] + 1}::{table.compare[k]}::text" for k in key)
+        exists = (
+            f"EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
+            f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
+            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
+        )
+        decisions = prepared.decisions
+        if decisions is not None and table.pk:
+            # a tombstone: its decision function says whether to insert; a row with the key: ON CONFLICT
+            # locks it and the other function says whether to overwrite it (both only then)
+            args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
+            deleted = decisions.insert_deleted(relation, table, out)
+            exists_fn = decisions.insert_exists(relation, table, out)
+            others = [c.name for c in cols if c.name not in table.pk] or [table.pk[0]]
+            sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in others)
+            return (
+                f"INSERT INTO {table.qualified} AS {TABLE_ALIAS} ({names}) {_OVERRIDING} SELECT {picks}"
+                f" WHERE CASE WHEN {exists} THEN {deleted}(VARIADIC ARRAY[{args}]::text[]) ELSE true END"
+                f" ON CONFLICT ({', '.join(quote_ident(k) for k in table.pk)}) DO UPDATE SET {sets}"
+                f" WHERE {exists_fn}(VARIADIC ARRAY[{args}]::text[])"
+            )
+        # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
+        # folding the call) is cheaper for the target than counting through a data-modifying CTE.
+        return (
+            f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
+            f" WHERE CASE WHEN {exists} THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
+        )
+
+    insert = prepared.name(relation, "IG", b"", build_insert, out)
+    plan = (insert, [position[k] for k in key], key_types)
+    prepared.insert_plans[id(relation)] = plan
+    return plan
+
+
