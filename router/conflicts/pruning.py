@@ -98,11 +98,11 @@ _OLD: Final = (
     "coalesce(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(xid)) < %(horizon)s::timestamptz, true)"
 )
 _T: Final = f'"{PGMESH_SCHEMA}".tombstones'
-# The ctid list is taken once; a tombstone written again meanwhile (a newer xid) is a new row version
-# with another ctid, and the condition is checked again on it: it stays.
+# The rows are locked as they are picked, skipping those an apply holds (it may be writing that key's
+# tombstone again, newer): the deletion never waits on an apply, so never deadlocks with one.
 _PRUNE_SQL: Final = (
-    f"DELETE FROM {_T} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_T} WHERE {_OLD} LIMIT %(limit)s))"
-    f" AND {_OLD}"
+    f"DELETE FROM {_T} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_T} WHERE {_OLD} LIMIT %(limit)s"
+    f" FOR UPDATE SKIP LOCKED)) AND {_OLD}"
 )
 # A cheap count: the statistics' live tuples (exact enough for a gauge, no scan).
 _COUNT_SQL: Final = f"SELECT pg_catalog.pg_stat_get_live_tuples('{_T}'::regclass)"
