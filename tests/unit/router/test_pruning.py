@@ -88,6 +88,25 @@ def test_caught_up_source_moves_the_horizon_while_it_writes_nothing() -> None:
     assert tracker.safe_time("a", "c", None) == T0 + 60 * S
 
 
+def test_a_source_reading_counts_once_its_slot_is_confirmed_past_it() -> None:
+    tracker = HorizonTracker(margin_ms=0, clock=FakeClock(0))
+    tracker.note_source("a", T0, flushed=1000, confirmed=900)  # a busy source: not there yet
+    assert tracker.safe_time("a", "b", None) is None
+    tracker.note_source("a", T0 + 10 * S, flushed=2000, confirmed=1000)  # the first reading reached
+    assert tracker.safe_time("a", "b", None) == T0
+    tracker.note_source("a", T0 + 20 * S, flushed=3000, confirmed=3000)  # idle: both reached at once
+    assert tracker.safe_time("a", "b", None) == T0 + 20 * S
+
+
+def test_a_source_keeps_a_bounded_number_of_readings() -> None:
+    tracker = HorizonTracker(margin_ms=0, clock=FakeClock(0))
+    for i in range(500):  # a slot that never moves (a link held): the oldest readings go
+        tracker.note_source("a", T0 + i * S, flushed=1000 + i, confirmed=0)
+    assert tracker.safe_time("a", "b", None) is None
+    tracker.note_source("a", T0 + 500 * S, flushed=2000, confirmed=1450)
+    assert tracker.safe_time("a", "b", None) == T0 + 450 * S
+
+
 def test_a_target_that_lost_commits_waits_until_they_are_applied_again() -> None:
     tracker = HorizonTracker(margin_ms=0, clock=FakeClock(0))
     tracker.note_applied("a", "b", 1000, T0 + 50 * S)  # applied, not yet flushed; then b crashed
