@@ -19,7 +19,7 @@ clock, up to which all of X's transactions are applied on T; the later of
   flushed at that `now()` is applied on T, and every transaction X flushed later committed (took its
   commit time) at about that `now()` or later. This moves the horizon on while X writes nothing of its
   own, even while it applies the others' changes.
-Any change from X with commit time c < d < horizon <= safe(X -> T) - margin is then already committed
+Any change from X with commit time c <= d < horizon <= safe(X -> T) - margin is then already committed
 on T: pruning the tombstone cannot change a decision still to come. Clocks of different nodes are never
 compared with each other here: X's commit times are measured against X's own times, so skew between
 nodes does not matter. The margin covers what the argument takes as exact and is not: commit times do
