@@ -4,6 +4,7 @@
 - `apply`: apply throughput and lag A -> B against native logical replication (the suite's workloads).
 - `guards`: the target's cost per TPC-B transaction by conflict-guard variant.
 - `conflicts`: apply throughput with 10% conflicting transactions beside none.
+- `hotkeys`: three nodes writing the same 200 keys at full speed: time to identical rows, apply rate per link.
 - `spill`: one huge transaction through the source at several memory bounds.
 - `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
 
