@@ -18,7 +18,6 @@ from collections import Counter
 from typing import Any
 
 import psycopg
-import pytest
 
 from router.testing.mesh import fetch, running_router
 from tests.fix_mesh import MeshFactory
@@ -107,7 +106,6 @@ class Client:
                 self.retries += 1
 
 
-@pytest.mark.slow  # 900 transactions on three nodes, many of them conflicts
 async def test_acknowledged_inserts_are_on_every_node_once(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     nodes = m.nodes
