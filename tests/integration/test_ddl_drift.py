@@ -46,11 +46,15 @@ async def test_concurrent_add_column_is_drift_held_until_the_types_agree(
         await wait_converged(m.nodes, ["t"])
         # "at about the same time": neither command reaches the other node before its own ran
         await router.pause(None)
+        before = await fetch(a.dsn(), "SELECT pg_current_wal_lsn()")
         await execute(a.dsn(), "ALTER TABLE t ADD COLUMN z int")
         await execute(b.dsn(), "ALTER TABLE t ADD COLUMN z text")
         await router.resume(None)
         await wait_for(lambda: states(router) == {"error"}, "both links to stop on the DDL")
         assert all("42701" in (link.last_error or "") for link in router.status().links)
+        # the failed command is still to apply on b (its origin's progress stays before it)
+        progress = "SELECT pg_replication_origin_progress('pgmesh_t_a', true) <= %s::pg_lsn"
+        assert await fetch(b.dsn(), progress, [before[0][0]]) == [(True,)], "failed DDL counted as applied"
 
         # the obvious fix by hand: drop z locally, resume; each node replays the other's ADD COLUMN
         await execute(b.dsn(), LOCAL + "ALTER TABLE t DROP COLUMN z")
