@@ -569,6 +569,9 @@ class Applier(LinkView):
             return  # the next connect reads the origin's progress
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
+            # the session keeps the failed transaction's origin LSN: a later commit in it (the drop of
+            # its pg_temp functions when it ends) would move the origin past that transaction
+            await link.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
             await link.forget_prepared()
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
