@@ -1,14 +1,15 @@
-"""The cost of conflict detection: A -> B apply throughput with 10% conflicting transactions vs none.
+"""The cost of conflicts: A -> B apply throughput with 10% and 100% conflicting transactions vs none.
 
 Two throw-away nodes a and b hold the same `kv` table (seeded through pgmesh itself, so every row on b
 was last written by a). With the router stopped, a commits N single-row update transactions, one key
 each; in the conflicting variant b first updates 10% of those keys itself, so when the router starts,
-those of a's updates meet a row last written by b (`update_origin_differs`): the guarded fast path
-raises, the transaction is rolled back and applied row by row with a decision and a history record.
+those of a's updates meet a row last written by b (`update_origin_differs`): the statement calls its
+decision function on b, which decides and records the conflict in the same round trip
+(router.apply.decide).
 The timed window runs from router start until b's origin for a has reached a's last commit.
 
     .venv/bin/python -m bench.micro.conflicts                 # N = 10000, 2 runs
-    .venv/bin/python -m bench.micro.conflicts --rows 2000 --runs 1
+    .venv/bin/python -m bench.micro.conflicts --rows 2000 --runs 1 --shares 0,0.1,1
 
 Owns: this workload (the `kv` table, the conflicting share) and its table. Must not: judge a conflict
 itself (the router decides and records them; the count is read from b's conflict history), or touch a
@@ -100,15 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.micro.conflicts", description=about)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--shares", default="0,0.1,1", help="conflicting shares, comma-separated")
     args = parser.parse_args(argv)
-    results: dict[str, list[float]] = {"none": [], "10%": []}
+    shares = [(f"{float(s):.0%}" if float(s) else "none", float(s)) for s in args.shares.split(",")]
+    results: dict[str, list[float]] = {label: [] for label, _ in shares}
     counts: dict[str, int] = {}
     for _ in range(args.runs):
-        for label, share in (("none", 0.0), ("10%", 0.1)):
+        for label, share in shares:
             rate, conflicts = asyncio.run(one_run(args.rows, share))
             results[label].append(rate)
             counts[label] = conflicts
-    base = statistics.median(results["none"])
+    base = statistics.median(results.get("none") or next(iter(results.values())))
     print(f"pgmesh conflict bench a -> b: {args.rows} single-row update transactions, {args.runs} run(s)")
     print(f"{'conflicting':<12} {'min tx/s':>10} {'median tx/s':>12} {'conflicts on b':>15} {'vs none':>8}")
     for label, rates in results.items():

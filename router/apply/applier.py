@@ -99,6 +99,7 @@ class Applier(LinkView):
         self.link = LinkSession(config, source, target, self.stats)
         self.condition = LinkCondition(self.link.name)
         self._careful = CarefulApplier(config, source, target.name, {})
+        self._careful.read_source = self.link.read_source  # unchanged TOAST values (router.apply.toast)
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
@@ -569,8 +570,8 @@ class Applier(LinkView):
             return  # the next connect reads the origin's progress
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
-            # the session keeps the failed transaction's origin LSN: a later commit in it (the drop of
-            # its pg_temp functions when it ends) would move the origin past that transaction
+            # the session keeps the failed transaction's origin LSN: a later commit in it without a setup
+            # of its own would move the origin past that transaction
             await link.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
             await link.forget_prepared()
             done = await link.origin_progress()

@@ -17,7 +17,6 @@ it opens itself (with the origin set up for the session by the applier).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any, NoReturn
@@ -58,6 +57,7 @@ from router.apply.statements import (
     tombstone_key,
     truncate_statement,
 )
+from router.apply.toast import ReadSource, whole_row
 from router.apply.uniques import clash_wheres, row_where
 from router.apply.uniques import literal as _lit
 from router.config import Config
@@ -67,8 +67,6 @@ from router.errors import ApplyError
 __all__ = [
     "CarefulApplier", "ConflictRecord", "read_row_sql", "read_tombstone_sql", "row_where", "write_row_sql",
 ]
-
-logger = logging.getLogger(__name__)
 
 Tables = Mapping[tuple[str, str], TargetTable]
 Row = dict[str, str | None]
@@ -155,6 +153,8 @@ class CarefulApplier:
         self.origin_nodes = dict(origin_nodes)  # roident -> node name (0: the target itself)
         self.counts: dict[tuple[str, str], int] = {}  # (table, conflict type) -> conflicts decided
         self.installed_at: int | None = None  # pgmesh's installation here (µs), see pgmesh.expect_origin
+        # reads one row on the source (SQL -> the row, or None; router.apply.toast); set by the applier
+        self.read_source: ReadSource | None = None
         self._coarse = False  # the transaction being applied locks whole tables (it is big)
         self._locked: set[str] = set()  # tables locked by it
 
@@ -482,12 +482,19 @@ class CarefulApplier:
         ):  # the remote row lost: its old row goes, as where the change came from
             await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
             return
-        if local.mine:
-            await self._overwrite(conn, table, _APPLY, new, local.where)
+        if local.mine:  # a local change merged under the source's origin may be here: deltas add up
+            if deltas and change.old is not None:
+                await self._merge_deltas(conn, table, relation, change, deltas, local.where, _APPLY)
+            else:
+                await self._overwrite(conn, table, _APPLY, new, local.where)
             return
+        fixed = _KEYLESS if _keyless(table) else None
+        if fixed is None and not deltas:
+            new, fixed = await whole_row(
+                self, txn, relation, table, change, new, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote
+            )
         decision = await self._decide(
-            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records,
-            _KEYLESS if _keyless(table) else None,
+            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records, fixed
         )
         where = local.where
         if deltas and change.old is not None:
@@ -544,18 +551,11 @@ class CarefulApplier:
             return
         tomb = await self._tombstone(conn, table, new)
         conflict = ConflictType.UPDATE_DELETED if tomb is not None else ConflictType.UPDATE_MISSING
-        decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records)
+        new, fixed = await whole_row(self, txn, relation, table, change, new, conflict, tomb, remote)
+        decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records, fixed)
         if decision.outcome is Outcome.USE_ROW and decision.row is not None:
             row = dict(decision.row)
         elif decision.outcome is Outcome.APPLY_REMOTE:
-            if any(c.name not in new for c in relation.columns):  # unchanged TOAST, not in the old row
-                logger.warning(
-                    "%s: cannot re-create row (%s) of %s: unchanged TOAST values were not sent",
-                    self.target,
-                    records[-1].key,
-                    table.name,
-                )
-                return
             row = new
         else:
             return

@@ -38,13 +38,14 @@ def _row_json(table: TargetTable) -> str:
     return f"pg_catalog.json_object(ARRAY[{keys}]::text[], ARRAY[{values}]::text[])"
 
 
-def read_row_sql(table: TargetTable, where: str) -> str:
+def read_row_sql(table: TargetTable, where: str, *, lock: bool = True) -> str:
     """The first row of `table` matching `where` (columns qualified by TABLE_ALIAS), locked, with its
     version: labels pgmesh_row (JSON text: each column's text, see `_row_json`), pgmesh_ts,
     pgmesh_origin, pgmesh_ours, and where it is: pgmesh_tableoid and pgmesh_ctid (a ctid alone is not
     unique in a partitioned table). The version is read in the select list, from the row FOR UPDATE
     returns: a LATERAL function beside it kept its output for the row version before a wait (EvalPlanQual
-    recomputes only the locked row), so a local write committed during the wait was overwritten."""
+    recomputes only the locked row), so a local write committed during the wait was overwritten. With
+    `lock` False, not locked (a read on the source, router.apply.careful `_whole_row`)."""
     return (
         f'SELECT {_row_json(table)}::text AS "pgmesh_row",'
         f' (pg_catalog.pg_xact_commit_timestamp_origin({T}.xmin))."timestamp" AS "pgmesh_ts",'
@@ -52,7 +53,7 @@ def read_row_sql(table: TargetTable, where: str) -> str:
         f' {T}.xmin = pg_catalog.xid(pg_catalog.pg_current_xact_id()) AS "pgmesh_ours",'
         f' {T}.tableoid::oid::int8 AS "pgmesh_tableoid", {T}.ctid::text AS "pgmesh_ctid"'
         f" FROM {table.qualified} AS {T}"
-        f" WHERE {where} LIMIT 1 FOR UPDATE OF {T}"
+        f" WHERE {where} LIMIT 1" + (f" FOR UPDATE OF {T}" if lock else "")
     )
 
 

@@ -4,18 +4,19 @@ back to when a remote change does not fit the row it meets.
 The applier's prepared statements (router.apply.prepared) apply a change directly when its row was last
 written by the source (the common case, no function call). When it was not - another node's version,
 no row, a tombstone, a row already there for an insert - the same statement calls a decision function
-for its shape, created once per session as `pg_temp.pgmesh_d<n>(VARIADIC text[])`, which, on the target,
-in the applying transaction:
+for its shape, `pgmesh.d_<hash of its text>(VARIADIC text[])` (created at first use unless it is there:
+a persistent function, shared by every session; not in pg_temp, whose drop when a session ends commits
+under the session's replication origin and could move it past a transaction that never committed). On
+the target, in the applying transaction, it:
 
-1. takes the advisory locks every decision on a key takes (the table's, shared; the key's: the same as
-   the careful path's, router.apply.statements.key_lock), so that appliers of other sources deciding
-   the same key go one after the other;
-2. reads the row by key `FOR UPDATE` with its version (router.apply.careful_sql.read_row_sql), or its
-   tombstone;
-3. asks `pgmesh.decide` (router/conflicts/sql/decide.sql: the SQL twin of router.conflicts.resolve for the
+1. reads the row by key `FOR UPDATE` with its version (router.apply.careful_sql.read_row_sql); when
+   there is none, takes the advisory locks every decision on a key takes (the table's, shared; the
+   key's: the same as the careful path's, router.apply.statements.key_lock), so that appliers of other
+   sources deciding the same absent key go one after the other, reads again, then reads the tombstone;
+2. asks `pgmesh.decide` (router/conflicts/sql/decide.sql: the SQL twin of router.conflicts.resolve for the
    built-in resolvers), which records the conflict in `pgmesh.conflict_history` and says whether the
    remote change wins;
-4. writes what was decided: the update, the re-created row, the delete, the tombstone of a delete that
+3. writes what was decided: the update, the re-created row, the delete, the tombstone of a delete that
    found nothing.
 
 No rollback, no replay, no extra round trip: a transaction with conflicts costs what its statements cost
@@ -33,6 +34,7 @@ Must not: connect or run anything (callers send the SQL), or decide anything in 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -91,15 +93,11 @@ def remote_setting(lsn: str, commit_time: int, seen: Sequence[tuple[str, int]]) 
 class Decisions:
     """Makes the decision functions of one session's prepared statements, from the config's policies."""
 
-    __slots__ = ("_counter", "config")
+    __slots__ = ("_created", "config")
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._counter = 0
-
-    def _name(self) -> str:
-        self._counter += 1
-        return f"pg_temp.pgmesh_d{self._counter}"
+        self._created: set[str] = set()  # functions this session made sure of (router.apply.prepared)
 
     def _policy(self, table: TargetTable, conflict: str) -> str:
         """`resolver, priority` literals for pgmesh.decide."""
@@ -130,10 +128,9 @@ class Decisions:
             f" {l_row}, pgmesh_r_row, {self._policy(table, conflict)})"
         )
 
-    def _function(self, name: str, declare: str, body: str) -> str:
+    def _function(self, declare: str, body: str) -> str:
         return (
-            f"CREATE OR REPLACE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean LANGUAGE plpgsql AS"
-            f" {_BODY}\n#variable_conflict use_column\nDECLARE\n  pgmesh_l record;\n  pgmesh_tb record;\n"
+            f"{_BODY}\n#variable_conflict use_column\nDECLARE\n  pgmesh_l record;\n  pgmesh_tb record;\n"
             f"  pgmesh_won boolean;\n  pgmesh_n bigint;\n  pgmesh_had boolean;\n{declare}"
             f"BEGIN\n{body}\nEND\n{_BODY}"
         )
@@ -144,24 +141,26 @@ class Decisions:
         """The decision function of a keyed UPDATE setting columns `sets` (arguments 1...) of the row
         with key columns `keys` (the arguments after them): its CREATE goes to `out`, its name back."""
         cols = relation.columns
-        name = self._name()
         new = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(sets, 1)}
         old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, len(sets) + 1)}
         why = self._unsupported(table, old)
         if why:
-            return self._emit(name, table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
         complete = len(sets) == len(cols)  # no unchanged TOAST value: the row can be re-created
         lines = []
         moved = " OR ".join(f"{new[k]} IS DISTINCT FROM {old[k]}" for k in table.pk if k in new and k in old)
         if moved:
             lines.append(f"IF {moved} THEN {_CAREFUL.format(why=quote_literal('a new primary key'))} END IF;")
-        lines += self._lock(table, old)
-        lines.append(f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, old))}) AS r;")
+        lines += self._read(table, old)
         assignments = ", ".join(f"{quote_ident(c)} = {_cast(table, c, v)}" for c, v in new.items())
+        # another version of the row, met by an update without its unchanged TOAST values: those values
+        # may differ here, and only the source has them (router.apply.toast, on the careful path)
+        other = (f"pgmesh_won := {self._decide(table, 'update_origin_differs', 'l')};" if complete else
+                 _CAREFUL.format(why=quote_literal("unchanged TOAST values to overwrite another version")))
         lines += [
             "IF FOUND THEN",
             f"  IF {_MINE} THEN pgmesh_won := true;",
-            f"  ELSE pgmesh_won := {self._decide(table, 'update_origin_differs', 'l')}; END IF;",
+            f"  ELSE {other} END IF;",
             f"  IF pgmesh_won THEN UPDATE {table.qualified} AS {T} SET {assignments} WHERE {_at()}; END IF;",
             "  RETURN pgmesh_won;",
             "END IF;",
@@ -175,18 +174,16 @@ class Decisions:
             lines.append(_CAREFUL.format(why=quote_literal("unchanged TOAST values to re-create the row")))
         else:
             lines += self._create(table, new)
-        return self._emit(name, table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out)
 
     def delete(self, relation: Relation, table: TargetTable, keys: list[int], out: list[str]) -> str:
         """The decision function of a keyed DELETE (its key columns `keys` are the arguments)."""
         cols = relation.columns
-        name = self._name()
         old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, 1)}
         why = self._unsupported(table, old)
         if why:
-            return self._emit(name, table, old, old, [_CAREFUL.format(why=quote_literal(why))], out)
-        lines = self._lock(table, old)
-        lines.append(f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, old))}) AS r;")
+            return self._emit(table, old, old, [_CAREFUL.format(why=quote_literal(why))], out)
+        lines = self._read(table, old)
         lines += [
             "IF FOUND THEN",
             f"  IF {_MINE} THEN pgmesh_won := true;",
@@ -212,7 +209,7 @@ class Decisions:
             "END IF;",
             "RETURN false;",
         ]
-        return self._emit(name, table, old, old, lines, out)
+        return self._emit(table, old, old, lines, out)
 
     def insert_deleted(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
         """The decision of a single insert whose key has a tombstone (all columns are the arguments):
@@ -220,14 +217,14 @@ class Decisions:
         new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
         why = self._unsupported(table, new)
         if why:
-            return self._emit(self._name(), table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
         lines = [
             *self._tombstone(table, new),
             "IF NOT pgmesh_had OR pgmesh_tb.pgmesh_ours OR pgmesh_tb.pgmesh_origin"
             " = pg_catalog.current_setting('pgmesh.source_origin')::oid THEN RETURN true; END IF;",
             f"RETURN {self._decide(table, 'insert_deleted', 'tb')};",
         ]
-        return self._emit(self._name(), table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out)
 
     def insert_exists(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
         """The decision of a single insert meeting a row with its primary key (all columns are the
@@ -235,19 +232,24 @@ class Decisions:
         new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
         why = self._unsupported(table, new)
         if why:
-            return self._emit(self._name(), table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
         lines = [
             f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, new))}) AS r;",
             f"RETURN {self._decide(table, 'insert_exists', 'l')};",
         ]
-        return self._emit(self._name(), table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out)
 
     # ------------------------------------------------------------------ pieces
 
+    def forget(self) -> None:
+        """After a rolled-back transaction: a CREATE sent in it is gone, so it is sent again at next use."""
+        self._created.clear()
+
     def _emit(
-        self, name: str, table: TargetTable, key_of: Mapping[str, str], row: Mapping[str, str],
-        lines: list[str], out: list[str],
+        self, table: TargetTable, key_of: Mapping[str, str], row: Mapping[str, str], lines: list[str],
+        out: list[str],
     ) -> str:
+        """The function made of `lines`, created (into `out`) unless it exists; its name."""
         key = " || ',' || ".join(f"coalesce({key_of.get(k, 'NULL')}, 'None')" for k in table.tombstone_key)
         names = ", ".join(quote_literal(c) for c in row)
         values = ", ".join(row.values())
@@ -256,7 +258,11 @@ class Decisions:
             f"  pgmesh_r_row text := pg_catalog.json_object(ARRAY[{names}]::text[],"
             f" ARRAY[{values}]::text[])::text;\n"
         )
-        out.append(self._function(name, declare, "\n".join("  " + line for line in lines)))
+        body = self._function(declare, "\n".join("  " + line for line in lines))
+        name = "pgmesh.d_" + hashlib.sha256(body.encode()).hexdigest()[:24]
+        if name not in self._created:
+            self._created.add(name)
+            out.append(_create(name, body))
         return name
 
     def _key_array(self, table: TargetTable, values: Mapping[str, str]) -> str:
@@ -268,6 +274,14 @@ class Decisions:
         name = quote_literal(table.name)
         shared = f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0)"
         return [f"PERFORM {shared}, {key_lock(table, _key_text(table, values))};"]
+
+    def _read(self, table: TargetTable, key: Mapping[str, str]) -> list[str]:
+        """The row with `key`, locked, into pgmesh_l. A row lock serializes the decisions on a row that is
+        there; when there is none, the key's advisory lock does (then the row is read again: another
+        applier may have written it before letting the lock go)."""
+        read = f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, key))}) AS r;"
+        return [read, "IF NOT FOUND THEN", *("  " + line for line in self._lock(table, key)), f"  {read}",
+                "END IF;"]
 
     def _tombstone(self, table: TargetTable, values: Mapping[str, str]) -> list[str]:
         read = read_tombstone_sql(self._key_array(table, values)).replace("$1", quote_literal(table.name))
@@ -301,6 +315,18 @@ def _key_text(table: TargetTable, values: Mapping[str, str]) -> str:
         f"({typed(values.get(k, 'NULL'), table.compare.get(k, 'text'))})::text" for k in table.tombstone_key
     ]
     return f"ARRAY[{', '.join(parts)}]::text[]"
+
+
+def _create(name: str, body: str) -> str:
+    """Create function `name` (`body`: its dollar-quoted text) unless it is there. Names are the hash of
+    the text: a function once created never changes, and every session and link of the node shares it.
+    Two sessions creating it at once: one fails (a unique violation), its batch is rolled back and sent
+    again (router.apply.applier), and finds it."""
+    return (
+        f"DO $pgmesh_do$ BEGIN IF pg_catalog.to_regprocedure({quote_literal(name + '(text[])')}) IS NULL THEN"
+        f" EXECUTE {quote_literal(f'CREATE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean')}"
+        f" || ' LANGUAGE plpgsql AS ' || {quote_literal(body)}; END IF; END $pgmesh_do$"
+    )
 
 
 def _cast(table: TargetTable, column: str, value: str) -> str:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Mapping
+from typing import Any
 
 import asyncpg
 
@@ -78,7 +80,8 @@ class LinkSession:
 
     __slots__ = (
         "ahead", "config", "conflicts", "conn", "decisions", "drift", "installed_at", "name", "origin",
-        "origin_held", "prepared", "settings", "source", "source_origin", "stats", "tables", "target",
+        "origin_held", "prepared", "settings", "source", "source_conn", "source_origin", "stats", "tables",
+        "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -96,6 +99,7 @@ class LinkSession:
         self.settings = ""
         # (table, conflict type) -> conflicts decided on the target by the decision functions
         self.conflicts: dict[tuple[str, str], int] = {}
+        self.source_conn: asyncpg.Connection | None = None  # opened to read a row there (read_source)
         self.tables: dict[tuple[str, str], TargetTable] = {}
         self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self.source_origin: int | None = None
@@ -118,18 +122,34 @@ class LinkSession:
         return await self.origin_progress()
 
     async def forget_prepared(self) -> None:
-        """After a rolled-back transaction: the session's decision functions may have gone with it (a
-        CREATE FUNCTION runs in the transaction it is sent in, a PREPARE outlives it), so the session's
-        prepared statements start again."""
+        """After a rolled-back transaction: a decision function created in it is gone (a CREATE runs in
+        the transaction it is sent in, a PREPARE outlives it), so the session's prepared statements and
+        the functions they call start again."""
         assert self.conn is not None
         names = self.prepared.names()
         if names:  # not DEALLOCATE ALL: asyncpg's own statements stay
             await self.conn.execute(";\n".join(f"DEALLOCATE {name}" for name in names))
         self.prepared = Prepared(self.decisions)
+        self.decisions.forget()
         self.ahead = {}
 
+    async def read_source(self, query: str) -> Mapping[str, Any] | None:
+        """One row read on the source node (router.apply.toast), on a session opened at first use."""
+        if self.source_conn is None or self.source_conn.is_closed():
+            self.source_conn = await open_session(self.config.node(self.source).dsn)
+        try:
+            row: Mapping[str, Any] | None = await self.source_conn.fetchrow(query)
+        except BaseException:
+            self.source_conn.terminate()
+            self.source_conn = None
+            raise
+        return row
+
     async def close(self) -> None:
-        """Close the main session (terminated when it does not close in 5 s)."""
+        """Close the main session (terminated when it does not close in 5 s), and the one on the source."""
+        if self.source_conn is not None:
+            self.source_conn.terminate()
+            self.source_conn = None
         conn, self.conn = self.conn, None
         self.origin_held = False
         if conn is not None:
@@ -245,3 +265,4 @@ class LinkSession:
             return
         table, _, kind = str(getattr(message, "detail", "") or "").partition("\t")
         self.conflicts[(table, kind)] = self.conflicts.get((table, kind), 0) + 1
+        self.stats.conflicts += 1

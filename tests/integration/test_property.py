@@ -92,9 +92,6 @@ async def test_key_update_against_concurrent_update_converges(mesh: MeshFactory,
 BIG = "(SELECT string_agg(md5(g::text), '') FROM generate_series(1, 200) g)"  # 6,400 characters: out of line
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: an unchanged TOAST value is not sent; without"
-                   " REPLICA IDENTITY FULL"
-                   " the winning version of the row is not known on the losing node")
 async def test_unchanged_toast_value_in_a_conflict_converges(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, big text, v int);")
     a, b = m.nodes

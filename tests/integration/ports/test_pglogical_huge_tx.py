@@ -314,9 +314,6 @@ async def test_streamed_echo_of_a_truncate_applied_the_careful_way(mesh: MeshFac
         assert await fetch(b.dsn(), 'SELECT v FROM "u"') == [("a, later",)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: a remote update that wins a conflict leaves an"
-                   " unchanged-TOAST column"
-                   " as the target has it: the winner's value of that column is not known there")
 async def test_conflict_over_a_toasted_row(mesh: MeshFactory) -> None:
     """Found with the TOASTed rows above: B changes the TOASTed column of a row, then A (later) changes
     another column of it (pgoutput sends the TOASTed one as unchanged), both before either is applied.

@@ -99,9 +99,6 @@ async def test_toasted(mesh: MeshFactory) -> None:
 
 
 @pytest.mark.slow  # while it fails: waits 15 s for nodes that stay apart
-@pytest.mark.xfail(strict=True, reason="issue 18 (unchanged TOAST in a conflict):"
-                   " a winning remote update whose toasted column is unchanged"
-                   " (pgoutput's 'u' cell) keeps the losing local value of that column: nodes end apart")
 async def test_concurrent_updates_of_a_toasted_row(mesh: MeshFactory) -> None:
     """b changes the toasted value, a changes another column of the same row a moment later (links held,
     so each node writes over the version it had). a's update is later: it wins on both nodes
