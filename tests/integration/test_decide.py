@@ -1,0 +1,78 @@
+"""The SQL that decides conflicts on the target agrees with router.conflicts.resolve (issue 18, item 1).
+
+`pgmesh.remote_wins` (router/conflicts/sql/remote_wins.sql) is the twin of `resolve._remote_wins` for the
+built-in resolvers: every pair of versions from a grid of commit times (equal, earlier, later, unknown)
+and node names (ties broken bytewise, names that collations order differently) is decided by both, for
+each resolver, and they must agree. The decision functions then decide a conflict in the transaction's
+own round trip: a conflicting update on two nodes ends alike, recorded on both, with no careful replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import psycopg
+
+from router.conflicts.resolve import Policy, Resolver, Version, _remote_wins
+from router.testing.mesh import execute, fetch, running_router, wait_for
+from tests.fix_mesh import MeshFactory
+
+TIMES = [None, 10, 11, 10_000_000]
+NODES = ["a", "b", "B", "node_2", "node_10", "é"]
+RESOLVERS = [Resolver.LAST_UPDATE_WINS, Resolver.FIRST_UPDATE_WINS, Resolver.NODE_PRIORITY,
+             Resolver.KEEP_LOCAL, Resolver.APPLY_REMOTE]
+PRIORITY = ("node_10", "b", "a")
+
+
+async def test_remote_wins_in_sql_agrees_with_python(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY);")
+    a = m.nodes[0]
+    pairs = list(itertools.product(TIMES, NODES, TIMES, NODES))
+    async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+        for resolver in RESOLVERS:
+            policy = Policy(resolver=resolver, node_priority=PRIORITY)
+            expected = [_remote_wins(resolver, Version(lt, ln), Version(rt, rn), policy)
+                        for lt, ln, rt, rn in pairs]
+            rows = [(lt, ln, rt, rn) for lt, ln, rt, rn in pairs]
+            cur = await conn.execute(
+                "SELECT pgmesh.remote_wins(%s, %s::text[],"
+                " '2000-01-01 00:00:00+00'::timestamptz + l * interval '1 microsecond', ln,"
+                " '2000-01-01 00:00:00+00'::timestamptz + r * interval '1 microsecond', rn)"
+                " FROM unnest(%s::bigint[], %s::text[], %s::bigint[], %s::text[]) WITH ORDINALITY"
+                " AS p(l, ln, r, rn, i) ORDER BY i",
+                [resolver.value, list(PRIORITY), [r[0] for r in rows], [r[1] for r in rows],
+                 [r[2] for r in rows], [r[3] for r in rows]],
+            )
+            got = [r[0] for r in await cur.fetchall()]
+            differ = [(pairs[i], got[i], expected[i]) for i in range(len(pairs)) if got[i] != expected[i]]
+            assert not differ, (resolver, differ[:5])
+
+
+async def test_a_conflict_is_decided_in_the_round_trip_and_recorded_alike(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    a, b = m.nodes
+    await execute(a.dsn(), "INSERT INTO t VALUES (1, 'x'), (2, 'x')")
+    async with running_router(m.config) as router:
+        await wait_for(lambda: _rows(b.dsn(), 2), "rows on b")
+        await router.pause(None)
+        await execute(a.dsn(), "UPDATE t SET v = 'a' WHERE id = 1", "DELETE FROM t WHERE id = 2")
+        await execute(b.dsn(), "UPDATE t SET v = 'b' WHERE id = 1", "UPDATE t SET v = 'b' WHERE id = 2")
+        await router.resume(None)
+
+        async def same() -> bool:
+            query = "SELECT id, v FROM t ORDER BY id"
+            return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+
+        await wait_for(same, "both nodes alike")
+        await wait_for(lambda: all(x.conflicts >= 2 for x in router.appliers.values()), "decided")
+        assert await fetch(a.dsn(), "SELECT id, v FROM t ORDER BY id") == [(1, "b"), (2, "b")]
+        for node in (a, b):
+            history = await fetch(node.dsn(), "SELECT key, conflict_type, resolution FROM"
+                                              " pgmesh.conflict_history ORDER BY key")
+            assert len(history) == 2, (node.name, history)
+        # decided by the decision functions: nothing went the careful way
+        assert all(x._careful.counts == {} for x in router.appliers.values())
+
+
+async def _rows(dsn: str, n: int) -> bool:
+    return len(await fetch(dsn, "SELECT 1 FROM t")) == n
