@@ -275,6 +275,13 @@ def tables_changed(exc: BaseException) -> bool:
     return sqlstate_of(exc) in SCHEMA_STATES
 
 
+def decision_function_lost(exc: BaseException) -> bool:
+    """A decision function (router.apply.decide) a prepared statement calls is gone: created in a
+    transaction that was rolled back, on this session or another. The batch is sent again; the session's
+    statements start again and make sure of their functions first."""
+    return sqlstate_of(exc) == "42883" and "pgmesh.d_" in str(exc)
+
+
 def retry_unique(exc: BaseException, attempt: int) -> bool:
     """Attempt `attempt` of a careful apply met a unique violation: try again (UNIQUE_ATTEMPTS in all)."""
     return sqlstate_of(exc) == _UNIQUE_VIOLATION and attempt < UNIQUE_ATTEMPTS

@@ -58,6 +58,7 @@ from router.errors import (
     PgmeshError,
     SchemaWait,
     decide_link,
+    decision_function_lost,
     describe,
     is_conflict,
     retry_unique,
@@ -481,6 +482,9 @@ class Applier(LinkView):
             self._reloaded_for = held[0].end_lsn
             await self.link.reload_tables()
             return
+        if decision_function_lost(exc) and held and held[0].end_lsn != self._reloaded_for:
+            self._reloaded_for = held[0].end_lsn  # once per transaction, as a reload
+            return
         if not is_conflict(exc) or not held or self.link.conn is None:
             raise exc
         await self._apply_carefully(whole_transaction(held[0]))  # the transaction that met a conflict
@@ -568,12 +572,12 @@ class Applier(LinkView):
         link = self.link
         if link.conn is None or link.conn.is_closed():
             return  # the next connect reads the origin's progress
+        link.forget_prepared()
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
             # the session keeps the failed transaction's origin LSN: a later commit in it without a setup
             # of its own would move the origin past that transaction
             await link.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
-            await link.forget_prepared()
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
             self._held = [whole_transaction(t) for t in self._held]

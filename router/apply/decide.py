@@ -93,11 +93,10 @@ def remote_setting(lsn: str, commit_time: int, seen: Sequence[tuple[str, int]]) 
 class Decisions:
     """Makes the decision functions of one session's prepared statements, from the config's policies."""
 
-    __slots__ = ("_created", "config")
+    __slots__ = ("config",)
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._created: set[str] = set()  # functions this session made sure of (router.apply.prepared)
 
     def _policy(self, table: TargetTable, conflict: str) -> str:
         """`resolver, priority` literals for pgmesh.decide."""
@@ -136,7 +135,8 @@ class Decisions:
         )
 
     def update(
-        self, relation: Relation, table: TargetTable, sets: list[int], keys: list[int], out: list[str]
+        self, relation: Relation, table: TargetTable, sets: list[int], keys: list[int], out: list[str],
+        created: set[str],
     ) -> str:
         """The decision function of a keyed UPDATE setting columns `sets` (arguments 1...) of the row
         with key columns `keys` (the arguments after them): its CREATE goes to `out`, its name back."""
@@ -145,7 +145,7 @@ class Decisions:
         old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, len(sets) + 1)}
         why = self._unsupported(table, old)
         if why:
-            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out, created)
         complete = len(sets) == len(cols)  # no unchanged TOAST value: the row can be re-created
         lines = []
         moved = " OR ".join(f"{new[k]} IS DISTINCT FROM {old[k]}" for k in table.pk if k in new and k in old)
@@ -174,15 +174,17 @@ class Decisions:
             lines.append(_CAREFUL.format(why=quote_literal("unchanged TOAST values to re-create the row")))
         else:
             lines += self._create(table, new)
-        return self._emit(table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out, created)
 
-    def delete(self, relation: Relation, table: TargetTable, keys: list[int], out: list[str]) -> str:
+    def delete(
+        self, relation: Relation, table: TargetTable, keys: list[int], out: list[str], created: set[str]
+    ) -> str:
         """The decision function of a keyed DELETE (its key columns `keys` are the arguments)."""
         cols = relation.columns
         old = {cols[i].name: f"pgmesh_a[{n}]" for n, i in enumerate(keys, 1)}
         why = self._unsupported(table, old)
         if why:
-            return self._emit(table, old, old, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, old, old, [_CAREFUL.format(why=quote_literal(why))], out, created)
         lines = self._read(table, old)
         lines += [
             "IF FOUND THEN",
@@ -209,47 +211,49 @@ class Decisions:
             "END IF;",
             "RETURN false;",
         ]
-        return self._emit(table, old, old, lines, out)
+        return self._emit(table, old, old, lines, out, created)
 
-    def insert_deleted(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
+    def insert_deleted(
+        self, relation: Relation, table: TargetTable, out: list[str], created: set[str]
+    ) -> str:
         """The decision of a single insert whose key has a tombstone (all columns are the arguments):
         whether to insert."""
         new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
         why = self._unsupported(table, new)
         if why:
-            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out, created)
         lines = [
             *self._tombstone(table, new),
             "IF NOT pgmesh_had OR pgmesh_tb.pgmesh_ours OR pgmesh_tb.pgmesh_origin"
             " = pg_catalog.current_setting('pgmesh.source_origin')::oid THEN RETURN true; END IF;",
             f"RETURN {self._decide(table, 'insert_deleted', 'tb')};",
         ]
-        return self._emit(table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out, created)
 
-    def insert_exists(self, relation: Relation, table: TargetTable, out: list[str]) -> str:
+    def insert_exists(
+        self, relation: Relation, table: TargetTable, out: list[str], created: set[str]
+    ) -> str:
         """The decision of a single insert meeting a row with its primary key (all columns are the
         arguments; the row is locked by ON CONFLICT): whether to overwrite that row."""
         new = {c.name: f"pgmesh_a[{n}]" for n, c in enumerate(relation.columns, 1)}
         why = self._unsupported(table, new)
         if why:
-            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out)
+            return self._emit(table, new, new, [_CAREFUL.format(why=quote_literal(why))], out, created)
         lines = [
             f"SELECT * INTO pgmesh_l FROM ({read_row_sql(table, _where(table, new))}) AS r;",
             f"RETURN {self._decide(table, 'insert_exists', 'l')};",
         ]
-        return self._emit(table, new, new, lines, out)
+        return self._emit(table, new, new, lines, out, created)
 
     # ------------------------------------------------------------------ pieces
 
-    def forget(self) -> None:
-        """After a rolled-back transaction: a CREATE sent in it is gone, so it is sent again at next use."""
-        self._created.clear()
-
     def _emit(
         self, table: TargetTable, key_of: Mapping[str, str], row: Mapping[str, str], lines: list[str],
-        out: list[str],
+        out: list[str], created: set[str],
     ) -> str:
-        """The function made of `lines`, created (into `out`) unless it exists; its name."""
+        """The function made of `lines`, created (into `out`) unless the session made sure of it already
+        (`created`, the session's `Prepared.functions`: emptied after a rolled-back transaction); its
+        name."""
         key = " || ',' || ".join(f"coalesce({key_of.get(k, 'NULL')}, 'None')" for k in table.tombstone_key)
         names = ", ".join(quote_literal(c) for c in row)
         values = ", ".join(row.values())
@@ -260,8 +264,8 @@ class Decisions:
         )
         body = self._function(declare, "\n".join("  " + line for line in lines))
         name = "pgmesh.d_" + hashlib.sha256(body.encode()).hexdigest()[:24]
-        if name not in self._created:
-            self._created.add(name)
+        if name not in created:
+            created.add(name)
             out.append(_create(name, body))
         return name
 
@@ -320,12 +324,13 @@ def _key_text(table: TargetTable, values: Mapping[str, str]) -> str:
 def _create(name: str, body: str) -> str:
     """Create function `name` (`body`: its dollar-quoted text) unless it is there. Names are the hash of
     the text: a function once created never changes, and every session and link of the node shares it.
-    Two sessions creating it at once: one fails (a unique violation), its batch is rolled back and sent
-    again (router.apply.applier), and finds it."""
+    Two sessions creating it at once: the second waits for the first and then finds it (the duplicate is
+    caught)."""
     return (
         f"DO $pgmesh_do$ BEGIN IF pg_catalog.to_regprocedure({quote_literal(name + '(text[])')}) IS NULL THEN"
-        f" EXECUTE {quote_literal(f'CREATE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean')}"
-        f" || ' LANGUAGE plpgsql AS ' || {quote_literal(body)}; END IF; END $pgmesh_do$"
+        f" BEGIN EXECUTE {quote_literal(f'CREATE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean')}"
+        f" || ' LANGUAGE plpgsql AS ' || {quote_literal(body)};"
+        " EXCEPTION WHEN duplicate_function OR unique_violation THEN NULL; END; END IF; END $pgmesh_do$"
     )
 
 

@@ -121,16 +121,11 @@ class LinkSession:
         self.origin_held = True
         return await self.origin_progress()
 
-    async def forget_prepared(self) -> None:
+    def forget_prepared(self) -> None:
         """After a rolled-back transaction: a decision function created in it is gone (a CREATE runs in
         the transaction it is sent in, a PREPARE outlives it), so the session's prepared statements and
-        the functions they call start again."""
-        assert self.conn is not None
-        names = self.prepared.names()
-        if names:  # not DEALLOCATE ALL: asyncpg's own statements stay
-            await self.conn.execute(";\n".join(f"DEALLOCATE {name}" for name in names))
-        self.prepared = Prepared(self.decisions)
-        self.decisions.forget()
+        the functions they call start again, under new names (the old statements stay, never run again)."""
+        self.prepared = Prepared(self.decisions, after=self.prepared)
         self.ahead = {}
 
     async def read_source(self, query: str) -> Mapping[str, Any] | None:

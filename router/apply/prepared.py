@@ -45,10 +45,14 @@ class Prepared:
     Names never repeat within a session; `forget_since(mark)` drops names whose PREPARE was never sent.
     """
 
-    __slots__ = ("_counter", "_names", "_order", "_relations", "decisions", "insert_plans", "plans")
+    __slots__ = (
+        "_counter", "_names", "_order", "_relations", "decisions", "functions", "insert_plans", "plans",
+    )
 
-    def __init__(self, decisions: Decisions | None = None) -> None:
+    def __init__(self, decisions: Decisions | None = None, after: Prepared | None = None) -> None:
+        """`after`: the session's previous cache, whose names are never used again here."""
         self.decisions = decisions  # makes the decision functions (None: guarded statements raise)
+        self.functions: set[str] = set()  # decision functions this session made sure of
         self._names: dict[tuple[int, str, bytes], str] = {}
         # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
         # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
@@ -57,7 +61,7 @@ class Prepared:
         self.insert_plans: dict[int, tuple[str, list[int], list[str]]] = {}
         self._order: list[tuple[int, str, bytes]] = []
         self._relations: dict[int, Relation] = {}  # keeps the keyed relations alive (ids stay unique)
-        self._counter = 0
+        self._counter: int = after._counter if after is not None else 0
 
     def name(
         self, relation: Relation, shape: str, mask: bytes, build: Callable[[], str], out: list[str]
@@ -86,10 +90,6 @@ class Prepared:
         out.append(f"PREPARE {name} AS {body}")
         return name
 
-    def names(self) -> list[str]:
-        """The names of the statements prepared (or about to be) in the session."""
-        return list(self._names.values())
-
     def mark(self) -> int:
         return len(self._order)
 
@@ -97,6 +97,7 @@ class Prepared:
         if mark < len(self._order):
             self.plans.clear()  # some may name a statement forgotten here
             self.insert_plans.clear()
+            self.functions.clear()  # a CREATE among them was not sent either: made sure of again
         for key in self._order[mark:]:
             del self._names[key]
         del self._order[mark:]
@@ -152,7 +153,7 @@ def prepared_update(
         )
         statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
         if origin is not None and prepared.decisions is not None:
-            function = prepared.decisions.update(relation, table, sets, keys, out)
+            function = prepared.decisions.update(relation, table, sets, keys, out, prepared.functions)
             return _deciding(statement, f"${len(sets) + len(keys) + 1}", function, len(sets) + len(keys))
         return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
 
@@ -183,7 +184,7 @@ def prepared_delete(
         )
         statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
         if origin is not None and prepared.decisions is not None:
-            function = prepared.decisions.delete(relation, table, keys, out)
+            function = prepared.decisions.delete(relation, table, keys, out, prepared.functions)
             return _deciding(statement, f"${len(keys) + 1}", function, len(keys))
         return guard(statement, None if origin is None else f"${len(keys) + 1}")
 
@@ -263,8 +264,8 @@ def _plan_insert(
             # a tombstone: its decision function says whether to insert; a row with the key: ON CONFLICT
             # locks it and the other function says whether to overwrite it (both only then)
             args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
-            deleted = decisions.insert_deleted(relation, table, out)
-            exists_fn = decisions.insert_exists(relation, table, out)
+            deleted = decisions.insert_deleted(relation, table, out, prepared.functions)
+            exists_fn = decisions.insert_exists(relation, table, out, prepared.functions)
             others = [c.name for c in cols if c.name not in table.pk] or [table.pk[0]]
             sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in others)
             return (
