@@ -421,6 +421,8 @@ class Applier(LinkView):
                 except BaseException:
                     await self._after_failure()
                     raise
+                if run.failed:  # what the failed lanes created is gone with their transactions
+                    self._parallel.forget()
                 if run.applied:
                     for txn in batch[: run.applied]:
                         self._applied(txn)
@@ -572,7 +574,7 @@ class Applier(LinkView):
         link = self.link
         if link.conn is None or link.conn.is_closed():
             return  # the next connect reads the origin's progress
-        link.forget_prepared()
+        self._parallel.forget()  # the main session's and the lanes' prepared statements
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
             # the session keeps the failed transaction's origin LSN: a later commit in it without a setup

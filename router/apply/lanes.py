@@ -75,6 +75,13 @@ class Lanes:
         self._key = zlib.crc32(link.origin.encode()) & 0x7FFFFFFF
         self._seq = 0
 
+    def forget(self) -> None:
+        """After a rolled-back transaction on any session: the prepared statements and decision functions
+        of the main session and every lane start again (router.apply.link.LinkSession.forget_prepared)."""
+        self._link.forget_prepared()
+        for lane in self._extra:
+            lane.prepared = Prepared(self._link.decisions, after=lane.prepared)
+
     def close(self) -> None:
         """Drop the lanes' sessions (the main one is the link's)."""
         conns = [lane.conn for lane in self._extra]
