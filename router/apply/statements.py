@@ -277,7 +277,7 @@ def setup_args(txn: Transaction, origin_lsn: int | None) -> list[str]:
     the decision functions read (`pgmesh.remote`, router.apply.decide.remote_setting), as SQL literals."""
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
     when = commit_time_literal(txn.commit_time)
-    seen = txn.seen if hasattr(txn, "seen") else ()
+    seen = txn.seen
     views = json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
     return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{views}")]
 
