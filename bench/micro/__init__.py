@@ -5,6 +5,8 @@
 - `guards`: the target's cost per TPC-B transaction by conflict-guard variant.
 - `conflicts`: apply throughput with 10% conflicting transactions beside none.
 - `hotkeys`: three nodes writing the same 200 keys at full speed: time to identical rows, apply rate per link.
+- `writecost`: a node's own writes with pgmesh against a plain node (DELETE, pgbench), and an INSERT's
+  way to the other node with and without tombstones in its table.
 - `spill`: one huge transaction through the source at several memory bounds.
 - `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
 
