@@ -107,14 +107,26 @@ def _execute(name: str, literals: list[str]) -> str:
     return f"EXECUTE {name}({', '.join(literals)})"
 
 
+_INSTALLED_AT = (
+    "coalesce(nullif(pg_catalog.current_setting('pgmesh.installed_at', true), ''), '-infinity')::timestamptz"
+)
+
+
 def _deciding(statement: str, origin: str, function: str, arguments: int) -> str:
     """`statement` (an UPDATE or DELETE ending in its WHERE) applied to a row the source wrote last (or
-    this transaction, or one from before pgmesh: `pgmesh.same_origin`); when it touched no row, decision
-    function `function` gets the statement's first `arguments` parameters as text and decides."""
+    this transaction, or one from before pgmesh, as `pgmesh.expect_origin` accepts); when it touched no
+    row, decision function `function` gets the statement's first `arguments` parameters as text and
+    decides."""
     args = ", ".join(f"${n}::text" for n in range(1, arguments + 1))
+    version = f"pg_catalog.pg_xact_commit_timestamp_origin({TABLE_ALIAS}.xmin)"
+    # the test inline: a PL/pgSQL call for every row not written by the source (every row from before
+    # pgmesh, every conflict) costs the target as much as the update itself
     check = (
-        f"CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin({TABLE_ALIAS}.xmin)).roident = {origin}"
-        f" THEN true ELSE pgmesh.same_origin({TABLE_ALIAS}.xmin, {origin}) END"
+        f"CASE WHEN ({version}).roident = {origin} THEN true"
+        # no commit time: this transaction's own row, or one older than what commit times keep
+        f" WHEN ({version}).roident IS NULL THEN true"
+        f" WHEN ({version}).roident = 0 THEN ({version}).\"timestamp\" < {_INSTALLED_AT}"
+        " ELSE false END"
     )
     return (
         f"WITH pgmesh_w AS ({statement} AND {check} RETURNING 1) SELECT CASE WHEN pg_catalog.count(*) = 1"

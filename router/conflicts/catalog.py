@@ -86,7 +86,6 @@ _FUNCTIONS: Final = (
     _function("tombstone.sql", ""),
     _function("expect_origin.sql", "xid, oid"),
     _function("expect_rows.sql", "bigint, bigint"),
-    _function("same_origin.sql", "xid, oid"),
     _function("origin_node.sql", "oid"),
     _function("remote_wins.sql", "text, text[], timestamptz, text, timestamptz, text"),
     _function("decide.sql", "text, text, text, timestamptz, oid, text, text, text, text[]"),
