@@ -39,7 +39,7 @@ from protocol.transactions import Transaction
 from router.apply.careful import CarefulApplier
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
-from router.apply.link import LinkSession
+from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
 from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.side import SideSession
@@ -395,12 +395,13 @@ class Applier(LinkView):
     async def _send(self, text: str) -> None:
         """Run one batch's SQL on the target, building the next batch's scripts meanwhile."""
         assert self.link.conn is not None
-        task = asyncio.ensure_future(self.link.conn.execute(text))
+        task = asyncio.ensure_future(self.link.conn.execute(f"{text};\n{DECIDED}"))
         try:
             await asyncio.sleep(0)  # the task sends the query
             if not task.done():
                 self._build_ahead()
-            await task
+            if await task == "SELECT 1":  # a decision function decided a conflict
+                await self.link.count_conflicts()
         finally:
             if not task.done():
                 task.cancel()
@@ -418,6 +419,7 @@ class Applier(LinkView):
             if self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0]):
                 try:
                     run = await self._parallel.apply(batch)
+                    await self.link.count_conflicts()
                 except BaseException:
                     await self._after_failure()
                     raise
@@ -450,6 +452,7 @@ class Applier(LinkView):
             if is_large(batch[0]):
                 if not await self._side.commit(batch[0]):  # applied ahead: committed there
                     batch[0] = await self._large.apply(batch[0])  # the whole one, if it came early
+                await self.link.count_conflicts()
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
@@ -497,11 +500,8 @@ class Applier(LinkView):
         self._held = self._held[: self._batch_limit]
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
-        """(table, conflict type) -> conflicts decided on this link since start."""
-        counts = dict(self._careful.counts)
-        for key, count in self.link.conflicts.items():
-            counts[key] = counts.get(key, 0) + count
-        return counts
+        """(table, conflict type) -> conflicts decided on this link since start (from its history)."""
+        return dict(self.link.conflicts)
 
     async def _apply_carefully(self, txn: Transaction) -> None:
         """Row by row, with conflict detection and resolution, in its own target transaction.
@@ -532,7 +532,8 @@ class Applier(LinkView):
                     await link.reload_tables()
                 else:
                     raise
-        self.stats.conflicts += len(records)
+        if records:
+            await link.count_conflicts()
         if ddl:
             self.stats.ddl_applied += 1
             await link.reload_tables()
@@ -577,8 +578,7 @@ class Applier(LinkView):
         self._parallel.forget()  # the main session's and the lanes' prepared statements
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
-            # the session keeps the failed transaction's origin LSN: a later commit in it without a setup
-            # of its own would move the origin past that transaction
+            # else the failed transaction's origin LSN stays, for a later commit without a setup to record
             await link.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)

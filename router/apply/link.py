@@ -79,9 +79,9 @@ class LinkSession:
     """One link's main session on its target and its view of that target (see the module docstring)."""
 
     __slots__ = (
-        "ahead", "config", "conflicts", "conn", "decisions", "drift", "installed_at", "name", "origin",
-        "origin_held", "prepared", "settings", "source", "source_conn", "source_origin", "stats", "tables",
-        "target",
+        "ahead", "config", "conflicts", "conn", "decisions", "drift", "history_at", "installed_at", "name",
+        "origin", "origin_held", "prepared", "settings", "source", "source_conn", "source_origin", "stats",
+        "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -99,6 +99,7 @@ class LinkSession:
         self.settings = ""
         # (table, conflict type) -> conflicts decided on the target by the decision functions
         self.conflicts: dict[tuple[str, str], int] = {}
+        self.history_at: int | None = None  # conflict_history's last id counted (None: not read yet)
         self.source_conn: asyncpg.Connection | None = None  # opened to read a row there (read_source)
         self.tables: dict[tuple[str, str], TargetTable] = {}
         self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
@@ -114,7 +115,6 @@ class LinkSession:
     async def open(self) -> int:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
         self.conn = await open_session(self.target.dsn)  # installed_at: set by load_origins
-        self.conn.add_log_listener(self._notice)
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
@@ -210,6 +210,8 @@ class LinkSession:
         self.installed_at = installed
         self.settings = session_settings(self.source, self.target.name, self.source_origin, prefix)
         await self.conn.execute(self.settings)
+        if self.history_at is None:
+            await self.count_conflicts()  # where counting starts
         if not installed:
             return nodes, None
         # rows older than this are every node's common start: no conflict (expect_origin)
@@ -249,15 +251,31 @@ class LinkSession:
     async def open_other(self) -> asyncpg.Connection:
         """Another session on the target, set up as the main one (a lane, the side session)."""
         conn = await open_session(self.target.dsn, self.installed_at)
-        conn.add_log_listener(self._notice)
         if self.settings:
             await conn.execute(self.settings)
         return conn
 
-    def _notice(self, conn: object, message: object) -> None:
-        """Counts the conflicts the decision functions decided (a NOTICE each, router.apply.decide)."""
-        if getattr(message, "message", None) != "pgmesh conflict":
+    async def count_conflicts(self) -> None:
+        """Add the conflicts recorded on the target for this source since the last count (whichever
+        session of the link decided them) to `conflicts` and the link's stats."""
+        assert self.conn is not None
+        if self.history_at is None:
+            self.history_at = int(await self.conn.fetchval(_HISTORY_NOW) or 0)
             return
-        table, _, kind = str(getattr(message, "detail", "") or "").partition("\t")
-        self.conflicts[(table, kind)] = self.conflicts.get((table, kind), 0) + 1
-        self.stats.conflicts += 1
+        rows = await self.conn.fetch(_HISTORY_SINCE, self.history_at, self.source)
+        await self.conn.execute(_RESET_DECIDED)
+        for row in rows:
+            key = (str(row[0]), str(row[1]))
+            self.conflicts[key] = self.conflicts.get(key, 0) + int(row[2])
+            self.stats.conflicts += int(row[2])
+            self.history_at = max(self.history_at, int(row[3]))
+
+
+# Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
+# applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).
+DECIDED = "SELECT FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
+_RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
+_HISTORY_NOW = ("SELECT CASE WHEN pg_catalog.to_regclass('pgmesh.conflict_history') IS NOT NULL THEN"
+                " (SELECT pg_catalog.max(id) FROM pgmesh.conflict_history) END")
+_HISTORY_SINCE = ("SELECT table_name, conflict_type, pg_catalog.count(*), pg_catalog.max(id)"
+                  " FROM pgmesh.conflict_history WHERE id > $1 AND source = $2 GROUP BY 1, 2")

@@ -15,7 +15,8 @@
 -- would decide (router.conflicts.causality; docs/conflicts.md "Only concurrent writes are conflicts").
 -- `error` and custom resolvers are not decided here: SQLSTATE PGM01 sends the transaction to the careful
 -- path (router.apply.careful), which decides them row by row in the router.
--- Each decision raises a NOTICE 'pgmesh conflict' (DETAIL: table TAB type) that the applier counts.
+-- Each decision sets pgmesh.decided (undone with its transaction when that rolls back): the applier then
+-- counts the new history rows (router.apply.link.count_conflicts).
 -- Created, or replaced when its text changed (a fingerprint of it in the function's comment), by
 -- router/conflicts/catalog.py (install_conflict_catalog), which fills {schema} with pgmesh's schema,
 -- quoted as an identifier.
@@ -71,7 +72,7 @@ BEGIN
     remote_row)
   VALUES (r_node, table_name, key, conflict, CASE WHEN won THEN 'apply_remote' ELSE 'keep_local' END,
     resolver, reason, l_node, l_ts, r_node, r_ts, remote[1]::pg_lsn, l_row::jsonb, r_row::jsonb);
-  RAISE NOTICE 'pgmesh conflict' USING DETAIL = table_name || E'\t' || conflict;
+  PERFORM set_config('pgmesh.decided', 'y', false);  -- the applier counts from the history then
   RETURN won;
 END
 $body$;
