@@ -207,7 +207,6 @@ def prepared_delete(
     return _execute(name, literals)
 
 
-
 def prepared_insert(
     relation: Relation,
     table: TargetTable,
