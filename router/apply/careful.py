@@ -1,17 +1,15 @@
 """The careful path: apply one source transaction row by row, detecting, deciding and recording conflicts.
 
-The applier's fast path sends guarded statements that raise at the first conflict (see
-`router.apply.statements.guard`). That transaction is then rolled back and applied again here: each row is
-read first (`FOR UPDATE`) with its version (`pg_xact_commit_timestamp_origin(xmin)`), or its tombstone when it
-is gone; `router.conflicts.resolve.resolve` decides; the decision is written; every conflict is recorded in
-`pgmesh.conflict_history` in the same transaction. Rows written by the source itself are no conflict. Delta
-columns add the remote change to the local value instead of overwriting it. A decision on a key no row
-holds rests on its tombstone: after the write, the tombstone is read again (`router.apply.careful_sql`),
-and a local deletion of the key committed meanwhile raises a unique violation, for the applier to read
-and decide the whole transaction again (`router.errors.retry_unique`).
+For what the decision functions leave to it (router.apply.decide: SQLSTATE PGM01; custom and `error`
+resolvers, delta columns, other unique keys, moved keys, unchanged TOAST) and what still raises (PGM02,
+23505): the transaction is rolled back and applied again here. Each row is read first (`FOR UPDATE`) with
+its version, or its tombstone when it is gone; `resolve` decides; the decision is written and recorded in
+`pgmesh.conflict_history` in the same transaction. A decision on a key no row holds rests on its
+tombstone, read again after the write: a local deletion committed meanwhile raises a unique violation,
+for the applier to decide the whole transaction again (`router.errors.retry_unique`).
 
-Must not: retry, pause, or read the source. Runs on the applier's connection, inside the transaction
-it opens itself (with the origin set up for the session by the applier).
+Must not: retry or pause. Runs on the applier's connection, inside the transaction it opens itself (the
+origin set up for the session by the applier); reads the source only through `read_source` (toast).
 """
 
 from __future__ import annotations
@@ -76,7 +74,6 @@ INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, res
   local_origin, local_commit_time, remote_origin, remote_commit_time, remote_lsn, local_row, remote_row)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::text::jsonb, $14::text::jsonb)
 """
-
 
 T = TABLE_ALIAS  # pgmesh's alias of the target table (router.apply.statements)
 
@@ -559,8 +556,13 @@ class CarefulApplier:
             row = new
         else:
             return
-        # Re-created, the row may bring a secondary unique value another row took meanwhile: decided
-        # as where the row still exists (insert_exists against that row's version).
+        # the row re-created may meet a row holding its key (moved onto it) or a secondary unique value
+        other = await self._by_key(conn, relation, table, change.new) if table.pk else None
+        if other is not None:  # decided as where the row still exists: insert_exists against that row
+            clash = ConflictType.INSERT_EXISTS
+            decided = await self._decide(conn, txn, relation, table, clash, other, remote, row, records)
+            await self._overwrite(conn, table, decided, row, other.where)
+            return
         if await self._unique_clash(conn, txn, relation, table, row, remote, records, None):
             await self._create(conn, table, row, new, tomb)
 
