@@ -214,7 +214,7 @@ SCHEMA_WAIT_S: Final = 60.0
 CONFLICT_STATES: Final = frozenset({"PGM01", "PGM02", "23505"})
 # The target's tables changed under a link (DDL run there): undefined column / table, datatype mismatch.
 # The link reads the target's tables again, once, and tries the transaction again.
-SCHEMA_STATES: Final = frozenset({"42703", "42P01", "42804"})
+SCHEMA_STATES: Final = frozenset({"42703", "42P01", "42804", "42P10"})  # 42P10: a key ON CONFLICT names went
 # A careful apply that meets a unique violation (a local session inserted the same key between its read
 # and its write) is read and decided again, now seeing that row: this many attempts in all.
 UNIQUE_ATTEMPTS: Final = 5

@@ -292,10 +292,8 @@ class Applier(LinkView):
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
         room = self._batch_limit - len(self._held)
-        if room <= 0 or not len(self.queue):
-            return
-        if self.apply_delay > 0:
-            return  # one at a time: each waits for its own due time
+        if room <= 0 or not len(self.queue) or self.apply_delay > 0:
+            return  # (under a delay, one at a time: each waits for its own due time)
         self._held.extend(self.queue.take(room))
 
     async def _delay(self, txn: Transaction) -> None:
@@ -395,6 +393,7 @@ class Applier(LinkView):
     async def _send(self, text: str) -> None:
         """Run one batch's SQL on the target, building the next batch's scripts meanwhile."""
         assert self.link.conn is not None
+        await self.link.make_functions(self.link.prepared)  # committed before the batch that calls them
         task = asyncio.ensure_future(self.link.conn.execute(f"{text};\n{DECIDED}"))
         try:
             await asyncio.sleep(0)  # the task sends the query
@@ -488,7 +487,7 @@ class Applier(LinkView):
             await self.link.reload_tables()
             return
         if decision_function_lost(exc) and held and held[0].end_lsn != self._reloaded_for:
-            self._reloaded_for = held[0].end_lsn  # once per transaction, as a reload
+            self._reloaded_for = held[0].end_lsn  # once per transaction, as a reload; then sent again
             return
         if not is_conflict(exc) or not held or self.link.conn is None:
             raise exc

@@ -330,7 +330,11 @@ def _create(name: str, body: str) -> str:
         f"DO $pgmesh_do$ BEGIN IF pg_catalog.to_regprocedure({quote_literal(name + '(text[])')}) IS NULL THEN"
         f" BEGIN EXECUTE {quote_literal(f'CREATE FUNCTION {name}(VARIADIC pgmesh_a text[]) RETURNS boolean')}"
         f" || ' LANGUAGE plpgsql AS ' || {quote_literal(body)};"
-        " EXCEPTION WHEN duplicate_function OR unique_violation THEN NULL; END; END IF; END $pgmesh_do$"
+        " EXCEPTION WHEN duplicate_function OR unique_violation THEN NULL; END;"
+        # owned by pgmesh's schema's owner, not by the router's role (which may be dropped one day)
+        f" BEGIN EXECUTE pg_catalog.format('ALTER FUNCTION %s(text[]) OWNER TO %I', {quote_literal(name)},"
+        " (SELECT n.nspowner::regrole::text FROM pg_catalog.pg_namespace AS n WHERE n.nspname = 'pgmesh'));"
+        " EXCEPTION WHEN insufficient_privilege THEN NULL; END; END IF; END $pgmesh_do$"
     )
 
 

@@ -154,6 +154,8 @@ class Lanes:
         if not used:
             return LaneRun(0, False)
         self._seq += len(txns)
+        for lane in used:
+            await link.make_functions(lanes[lane].prepared)
         # Every lane's locks are held before any lane starts.
         reset = link.let_origin_go_sql()
         locks = {lane: [s for s, on in zip(seqs, lanes_of, strict=False) if on == lane] for lane in used}

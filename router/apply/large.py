@@ -225,6 +225,7 @@ class LargeApply:
             await link.load_tables()  # the target's schema may have changed since we looked
             segments = self._segments(piece, prelude, relations, first, last, setup, prepared)
         try:
+            await link.make_functions(prepared)
             if prelude:
                 await conn.execute("".join(f"{p};\n" for p in prelude))
             for segment in segments:

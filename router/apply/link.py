@@ -55,7 +55,8 @@ SELECT n.nspname, c.relname,
   (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
        SELECT jsonb_agg(a.attname ORDER BY k.ord)
        FROM unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum))), '[]')
+       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum), i.indimmediate)),
+     '[]')
      FROM pg_catalog.pg_index i
      WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL)::text,
   c.relkind = 'p',
@@ -128,6 +129,18 @@ class LinkSession:
         self.prepared = Prepared(self.decisions, after=self.prepared)
         self.ahead = {}
 
+    async def make_functions(self, prepared: Prepared) -> None:
+        """Create the decision functions `prepared`'s new statements call, on a session of their own,
+        committed before those statements are sent (router.apply.prepared: `creates`)."""
+        creates, prepared.creates = prepared.creates, []
+        if not creates:
+            return
+        conn = await open_session(self.target.dsn)
+        try:
+            await conn.execute(";\n".join(creates))
+        finally:
+            conn.terminate()
+
     async def read_source(self, query: str) -> Mapping[str, Any] | None:
         """One row read on the source node (router.apply.toast), on a session opened at first use."""
         if self.source_conn is None or self.source_conn.is_closed():
@@ -170,14 +183,15 @@ class LinkSession:
             types = {col: kind for col, kind, _ in columns}
             bases = {col: base for col, _, base in columns if base}  # of domain columns
             keys = json.loads(keys_json or "[]")
-            pk = next((tuple(cols) for primary, _, cols in keys if primary), ())
-            replident = next((tuple(cols) for _, ident, cols in keys if ident), ())
-            uniques = tuple(tuple(cols) for primary, _, cols in keys if not primary)
+            pk = next((tuple(cols) for primary, _, cols, _ in keys if primary), ())
+            replident = next((tuple(cols) for _, ident, cols, _ in keys if ident), ())
+            uniques = tuple(tuple(cols) for primary, _, cols, _ in keys if not primary)
             indexes: tuple[UniqueIndex, ...] = tuple((tuple(t), p) for t, p in json.loads(indexes_json))
             table = TargetTable(schema, name, frozenset(types), types, pk, uniques, partitioned=partitioned,
                                 bases=bases, indexes=indexes)
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
+            table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
             tables[(schema, name)] = table
         self.tables = tables
         self.ahead = {}  # built for the tables as they were
@@ -187,9 +201,10 @@ class LinkSession:
         self.drift = drift
 
     async def reload_tables(self) -> None:
-        """What the target has now, after DDL (applied or rolled back). Prepared statements stay: they
-        are keyed by the source's relation description, and a changed relation is a new one."""
+        """What the target has now, after DDL (applied or rolled back). The prepared statements start
+        again: their SQL follows the target's keys too (a single insert's ON CONFLICT names them)."""
         if self.connected:
+            self.forget_prepared()
             await self.load_tables()
 
     async def load_origins(self) -> tuple[dict[int, str], int | None]:

@@ -46,13 +46,18 @@ class Prepared:
     """
 
     __slots__ = (
-        "_counter", "_names", "_order", "_relations", "decisions", "functions", "insert_plans", "plans",
+        "_counter", "_names", "_order", "_relations", "creates", "decisions", "functions", "insert_plans",
+        "plans",
     )
 
     def __init__(self, decisions: Decisions | None = None, after: Prepared | None = None) -> None:
         """`after`: the session's previous cache, whose names are never used again here."""
         self.decisions = decisions  # makes the decision functions (None: guarded statements raise)
         self.functions: set[str] = set()  # decision functions this session made sure of
+        # their CREATEs not run yet: run on a session of their own and committed before the statements
+        # that call them are sent (router.apply.link.LinkSession.make_functions): never inside an applied
+        # transaction, whose catalog change could come before its origin in a streamed transaction
+        self.creates: list[str] = []
         self._names: dict[tuple[int, str, bytes], str] = {}
         # (id(relation), shape, row kinds) -> (name, parameter columns...): skips working out the
         # shape of a row seen before (ids stay unique: `_relations` keeps the relations alive)
@@ -97,7 +102,7 @@ class Prepared:
         if mark < len(self._order):
             self.plans.clear()  # some may name a statement forgotten here
             self.insert_plans.clear()
-            self.functions.clear()  # a CREATE among them was not sent either: made sure of again
+            self.functions.clear()  # made sure of again (harmless: each CREATE checks first)
         for key in self._order[mark:]:
             del self._names[key]
         del self._order[mark:]
@@ -165,7 +170,8 @@ def prepared_update(
         )
         statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
         if origin is not None and prepared.decisions is not None:
-            function = prepared.decisions.update(relation, table, sets, keys, out, prepared.functions)
+            decisions = prepared.decisions
+            function = decisions.update(relation, table, sets, keys, prepared.creates, prepared.functions)
             return _deciding(statement, f"${len(sets) + len(keys) + 1}", function, len(sets) + len(keys))
         return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
 
@@ -196,7 +202,7 @@ def prepared_delete(
         )
         statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
         if origin is not None and prepared.decisions is not None:
-            function = prepared.decisions.delete(relation, table, keys, out, prepared.functions)
+            function = prepared.decisions.delete(relation, table, keys, prepared.creates, prepared.functions)
             return _deciding(statement, f"${len(keys) + 1}", function, len(keys))
         return guard(statement, None if origin is None else f"${len(keys) + 1}")
 
@@ -271,14 +277,15 @@ def _plan_insert(
             f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
         )
         decisions = prepared.decisions
-        if decisions is not None and table.pk:
+        if decisions is not None and table.pk and not table.deferred:
             # a tombstone: its decision function says whether to insert; a row with the key: ON CONFLICT
             # locks it and the other function says whether to overwrite it (both only then)
             args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
-            deleted = decisions.insert_deleted(relation, table, out, prepared.functions)
-            exists_fn = decisions.insert_exists(relation, table, out, prepared.functions)
-            others = [c.name for c in cols if c.name not in table.pk] or [table.pk[0]]
-            sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in others)
+            deleted = decisions.insert_deleted(relation, table, prepared.creates, prepared.functions)
+            exists_fn = decisions.insert_exists(relation, table, prepared.creates, prepared.functions)
+            # every column, the key too: equal by its collation is not the same bytes (as the careful
+            # path writes the winning row whole)
+            sets = ", ".join(f"{quote_ident(c.name)} = excluded.{quote_ident(c.name)}" for c in cols)
             return (
                 f"INSERT INTO {table.qualified} AS {TABLE_ALIAS} ({names}) {_OVERRIDING} SELECT {picks}"
                 f" WHERE CASE WHEN {exists} THEN {deleted}(VARIADIC ARRAY[{args}]::text[]) ELSE true END"

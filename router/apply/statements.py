@@ -93,8 +93,8 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "columns", "compare", "indexes", "name", "partitioned", "pk", "qualified", "tombstone_key",
-        "types", "uniques",
+        "_fits", "columns", "compare", "deferred", "indexes", "name", "partitioned", "pk", "qualified",
+        "tombstone_key", "types", "uniques",
     )
 
     def __init__(
@@ -125,6 +125,7 @@ class TargetTable:
         self._fits: dict[int, Relation] = {}
         # the columns the tombstone trigger keys deletions by: the primary key, else every column
         self.tombstone_key = pk or tuple(self.types) or tuple(sorted(columns))
+        self.deferred = False  # the primary key is DEFERRABLE: no ON CONFLICT can name it
 
 
 def _literal(relation: Relation, row: TupleData, i: int) -> str:

@@ -51,7 +51,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CLOCK_SQL: Final = "SELECT pg_catalog.clock_timestamp()"
+# seconds since the Unix epoch, a float: a timestamptz would come back in the node's DateStyle, which a
+# client cannot always read (psycopg: ISO only)
+CLOCK_SQL: Final = "SELECT pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())"
 TRIES: Final = 5  # measurements per refresh; the one with the shortest round trip is kept
 REFRESH_S: Final = 10.0
 TIMEOUT_S: Final = 5.0  # connecting and measuring one node
@@ -90,7 +92,7 @@ async def measure(query: Query, clock: Callable[[], float] = time.time, tries: i
         sent = clock()
         rows = await query(CLOCK_SQL)
         received = clock()
-        found.append(sample(sent, rows[0][0].timestamp(), received))
+        found.append(sample(sent, float(rows[0][0]), received))
     chosen = best(found)
     assert chosen is not None  # tries >= 1
     return chosen

@@ -54,13 +54,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
 import psycopg
 
-from protocol.lsn import datetime_to_pg_us, format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
+from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import describe
 
@@ -88,7 +87,8 @@ NODE_TIMEOUT_S: Final = 60.0  # one node's part of a round at most (a hung node 
 
 # On a source: its clock, its flushed WAL position (read after the clock), its slot's confirmed position.
 SOURCE_SQL: Final = (
-    "SELECT pg_catalog.now(), pg_catalog.pg_current_wal_flush_lsn()::text, s.confirmed_flush_lsn::text"
+    "SELECT pg_catalog.date_part('epoch', pg_catalog.now()),"  # not in the node's DateStyle
+    " pg_catalog.pg_current_wal_flush_lsn()::text, s.confirmed_flush_lsn::text"
     " FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = %s"
 )
 PENDING_MAX: Final = 100  # a source's readings kept until its slot reaches them (the oldest go first)
@@ -295,9 +295,8 @@ class TombstonePruner:
     async def _read_caught_up(self, node: NodeConfig) -> None:
         rows = await self._query(node, SOURCE_SQL, [self.config.slot_name])
         if rows and rows[0][1] and rows[0][2]:
-            now: datetime = rows[0][0]
-            self.tracker.note_source(node.name, datetime_to_pg_us(now), parse_lsn(rows[0][1]),
-                                     parse_lsn(rows[0][2]))
+            at = unix_seconds_to_pg_us(float(rows[0][0]))
+            self.tracker.note_source(node.name, at, parse_lsn(rows[0][1]), parse_lsn(rows[0][2]))
 
     async def _prune(self, node: NodeConfig, links: list[LinkReport], stats: PruneStats) -> None:
         prefix = self.config.origin_name("")
