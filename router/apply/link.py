@@ -80,9 +80,9 @@ class LinkSession:
     """One link's main session on its target and its view of that target (see the module docstring)."""
 
     __slots__ = (
-        "ahead", "config", "conflicts", "conn", "decisions", "drift", "history_at", "installed_at", "name",
-        "origin", "origin_held", "prepared", "settings", "source", "source_conn", "source_origin", "stats",
-        "tables", "target",
+        "ahead", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "history_at",
+        "installed_at", "name", "origin", "origin_held", "prepared", "settings", "source", "source_conn",
+        "source_origin", "stats", "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -102,6 +102,7 @@ class LinkSession:
         self.conflicts: dict[tuple[str, str], int] = {}
         self.history_at: int | None = None  # conflict_history's last id counted (None: not read yet)
         self.source_conn: asyncpg.Connection | None = None  # opened to read a row there (read_source)
+        self.ddl_conn: asyncpg.Connection | None = None  # creates decision functions (make_functions)
         self.tables: dict[tuple[str, str], TargetTable] = {}
         self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self.source_origin: int | None = None
@@ -135,11 +136,14 @@ class LinkSession:
         creates, prepared.creates = prepared.creates, []
         if not creates:
             return
-        conn = await open_session(self.target.dsn)
+        if self.ddl_conn is None or self.ddl_conn.is_closed():
+            self.ddl_conn = await open_session(self.target.dsn)
         try:
-            await conn.execute(";\n".join(creates))
-        finally:
-            conn.terminate()
+            await self.ddl_conn.execute(";\n".join(creates))
+        except BaseException:
+            self.ddl_conn.terminate()
+            self.ddl_conn = None
+            raise
 
     async def read_source(self, query: str) -> Mapping[str, Any] | None:
         """One row read on the source node (router.apply.toast), on a session opened at first use."""
@@ -155,9 +159,10 @@ class LinkSession:
 
     async def close(self) -> None:
         """Close the main session (terminated when it does not close in 5 s), and the one on the source."""
-        if self.source_conn is not None:
-            self.source_conn.terminate()
-            self.source_conn = None
+        for other in (self.source_conn, self.ddl_conn):
+            if other is not None:
+                other.terminate()
+        self.source_conn = self.ddl_conn = None
         conn, self.conn = self.conn, None
         self.origin_held = False
         if conn is not None:

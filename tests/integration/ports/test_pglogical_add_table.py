@@ -56,6 +56,9 @@ async def test_add_table(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "INSERT INTO public.test_nosync(data) VALUES('b')")
         await execute(a.dsn(), 'INSERT INTO "strange.schema-IS".test_strangeschema VALUES(DEFAULT, DEFAULT)')
         await execute(a.dsn(), 'INSERT INTO "strange.schema-IS".test_strangeschema VALUES(DEFAuLT, DEFAULT)')
+        # b updates a's row 1 once it has it (the original runs its update after the sync)
+        row_1 = 'SELECT count(*) FROM "strange.schema-IS".test_strangeschema WHERE id = 1'
+        await wait_for(lambda: _has(b.dsn(), row_1, [(1,)]), "a's row 1 on b")
         await execute(b.dsn(), 'INSERT INTO "strange.schema-IS".test_strangeschema VALUES(3, DEFAULT)')
         await execute(b.dsn(), 'INSERT INTO "strange.schema-IS".test_strangeschema VALUES(4, DEFAULT)')
         await execute(b.dsn(), 'UPDATE "strange.schema-IS".test_strangeschema'
@@ -87,3 +90,7 @@ async def test_add_table(mesh: MeshFactory) -> None:
         gone = "SELECT count(*) = 0 FROM pg_namespace WHERE nspname = 'strange.schema-IS'"
         await wait_for(lambda: _true(b, gone), "the schema dropped on b")
         healthy(router)
+
+
+async def _has(dsn: str, query: str, expected: list[tuple[object, ...]]) -> bool:
+    return await fetch(dsn, query) == expected
