@@ -141,6 +141,8 @@ async def test_row_filter_scenario_without_filters(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "UPDATE basic_dml SET other = id, data = data || id::text")
         await execute(a.dsn(), """UPDATE basic_dml SET other = id,
                                   "SomeThing" = "SomeThing" - '10 seconds'::interval WHERE id < 3""")
+        await wait_converged(m.nodes, ["basic_dml"])  # b updates a's rows as a left them (the original
+        # waits for the replay between steps; b's update on a half-applied state wins by its later time)
         await execute(b.dsn(), """UPDATE basic_dml SET other = id,
                                   "SomeThing" = "SomeThing" + '10 seconds'::interval WHERE id > 3""")
         await wait_converged(m.nodes, ["basic_dml"])
