@@ -49,7 +49,8 @@ WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
 _TABLES_QUERY = """
 SELECT n.nspname, c.relname,
   (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod),
-       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END) ORDER BY a.attnum)
+       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END, a.attidentity = 'a')
+       ORDER BY a.attnum)
      FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
   (SELECT coalesce(jsonb_agg(jsonb_build_array(i.indisprimary, i.indisreplident, (
@@ -185,8 +186,8 @@ class LinkSession:
             _TABLES_QUERY
         ):
             columns = json.loads(columns_json or "[]")
-            types = {col: kind for col, kind, _ in columns}
-            bases = {col: base for col, _, base in columns if base}  # of domain columns
+            types = {col: kind for col, kind, _, _ in columns}
+            bases = {col: base for col, _, base, _ in columns if base}  # of domain columns
             keys = json.loads(keys_json or "[]")
             pk = next((tuple(cols) for primary, _, cols, _ in keys if primary), ())
             replident = next((tuple(cols) for _, ident, cols, _ in keys if ident), ())
@@ -197,6 +198,7 @@ class LinkSession:
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
             table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
+            table.always = frozenset(col for col, _, _, always in columns if always)  # GENERATED ALWAYS
             tables[(schema, name)] = table
         self.tables = tables
         self.ahead = {}  # built for the tables as they were

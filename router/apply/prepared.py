@@ -277,15 +277,16 @@ def _plan_insert(
             f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
         )
         decisions = prepared.decisions
-        if decisions is not None and table.pk and not table.deferred:
+        written = [c.name for c in cols if c.name not in table.always]
+        if decisions is not None and table.pk and not table.deferred and written:
             # a tombstone: its decision function says whether to insert; a row with the key: ON CONFLICT
             # locks it and the other function says whether to overwrite it (both only then)
             args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
             deleted = decisions.insert_deleted(relation, table, prepared.creates, prepared.functions)
             exists_fn = decisions.insert_exists(relation, table, prepared.creates, prepared.functions)
             # every column, the key too: equal by its collation is not the same bytes (as the careful
-            # path writes the winning row whole)
-            sets = ", ".join(f"{quote_ident(c.name)} = excluded.{quote_ident(c.name)}" for c in cols)
+            # path writes the winning row whole); not an identity GENERATED ALWAYS (no UPDATE may set it)
+            sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in written)
             return (
                 f"INSERT INTO {table.qualified} AS {TABLE_ALIAS} ({names}) {_OVERRIDING} SELECT {picks}"
                 f" WHERE CASE WHEN {exists} THEN {deleted}(VARIADIC ARRAY[{args}]::text[]) ELSE true END"
