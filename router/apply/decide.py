@@ -27,7 +27,7 @@ and re-creating a row whose unchanged TOASTed values pgoutput did not send.
 
 The remote version comes from the session: `pgmesh.source`, `pgmesh.target`, `pgmesh.source_origin`,
 `pgmesh.origin_prefix` (set once per session, `session_settings`) and `pgmesh.remote` (set with each
-transaction's origin set-up, `remote_setting`).
+transaction's origin set-up, router.apply.statements.setup_args).
 
 Must not: connect or run anything (callers send the SQL), or decide anything in Python.
 """
@@ -35,8 +35,7 @@ Must not: connect or run anything (callers send the SQL), or decide anything in 
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
 from protocol.messages import Relation
@@ -45,7 +44,6 @@ from router.apply.statements import (
     TABLE_ALIAS,
     TOMBSTONE_ALIAS,
     TargetTable,
-    commit_time_literal,
     key_lock,
     quote_ident,
     quote_literal,
@@ -54,7 +52,7 @@ from router.apply.statements import (
 )
 from router.config import Config
 
-__all__ = ["Decisions", "remote_setting", "session_settings"]
+__all__ = ["Decisions", "session_settings"]
 
 T, TS = TABLE_ALIAS, TOMBSTONE_ALIAS
 _BODY: Final = "$pgmesh_d$"
@@ -81,13 +79,6 @@ def session_settings(source: str, target: str, source_origin: int | None, origin
     return "SELECT " + ", ".join(
         f"pg_catalog.set_config({quote_literal(k)}, {quote_literal(v)}, false)" for k, v in pairs.items()
     )
-
-
-def remote_setting(lsn: str, commit_time: int, seen: Sequence[tuple[str, int]]) -> str:
-    """`pgmesh.remote` for one transaction: source LSN | commit time | what the source had seen of
-    other nodes when it committed (JSON node -> commit time; router.stream.fanout sets `seen`)."""
-    views = json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
-    return f"{lsn}|{commit_time_literal(commit_time)}|{views}"
 
 
 class Decisions:

@@ -276,12 +276,17 @@ def delete_statement(relation: Relation, table: TargetTable, change: Delete) -> 
 
 def setup_args(txn: Transaction, origin_lsn: int | None) -> list[str]:
     """The origin's position and commit time for `txn`'s target transaction, and the remote version
-    the decision functions read (`pgmesh.remote`, router.apply.decide.remote_setting), as SQL literals."""
+    the decision functions read (`pgmesh.remote`, router.apply.decide reads it), as SQL literals."""
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
     when = commit_time_literal(txn.commit_time)
-    seen = txn.seen
-    views = json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
-    return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{views}")]
+    return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{_views(txn.seen)}")]
+
+
+@functools.lru_cache(maxsize=16)
+def _views(seen: tuple[tuple[str, int], ...]) -> str:
+    """What the source had seen of other nodes (router.stream.seen), as JSON node -> commit time. The
+    fan-out shares one tuple until an echo changes it: formatted once, not once per transaction."""
+    return json.dumps({node: commit_time_literal(us) for node, us in seen}) if seen else ""
 
 
 def remote_setting_sql(args: list[str]) -> str:
