@@ -579,6 +579,7 @@ class Applier(LinkView):
             await link.conn.execute("ROLLBACK")
             # else the failed transaction's origin LSN stays, for a later commit without a setup to record
             await link.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
+            await link.deallocate_stale()
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
             self._held = [whole_transaction(t) for t in self._held]

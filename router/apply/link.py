@@ -131,6 +131,18 @@ class LinkSession:
         self.prepared = Prepared(self.decisions, after=self.prepared)
         self.ahead = {}
 
+    async def deallocate_stale(self) -> None:
+        """Drop the main session's statements no cache names any more (`forget_prepared` leaves them):
+        else every rolled-back batch would leave its statements behind for the session's life."""
+        if not self.connected:
+            return
+        assert self.conn is not None
+        live = set(self.prepared.names())
+        rows = await self.conn.fetch(_OURS)
+        stale = [str(r[0]) for r in rows if str(r[0]) not in live]
+        if stale:
+            await self.conn.execute(";\n".join(f"DEALLOCATE {name}" for name in stale))
+
     async def make_functions(self, prepared: Prepared) -> None:
         """Create the decision functions `prepared`'s new statements call, on a session of their own,
         committed before those statements are sent (router.apply.prepared: `creates`)."""
@@ -212,6 +224,7 @@ class LinkSession:
         again: their SQL follows the target's keys too (a single insert's ON CONFLICT names them)."""
         if self.connected:
             self.forget_prepared()
+            await self.deallocate_stale()
             await self.load_tables()
 
     async def load_origins(self) -> tuple[dict[int, str], int | None]:
@@ -296,6 +309,7 @@ class LinkSession:
 # Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
 # applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).
 DECIDED = "SELECT FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
+_OURS = "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name LIKE 'pgmesh\\_%'"
 _RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
 _HISTORY_NOW = ("SELECT CASE WHEN pg_catalog.to_regclass('pgmesh.conflict_history') IS NOT NULL THEN"
                 " (SELECT pg_catalog.max(id) FROM pgmesh.conflict_history) END")

@@ -95,6 +95,10 @@ class Prepared:
         out.append(f"PREPARE {name} AS {body}")
         return name
 
+    def names(self) -> list[str]:
+        """The names of the statements this cache holds."""
+        return list(self._names.values())
+
     def mark(self) -> int:
         return len(self._order)
 
