@@ -181,6 +181,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         first streamed row. Not under `origin_name("")`'s prefix: no progress is kept under it."""
         return f"pgmeshearly_{self.cluster.name}_{source}"
 
+    def recorder_origin_name(self) -> str:
+        """The origin a node's tombstone recorder (router.conflicts.recorder) writes under on that node:
+        its writes are then echoes in the node's stream. Not under `origin_name("")`'s prefix."""
+        return f"pgmeshrec_{self.cluster.name}"
+
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
             if node.name == name:

@@ -91,25 +91,31 @@ class LinkProgress:
 
 
 class SourceProgress:
-    """All links out of one source."""
+    """All links out of one source, and its tombstone recorder (router.conflicts.recorder): a link from
+    the source to itself that takes only the source's own transactions with deletes. The source is
+    confirmed only past what the recorder has durably recorded, as past what every link has applied."""
 
-    __slots__ = ("links", "seen", "source")
+    __slots__ = ("links", "recorder", "seen", "source")
 
-    def __init__(self, source: str, links: list[LinkProgress]) -> None:
+    def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None) -> None:
         self.source = source
         self.links = links
-        self.seen = min((link.flushed for link in links), default=0)
+        self.recorder = recorder
+        self.seen = min((link.flushed for link in self._all()), default=0)
+
+    def _all(self) -> list[LinkProgress]:
+        return self.links if self.recorder is None else [*self.links, self.recorder]
 
     def start_position(self) -> int:
-        """Where to (re)start reading the source: the least durable link."""
-        return min((link.flushed for link in self.links), default=0)
+        """Where to (re)start reading the source: the least durable link (or the recorder)."""
+        return min((link.flushed for link in self._all()), default=0)
 
     def confirmable(self) -> int:
-        return min((link.durable(self.seen) for link in self.links), default=self.seen)
+        return min((link.durable(self.seen) for link in self._all()), default=self.seen)
 
     def on_seen(self, end_lsn: int) -> None:
         self.seen = max(self.seen, end_lsn)
-        for link in self.links:
+        for link in self._all():
             link.passed(end_lsn)
 
     def rewind_position(self) -> int | None:

@@ -5,10 +5,12 @@ installation of:
 
 - `pgmesh.conflict_history`: one row per conflict decided on this node (written by the applier);
 - `pgmesh.tombstones` `(table_name, key text[], xid xid8)`: the last deletion of each key, written by
-  the `pgmesh.tombstone()` trigger, so that "no row here" can be told apart from "deleted, at this
-  version" (the deleting transaction's commit time and origin come from `xid`);
-- the `pgmesh_tombstone` AFTER DELETE trigger on every replicated table, enabled ALWAYS so that it also
-  fires for the router's replicated deletes (under `session_replication_role = replica`);
+  the `pgmesh.tombstone()` trigger or the recorder, so that "no row here" can be told apart from
+  "deleted, at this version" (the deleting transaction's commit time and origin come from `xid`);
+- the `pgmesh_tombstone` AFTER DELETE trigger on every replicated table, enabled REPLICA (it fires for
+  the router's replicated deletes, under `session_replication_role = replica`; the node's own deletes are
+  recorded by the router from its decoded stream, router.conflicts.recorder, off the application's write
+  path) or, where the stream does not carry the tombstone key, ALWAYS (`trigger_fires`);
 - `pgmesh.expect_origin(xid, oid)` and `pgmesh.expect_rows(bigint, bigint)`: guards the applier's
   statements call, raising SQLSTATE PGM01 / PGM02 when a row does not fit the change (a conflict).
   expect_origin also accepts a row written by the calling transaction itself (top level, not in a
@@ -44,6 +46,7 @@ __all__ = [
     "choose_key_columns",
     "install_conflict_catalog",
     "tombstone_keys",
+    "trigger_fires",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ _COMMENT_PREFIX: Final = "pgmesh ddl "
 # sql/<name>.sql beside this module (package data).
 _TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = tuple(
     (file.removesuffix(".sql"), tuple(sql.SQL(text) for text in statements(__name__, file)))
-    for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql")
+    for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql", "tombstones_recorded.sql")
 )
 
 
@@ -132,6 +135,19 @@ def choose_key_columns(
     if replident == "f" and columns:
         return tuple(columns)
     return None
+
+
+def trigger_fires(
+    replident: str, primary: Sequence[str], identity: Sequence[str], key: Sequence[str]
+) -> str:
+    """When the tombstone trigger fires: REPLICA (only for the router's replicated deletes) when the
+    decoded stream carries `key` for every delete (REPLICA IDENTITY FULL, DEFAULT with a primary key, or
+    a replica identity index holding the key): the router records the node's own deletes from it
+    (router.conflicts.recorder). Else ALWAYS: the application's deletes pay the trigger. The same rule as
+    ddl_table's in router/ddl/sql/capture.sql."""
+    if replident == "f" or (replident == "d" and primary) or (replident == "i" and set(key) <= set(identity)):
+        return "REPLICA"
+    return "ALWAYS"
 
 
 def _trigger_args(raw: bytes | None) -> tuple[str, ...] | None:
@@ -201,9 +217,11 @@ def _create_trigger(table: TableName, key: Sequence[str]) -> sql.Composed:
 
 
 async def _ensure_trigger(
-    conn: Conn, table: TableName, key: tuple[str, ...], have: tuple[str, ...] | None, enabled: str | None
+    conn: Conn, table: TableName, key: tuple[str, ...], have: tuple[str, ...] | None, enabled: str | None,
+    fires: str,
 ) -> str | None:
-    """Create, re-create (other key columns) or re-enable (ALWAYS) one table's trigger; what was done."""
+    """Create, re-create (other key columns) or re-enable (`fires`: REPLICA or ALWAYS) one table's
+    trigger; what was done."""
     ident = sql.Identifier(*table)
     trigger = sql.Identifier(TRIGGER_NAME)
     what: str | None = None
@@ -216,9 +234,10 @@ async def _ensure_trigger(
             what = f"created tombstone trigger on {_name(table)} (key {', '.join(key)})"
         await conn.execute(_create_trigger(table, key))
         enabled = None
-    if enabled != "A":
-        await conn.execute(sql.SQL("ALTER TABLE {} ENABLE ALWAYS TRIGGER {}").format(ident, trigger))
-        what = what or f"enabled tombstone trigger ALWAYS on {_name(table)}"
+    if enabled != fires[0]:
+        enable = sql.SQL("ALTER TABLE {} ENABLE {} TRIGGER {}")
+        await conn.execute(enable.format(ident, sql.SQL(fires), trigger))
+        what = what or f"enabled tombstone trigger {fires} on {_name(table)}"
     return what
 
 
@@ -243,7 +262,8 @@ async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]
                 relation=_name(table),
                 hint=f"add a primary key, or ALTER TABLE {ident} REPLICA IDENTITY FULL",
             )
-        line = await _ensure_trigger(conn, table, key, _trigger_args(tgargs), enabled)
+        fires = trigger_fires(replident, primary, identity, key)
+        line = await _ensure_trigger(conn, table, key, _trigger_args(tgargs), enabled, fires)
         if line:
             logger.debug("%s", line)
             done.append(line)

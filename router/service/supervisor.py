@@ -17,7 +17,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import msgspec
 import psycopg
@@ -26,14 +25,17 @@ from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.state import LinkState, LinkStats
-from router.cluster.clocks import ClockWatch, NodeClock
-from router.config import Config, NodeConfig
+from router.cluster.clocks import ClockWatch
+from router.config import Config
 from router.conflicts.pruning import TombstonePruner
+from router.conflicts.recorder import RECORDED_SQL, TombstoneRecorder
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.metrics import Metrics
+from router.service.monitor import MonitorTarget
+from router.service.status import LinkStatus, RecorderStatus, SourceStatus, StatusReport
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
@@ -45,89 +47,6 @@ from router.stream.state import SourceState
 __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
 logger = logging.getLogger(__name__)
-
-
-class LinkStatus(msgspec.Struct, frozen=True):
-    source: str
-    target: str
-    state: str
-    applied_lsn: str
-    flushed_lsn: str
-    last_commit_time: str | None
-    lag_bytes: int
-    lag_seconds: float
-    queued: int
-    applied_transactions: int
-    applied_rows: int
-    retries: int
-    last_error: str | None
-
-
-class SourceStatus(msgspec.Struct, frozen=True):
-    node: str
-    state: str
-    received_lsn: str
-    confirmed_lsn: str
-    transactions: int
-    echoes: int
-    reconnects: int
-    last_error: str | None
-
-
-class StatusReport(msgspec.Struct, frozen=True):
-    cluster: str
-    running: bool
-    links: list[LinkStatus]
-    sources: list[SourceStatus]
-    divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
-    schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
-    clocks: list[NodeClock] = msgspec.field(default_factory=list)  # router.cluster.clocks: offsets
-
-
-class _Target:
-    """The router's monitoring connection to one node as a target (flushed origin progress)."""
-
-    def __init__(self, config: Config, node: NodeConfig) -> None:
-        self.config = config
-        self.node = node
-        self.conn: psycopg.AsyncConnection[Any] | None = None
-        self.error: str | None = None
-
-    async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        if self.conn is None or self.conn.closed:
-            self.conn = await psycopg.AsyncConnection.connect(
-                self.node.dsn, autocommit=True, application_name="pgmesh-monitor", connect_timeout=5
-            )
-        cur = await self.conn.execute(sql, params)
-        return await cur.fetchall() if cur.description else []
-
-    async def origin_progress(self) -> dict[str, int]:
-        """source node -> flushed position of its origin on this target."""
-        prefix = self.config.origin_name("")
-        rows = await self.query(
-            "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
-            " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)",
-            [prefix],
-        )
-        return {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
-
-    async def paused_sources(self) -> dict[str, str | None]:
-        rows = await self.query("SELECT source, reason FROM pgmesh.links WHERE paused")
-        return {r[0]: r[1] for r in rows}
-
-    async def set_paused(self, source: str, paused: bool, reason: str | None) -> None:
-        await self.query(
-            "INSERT INTO pgmesh.links (source, paused, reason, updated) VALUES (%s, %s, %s, now())"
-            " ON CONFLICT (source) DO UPDATE SET paused = excluded.paused, reason = excluded.reason,"
-            " updated = now()",
-            [source, paused, reason],
-        )
-
-    async def close(self) -> None:
-        if self.conn is not None:
-            with contextlib.suppress(Exception):
-                await self.conn.close()
-
 
 
 def _freeze_startup_objects() -> None:
@@ -165,7 +84,7 @@ class Router:
         )
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self._on_applied_hook = on_applied
-        self.targets = {n.name: _Target(config, n) for n in config.nodes}
+        self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
         self.pumps: dict[str, SourcePump] = {}
         self.progress: dict[str, SourceProgress] = {}
@@ -181,9 +100,12 @@ class Router:
         # Schema drift (router.ddl.drift): the members' replicated tables compared, on connections of its own
         self.drift = DriftWatch({}, publication=config.publication_name, slot=config.slot_name,
                                 on_change=self._drift_changed)
-        self._drift_targets: list[_Target] = []
+        self._drift_targets: list[MonitorTarget] = []
         self.clocks = ClockWatch(config)  # each node's clock offset; the links' guard and hold
         self._ddl_seen = 0  # DDL commands replayed by every link, when the drift watch was last poked
+        # Each node's tombstone recorder (router.conflicts.recorder) and where it had got to at start
+        self.recorders: dict[str, TombstoneRecorder] = {}
+        self._recorded: dict[str, int | None] = {}
 
     # ------------------------------------------------------------ building
 
@@ -220,6 +142,7 @@ class Router:
             try:
                 progress = await target.origin_progress()
                 held = await target.paused_sources()
+                recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
             except psycopg.OperationalError as exc:
@@ -230,6 +153,7 @@ class Router:
                 continue
             except psycopg.Error as exc:
                 raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
+            self._recorded[name] = parse_lsn(recorded[0][0]) if recorded else None
             for source in self.config.node_names:
                 if source == name or source in self.not_members:
                     continue
@@ -249,6 +173,7 @@ class Router:
         self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
     ) -> None:
         queue_max = self.config.replication.queue_max_transactions
+        self.recorders = {}
         self.clocks = ClockWatch(self.config)
         members = [n for n in self.config.nodes if n.name not in self.not_members]
         self.pruner = TombstonePruner(self.config, members, lambda: self.appliers, metrics=self.metrics,
@@ -277,15 +202,23 @@ class Router:
                 links.append(link)
                 queues[target_node.name] = queue
                 self.appliers[key] = applier
-            progress = SourceProgress(source_node.name, links)
-            self._drift_targets.append(_Target(self.config, source_node))
+            start = self._recorded.get(source_node.name)
+            if start is None:  # never recorded (or the node is down): from where its links are
+                start = min((link.flushed for link in links), default=0)
+            recording = LinkProgress(source_node.name, source_node.name, start)
+            recorder_queue = LinkQueue(queue_max)
+            self.recorders[source_node.name] = TombstoneRecorder(self.config, source_node, recording,
+                                                                 recorder_queue)
+            progress = SourceProgress(source_node.name, links, recording)
+            self._drift_targets.append(MonitorTarget(self.config, source_node))
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
                 options=self.source_options, start_lsn=progress.start_position(), clock=self.clock,
                 spool=self.spool,
             )
             self.progress[source_node.name] = progress
-            self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins)
+            self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
+                                                      recorder=recorder_queue)
         self.drift = DriftWatch(
             {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
             slot=self.config.slot_name, on_change=self._drift_changed,
@@ -336,6 +269,8 @@ class Router:
             drift = group.create_task(self.drift.run(), name="schema drift")
             clocks = group.create_task(self.clocks.run(), name="clocks")
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
+            recorders = [group.create_task(r.run(), name=f"tombstones {r.node.name}")
+                         for r in self.recorders.values()]
             self.started.set()
             waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
             try:
@@ -343,7 +278,7 @@ class Router:
             finally:
                 for waiter in waits:
                     waiter.cancel()
-            await _cancel_all([drift, clocks, pruner], "schema drift, clocks and tombstone pruning")
+            await _cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
             await self._shutdown(pump_tasks, applier_tasks, ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
@@ -367,7 +302,7 @@ class Router:
         self._drift_targets = []
         if self._reload is not None:
             self.config = self._reload()
-        self.targets = {n.name: _Target(self.config, n) for n in self.config.nodes}
+        self.targets = {n.name: MonitorTarget(self.config, n) for n in self.config.nodes}
         self.appliers, self.pumps, self.progress, self._exported = {}, {}, {}, {}
         logger.info("cluster %s: released; starting again", self.config.cluster.name)
         return True
@@ -556,6 +491,8 @@ class Router:
         return StatusReport(
             self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers(),
             [d.describe() for d in self.drift.drifted.values()], self.clocks.report(),
+            [RecorderStatus(node, format_lsn(r.progress.flushed), r.recorded, r.late, r.error)
+             for node, r in self.recorders.items()],
         )
 
     @staticmethod

@@ -10,7 +10,9 @@ have those transactions skip them. A transaction that spilled to disk carries a 
 it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
 A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
 attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.
-Every echo also updates the source's `SeenVersions` (router.stream.seen), and every transaction handed
+The source's own committed transactions that delete also go, in commit order, to the queue of its tombstone
+recorder (router.conflicts.recorder; backpressure when it is full, never a detach). Every echo also updates
+the source's `SeenVersions` (router.stream.seen), and every transaction handed
 out (announced, handed out at its first spill, or whole) carries its vector as it stood then
 (`Transaction.seen`, set in place: one shared tuple, no copy of the transaction).
 Owns no database connection and no clock.
@@ -57,6 +59,7 @@ class SourcePump:
         *,
         on_echo: Callable[[Transaction], None] | None = None,
         origins: Mapping[str, str] | None = None,
+        recorder: LinkQueue | None = None,
     ) -> None:
         """`origins`: replication origin name -> node name (router.stream.seen.origin_nodes), for
         the vector of what this source had applied from each node; without it, every `seen` stays ()."""
@@ -64,6 +67,9 @@ class SourcePump:
         self.stats = source.stats
         self.progress = progress
         self.queues = queues  # target node -> queue
+        # The queue of the source's tombstone recorder (progress.recorder): the source's own committed
+        # transactions with deletes, in commit order, never detached (it waits for room instead)
+        self.recorder = recorder
         self._on_echo = on_echo
         self.seen = SeenVersions(origins or {}, own=source.node)
         self._reattach: list[LinkProgress] = []
@@ -113,6 +119,7 @@ class SourcePump:
                 spill.release()  # the source's, held from the announcement to this hand-out
 
     async def _dispatch_one(self, txn: Transaction) -> None:
+        await self._to_recorder(txn)
         spill = txn.spill
         if spill is not None and spill.early and spill.final is txn:
             # The commit of a transaction handed out at its first spill: the links that took it then
@@ -137,6 +144,21 @@ class SourcePump:
         if spill is not None and spill.early:
             return  # handed out before its commit: seen when the commit comes (above)
         self.progress.on_seen(txn.end_lsn)
+
+    async def _to_recorder(self, txn: Transaction) -> None:
+        """Hand a committed transaction of the source's own that deletes to its tombstone recorder."""
+        link = self.progress.recorder
+        if self.recorder is None or link is None or txn.origin is not None or not link.wants(txn.end_lsn):
+            return
+        if txn.spill is not None and txn.spill.early and txn.spill.final is not txn:
+            return  # handed out before its commit: the recorder takes it at the commit
+        if not (txn.spilled or any(isinstance(c, Delete) for c in txn.changes)):
+            return
+        if txn.spill is not None:
+            txn.spill.acquire()  # the recorder releases it
+        while not self.recorder.offer(txn):
+            await self.recorder.wait_room()
+        link.enqueued = txn.end_lsn
 
     async def _dispatch_to_links(self, txn: Transaction) -> None:
         if txn.origin is not None:

@@ -30,7 +30,7 @@ from router.config import Config, parse_config
 from router.conflicts.catalog import TOMBSTONE_SETTINGS, tombstone_keys
 from router.errors import ConfigError
 from router.ops.control import cmd_conflicts
-from router.testing.mesh import free_port
+from router.testing.mesh import free_port, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 
 Nodes = Callable[..., list[Any]]
@@ -182,14 +182,15 @@ async def test_init_creates_history_tombstones_guards_and_triggers_once(mesh: Me
         assert wanted >= {"TimeZone=UTC", "DateStyle=ISO, YMD", "IntervalStyle=postgres"}
         assert "extra_float_digits=3" in wanted
         assert set(functions["pgmesh.tombstone()"][2]) >= wanted
-        # one trigger per replicated table, enabled ALWAYS; the partition has the root's clone
+        # one trigger per replicated table, enabled REPLICA (the stream carries each key: the router records
+        # the node's own deletes); the partition has the root's clone
         assert [(t[1], t[2], t[3]) for t in state["triggers"]] == [
-            ("ident", "A", False),
-            ("items", "A", False),
-            ("loose", "A", False),
-            ("sales.events", "A", False),
-            ("sales.events_2024", "A", True),
-            ("stamps", "A", False),
+            ("ident", "R", False),
+            ("items", "R", False),
+            ("loose", "R", False),
+            ("sales.events", "R", False),
+            ("sales.events_2024", "R", True),
+            ("stamps", "R", False),
         ]
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             assert await tombstone_keys(conn) == KEYS
@@ -208,7 +209,7 @@ async def test_init_repairs_triggers_and_functions_that_drifted(mesh: MeshFactor
     a = nodes[0].dsn()
     # Drift behind pgmesh's back (its DDL event trigger, which would repair both at once, switched off
     # for the session): loose gets a primary key (its deletions are keyed by it from now on), and
-    # the trigger on items is no longer ALWAYS.
+    # the trigger on items is no longer REPLICA.
     behind = "SET pgmesh.ddl_inner = on; "
     for node in nodes:
         await execute(node.dsn(), behind + "ALTER TABLE loose ALTER x SET NOT NULL, ADD PRIMARY KEY (x)")
@@ -219,14 +220,14 @@ async def test_init_repairs_triggers_and_functions_that_drifted(mesh: MeshFactor
 
     assert "node a: re-created tombstone trigger on public.loose (key x, y, d -> x)" in lines
     assert "node b: re-created tombstone trigger on public.loose (key x, y, d -> x)" in lines
-    assert "node a: enabled tombstone trigger ALWAYS on public.items" in lines
+    assert "node a: enabled tombstone trigger REPLICA on public.items" in lines
     assert "node a: replaced functions pgmesh.expect_rows (new definition)" in lines
     assert not any(
         line.startswith("node b: enabled") or "replaced" in line for line in lines if "node b" in line
     )
     assert (
         await rows(a, "SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'pgmesh_tombstone'")
-        == [("A",)] * 6
+        == [("R",)] * 6
     )
 
     excluded = config_for("fix", [(n.name, n.dsn()) for n in nodes], exclude="items")
@@ -267,11 +268,23 @@ async def test_tombstone_trigger_records_local_and_replicated_deletes(mesh: Mesh
             )
         after = (await (await conn.execute(clock)).fetchall())[0][0]
 
-    tombs = await rows(
-        a,
+    # The application's deletes wrote no tombstone (the trigger fires REPLICA): the router records them
+    # from a's decoded stream, under the deleting transaction's xid, in the same text.
+    query = (
         "SELECT table_name, key, xid::text, extract(epoch FROM pg_xact_commit_timestamp(xid::xid))"
-        " FROM pgmesh.tombstones ORDER BY table_name, key",
+        " FROM pgmesh.tombstones ORDER BY table_name, key"
     )
+    assert await rows(a, query) == []
+    async with running_router(config, admin=False) as router:
+
+        async def recorded() -> bool:
+            return len(await rows(a, query)) == 5
+
+        await wait_for(recorded, "a's own deletes recorded")
+        await wait_for(lambda: router.recorders["a"].progress.flushed >= router.recorders["a"].progress.enqueued,
+                       "the recorder's position durable")
+    assert (await rows(a, "SELECT position FROM pgmesh.tombstones_recorded"))[0][0] is not None
+    tombs = await rows(a, query)
     assert [(t, k) for t, k, _, _ in tombs] == [
         ("public.ident", ["2024-02-03", "7"]),
         ("public.items", ["1"]),

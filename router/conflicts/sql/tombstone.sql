@@ -1,4 +1,8 @@
--- Trigger function of pgmesh_tombstone (AFTER DELETE, ALWAYS): records the deleted row's key in tombstones.
+-- Trigger function of pgmesh_tombstone (AFTER DELETE): records the deleted row's key in tombstones. Enabled
+-- REPLICA where the node's own deletes are recorded from its decoded stream (router/conflicts/recorder.py:
+-- the stream carries the key), so it fires for the router's replicated deletes only; ALWAYS where the
+-- stream does not carry the key (a replica identity index other than the primary key). The recorder's own
+-- sessions set pgmesh.recording = 'y': the trigger then records nothing (the recorder writes the key itself).
 -- Created, or replaced when its text changed (a fingerprint of it in the function's comment), by
 -- router/conflicts/catalog.py (install_conflict_catalog), which fills {schema} with pgmesh's schema,
 -- quoted as an identifier.
@@ -11,6 +15,9 @@ DECLARE
   qualified text := TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME;
   deleted_key text[];
 BEGIN
+  IF pg_catalog.current_setting('pgmesh.recording', true) = 'y' THEN
+    RETURN NULL;
+  END IF;
   IF root IS NOT NULL AND root <> TG_RELID THEN  -- a partition: record it under the root's name
     SELECT n.nspname || '.' || c.relname INTO qualified
       FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace

@@ -177,7 +177,7 @@ $body$;
 -- itself set that replica identity: then it is refused. A primary key arriving on a table pgmesh made
 -- FULL makes it DEFAULT again. The tombstone key is the primary key (deferrable too), else the replica
 -- identity index, else every column; when it changes, the table's old tombstones go (their keys name
--- other columns).
+-- other columns). The trigger fires REPLICA when the stream carries that key, else ALWAYS.
 CREATE OR REPLACE FUNCTION {schema}.ddl_table(rel oid) RETURNS void LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
@@ -295,7 +295,17 @@ BEGIN
   EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW '
                  'EXECUTE FUNCTION {schema}.tombstone(%s)',
                  nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
-  EXECUTE format('ALTER TABLE %I.%I ENABLE ALWAYS TRIGGER pgmesh_tombstone', nsp, tab);
+  -- REPLICA where the stream carries the key (the router records the node's own deletes from it,
+  -- router/conflicts/recorder.py), ALWAYS where it does not (router.conflicts.catalog.trigger_fires)
+  EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone', nsp, tab,
+                 CASE WHEN ident = 'f' OR ident = 'd' AND EXISTS (
+                        SELECT 1 FROM pg_index i WHERE i.indrelid = rel AND i.indisprimary)
+                        OR ident = 'i' AND key <@ (
+                        SELECT array_agg(a.attname::text)
+                          FROM pg_index i CROSS JOIN unnest(i.indkey::int2[]) AS k(attnum)
+                          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                         WHERE i.indrelid = rel AND i.indisreplident)
+                      THEN 'REPLICA' ELSE 'ALWAYS' END);
   IF kind = 'p' THEN
     PERFORM {schema}.truncate_triggers(rel);
   END IF;

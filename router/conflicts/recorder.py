@@ -1,0 +1,381 @@
+"""The tombstone recorder: a node's own deletes recorded from its decoded stream, off the application's path.
+
+The conflict path needs, on node T, the last deletion of each key (`pgmesh.tombstones`, version = the
+deleting transaction's commit time and origin, from its xid). The router's own replicated deletes are
+recorded by the `pgmesh_tombstone` trigger, enabled REPLICA (it fires under the appliers'
+`session_replication_role = replica`, in the applying transaction). The node's own deletes, which the
+application waits for, are recorded here instead: the router decodes every one of them anyway. One
+`TombstoneRecorder` per node takes that node's own committed transactions that delete (the fan-out,
+router.stream.fanout, hands it them in commit order; spilled ones are read back from the spool) and,
+per table whose trigger fires REPLICA (router.conflicts.catalog.trigger_fires: the stream carries the
+key), writes in one transaction on the node:
+
+1. the table's advisory lock, exclusive (router.apply.statements.table_lock): every applier decision
+   on a key of the table holds it shared, taken in a statement before the one that reads tombstones,
+   until its transaction ends. So every applier transaction that decided on this table without these
+   tombstones has committed before step 3 reads, and every later one reads them;
+2. the tombstones, `(table, key, xid8 of the deleting transaction)`, each kept only when newer than the
+   one there (commit time);
+3. the late decisions: a row now holding a deleted key that a remote change wrote (origin not local)
+   was written after the deletion by an applier that did not see its tombstone yet (or concurrently,
+   on a snapshot without the deletion). It is decided now as the applier would have decided it with the
+   tombstone there, by the same SQL (`pgmesh.decide`, conflict `update_deleted`: the tombstone is the
+   local version, the row the remote one), recorded in conflict_history; a row that loses is deleted
+   here (with the recorder's origin: no echo; the trigger records nothing for the recorder's session).
+   A row a local transaction wrote after the deletion is newer in the node's own order and stays.
+   Custom and `error` resolvers are not decided in SQL: such a row stops the recorder with an error
+   (the node's slot is held; nothing is lost), never a silent difference.
+
+The recorder's position (`pgmesh.tombstones_recorded`, the end LSN of the last transaction recorded)
+is written with the last table's transaction, committed with synchronous_commit on: its link
+(router.progress.SourceProgress.recorder) is flushed there, and the node's slot is confirmed only up
+to what the recorder has durably recorded. A crash between tables records them again (idempotent).
+
+The unsafe window of the old trigger-less designs is closed by step 1 and 3 together: an applier that
+meets no row and no tombstone during the recorder's lag applies the change; the recorder then decides it
+late, exactly as if the tombstone had been there, so the nodes still end equal.
+
+Keyless tables (REPLICA IDENTITY FULL without a key): tombstones are recorded, late decisions are not
+made (no key to find the row by; docs/conflicts.md lists it).
+
+Must not: decide anything but the late decisions above, write to tables other than tombstones,
+conflict_history, tombstones_recorded and the late deletes, or confirm a position not yet durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import asyncpg
+
+from protocol.lsn import format_lsn, parse_lsn
+from protocol.messages import KIND_NULL, Delete, Relation
+from protocol.transactions import Transaction
+from router.apply.sessions import open_session
+from router.apply.statements import TargetTable, quote_ident, table_lock, tombstone_key
+from router.config import Config, NodeConfig
+from router.errors import PgmeshError, describe
+from router.progress import LinkProgress
+from router.stream.linkqueue import LinkQueue
+from router.stream.spool import iter_chunks, release
+
+__all__ = ["BATCH_TRANSACTIONS", "RECORDED_SQL", "TombstoneRecorder", "has_deletes"]
+
+logger = logging.getLogger(__name__)
+
+BATCH_TRANSACTIONS: Final = 200  # transactions recorded together at most
+CHUNK_KEYS: Final = 50_000  # keys per statement
+RECORDED_SQL: Final = "SELECT position::text FROM pgmesh.tombstones_recorded"
+_BUILT_IN: Final = frozenset(("last_update_wins", "first_update_wins", "node_priority", "keep_local",
+                              "apply_remote"))
+
+# Per table: the trigger's key columns (tgargs), whether it fires REPLICA, whether the key is a real key
+# (primary or replica identity index: rows can be found by it), and each key column's type.
+_TABLE_SQL: Final = """
+SELECT t.tgargs, t.tgenabled::text,
+  EXISTS (SELECT 1 FROM pg_catalog.pg_index i
+           WHERE i.indrelid = c.oid AND (i.indisprimary OR i.indisreplident)),
+  ARRAY(SELECT a.attname::text || ':' || pg_catalog.format_type(
+                 CASE WHEN ty.typtype = 'd' THEN ty.typbasetype ELSE a.atttypid END, NULL)
+          FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type ty ON ty.oid = a.atttypid
+         WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = 'pgmesh_tombstone' AND t.tgparentid = 0
+WHERE n.nspname = $1 AND c.relname = $2
+"""
+
+
+def has_deletes(txn: Transaction) -> bool:
+    """Whether the recorder must see `txn` (a spilled one may hold deletes in its spilled part)."""
+    return bool(txn.spilled) or any(isinstance(c, Delete) for c in txn.changes)
+
+
+class _Table:
+    """What the recorder needs of one replicated table on its node."""
+
+    __slots__ = ("key", "keyed", "lock", "name", "qualified", "replica", "schema", "table", "types")
+
+    def __init__(self, schema: str, name: str, key: tuple[str, ...], replica: bool, keyed: bool,
+                 types: Mapping[str, str]) -> None:
+        self.schema, self.table = schema, name
+        target = TargetTable(schema, name, frozenset())
+        self.name = target.name
+        self.qualified = target.qualified
+        self.lock = table_lock(target, exclusive=True)  # as the appliers' shared one, exclusive
+        self.key = key
+        self.replica = replica  # the trigger fires REPLICA: the node's own deletes are recorded here
+        self.keyed = keyed  # the key is a primary key or replica identity index
+        self.types = dict(types)
+
+
+class _Deletes:
+    """The deleted keys of one table in one batch: the last deletion of each key (commit order)."""
+
+    __slots__ = ("keys", "table")
+
+    def __init__(self, table: _Table) -> None:
+        self.table = table
+        self.keys: dict[tuple[str | None, ...], int] = {}  # key values (text) -> xid (32 bits)
+
+
+class TombstoneRecorder:
+    """Records one node's own deletes (see the module docstring); `run` until cancelled."""
+
+    def __init__(self, config: Config, node: NodeConfig, progress: LinkProgress, queue: LinkQueue) -> None:
+        self.config = config
+        self.node = node
+        self.progress = progress  # source = target = the node
+        self.queue = queue
+        self.error: str | None = None
+        self.recorded = 0  # tombstones written
+        self.late = 0  # late decisions made
+        self._conn: asyncpg.Connection | None = None
+        self._tables: dict[tuple[str, str], _Table] = {}
+
+    async def position(self) -> int | None:
+        """Where the recorder got to on its node (None: never recorded anything)."""
+        conn = await self._connect()
+        value = await conn.fetchval(RECORDED_SQL)
+        return parse_lsn(value) if value else None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                first = await self.queue.get()
+                batch = [first, *self.queue.take(BATCH_TRANSACTIONS - 1)]
+                await self._record_until_done(batch)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                await asyncio.wait_for(conn.close(), 5)
+            except (TimeoutError, OSError, asyncpg.PostgresError):
+                conn.terminate()
+
+    async def _record_until_done(self, batch: list[Transaction]) -> None:
+        delay = 0.2
+        try:
+            while True:
+                try:
+                    await self._record(batch)
+                    self.error = None
+                    return
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, PgmeshError) as exc:
+                    self.error = describe(exc)
+                    logger.error("node %s: recording the tombstones of transactions up to %s failed: %s;"
+                                 " retrying in %.1f s", self.node.name, format_lsn(batch[-1].end_lsn),
+                                 self.error, delay)
+                    await self.close()
+                    self._tables.clear()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            for txn in batch:
+                release(txn)
+
+    async def _connect(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            conn = await open_session(self.node.dsn)
+            origin = self.config.recorder_origin_name()
+            await conn.execute("SET synchronous_commit = on; SET pgmesh.recording = 'y'")
+            await conn.execute(
+                "SELECT pg_catalog.set_config('pgmesh.target', $1, false),"
+                " pg_catalog.set_config('pgmesh.origin_prefix', $2, false)",
+                self.node.name, self.config.origin_name(""),
+            )
+            await conn.execute(
+                "SELECT pg_catalog.pg_replication_origin_create($1)"
+                " WHERE pg_catalog.pg_replication_origin_oid($1) IS NULL", origin,
+            )
+            await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", origin)
+            self._conn = conn
+        return self._conn
+
+    async def _record(self, batch: list[Transaction]) -> None:
+        conn = await self._connect()
+        deletes = await self._collect(conn, batch)
+        end = batch[-1].end_lsn
+        tables = [d for d in deletes.values() if d.keys and d.table.replica]
+        if not tables:
+            self.progress.on_flushed(end)  # nothing of these is this recorder's: up to here is recorded
+            return
+        current = int(await conn.fetchval(
+            "SELECT pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())::text::bigint"))
+        for i, part in enumerate(sorted(tables, key=lambda d: d.table.name)):
+            last = i == len(tables) - 1
+            async with conn.transaction():
+                await conn.execute(part.table.lock)
+                await self._write(conn, part, current)
+                if last:
+                    await conn.execute(
+                        "WITH u AS (UPDATE pgmesh.tombstones_recorded SET position = $1::text::pg_lsn RETURNING 1)"
+                        " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn"
+                        " WHERE NOT EXISTS (SELECT 1 FROM u)", format_lsn(end))
+        self.progress.on_flushed(end)
+
+    async def _collect(
+        self, conn: asyncpg.Connection, batch: Iterable[Transaction]
+    ) -> dict[tuple[str, str], _Deletes]:
+        """Every delete of the batch, by table."""
+        out: dict[tuple[str, str], _Deletes] = {}
+        for txn in batch:
+            relations: dict[int, Relation] = dict(txn.relations)
+            for chunk in iter_chunks(txn):
+                for change in chunk:
+                    if isinstance(change, Relation):
+                        relations[change.relid] = change
+                    elif isinstance(change, Delete):
+                        relation = relations.get(change.relid)
+                        if relation is None:
+                            continue
+                        where = (relation.schema, relation.name)
+                        deletes = out.get(where)
+                        if deletes is None:
+                            table = await self._table(conn, relation)
+                            if table is None:
+                                continue
+                            deletes = out[where] = _Deletes(table)
+                        key = _key_values(relation, change, deletes.table.key)
+                        if key is not None:
+                            deletes.keys.pop(key, None)  # re-inserted at the end: commit order kept
+                            deletes.keys[key] = txn.xid
+        return out
+
+    async def _table(self, conn: asyncpg.Connection, relation: Relation) -> _Table | None:
+        where = (relation.schema, relation.name)
+        table = self._tables.get(where)
+        if table is not None and set(table.key) <= set(relation.column_names):
+            return table
+        row = await conn.fetchrow(_TABLE_SQL, *where)
+        if row is None:
+            return None  # no trigger: not replicated from this node's point of view
+        args, enabled, keyed, columns = row
+        key = tuple(part.decode() for part in bytes(args).split(b"\x00")[:-1])
+        types = dict(c.split(":", 1) for c in columns)
+        table = _Table(*where, key, enabled == "R", keyed, types)
+        self._tables[where] = table
+        return table
+
+    async def _write(self, conn: asyncpg.Connection, deletes: _Deletes, current: int) -> None:
+        table = deletes.table
+        items = list(deletes.keys.items())
+        for start in range(0, len(items), CHUNK_KEYS):
+            chunk = items[start : start + CHUNK_KEYS]
+            columns = [[key[i] for key, _ in chunk] for i in range(len(table.key))]
+            xids = [full_xid(xid, current) for _, xid in chunk]
+            status = await conn.execute(tombstones_sql(table), table.name, xids, *columns)
+            self.recorded += int(status.rsplit(" ", 1)[1])
+            if table.keyed:
+                await self._late(conn, table, columns, xids)
+
+    async def _late(self, conn: asyncpg.Connection, table: _Table, columns: list[list[str | None]],
+                    xids: list[int]) -> None:
+        """Rows a remote change wrote on a key this node deleted: decided now (module docstring, step 3)."""
+        found = await conn.fetch(candidates_sql(table), xids, *columns)
+        for row in found:
+            name = self.config.policy(table.schema, table.table, "update_deleted").resolver.value
+            if name not in _BUILT_IN:
+                raise PgmeshError(
+                    f"a remote change rewrote a key this node deleted, before its tombstone was recorded;"
+                    f" resolver {name} cannot be decided here: resolve by hand (pgmesh repair) and restart",
+                    node=self.node.name, relation=table.name,
+                )
+            origin_node = row["pgmesh_node"]
+            remote = f"0/0|{row['pgmesh_ts'].isoformat()}|"
+            await conn.execute(
+                "SELECT pg_catalog.set_config('pgmesh.source', $1, true),"
+                " pg_catalog.set_config('pgmesh.target', $2, true),"
+                " pg_catalog.set_config('pgmesh.remote', $3, true)",
+                origin_node, self.node.name, remote,
+            )
+            won = await conn.fetchval(
+                "SELECT pgmesh.decide('update_deleted', $1, $2, pg_catalog.pg_xact_commit_timestamp("
+                "pg_catalog.xid($3::xid8)), 0, NULL, $4, $5, $6)",
+                table.name, row["pgmesh_key"], row["pgmesh_xid"], row["pgmesh_row"], name,
+                list(self.config.conflicts.node_priority),
+            )
+            if not won:
+                await conn.execute(
+                    f"DELETE FROM {table.qualified} WHERE ctid = $1::tid AND tableoid = $2::oid",
+                    row["pgmesh_ctid"], row["pgmesh_tableoid"],
+                )
+            self.late += 1
+            logger.info("node %s: %s key %s: a remote change from %s met this node's deletion late: %s",
+                        self.node.name, table.name, row["pgmesh_key"], origin_node,
+                        "the change stays" if won else "the deletion wins; removed")
+
+
+def _key_values(relation: Relation, change: Delete, key: tuple[str, ...]) -> tuple[str | None, ...] | None:
+    """The deleted row's key columns as text (None: NULL); None when the old row lacks one."""
+    position = {c.name: i for i, c in enumerate(relation.columns)}
+    out: list[str | None] = []
+    for name in key:
+        i = position.get(name)
+        if i is None:
+            return None
+        kind = change.old.kinds[i]
+        if kind == KIND_NULL:
+            out.append(None)
+            continue
+        value = change.old.values[i]
+        if not isinstance(value, bytes):
+            return None
+        out.append(value.decode())
+    return tuple(out)
+
+
+def full_xid(xid: int, current: int) -> int:
+    """The 64-bit xid (xid8) of a transaction that committed before `current` (the next xid, 64 bits),
+    from its 32 bits: same epoch as `current` unless it is above current's low half."""
+    epoch = current >> 32
+    if xid >= current & 0xFFFFFFFF:
+        epoch -= 1
+    return (epoch << 32) | xid
+
+
+def _key_array(table: _Table, alias: str) -> str:
+    parts = ", ".join(f'{alias}."c{i}"::{table.types.get(c, "text")}::text' for i, c in enumerate(table.key))
+    return tombstone_key(f"ARRAY[{parts}]::text[]")
+
+
+def _unnest(table: _Table, first: int) -> str:
+    """The batch's deletions as rows k(x, c0, c1...): xids in parameter `first`, key columns after it."""
+    args = ", ".join(f"${first + 1 + i}::text[]" for i in range(len(table.key)))
+    names = ", ".join(f'"c{i}"' for i in range(len(table.key)))
+    return f"unnest(${first}::xid8[], {args}) AS k(x, {names})"
+
+
+def tombstones_sql(table: _Table) -> str:
+    """Upsert the batch's tombstones of `table` ($1: its name, $2: xids, $3...: key columns as text)."""
+    newer = ("pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(excluded.xid))"
+             " >= coalesce(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(t.xid)), '-infinity')")
+    return (
+        f"INSERT INTO pgmesh.tombstones AS t (table_name, key, xid)"
+        f" SELECT $1, {_key_array(table, 'k')}, k.x FROM {_unnest(table, 2)}"
+        f" ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid WHERE {newer}"
+    )
+
+
+def candidates_sql(table: _Table) -> str:
+    """Rows of `table` holding one of the batch's deleted keys, written by a remote change (origin not
+    local): each with its ctid, version, origin node, key and the deletion's xid ($1: xids, $2...: key
+    columns as text)."""
+    match = " AND ".join(
+        f'r.{quote_ident(c)} = k."c{i}"::{table.types.get(c, "text")}' for i, c in enumerate(table.key)
+    )
+    return (
+        f"SELECT r.ctid::text AS pgmesh_ctid, r.tableoid::oid AS pgmesh_tableoid, v.timestamp AS pgmesh_ts,"
+        f" pgmesh.origin_node(v.roident) AS pgmesh_node, k.x AS pgmesh_xid,"
+        f" pg_catalog.array_to_string({_key_array(table, 'k')}, ',') AS pgmesh_key,"
+        f" pg_catalog.to_jsonb(r)::text AS pgmesh_row"
+        f" FROM {_unnest(table, 1)}"
+        f" JOIN {table.qualified} AS r ON {match},"
+        f" LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v"
+        f" WHERE v.roident <> 0"
+    )

@@ -1,0 +1,61 @@
+"""What `pgmesh status` and the admin surface report of a running router: links, sources, warnings.
+
+Plain data (msgspec structs), built by router.service.supervisor.Router.status and encoded as JSON by the
+admin surface and the CLI. Owns nothing else.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from router.cluster.clocks import NodeClock
+
+__all__ = ["LinkStatus", "RecorderStatus", "SourceStatus", "StatusReport"]
+
+
+class LinkStatus(msgspec.Struct, frozen=True):
+    source: str
+    target: str
+    state: str
+    applied_lsn: str
+    flushed_lsn: str
+    last_commit_time: str | None
+    lag_bytes: int
+    lag_seconds: float
+    queued: int
+    applied_transactions: int
+    applied_rows: int
+    retries: int
+    last_error: str | None
+
+
+class SourceStatus(msgspec.Struct, frozen=True):
+    node: str
+    state: str
+    received_lsn: str
+    confirmed_lsn: str
+    transactions: int
+    echoes: int
+    reconnects: int
+    last_error: str | None
+
+
+class RecorderStatus(msgspec.Struct, frozen=True):
+    """One node's tombstone recorder (router.conflicts.recorder)."""
+
+    node: str
+    recorded_lsn: str  # durably recorded up to here
+    tombstones: int  # written since the router started
+    late_decisions: int
+    last_error: str | None
+
+
+class StatusReport(msgspec.Struct, frozen=True):
+    cluster: str
+    running: bool
+    links: list[LinkStatus]
+    sources: list[SourceStatus]
+    divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
+    schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
+    clocks: list[NodeClock] = msgspec.field(default_factory=list)  # router.cluster.clocks: offsets
+    recorders: list[RecorderStatus] = msgspec.field(default_factory=list)  # router.conflicts.recorder
