@@ -302,7 +302,7 @@ class TombstoneRecorder:
             )
             if not won:
                 await conn.execute(
-                    f"DELETE FROM {table.qualified} WHERE ctid = $1::tid AND tableoid = $2::oid",
+                    f"DELETE FROM {table.qualified} WHERE ctid = $1::text::tid AND tableoid = $2::oid",
                     row["pgmesh_ctid"], row["pgmesh_tableoid"],
                 )
             self.late += 1
