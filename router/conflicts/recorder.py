@@ -214,7 +214,8 @@ class TombstoneRecorder:
                 await self._write(conn, part, current)
                 if last:
                     await conn.execute(
-                        "WITH u AS (UPDATE pgmesh.tombstones_recorded SET position = $1::text::pg_lsn RETURNING 1)"
+                        "WITH u AS (UPDATE pgmesh.tombstones_recorded"
+                        " SET position = $1::text::pg_lsn RETURNING 1)"
                         " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn"
                         " WHERE NOT EXISTS (SELECT 1 FROM u)", format_lsn(end))
         self.progress.on_flushed(end)

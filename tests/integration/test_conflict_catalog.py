@@ -281,8 +281,8 @@ async def test_tombstone_trigger_records_local_and_replicated_deletes(mesh: Mesh
             return len(await rows(a, query)) == 5
 
         await wait_for(recorded, "a's own deletes recorded")
-        await wait_for(lambda: router.recorders["a"].progress.flushed >= router.recorders["a"].progress.enqueued,
-                       "the recorder's position durable")
+        recording = router.recorders["a"].progress
+        await wait_for(lambda: recording.flushed >= recording.enqueued, "the recorder's position durable")
     assert (await rows(a, "SELECT position FROM pgmesh.tombstones_recorded"))[0][0] is not None
     tombs = await rows(a, query)
     assert [(t, k) for t, k, _, _ in tombs] == [
