@@ -164,7 +164,7 @@ class SideSession:
                            " WHERE pg_catalog.pg_replication_origin_oid($1) IS NULL", early)
         await take_origin(conn, early)
         relations = dict(txn.relations)
-        tombstones: dict[str, bool] = {}
+        tombstones: dict[str, int] = {}
         first = True
         try:
             async with contextlib.aclosing(growing_parts(txn, relations)) as parts:

@@ -93,6 +93,31 @@ async def test_copy_meets_a_conflict(mesh: MeshFactory) -> None:
     assert row[0] == "a"  # A's insert committed later: last update wins, on both nodes
 
 
+async def test_copy_kept_with_tombstones(mesh: MeshFactory) -> None:
+    """A table with (fewer) tombstones than a big insert has rows keeps COPY: the tombstones' keys are
+    looked up after it; when one is among the rows, the COPY is undone and guarded INSERTs decide."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config) as router:
+        await execute(a.dsn(), "INSERT INTO marked SELECT i, 'x' FROM generate_series(5000, 5009) AS i")
+        await wait_converged(nodes, ["marked"])
+        await execute(b.dsn(), "DELETE FROM marked WHERE id >= 5000")  # ten tombstones on each node
+        await wait_converged(nodes, ["marked"])
+        applier = router.appliers[("a", "b")]
+        before = applier.copied_rows
+        await execute(a.dsn(), "INSERT INTO marked SELECT i, 'a' FROM generate_series(1, 1000) AS i")
+        await wait_converged(nodes, ["marked"])
+        assert applier.copied_rows - before == 1000  # COPY, not row-by-row guarded INSERTs
+        # a key with a tombstone among the rows: a's insert is newer than b's delete and wins
+        copied = applier.copied_rows
+        await execute(a.dsn(), "INSERT INTO marked SELECT i, 'a' FROM generate_series(4500, 5004) AS i")
+        await wait_converged(nodes, ["marked"])
+        assert applier.copied_rows == copied  # undone: the guarded INSERTs decided
+    (count,) = await fetch(b.dsn(), "SELECT count(*) FROM marked WHERE id BETWEEN 5000 AND 5004")
+    assert count[0] == 5
+
+
 async def wait_equal(nodes: list[Any], tables: list[str], limit: float) -> None:
     """`wait_converged`, where a table may not exist yet on some node."""
 
