@@ -149,9 +149,14 @@ class LinkSession:
         creates, prepared.creates = prepared.creates, []
         if not creates:
             return
-        if self.ddl_conn is None or self.ddl_conn.is_closed():
+        fresh = self.ddl_conn is None or self.ddl_conn.is_closed()
+        if fresh:
             self.ddl_conn = await open_session(self.target.dsn)
+        assert self.ddl_conn is not None
         try:
+            if fresh:  # this node's own functions, not DDL to replicate: the capture's event triggers
+                # return at once (else each CREATE and ALTER parsed the whole query string: ~0.3 s a link)
+                await self.ddl_conn.execute(_DDL_LOCAL)
             await self.ddl_conn.execute(";\n".join(creates))
         except BaseException:
             self.ddl_conn.terminate()
@@ -309,9 +314,12 @@ class LinkSession:
 # Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
 # applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).
 DECIDED = "SELECT FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
+_DDL_LOCAL = "SELECT pg_catalog.set_config('pgmesh.ddl_local', 'on', false)"
 _OURS = "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name LIKE 'pgmesh\\_%'"
 _RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
 _HISTORY_NOW = ("SELECT CASE WHEN pg_catalog.to_regclass('pgmesh.conflict_history') IS NOT NULL THEN"
                 " (SELECT pg_catalog.max(id) FROM pgmesh.conflict_history) END")
+# (not the tombstone recorders' late decisions, router.conflicts.recorder: their reason says "late")
 _HISTORY_SINCE = ("SELECT table_name, conflict_type, pg_catalog.count(*), pg_catalog.max(id)"
-                  " FROM pgmesh.conflict_history WHERE id > $1 AND source = $2 GROUP BY 1, 2")
+                  " FROM pgmesh.conflict_history WHERE id > $1 AND source = $2"
+                  " AND coalesce(reason, '') NOT LIKE 'late: %' GROUP BY 1, 2")

@@ -301,6 +301,12 @@ class TombstoneRecorder:
                 table.name, row["pgmesh_key"], row["pgmesh_xid"], row["pgmesh_row"], name,
                 list(self.config.conflicts.node_priority),
             )
+            await conn.execute(
+                "UPDATE pgmesh.conflict_history SET reason = 'late: ' || reason || ' (the deletion was"
+                " recorded after the change had been applied; decided by the tombstone recorder)'"
+                " WHERE id = pg_catalog.currval(pg_catalog.pg_get_serial_sequence('pgmesh.conflict_history',"
+                " 'id'))"
+            )
             if not won:
                 await conn.execute(
                     f"DELETE FROM {table.qualified} WHERE ctid = $1::text::tid AND tableoid = $2::oid",

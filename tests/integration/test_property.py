@@ -204,11 +204,9 @@ async def test_local_insert_and_delete_during_a_careful_insert_converges(mesh: M
 
 # The same race for a delete that finds no row (delete_missing): the careful path writes the remote
 # deletion as the key's tombstone when the one it read is older. A local insert and delete of the key
-# committed after that read (its tombstone, newer, held by the local transaction while the careful
-# path's write waits) was overwritten by the older remote deletion: the key's tombstone then dated from
-# a's delete on b, and an update older than b's deletion would have re-created the row on b only.
-TOMBSTONE_WAITING = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND backend_type = 'client backend'")  # the router's (the local session is idle)
+# committed after that read was overwritten by the older remote deletion: the key's tombstone then dated
+# from a's delete on b, and an update older than b's deletion would have re-created the row on b only.
+# (Since the recorder, the local deletion's tombstone is written after its commit, kept only when newer.)
 
 
 async def test_local_insert_and_delete_during_a_careful_tombstone_write_keeps_the_newer(
@@ -226,10 +224,15 @@ async def test_local_insert_and_delete_during_a_careful_tombstone_write_keeps_th
         await local.execute("INSERT INTO t VALUES (1, 2)")
         await local.execute("DELETE FROM t WHERE id = 1")  # its tombstone, held until COMMIT
         async with running_router(m.config) as router:
-            await wait_for(lambda: _has(b.dsn(), TOMBSTONE_WAITING, [(1,)]), "the careful write to wait")
+            # b's own deletions are recorded by the router from b's stream (router.conflicts.recorder),
+            # not in the deleting transaction: a's older deletion is applied on b meanwhile
+            applier = router.appliers[("a", "b")]
+            await wait_for(lambda: applier.applied_transactions >= 1, "a's deletion applied on b")
             await local.execute("COMMIT")  # the newest deletion of row 1: b's own
             await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
                            "each node's transaction applied on the other")
+            recording = router.recorders["b"].progress
+            await wait_for(lambda: recording.flushed >= recording.enqueued, "b's deletions recorded")
     origin = "SELECT (pg_xact_commit_timestamp_origin(xid::xid)).roident FROM pgmesh.tombstones"
     assert await fetch(b.dsn(), origin) == [(0,)]  # b's local deletion, not a's older one
     assert await converged(m.nodes, ["t"])

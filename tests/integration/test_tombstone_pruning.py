@@ -69,6 +69,10 @@ async def test_delete_heavy_run_keeps_tombstones_bounded(mesh: MeshFactory) -> N
         assert 'pgmesh_tombstone_horizon_age_seconds{node="c"}' in text
 
 
+async def _count_is(node: Any, n: int) -> bool:
+    return await tombstones(node) == n
+
+
 async def _none_left(node: Any) -> bool:
     return await tombstones(node) == 0
 
@@ -91,6 +95,8 @@ async def test_paused_link_stops_pruning_and_a_late_change_meets_the_tombstone(m
         await execute(a.dsn(), "UPDATE t SET v = 'late' WHERE id = 1")
         late = await _commit_time(a, 1)
         await execute(b.dsn(), "DELETE FROM t WHERE id BETWEEN 1 AND 5")  # newer than a's update
+        # b's own deletes: recorded by the router from b's stream, shortly after their commit
+        await wait_for(lambda: _count_is(b, 5), "b's deletions recorded")
         deleted_at = (await fetch(
             b.dsn(), "SELECT min(pg_xact_commit_timestamp(xid(xid))) FROM pgmesh.tombstones"
             " WHERE table_name = 'public.t'"))[0][0]
