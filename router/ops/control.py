@@ -150,6 +150,11 @@ def render_status(report: StatusReport) -> str:
             f"{source.confirmed_lsn}, reconnects {source.reconnects}"
             + (f", last error: {source.last_error}" if source.last_error else "")
         )
+    for rec in report.recorders:  # router.conflicts.recorder: the node's own deletes as tombstones
+        lines.append(
+            f"tombstones {rec.node}: recorded to {rec.recorded_lsn}, {rec.tombstones} written,"
+            f" {rec.late_decisions} late decisions" + (f", ERROR: {rec.last_error}" if rec.last_error else "")
+        )
     for clock in report.clocks:  # router.cluster.clocks: each node's offset from the router's clock
         lines.append(f"clock {clock.node}: {clock.describe()}")
     for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold

@@ -275,8 +275,10 @@ class Metrics:
         "source_received_bytes_total",
         "source_reconnects_total",
         "tombstone_horizon_age_seconds",
+        "tombstone_late_decisions_total",
         "tombstones",
         "tombstones_pruned_total",
+        "tombstones_recorded_total",
     )
 
     def __init__(self) -> None:
@@ -382,6 +384,18 @@ class Metrics:
         self.tombstones_pruned_total = counter(
             PREFIX + "tombstones_pruned_total",
             "Tombstones deleted on the node behind its horizon (router.conflicts.pruning).",
+            ("node",),
+        )
+        self.tombstones_recorded_total = counter(
+            PREFIX + "tombstones_recorded_total",
+            "Tombstones of the node's own deletes written by its recorder from its stream"
+            " (router.conflicts.recorder).",
+            ("node",),
+        )
+        self.tombstone_late_decisions_total = counter(
+            PREFIX + "tombstone_late_decisions_total",
+            "Remote changes the node's recorder found on a key the node had deleted before recording it,"
+            " decided then (conflict_history reason 'late: ...').",
             ("node",),
         )
         self.tombstone_horizon_age_seconds = self.registry.gauge(

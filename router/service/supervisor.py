@@ -415,6 +415,12 @@ class Router:
                     child.inc(count - child.get())
         for node, pump in self.pumps.items():
             m.observe_source(node, pump.stats)
+        for node, recorder in self.recorders.items():
+            for family, value in ((m.tombstones_recorded_total, recorder.recorded),
+                                  (m.tombstone_late_decisions_total, recorder.late)):
+                child = family.labels(node=node)
+                if value > child.get():
+                    child.inc(value - child.get())
         for setting in self.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
         self.clocks.export(m.clock_offset_seconds)

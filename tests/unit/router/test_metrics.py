@@ -175,6 +175,8 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_schema_drift": ("gauge", ("node", "table")),
     "pgmesh_tombstones": ("gauge", ("node",)),
     "pgmesh_tombstones_pruned_total": ("counter", ("node",)),
+    "pgmesh_tombstones_recorded_total": ("counter", ("node",)),
+    "pgmesh_tombstone_late_decisions_total": ("counter", ("node",)),
     "pgmesh_tombstone_horizon_age_seconds": ("gauge", ("node",)),
     "pgmesh_lag_bytes": ("gauge", ("source", "target")),
     "pgmesh_lag_seconds": ("gauge", ("source", "target")),
