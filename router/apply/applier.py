@@ -519,7 +519,7 @@ class Applier(LinkView):
         reloaded = False
         for attempt in range(1, UNIQUE_ATTEMPTS + 1):
             try:
-                records = await self._careful.apply(
+                await self._careful.apply(
                     link.conn, link.fit(whole), link.tables, self._run_ddl if ddl else None
                 )
                 break
@@ -531,8 +531,7 @@ class Applier(LinkView):
                     await link.reload_tables()
                 else:
                     raise
-        if records:
-            await link.count_conflicts()
+        await link.count_conflicts()  # its own, and those of transactions committed before a failed batch's
         if ddl:
             self.stats.ddl_applied += 1
             await link.reload_tables()
