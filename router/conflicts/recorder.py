@@ -51,7 +51,7 @@ from typing import Final
 
 import asyncpg
 
-from protocol.lsn import format_lsn, parse_lsn
+from protocol.lsn import format_lsn
 from protocol.messages import KIND_NULL, Delete, Relation
 from protocol.transactions import Transaction
 from router.apply.sessions import open_session
@@ -134,12 +134,6 @@ class TombstoneRecorder:
         self.late = 0  # late decisions made
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
-
-    async def position(self) -> int | None:
-        """Where the recorder got to on its node (None: never recorded anything)."""
-        conn = await self._connect()
-        value = await conn.fetchval(RECORDED_SQL)
-        return parse_lsn(value) if value else None
 
     async def run(self) -> None:
         try:
