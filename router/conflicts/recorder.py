@@ -52,7 +52,7 @@ from typing import Final
 import asyncpg
 
 from protocol.lsn import format_lsn
-from protocol.messages import KIND_NULL, Delete, Relation
+from protocol.messages import KIND_NULL, Delete, Relation, TupleData, Update
 from protocol.transactions import Transaction
 from router.apply.sessions import open_session
 from router.apply.statements import TargetTable, quote_ident, table_lock, tombstone_key
@@ -62,7 +62,7 @@ from router.progress import LinkProgress
 from router.stream.linkqueue import LinkQueue
 from router.stream.spool import iter_chunks, release
 
-__all__ = ["BATCH_TRANSACTIONS", "RECORDED_SQL", "TombstoneRecorder", "has_deletes"]
+__all__ = ["BATCH_TRANSACTIONS", "RECORDED_SQL", "TombstoneRecorder"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,6 @@ FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamesp
 JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = 'pgmesh_tombstone' AND t.tgparentid = 0
 WHERE n.nspname = $1 AND c.relname = $2
 """
-
-
-def has_deletes(txn: Transaction) -> bool:
-    """Whether the recorder must see `txn` (a spilled one may hold deletes in its spilled part)."""
-    return bool(txn.spilled) or any(isinstance(c, Delete) for c in txn.changes)
 
 
 class _Table:
@@ -225,7 +220,7 @@ class TombstoneRecorder:
                 for change in chunk:
                     if isinstance(change, Relation):
                         relations[change.relid] = change
-                    elif isinstance(change, Delete):
+                    elif isinstance(change, Delete | Update) and change.old is not None:
                         relation = relations.get(change.relid)
                         if relation is None:
                             continue
@@ -236,7 +231,11 @@ class TombstoneRecorder:
                             if table is None:
                                 continue
                             deletes = out[where] = _Deletes(table)
-                        key = _key_values(relation, change, deletes.table.key)
+                        key = _key_values(relation, change.old, deletes.table.key)
+                        if isinstance(change, Update):  # a key update takes the old key away
+                            new = _key_values(relation, change.new, deletes.table.key)
+                            if new is None or new == key:
+                                continue
                         if key is not None:
                             deletes.keys.pop(key, None)  # re-inserted at the end: commit order kept
                             deletes.keys[key] = txn.xid
@@ -312,19 +311,20 @@ class TombstoneRecorder:
                         "the change stays" if won else "the deletion wins; removed")
 
 
-def _key_values(relation: Relation, change: Delete, key: tuple[str, ...]) -> tuple[str | None, ...] | None:
-    """The deleted row's key columns as text (None: NULL); None when the old row lacks one."""
+def _key_values(relation: Relation, row: TupleData, key: tuple[str, ...]) -> tuple[str | None, ...] | None:
+    """A row image's key columns as text (None: NULL); None when the image lacks one (or holds it as
+    "unchanged")."""
     position = {c.name: i for i, c in enumerate(relation.columns)}
     out: list[str | None] = []
     for name in key:
         i = position.get(name)
         if i is None:
             return None
-        kind = change.old.kinds[i]
+        kind = row.kinds[i]
         if kind == KIND_NULL:
             out.append(None)
             continue
-        value = change.old.values[i]
+        value = row.values[i]
         if not isinstance(value, bytes):
             return None
         out.append(value.decode())

@@ -146,14 +146,16 @@ class SourcePump:
         self.progress.on_seen(txn.end_lsn)
 
     async def _to_recorder(self, txn: Transaction) -> None:
-        """Hand a committed transaction of the source's own that deletes to its tombstone recorder."""
+        """Hand a committed transaction of the source's own that deletes (or changes a key) to its
+        tombstone recorder."""
         link = self.progress.recorder
         if self.recorder is None or link is None or txn.origin is not None or not link.wants(txn.end_lsn):
             return
         if txn.spill is not None and txn.spill.early and txn.spill.final is not txn:
             return  # handed out before its commit: the recorder takes it at the commit
-        if not (txn.spilled or any(isinstance(c, Delete) for c in txn.changes)):
-            return
+        if not (txn.spilled or any(isinstance(c, Delete) or (isinstance(c, Update) and c.old is not None)
+                                   for c in txn.changes)):
+            return  # neither deletes nor takes a key away (a key update sends the old key)
         if txn.spill is not None:
             txn.spill.acquire()  # the recorder releases it
         while not self.recorder.offer(txn):

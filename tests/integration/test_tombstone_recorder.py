@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 
-from router.testing.mesh import execute, fetch, running_router, wait_for
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = """
@@ -96,3 +96,26 @@ async def test_own_deletes_recorded_from_the_stream_and_late_changes_decided(mes
 
 async def _empty(dsn: str) -> bool:
     return await count(dsn, "SELECT (SELECT count(*) FROM bulk) + (SELECT count(*) FROM alt)") == 0
+
+
+async def test_a_key_update_takes_the_old_key_away_on_every_node(mesh: MeshFactory) -> None:
+    """b moves row 3 to key 100 after c updated row 3: the old key's tombstone (recorded from b's stream
+    on b, by the key-update trigger where b's update is applied) makes c's older update lose wherever
+    it arrives after the move, so no node keeps a row 3."""
+    m = await mesh(nodes=3, schema="CREATE TABLE t (id int PRIMARY KEY, v int);", cluster="keyup")
+    a, b, c = (n.dsn() for n in m.nodes)
+    fires = ("SELECT tgname::text, tgenabled::text FROM pg_trigger WHERE tgrelid = 't'::regclass"
+             " AND tgname LIKE 'pgmesh%' ORDER BY 1")
+    assert await fetch(a, fires) == [("pgmesh_tombstone", "R"), ("pgmesh_tombstone_key", "R")]
+    await execute(a, "INSERT INTO t VALUES (3, 0)")
+    async with running_router(m.config):
+        await wait_converged(m.nodes, ["t"])
+    await execute(c, "UPDATE t SET v = 1 WHERE id = 3")  # router stopped: both commit before either applies
+    await execute(b, "UPDATE t SET id = 100 WHERE id = 3")  # later
+    async with running_router(m.config) as router:
+        await wait_for(lambda: all(x.applied_transactions >= 1 for (s, _), x in router.appliers.items()
+                                   if s != "a"), "b's and c's updates applied everywhere")
+        await wait_converged(m.nodes, ["t"])
+    for dsn in (a, b, c):
+        assert await fetch(dsn, "SELECT id, v FROM t") == [(100, 0)]
+        assert await fetch(dsn, TOMBSTONES, ["public.t"]) == [(["3"],)]
