@@ -119,3 +119,32 @@ async def test_a_key_update_takes_the_old_key_away_on_every_node(mesh: MeshFacto
     for dsn in (a, b, c):
         assert await fetch(dsn, "SELECT id, v FROM t") == [(100, 0)]
         assert await fetch(dsn, TOMBSTONES, ["public.t"]) == [(["3"],)]
+
+
+async def test_replicated_insert_waiting_on_a_local_insert_then_delete_converges(mesh: MeshFactory) -> None:
+    """a's insert of key 1 reaches b while a local transaction on b holds key 1 (inserted, not committed):
+    the applier's INSERT waits on the unique index; the local transaction deletes the row again and
+    commits, and the INSERT goes in on b without any tombstone to see. b's deletion is the newer: the
+    recorder, writing its tombstone, finds a's row on the key and removes it, so b ends as a does."""
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v int);", cluster="wait")
+    a, b = (n.dsn() for n in m.nodes)
+    await execute(a, "INSERT INTO t VALUES (1, 0)")  # router stopped: applied on b when it starts
+    waiting = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+               " AND backend_type = 'client backend'")
+    async with await psycopg.AsyncConnection.connect(b, autocommit=True) as local:
+        await local.execute("BEGIN")
+        await local.execute("INSERT INTO t VALUES (1, 2)")
+        async with running_router(m.config) as router:
+            await wait_for(lambda: _count_is(b, waiting, 1), "a's insert waiting on b's uncommitted key")
+            await local.execute("DELETE FROM t WHERE id = 1")
+            await local.execute("COMMIT")  # the newest change of key 1: its deletion, on b
+            await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+                           "each node's transaction applied on the other")
+            await wait_converged(m.nodes, ["t"])
+            assert router.recorders["b"].late == 1  # decided by the recorder, late
+    for dsn in (a, b):
+        assert await fetch(dsn, "SELECT id FROM t") == []
+
+
+async def _count_is(dsn: str, query: str, n: int) -> bool:
+    return await count(dsn, query) == n
