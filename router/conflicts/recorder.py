@@ -233,6 +233,8 @@ class TombstoneRecorder:
                             deletes = out[where] = _Deletes(table)
                         key = _key_values(relation, change.old, deletes.table.key)
                         if isinstance(change, Update):  # a key update takes the old key away
+                            if not deletes.table.keyed:
+                                continue  # a keyless table's row changes are not deletions
                             new = _key_values(relation, change.new, deletes.table.key)
                             if new is None or new == key:
                                 continue
