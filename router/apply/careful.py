@@ -23,7 +23,6 @@ import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, format_lsn, pg_us_to_datetime
 from protocol.messages import (
-    KIND_UNCHANGED,
     Delete,
     Insert,
     Message,
@@ -34,6 +33,10 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
+from router.apply.careful_rows import ConflictRecord, Row
+from router.apply.careful_rows import keyless as _keyless
+from router.apply.careful_rows import new_row_values as _new_row
+from router.apply.careful_rows import row_values as _row
 from router.apply.careful_sql import (
     put_tombstone_sql,
     read_row_sql,
@@ -67,7 +70,6 @@ __all__ = [
 ]
 
 Tables = Mapping[tuple[str, str], TargetTable]
-Row = dict[str, str | None]
 
 _RECORD = """
 INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution, resolver, reason,
@@ -83,41 +85,6 @@ _APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: n
 # row, whoever wrote it) replaces or deletes it, and such changes commute (docs/conflicts.md).
 _KEYLESS = Decision(Outcome.APPLY_REMOTE, "none", "no key: an equal row, whoever wrote it, is the old row")
 _NO_OP = Decision(Outcome.KEEP_LOCAL, "none", "no key: an update leaving its row as it was changes nothing")
-
-
-def _keyless(table: TargetTable) -> bool:
-    return not (table.pk or table.uniques or table.indexes)
-
-
-class ConflictRecord:
-    """One decided conflict (also written to pgmesh.conflict_history)."""
-
-    __slots__ = ("conflict", "decision", "key", "table")
-
-    def __init__(self, table: str, key: str, conflict: ConflictType, decision: Decision) -> None:
-        self.table = table
-        self.key = key
-        self.conflict = conflict
-        self.decision = decision
-
-
-def _row(relation: Relation, data: TupleData) -> Row:
-    out: Row = {}
-    for column, kind, value in zip(relation.columns, data.kinds, data.values, strict=False):
-        if kind == KIND_UNCHANGED:
-            continue
-        out[column.name] = value.decode() if isinstance(value, bytes) else None
-    return out
-
-
-def _new_row(relation: Relation, change: Update) -> Row:
-    """The row an update leaves at the source: its new values, and the old row's for a column sent as
-    unchanged TOAST when the whole old row came (REPLICA IDENTITY FULL)."""
-    new = _row(relation, change.new)
-    if change.old is not None and change.old_kind == "O":
-        for name, value in _row(relation, change.old).items():
-            new.setdefault(name, value)
-    return new
 
 
 class _Local:
@@ -400,6 +367,13 @@ class CarefulApplier:
             return
         if not await self._unique_clash(conn, txn, relation, table, new, remote, records, None):
             return
+        await self._insert_new(conn, txn, relation, table, new, remote, records)
+
+    async def _insert_new(
+        self, conn: Any, txn: Transaction, relation: Relation, table: TargetTable, new: Row, remote: Version,
+        records: list[ConflictRecord],
+    ) -> None:
+        """Insert the remote row on a key no row holds here: against the key's tombstone, if any."""
         tomb = await self._tombstone(conn, table, new)
         if tomb is not None and not tomb.mine:
             decision = await self._decide(
@@ -496,6 +470,12 @@ class CarefulApplier:
         where = local.where
         if deltas and change.old is not None:
             await self._merge_deltas(conn, table, relation, change, deltas, where, decision)
+            return
+        if moved and decision.outcome is Outcome.KEEP_LOCAL:
+            # A key update is a deletion of the old key and an insert of the new one. The deletion lost
+            # here (the row of the old key is newer) and the row stays; the insert of the new key, which
+            # no row holds (met above), is decided as an insert, as on every node the update reaches.
+            await self._insert_new(conn, txn, relation, table, new, remote, records)
             return
         await self._overwrite(conn, table, decision, new, where)
 

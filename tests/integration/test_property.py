@@ -58,8 +58,9 @@ async def test_random_schedules_converge(mesh: MeshFactory) -> None:
 #   node's update of the old key, found no row and no tombstone, and re-created the old key's row
 #   (update_missing), which the other node no longer has. Fixed: the tombstone recorder takes a local key
 #   update's old key as deleted (router.conflicts.recorder), so the older update loses to it;
-# - key update earlier: the other node keeps its newer row of the old key and skips the whole key
-#   update, so the new key's row never appears there.
+# - key update earlier: the other node kept its newer row of the old key and skipped the whole key
+#   update, so the new key's row never appeared there. Fixed: a key update that loses on its old key
+#   still inserts its new key, decided as an insert (router.apply.careful, `_update`).
 UPDATE_V = "UPDATE t SET v = 1 WHERE id = 3"
 UPDATE_KEY = "UPDATE t SET id = 100 WHERE id = 3"
 KEY_UPDATE_CASES = {
@@ -68,12 +69,7 @@ KEY_UPDATE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param("key update earlier", marks=pytest.mark.xfail(
-        strict=True, reason="issue 18: a key-changing UPDATE that loses is skipped whole, not decided as"
-        " delete + insert")),
-    "key update later",  # the old key's tombstone, recorded from the updating node's stream, decides
-])
+@pytest.mark.parametrize("case", sorted(KEY_UPDATE_CASES))
 async def test_key_update_against_concurrent_update_converges(mesh: MeshFactory, case: str) -> None:
     m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v int);")
     a, b = m.nodes
