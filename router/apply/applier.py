@@ -491,6 +491,7 @@ class Applier(LinkView):
             return
         if not is_conflict(exc) or not held or self.link.conn is None:
             raise exc
+        self.link.contest(held[0], exc)  # an insert that met its key: its table's inserts decide it in place
         await self._apply_carefully(whole_transaction(held[0]))  # the transaction that met a conflict
         self._held = held[1:]
         self._batch_limit = max(16, self._batch_limit // 2)

@@ -84,10 +84,13 @@ def session_settings(source: str, target: str, source_origin: int | None, origin
 class Decisions:
     """Makes the decision functions of one session's prepared statements, from the config's policies."""
 
-    __slots__ = ("config",)
+    __slots__ = ("config", "contested")
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        # tables (TargetTable.name) where a single insert met a row with its key on this link: their single
+        # inserts decide insert_exists in the statement from then on (router.apply.prepared)
+        self.contested: set[str] = set()
 
     def _policy(self, table: TargetTable, conflict: str) -> str:
         """`resolver, priority` literals for pgmesh.decide."""

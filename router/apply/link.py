@@ -26,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, parse_lsn
+from protocol.messages import Insert
 from protocol.transactions import Transaction
 from router.apply.decide import Decisions, session_settings
 from router.apply.prepared import Prepared
@@ -34,6 +35,7 @@ from router.apply.state import LinkStats
 from router.apply.statements import TargetTable, UniqueIndex
 from router.config import Config, NodeConfig
 from router.ddl.reconcile import Drift, reconcile
+from router.errors import sqlstate_of
 
 __all__ = ["LinkSession"]
 
@@ -130,6 +132,18 @@ class LinkSession:
         the functions they call start again, under new names (the old statements stay, never run again)."""
         self.prepared = Prepared(self.decisions, after=self.prepared)
         self.ahead = {}
+
+    def contest(self, txn: Transaction, exc: BaseException) -> None:
+        """When `exc`, which rolled `txn`'s batch back, is a unique violation: the tables `txn` inserts into
+        decide insert_exists in their single inserts' statements from now on (Decisions.contested), with
+        the statements prepared after it (`forget_prepared`, which a rolled-back batch runs)."""
+        if sqlstate_of(exc) != _UNIQUE_VIOLATION:
+            return
+        relations = txn.relations
+        for change in txn.changes:
+            if isinstance(change, Insert) and change.relid in relations:
+                relation = relations[change.relid]
+                self.decisions.contested.add(f"{relation.schema}.{relation.name}")
 
     async def deallocate_stale(self) -> None:
         """Drop the main session's statements no cache names any more (`forget_prepared` leaves them):
@@ -314,6 +328,7 @@ class LinkSession:
 # Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
 # applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).
 DECIDED = "SELECT FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
+_UNIQUE_VIOLATION = "23505"
 _DDL_LOCAL = "SELECT pg_catalog.set_config('pgmesh.ddl_local', 'on', false)"
 _OURS = "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name LIKE 'pgmesh\\_%'"
 _RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"

@@ -101,3 +101,34 @@ async def _all_have(nodes: list[object], v: int) -> bool:
         if await fetch(node.dsn(), "SELECT v FROM t WHERE id = 1") != [(v,)]:  # type: ignore[attr-defined]
             return False
     return True
+
+
+async def test_an_insert_meeting_its_key_goes_carefully_once_then_is_decided_in_the_statement(
+    mesh: MeshFactory,
+) -> None:
+    """A single insert is a plain INSERT (no ON CONFLICT, whose speculative insertion costs every insert)
+    until one meets a row with its key on the link: that transaction goes the careful way, and the table's
+    inserts decide insert_exists in the statement from then on."""
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    a, b = m.nodes
+    query = "SELECT id, v FROM t ORDER BY id"
+
+    async def same() -> bool:
+        return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+
+    async with running_router(m.config) as router:
+        for key in (1, 2):
+            await router.pause(None)
+            await execute(a.dsn(), f"INSERT INTO t VALUES ({key}, 'a')")
+            await execute(b.dsn(), f"INSERT INTO t VALUES ({key}, 'b')")
+            await router.resume(None)
+            await wait_for(same, f"both nodes alike after key {key}")
+            await wait_for(lambda k=key: all(x.conflicts >= k for x in router.appliers.values()), "decided")
+            # the first on each link went the careful way; the second was decided by the statement
+            assert all(sum(x._careful.counts.values()) == 1 for x in router.appliers.values())
+            assert all("public.t" in x.link.decisions.contested for x in router.appliers.values())
+    for node in (a, b):
+        history = await fetch(
+            node.dsn(), "SELECT key, conflict_type FROM pgmesh.conflict_history ORDER BY key"
+        )
+        assert history == [("1", "insert_exists"), ("2", "insert_exists")], (node.name, history)
