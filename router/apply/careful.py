@@ -44,7 +44,7 @@ from router.apply.careful_sql import (
     tombstone_xid_sql,
     write_row_sql,
 )
-from router.apply.scripts import ORIGIN_MARK
+from router.apply.scripts import ORIGIN_MARK, moved_key_tombstone
 from router.apply.statements import (
     KEY_LOCKS_MAX,
     TABLE_ALIAS,
@@ -478,6 +478,8 @@ class CarefulApplier:
             await self._insert_new(conn, txn, relation, table, new, remote, records)
             return
         await self._overwrite(conn, table, decision, new, where)
+        if moved and (tombstone := moved_key_tombstone(relation, table, change)) is not None:
+            await conn.execute(tombstone)  # the old key went: its tombstone, as a deletion's
 
     async def _merge_deltas(
         self,

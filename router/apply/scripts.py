@@ -38,10 +38,12 @@ from router.apply.statements import (
     delete_statement,
     guard,
     insert_rows,
+    quote_literal,
     remote_setting_sql,
     setup_args,
     table_lock,
     target_table,
+    tombstone_key,
     truncate_statement,
     update_statement,
     xact_setup_sql,
@@ -219,6 +221,31 @@ def _keyed(relation: Relation, kind: str | None) -> bool:
     return kind != "O" and any(c.key for c in relation.columns)
 
 
+def moved_key_tombstone(relation: Relation, table: TargetTable, change: Update) -> str | None:
+    """An UPDATE that changes a table's primary key (pgoutput sends its old key: old_kind 'K') takes the
+    old key away: the statement that makes the applying transaction that key's tombstone, as the DELETE
+    trigger writes one (router.conflicts.catalog; the node's own key updates are recorded by
+    router.conflicts.recorder). None when the update keeps its key or the old key does not hold the
+    tombstone key's columns. Run after the update, in its transaction: when the update does not apply
+    (a conflict), the transaction goes to the careful path, which writes it where the update wins."""
+    if change.old_kind != "K" or change.old is None or not table.pk:
+        return None
+    position = {c.name: i for i, c in enumerate(relation.columns)}
+    parts = []
+    for name in table.tombstone_key:
+        i = position.get(name)
+        if i is None or change.old.kinds[i] != KIND_TEXT or not isinstance(change.old.values[i], bytes):
+            return None
+        value = change.old.values[i]
+        assert isinstance(value, bytes)
+        parts.append(f"{quote_literal(value.decode())}::{table.compare.get(name, 'text')}::text")
+    key = tombstone_key(f"ARRAY[{', '.join(parts)}]::text[]")
+    return (
+        f"INSERT INTO pgmesh.tombstones (table_name, key, xid) VALUES ({quote_literal(table.name)}, {key},"
+        f" pg_catalog.pg_current_xact_id()) ON CONFLICT (table_name, key) DO UPDATE SET xid = excluded.xid"
+    )
+
+
 def transaction_script(
     txn: Transaction,
     tables: Mapping[tuple[str, str], TargetTable],
@@ -369,6 +396,9 @@ def transaction_segments(
                 out.append(prepared_update(relation, table, change, prepared, sink, guard_origin))
             else:
                 out.append(guard(update_statement(relation, table, change), origin_sql))
+            moved = moved_key_tombstone(relation, table, change)
+            if moved is not None:
+                out.append(moved)
         elif keyed:
             assert prepared is not None
             sink = out if prepares is None else prepares

@@ -10,9 +10,7 @@ installation of:
 - the `pgmesh_tombstone` AFTER DELETE trigger on every replicated table, enabled REPLICA (it fires for
   the router's replicated deletes, under `session_replication_role = replica`; the node's own deletes are
   recorded by the router from its decoded stream, router.conflicts.recorder, off the application's write
-  path) or, where the stream does not carry the tombstone key, ALWAYS (`trigger_fires`); and on a table
-  with a real key (primary or replica identity index) `pgmesh_tombstone_key`, AFTER UPDATE OF its
-  columns, which records the old key of an UPDATE that changes it, fired the same way;
+  path) or, where the stream does not carry the tombstone key, ALWAYS (`trigger_fires`);
 - `pgmesh.expect_origin(xid, oid)` and `pgmesh.expect_rows(bigint, bigint)`: guards the applier's
   statements call, raising SQLSTATE PGM01 / PGM02 when a row does not fit the change (a conflict).
   expect_origin also accepts a row written by the calling transaction itself (top level, not in a
@@ -43,12 +41,10 @@ from router.config import PGMESH_SCHEMA
 from router.errors import PgmeshError
 
 __all__ = [
-    "KEY_TRIGGER_NAME",
     "TOMBSTONE_SETTINGS",
     "TRIGGER_NAME",
     "choose_key_columns",
     "install_conflict_catalog",
-    "key_trigger_sql",
     "tombstone_keys",
     "trigger_fires",
 ]
@@ -59,7 +55,6 @@ Conn = psycopg.AsyncConnection[Any]
 TableName = tuple[str, str]
 
 TRIGGER_NAME: Final = "pgmesh_tombstone"
-KEY_TRIGGER_NAME: Final = "pgmesh_tombstone_key"  # AFTER UPDATE OF the key columns, when one changes
 # The settings the tombstone key's text is produced under: to compute the same key elsewhere (the
 # applier), cast each value to text in a session with exactly these settings.
 TOMBSTONE_SETTINGS: Final[Mapping[str, str]] = {
@@ -246,49 +241,6 @@ async def _ensure_trigger(
     return what
 
 
-def key_trigger_sql(table: TableName, key: Sequence[str]) -> sql.Composed:
-    """The trigger that records the old key of an UPDATE changing a real key (primary or replica identity
-    index) as deleted: the same function as the DELETE trigger's, fired only when a key column changes.
-    The same as ddl_table's in router/ddl/sql/capture.sql."""
-    changed = sql.SQL(" OR ").join(
-        sql.SQL("OLD.{c} IS DISTINCT FROM NEW.{c}").format(c=sql.Identifier(c)) for c in key
-    )
-    return sql.SQL(
-        "CREATE TRIGGER {trigger} AFTER UPDATE OF {columns} ON {table} FOR EACH ROW WHEN ({changed})"
-        " EXECUTE FUNCTION {schema}.tombstone({args})"
-    ).format(
-        trigger=sql.Identifier(KEY_TRIGGER_NAME),
-        columns=sql.SQL(", ").join(sql.Identifier(c) for c in key),
-        table=sql.Identifier(*table),
-        changed=changed,
-        schema=sql.Identifier(PGMESH_SCHEMA),
-        args=sql.SQL(", ").join(sql.Literal(c) for c in key),
-    )
-
-
-async def _ensure_key_trigger(conn: Conn, table: TableName, key: Sequence[str] | None, fires: str) -> None:
-    """Create, re-create or drop one table's key-update trigger (`key`: None for none) so that it records
-    `key` and fires as `fires` (REPLICA or ALWAYS, as the DELETE trigger)."""
-    cur = await conn.execute(
-        "SELECT t.tgargs, t.tgenabled::text FROM pg_trigger t WHERE t.tgrelid = %s::regclass"
-        " AND t.tgname = %s AND t.tgparentid = 0",
-        [sql.Identifier(*table).as_string(conn), KEY_TRIGGER_NAME],
-    )
-    row = await cur.fetchone()
-    ident, trigger = sql.Identifier(*table), sql.Identifier(KEY_TRIGGER_NAME)
-    if row is not None and (key is None or _trigger_args(row[0]) != tuple(key)):
-        await conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(trigger, ident))
-        row = None
-    if key is None:
-        return
-    if row is None:
-        await conn.execute(key_trigger_sql(table, key))
-    if row is None or row[1] != fires[0]:
-        enable = sql.SQL("ALTER TABLE {} ENABLE {} TRIGGER {}")
-        await conn.execute(enable.format(ident, sql.SQL(fires), trigger))
-        logger.debug("key-update tombstone trigger on %s: %s, %s", _name(table), ", ".join(key), fires)
-
-
 async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]:
     params = {
         "trigger": TRIGGER_NAME,
@@ -312,8 +264,6 @@ async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]
             )
         fires = trigger_fires(replident, primary, identity, key)
         line = await _ensure_trigger(conn, table, key, _trigger_args(tgargs), enabled, fires)
-        keyed = bool(primary) or (replident == "i" and bool(identity))
-        await _ensure_key_trigger(conn, table, key if keyed else None, fires)
         if line:
             logger.debug("%s", line)
             done.append(line)
@@ -321,7 +271,6 @@ async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]
         await conn.execute(
             sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(TRIGGER_NAME), sql.Identifier(*table))
         )
-        await _ensure_key_trigger(conn, table, None, "")
         done.append(f"dropped tombstone trigger from {_name(table)} (no longer replicated)")
     return done
 

@@ -483,6 +483,12 @@ class Router:
         self.drift.poke()  # a link stopped on DDL may have been fixed by hand: do the tables agree?
         return done
 
+    def conflicts_decided(self) -> int:
+        """Conflicts decided since the start: by the links, and late by the tombstone recorders (each is
+        one row of pgmesh.conflict_history on the node that decided it)."""
+        return (sum(applier.conflicts for applier in self.appliers.values())
+                + sum(recorder.late for recorder in self.recorders.values()))
+
     def status(self) -> StatusReport:
         now = self.clock()
         links = [self._link_status(key, applier, now) for key, applier in self.appliers.items()]

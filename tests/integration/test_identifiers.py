@@ -92,7 +92,7 @@ async def test_columns_named_like_pgmesh_sql_converge(mesh: MeshFactory) -> None
         assert all(applier.last_error is None for applier in router.appliers.values()), [
             applier.last_error for applier in router.appliers.values()
         ]
-        decided = sum(applier.conflicts for applier in router.appliers.values())
+        decided = router.conflicts_decided()
     recorded = 0
     types: set[str] = set()
     for node in nodes:

@@ -219,7 +219,6 @@ BEGIN
     IF published THEN  -- moved out of the replicated set (SET SCHEMA, RENAME): it stays local from here
       EXECUTE format('ALTER PUBLICATION %I DROP TABLE %I.%I', pub, nsp, tab);
       EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
-      EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone_key ON %I.%I', nsp, tab);
       DELETE FROM {schema}.known_columns WHERE relid = rel;
     END IF;
     RETURN;
@@ -307,18 +306,6 @@ BEGIN
                    WHERE i.indrelid = rel AND i.indisreplident)
                 THEN 'REPLICA' ELSE 'ALWAYS' END;
   EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone', nsp, tab, fires);
-  -- an UPDATE that changes a real key (primary or replica identity index) takes the old key away: its
-  -- tombstone too (router.conflicts.catalog.key_trigger_sql)
-  EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone_key ON %I.%I', nsp, tab);
-  IF EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = rel AND (i.indisprimary OR i.indisreplident)) THEN
-    EXECUTE format('CREATE TRIGGER pgmesh_tombstone_key AFTER UPDATE OF %s ON %I.%I FOR EACH ROW WHEN (%s) '
-                   'EXECUTE FUNCTION {schema}.tombstone(%s)',
-                   (SELECT string_agg(quote_ident(c), ', ') FROM unnest(key) AS c), nsp, tab,
-                   (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', c, c), ' OR ')
-                      FROM unnest(key) AS c),
-                   (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
-    EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone_key', nsp, tab, fires);
-  END IF;
   IF kind = 'p' THEN
     PERFORM {schema}.truncate_triggers(rel);
   END IF;
@@ -576,10 +563,6 @@ BEGIN
   PERFORM pg_catalog.set_config('pgmesh.ddl_inner', 'on', true);
   IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = leaf AND tgname = 'pgmesh_tombstone' AND tgparentid = 0) THEN
     EXECUTE format('DROP TRIGGER pgmesh_tombstone ON %I.%I', nsp, tab);
-  END IF;
-  IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = leaf AND tgname = 'pgmesh_tombstone_key'
-              AND tgparentid = 0) THEN
-    EXECUTE format('DROP TRIGGER pgmesh_tombstone_key ON %I.%I', nsp, tab);
   END IF;
   IF EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
               WHERE p.pubname = pub AND r.prrelid = leaf) THEN
