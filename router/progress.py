@@ -95,27 +95,26 @@ class SourceProgress:
     the source to itself that takes only the source's own transactions with deletes. The source is
     confirmed only past what the recorder has durably recorded, as past what every link has applied."""
 
-    __slots__ = ("links", "recorder", "seen", "source")
+    __slots__ = ("_all", "links", "recorder", "seen", "source")
 
     def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None) -> None:
         self.source = source
         self.links = links
         self.recorder = recorder
-        self.seen = min((link.flushed for link in self._all()), default=0)
-
-    def _all(self) -> list[LinkProgress]:
-        return self.links if self.recorder is None else [*self.links, self.recorder]
+        # what the source's confirmation waits for (made once: on_seen runs for every transaction)
+        self._all = links if recorder is None else [*links, recorder]
+        self.seen = min((link.flushed for link in self._all), default=0)
 
     def start_position(self) -> int:
         """Where to (re)start reading the source: the least durable link (or the recorder)."""
-        return min((link.flushed for link in self._all()), default=0)
+        return min((link.flushed for link in self._all), default=0)
 
     def confirmable(self) -> int:
-        return min((link.durable(self.seen) for link in self._all()), default=self.seen)
+        return min((link.durable(self.seen) for link in self._all), default=self.seen)
 
     def on_seen(self, end_lsn: int) -> None:
         self.seen = max(self.seen, end_lsn)
-        for link in self._all():
+        for link in self._all:
             link.passed(end_lsn)
 
     def rewind_position(self) -> int | None:

@@ -288,7 +288,7 @@ class LargeApply:
         then look each tombstone's key up in the table (held under its exclusive lock: no decider adds
         one meanwhile): none found, the COPY stands; one found, it is undone and the guarded INSERTs
         decide. The cost is one index probe per tombstone, not a check per row."""
-        checked = False
+        probe: str | None = None  # the lookup after the COPY, when the table has tombstones
         if run.check_tombstones:
             name = run.table.name
             if name not in tombstones:
@@ -297,18 +297,18 @@ class LargeApply:
                     " AS t",
                     name, COPY_CHECK_MAX,
                 ))
-            many = tombstones[name] >= min(len(run.rows), COPY_CHECK_MAX)
-            if tombstones[name] and (copy_check_sql(run.table) is None or many):
-                await conn.execute(run.fallback())
-                return
-            checked = bool(tombstones[name])
+            if tombstones[name]:
+                probe = copy_check_sql(run.table)
+                if probe is None or tombstones[name] >= min(len(run.rows), COPY_CHECK_MAX):
+                    await conn.execute(run.fallback())
+                    return
         schema, table = run.schema_and_name
-        if checked:
+        if probe is not None:
             await conn.execute("SAVEPOINT pgmesh_copy")
         await conn.copy_to_table(table, schema_name=schema, columns=run.columns, source=_once(run.data()),
                                  format="text")
-        if checked:
-            if await conn.fetchval(copy_check_sql(run.table) or "", run.table.name):
+        if probe is not None:
+            if await conn.fetchval(probe, run.table.name):
                 await conn.execute("ROLLBACK TO SAVEPOINT pgmesh_copy; RELEASE SAVEPOINT pgmesh_copy")
                 await conn.execute(run.fallback())
                 return

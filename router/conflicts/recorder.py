@@ -5,8 +5,9 @@ deleting transaction's commit time and origin, from its xid). The router's own r
 recorded by the `pgmesh_tombstone` trigger, enabled REPLICA (it fires under the appliers'
 `session_replication_role = replica`, in the applying transaction). The node's own deletes, which the
 application waits for, are recorded here instead: the router decodes every one of them anyway. One
-`TombstoneRecorder` per node takes that node's own committed transactions that delete (the fan-out,
-router.stream.fanout, hands it them in commit order; spilled ones are read back from the spool) and,
+`TombstoneRecorder` per node takes that node's own committed transactions that delete, or update a row's
+key (its old key goes as a deletion would; the fan-out, router.stream.fanout, hands it them in commit
+order; spilled ones are read back from the spool) and,
 per table whose trigger fires REPLICA (router.conflicts.catalog.trigger_fires: the stream carries the
 key), writes in one transaction on the node:
 
@@ -31,9 +32,10 @@ is written with the last table's transaction, committed with synchronous_commit 
 (router.progress.SourceProgress.recorder) is flushed there, and the node's slot is confirmed only up
 to what the recorder has durably recorded. A crash between tables records them again (idempotent).
 
-The unsafe window of the old trigger-less designs is closed by step 1 and 3 together: an applier that
-meets no row and no tombstone during the recorder's lag applies the change; the recorder then decides it
-late, exactly as if the tombstone had been there, so the nodes still end equal.
+Recording after the commit leaves a window, closed by steps 1 and 3 together: an applier that meets no
+row and no tombstone during the recorder's lag applies the change; the recorder then decides it late,
+exactly as if the tombstone had been there, so the nodes still end equal. A row it decides is locked
+first and read again, so a change committed meanwhile is decided as it now is.
 
 Keyless tables (REPLICA IDENTITY FULL without a key): tombstones are recorded, late decisions are not
 made (no key to find the row by; docs/conflicts.md lists it).
@@ -220,6 +222,7 @@ class TombstoneRecorder:
                 for change in chunk:
                     if isinstance(change, Relation):
                         relations[change.relid] = change
+                        self._tables.pop((change.schema, change.name), None)  # DDL: read it again
                     elif isinstance(change, Delete | Update) and change.old is not None:
                         relation = relations.get(change.relid)
                         if relation is None:
@@ -246,7 +249,7 @@ class TombstoneRecorder:
     async def _table(self, conn: asyncpg.Connection, relation: Relation) -> _Table | None:
         where = (relation.schema, relation.name)
         table = self._tables.get(where)
-        if table is not None and set(table.key) <= set(relation.column_names):
+        if table is not None:
             return table
         row = await conn.fetchrow(_TABLE_SQL, *where)
         if row is None:
@@ -273,22 +276,28 @@ class TombstoneRecorder:
     async def _late(self, conn: asyncpg.Connection, table: _Table, columns: list[list[str | None]],
                     xids: list[int]) -> None:
         """Rows a remote change wrote on a key this node deleted: decided now (module docstring, step 3)."""
-        found = await conn.fetch(candidates_sql(table), xids, *columns)
+        query = candidates_sql(table)
+        if not await conn.fetch(query, xids, *columns):
+            return  # the usual case: no row holds a key this node deleted
+        # Lock them, then read them again on a snapshot taken after the locks: a row an applier or the
+        # application changed meanwhile is decided as it is now (a locking read returns the newest row
+        # version, but a LATERAL beside it keeps the old version's commit time)
+        await conn.execute(f"{query} FOR UPDATE OF r", xids, *columns)
+        found = await conn.fetch(query, xids, *columns)
+        name = self.config.policy(table.schema, table.table, "update_deleted").resolver.value
+        if found and name not in _BUILT_IN:
+            raise PgmeshError(
+                f"a remote change rewrote a key this node deleted, before its tombstone was recorded;"
+                f" resolver {name} cannot be decided here: resolve by hand (pgmesh repair) and restart",
+                node=self.node.name, relation=table.name,
+            )
         for row in found:
-            name = self.config.policy(table.schema, table.table, "update_deleted").resolver.value
-            if name not in _BUILT_IN:
-                raise PgmeshError(
-                    f"a remote change rewrote a key this node deleted, before its tombstone was recorded;"
-                    f" resolver {name} cannot be decided here: resolve by hand (pgmesh repair) and restart",
-                    node=self.node.name, relation=table.name,
-                )
             origin_node = row["pgmesh_node"]
             remote = f"0/0|{row['pgmesh_ts'].isoformat()}|"
             await conn.execute(
                 "SELECT pg_catalog.set_config('pgmesh.source', $1, true),"
-                " pg_catalog.set_config('pgmesh.target', $2, true),"
-                " pg_catalog.set_config('pgmesh.remote', $3, true)",
-                origin_node, self.node.name, remote,
+                " pg_catalog.set_config('pgmesh.remote', $2, true)",
+                origin_node, remote,
             )
             won = await conn.fetchval(
                 "SELECT pgmesh.decide('update_deleted', $1, $2, pg_catalog.pg_xact_commit_timestamp("

@@ -34,6 +34,7 @@ __all__ = [
     "Metrics",
     "Registry",
     "format_value",
+    "raise_to",
 ]
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,12 @@ class Registry:
         return "\n".join(lines) + "\n" if lines else ""
 
 
+def raise_to(child: CounterChild, value: float) -> None:
+    """Bring a counter up to `value`, a count kept elsewhere and read whole (never down)."""
+    if value > child.get():
+        child.inc(value - child.get())
+
+
 class Metrics:
     """Every metric pgmesh exports. The router creates one and passes it to sources, appliers and admin.
 
@@ -410,9 +417,13 @@ class Metrics:
         for family, new in ((self.echo_transactions_total, stats.echoes),
                             (self.source_received_bytes_total, stats.bytes_received),
                             (self.source_reconnects_total, stats.reconnects)):
-            child = family.labels(node=node)
-            if new > child.get():
-                child.inc(new - child.get())
+            raise_to(family.labels(node=node), new)
+
+    def observe_recorder(self, node: str, recorded: int, late: int) -> None:
+        """Bring the node metrics of `node` up to its tombstone recorder's counters (router.conflicts.
+        recorder: tombstones written, late decisions)."""
+        raise_to(self.tombstones_recorded_total.labels(node=node), recorded)
+        raise_to(self.tombstone_late_decisions_total.labels(node=node), late)
 
     def observe_link(self, source: str, target: str, stats: LinkStats, before: LinkStats | None) -> None:
         """Add to the link metrics of source -> target what its applier counted (read whole) since

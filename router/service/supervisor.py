@@ -33,7 +33,7 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
-from router.service.metrics import Metrics
+from router.service.metrics import Metrics, raise_to
 from router.service.monitor import MonitorTarget
 from router.service.status import LinkStatus, RecorderStatus, SourceStatus, StatusReport
 from router.stream.fanout import SourcePump
@@ -411,16 +411,11 @@ class Router:
         for (source, target), applier in self.appliers.items():
             for (table, kind), count in applier.conflict_counts().items():
                 child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
-                if count > child.get():
-                    child.inc(count - child.get())
+                raise_to(child, count)
         for node, pump in self.pumps.items():
             m.observe_source(node, pump.stats)
         for node, recorder in self.recorders.items():
-            for family, value in ((m.tombstones_recorded_total, recorder.recorded),
-                                  (m.tombstone_late_decisions_total, recorder.late)):
-                child = family.labels(node=node)
-                if value > child.get():
-                    child.inc(value - child.get())
+            m.observe_recorder(node, recorder.recorded, recorder.late)
         for setting in self.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
         self.clocks.export(m.clock_offset_seconds)
