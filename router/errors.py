@@ -54,6 +54,7 @@ __all__ = [
     "decide_sqlstate",
     "describe",
     "is_conflict",
+    "remote_version_missing",
     "retry_join",
     "retry_unique",
     "tables_changed",
@@ -273,6 +274,13 @@ def is_conflict(exc: BaseException) -> bool:
 def tables_changed(exc: BaseException) -> bool:
     """The target's tables changed since the link read them (SCHEMA_STATES): read them again, once."""
     return sqlstate_of(exc) in SCHEMA_STATES
+
+
+def remote_version_missing(exc: BaseException) -> bool:
+    """A decision function needed the transaction's remote version, which the batch left out (a link
+    without recent conflicts saves every transaction that setting, router.apply.decide.Decisions.remote):
+    the batch is sent again with it."""
+    return sqlstate_of(exc) == "PGM03"
 
 
 def decision_function_lost(exc: BaseException) -> bool:

@@ -41,7 +41,7 @@ from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
-from router.apply.scripts import ORIGIN_MARK, transaction_script
+from router.apply.scripts import ORIGIN_MARK
 from router.apply.side import SideSession
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.apply.statements import TargetTable, quote_ident
@@ -61,6 +61,7 @@ from router.errors import (
     decision_function_lost,
     describe,
     is_conflict,
+    remote_version_missing,
     retry_unique,
     tables_changed,
 )
@@ -320,18 +321,14 @@ class Applier(LinkView):
         mark = link.prepared.mark()
         size = len(prelude)
         try:
-            return transaction_script(
-                txn, link.tables, prepared=link.prepared, guard_origin=link.source_origin, prelude=prelude
-            )
+            return link.script(txn, prelude)
         except ApplyError:
             link.prepared.forget_since(mark)  # its PREPAREs are never sent
             del prelude[size:]
             fitted = link.fit(txn)
             if fitted is txn:
                 raise
-        return transaction_script(
-            fitted, link.tables, prepared=link.prepared, guard_origin=link.source_origin, prelude=prelude
-        )
+        return link.script(fitted, prelude)
 
     async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
         """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
@@ -353,7 +350,7 @@ class Applier(LinkView):
             size += len(script)
             if size >= BATCH_BYTES:
                 break
-        self.link.ahead = {}
+        self.link.built(len(scripts))
         return prelude, scripts
 
     def _build_ahead(self) -> None:
@@ -376,10 +373,7 @@ class Applier(LinkView):
                 if has_ddl(txn) or is_large(txn):
                     break
                 prelude: list[str] = []
-                script = transaction_script(
-                    txn, link.tables, prepared=link.prepared, guard_origin=link.source_origin,
-                    prelude=prelude,
-                )
+                script = link.script(txn, prelude)
                 if prelude:  # a new prepared statement: left to the batch that sends it
                     link.prepared.forget_since(mark)
                     break
@@ -486,6 +480,8 @@ class Applier(LinkView):
             self._reloaded_for = held[0].end_lsn
             await self.link.reload_tables()
             return
+        if remote_version_missing(exc) and self.link.needed_remote():
+            return  # sent again, with the remote version
         if decision_function_lost(exc) and held and held[0].end_lsn != self._reloaded_for:
             self._reloaded_for = held[0].end_lsn  # once per transaction, as a reload; then sent again
             return

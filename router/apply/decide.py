@@ -20,14 +20,16 @@ the target, in the applying transaction, it:
    found nothing.
 
 No rollback, no replay, no extra round trip: a transaction with conflicts costs what its statements cost
-on the target. What these functions do not decide raises SQLSTATE PGM01, and the transaction goes the
-careful way (router.apply.careful), as every conflict did before: custom and `error` resolvers, tables
-with delta columns or other unique keys than the primary key, an update that moves its row to another key,
-and re-creating a row whose unchanged TOASTed values pgoutput did not send.
+on the target (the first conflict after a quiet spell excepted: its batch is sent once more, with the
+remote version, `Decisions.remote`). What these functions do not decide raises SQLSTATE PGM01, and the
+transaction goes the careful way (router.apply.careful), as every conflict did before: custom and `error`
+resolvers, tables with delta columns or other unique keys than the primary key, an update that moves its
+row to another key, and re-creating a row whose unchanged TOASTed values pgoutput did not send.
 
 The remote version comes from the session: `pgmesh.source`, `pgmesh.target`, `pgmesh.source_origin`,
-`pgmesh.origin_prefix` (set once per session, `session_settings`) and `pgmesh.remote` (set with each
-transaction's origin set-up, router.apply.statements.setup_args).
+`pgmesh.origin_prefix` (set once per session, `session_settings`) and `pgmesh.remote` (set with a
+transaction's origin set-up, router.apply.statements.setup_args; read through `pgmesh.remote_version()`,
+which raises PGM03 when a batch left it out: `Decisions.remote`).
 
 Must not: connect or run anything (callers send the SQL), or decide anything in Python.
 """
@@ -52,15 +54,19 @@ from router.apply.statements import (
 )
 from router.config import Config
 
-__all__ = ["Decisions", "session_settings"]
+__all__ = ["REMOTE_KEEP", "Decisions", "session_settings"]
 
 T, TS = TABLE_ALIAS, TOMBSTONE_ALIAS
 _BODY: Final = "$pgmesh_d$"
 
 # Raised by a decision function for what it leaves to the careful path (router.errors.is_conflict).
 _CAREFUL: Final = "RAISE EXCEPTION 'pgmesh: % goes the careful way', {why} USING ERRCODE = 'PGM01';"
+# After a decision function lacked the remote version, the link's transactions set it for this many: a
+# stream with conflicts keeps it (each one sets it again); one without them pays one batch sent twice.
+REMOTE_KEEP: Final = 50_000
+
 _REMOTE_TIME: Final = (
-    "pg_catalog.split_part(pg_catalog.current_setting('pgmesh.remote'), '|', 2)::timestamptz"
+    "pg_catalog.split_part(pgmesh.remote_version(), '|', 2)::timestamptz"
 )
 _MINE: Final = (  # a row written by the source, by this transaction, or before pgmesh: no conflict
     "pgmesh_l.pgmesh_ours OR pgmesh_l.pgmesh_origin = pg_catalog.current_setting('pgmesh.source_origin')::oid"
@@ -84,13 +90,33 @@ def session_settings(source: str, target: str, source_origin: int | None, origin
 class Decisions:
     """Makes the decision functions of one session's prepared statements, from the config's policies."""
 
-    __slots__ = ("config", "contested")
+    __slots__ = ("config", "contested", "remote_left")
 
     def __init__(self, config: Config) -> None:
         self.config = config
         # tables (TargetTable.name) where a single insert met a row with its key on this link: their single
         # inserts decide insert_exists in the statement from then on (router.apply.prepared)
         self.contested: set[str] = set()
+        # transactions still to be sent with `pgmesh.remote` (`remote`, `needed_remote`)
+        self.remote_left = 0
+
+    @property
+    def remote(self) -> bool:
+        """Whether the link's batched transactions set `pgmesh.remote` (router.apply.scripts). A link that
+        met no conflict lately leaves it out: a transaction-local setting costs PostgreSQL 15 a pass over
+        all its settings at every commit (a tenth of a small insert's cost on the target). A decision
+        function that then needs it raises PGM03 (`pgmesh.remote_version()`), never decides without
+        it, and the applier sends the batch again with it (`needed_remote`)."""
+        return self.remote_left > 0
+
+    def needed_remote(self) -> None:
+        """A decision function lacked the remote version: the next REMOTE_KEEP transactions set it."""
+        self.remote_left = REMOTE_KEEP
+
+    def sent(self, transactions: int) -> None:
+        """`transactions` were applied in a batch: one step nearer to leaving the remote version out."""
+        if self.remote_left:
+            self.remote_left = max(0, self.remote_left - transactions)
 
     def _policy(self, table: TargetTable, conflict: str) -> str:
         """`resolver, priority` literals for pgmesh.decide."""

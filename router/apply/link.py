@@ -30,6 +30,7 @@ from protocol.messages import Insert
 from protocol.transactions import Transaction
 from router.apply.decide import Decisions, session_settings
 from router.apply.prepared import Prepared
+from router.apply.scripts import transaction_script
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
 from router.apply.statements import TargetTable, UniqueIndex
@@ -144,6 +145,26 @@ class LinkSession:
             if isinstance(change, Insert) and change.relid in relations:
                 relation = relations[change.relid]
                 self.decisions.contested.add(f"{relation.schema}.{relation.name}")
+
+    def script(self, txn: Transaction, prelude: list[str]) -> str:
+        """`txn`'s target transaction, as the main session runs it in a batch (router.apply.scripts)."""
+        return transaction_script(txn, self.tables, prepared=self.prepared, guard_origin=self.source_origin,
+                                  prelude=prelude, remote=self.decisions.remote)
+
+    def built(self, transactions: int) -> None:
+        """A batch of `transactions` was built to be sent: scripts built ahead are stale, and the remote
+        version is one batch nearer to being left out (router.apply.decide.Decisions.sent)."""
+        self.ahead = {}
+        self.decisions.sent(transactions)
+
+    def needed_remote(self) -> bool:
+        """A decision function lacked the remote version a rolled-back batch left out: the link's
+        transactions carry it from now on (router.apply.decide.Decisions.remote); False when they did."""
+        if self.decisions.remote:
+            return False
+        self.decisions.needed_remote()
+        self.ahead = {}  # built without it
+        return True
 
     async def deallocate_stale(self) -> None:
         """Drop the main session's statements no cache names any more (`forget_prepared` leaves them):

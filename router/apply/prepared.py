@@ -35,6 +35,7 @@ from router.apply.statements import (
 __all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
 
 _SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
+_BARE_SETUP_KEY: Final = (0, "SB", b"")  # the same without `pgmesh.remote`
 
 
 class Prepared:
@@ -80,11 +81,14 @@ class Prepared:
 
     def setup(self, args: list[str], out: list[str]) -> str:
         """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once);
-        `args` from `setup_args`."""
-        name = self._names.get(_SETUP_KEY)
+        `args` from `setup_args` (without the remote version, it sets the origin up only)."""
+        key = _SETUP_KEY if len(args) > 2 else _BARE_SETUP_KEY
+        name = self._names.get(key)
         if name is None:
-            name = self._new(_SETUP_KEY, "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2),"
-                             " pg_catalog.set_config('pgmesh.remote', $3, true)", out)
+            body = "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+            if key is _SETUP_KEY:
+                body += ", pg_catalog.set_config('pgmesh.remote', $3, true)"
+            name = self._new(key, body, out)
         return _execute(name, args)
 
     def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
@@ -229,7 +233,8 @@ def prepared_insert(
     exclusive), then the insert, which raises PGM02 if a tombstone holds the key. Planned once per
     relation: a text INSERT ... SELECT with the tombstone check costs the server far more to parse and
     plan. With `setup` (`setup_args`), the first statement also does the origin's xact_setup (the
-    transaction's first statement then: one fewer for the target to run)."""
+    transaction's first statement then: one fewer for the target to run), and sets `pgmesh.remote` when
+    `setup` has it."""
     plan = prepared.insert_plans.get(id(relation))
     if plan is None:
         plan = _plan_insert(relation, table, prepared, out)
@@ -241,10 +246,10 @@ def prepared_insert(
         first = _execute(lock, keys)
     else:
         n = len(keys)
+        remote = f" pg_catalog.set_config('pgmesh.remote', ${n + 3}, true)," if len(setup) > 2 else ""
         fused = prepared.name(
-            relation, "ISL", b"",
-            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),"
-                     f" pg_catalog.set_config('pgmesh.remote', ${n + 3}, true),"
+            relation, "ISL" if remote else "ISLB", b"",
+            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),{remote}"
                      f" {_insert_locks(table, key_types)}"),
             out,
         )

@@ -254,6 +254,7 @@ def transaction_script(
     prepared: Prepared | None = None,
     guard_origin: int | None = None,
     prelude: list[str] | None = None,
+    remote: bool = True,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
@@ -264,11 +265,12 @@ def transaction_script(
     applying when it meets a conflict (see `router.apply.statements.guard`): the applier then takes the
     careful path.
     New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
-    transaction that fails cannot take a prepared statement down with it), else inline.
+    transaction that fails cannot take a prepared statement down with it), else inline. `remote`: see
+    `transaction_segments`.
     """
     (script,) = transaction_segments(
         txn, tables, origin_lsn=origin_lsn, prepared=prepared, guard_origin=guard_origin, prelude=prelude,
-        copy=False,
+        copy=False, remote=remote,
     )
     assert isinstance(script, str)
     return script
@@ -288,6 +290,7 @@ def transaction_segments(
     commit: bool = True,
     at_commit: tuple[str, str] | None = None,
     setup: bool = True,
+    remote: bool = True,
 ) -> list[str | CopyRun]:
     """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
     order, the first opening the transaction and the last committing it. With `copy` False (or no
@@ -302,11 +305,12 @@ def transaction_segments(
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
     replication origin only to commit (router.apply.lanes): the origin's `xact_setup` then goes
     just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
-    opening part (the caller sends it before its own COMMIT).
+    opening part (the caller sends it before its own COMMIT). `remote` False leaves `pgmesh.remote` out
+    (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
-    args = setup_args(txn, origin_lsn)  # the origin's position and commit time, once per transaction
+    args = setup_args(txn, origin_lsn, remote)  # the origin's position and commit time, once per transaction
     if prepared is None:
         setup_sql = xact_setup_sql(txn, origin_lsn)
     else:
@@ -316,7 +320,7 @@ def transaction_segments(
     # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
     # single guarded insert: see `prepared_insert`).
     pending = begin and at_commit is None and setup
-    if begin and not pending and guard_origin is not None:
+    if begin and not pending and guard_origin is not None and remote:
         out.append(remote_setting_sql(args))  # the decision functions need the remote version before
 
     def opening() -> None:

@@ -274,11 +274,14 @@ def delete_statement(relation: Relation, table: TargetTable, change: Delete) -> 
     return f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
 
 
-def setup_args(txn: Transaction, origin_lsn: int | None) -> list[str]:
-    """The origin's position and commit time for `txn`'s target transaction, and the remote version
-    the decision functions read (`pgmesh.remote`, router.apply.decide reads it), as SQL literals."""
+def setup_args(txn: Transaction, origin_lsn: int | None, remote: bool = True) -> list[str]:
+    """The origin's position and commit time for `txn`'s target transaction, and with `remote` the
+    remote version the decision functions read (`pgmesh.remote`, router.apply.decide reads it), as SQL
+    literals."""
     lsn = format_lsn(origin_lsn if origin_lsn is not None else txn.end_lsn)
     when = commit_time_literal(txn.commit_time)
+    if not remote:
+        return [f"'{lsn}'", f"'{when}'"]
     return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{_views(txn.seen)}")]
 
 

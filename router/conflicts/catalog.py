@@ -91,6 +91,7 @@ _FUNCTIONS: Final = (
     _function("expect_rows.sql", "bigint, bigint"),
     _function("origin_node.sql", "oid"),
     _function("remote_wins.sql", "text, text[], timestamptz, text, timestamptz, text"),
+    _function("remote_version.sql", ""),
     _function("decide.sql", "text, text, text, timestamptz, oid, text, text, text, text[]"),
 )
 

@@ -132,3 +132,31 @@ async def test_an_insert_meeting_its_key_goes_carefully_once_then_is_decided_in_
             node.dsn(), "SELECT key, conflict_type FROM pgmesh.conflict_history ORDER BY key"
         )
         assert history == [("1", "insert_exists"), ("2", "insert_exists")], (node.name, history)
+
+
+async def test_a_conflict_after_a_quiet_spell_is_decided_with_the_remote_version(mesh: MeshFactory) -> None:
+    """A link without recent conflicts leaves each transaction's remote version out (a transaction-local
+    setting costs every commit); the first conflict then makes the decision function raise PGM03 instead
+    of deciding without it, the batch goes again with it, and the conflict is decided in the statement and
+    recorded truthfully: the remote commit time is the source's."""
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    a, b = m.nodes
+    committed = "SELECT pg_catalog.pg_xact_commit_timestamp(xmin) FROM t WHERE id = 7"
+    async with running_router(m.config) as router:
+        for i in range(1, 51):
+            await execute(a.dsn(), f"INSERT INTO t VALUES ({i}, 'x')")
+        await wait_for(lambda: _rows(b.dsn(), 50), "rows on b")
+        assert not any(x.link.decisions.remote for x in router.appliers.values())
+        await router.pause(None)
+        await execute(a.dsn(), "UPDATE t SET v = 'a' WHERE id = 7")
+        await execute(b.dsn(), "UPDATE t SET v = 'b' WHERE id = 7")
+        times = {a.name: await fetch(a.dsn(), committed), b.name: await fetch(b.dsn(), committed)}
+        await router.resume(None)
+        await wait_for(lambda: all(x.conflicts >= 1 for x in router.appliers.values()), "decided")
+        assert all(x._careful.counts == {} for x in router.appliers.values())  # in the statement
+        assert all(x.link.decisions.remote for x in router.appliers.values())
+    query = "SELECT id, v FROM t ORDER BY id"
+    assert await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
+    for node, other in ((a, b), (b, a)):
+        history = await fetch(node.dsn(), "SELECT remote_origin, remote_commit_time FROM pgmesh.conflict_history")
+        assert history == [(other.name, times[other.name][0][0])], (node.name, history, times)

@@ -7,7 +7,7 @@
 -- tombstone's; NULL for update_missing / delete_missing); `l_row`, `r_row`: the rows as JSON text, each
 -- column's text. The remote version and the source come from the session (router.apply.decide.GUC_*):
 -- pgmesh.source, pgmesh.target, pgmesh.origin_prefix, and per transaction pgmesh.remote =
--- '<source LSN>|<source commit time>|<seen: JSON {node: commit time}>'.
+-- '<source LSN>|<source commit time>|<seen: JSON {node: commit time}>' (read by remote_version.sql).
 --
 -- A local version the source had already seen when it committed (its time is at most what `seen` says
 -- the source had applied from that node, and earlier than the remote one) is not a conflict: the remote
@@ -25,7 +25,7 @@ CREATE OR REPLACE FUNCTION {schema}.decide(conflict text, table_name text, key t
   l_origin oid, l_row text, r_row text, resolver text, priority text[])
 RETURNS boolean LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
-  remote text[] := string_to_array(current_setting('pgmesh.remote'), '|');
+  remote text[] := string_to_array({schema}.remote_version(), '|');
   r_ts timestamptz := remote[2]::timestamptz;
   r_node text := current_setting('pgmesh.source');
   l_node text;

@@ -157,6 +157,30 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     assert "hashtextextended" not in big and big.count("INSERT INTO") == 1
 
 
+
+def test_without_the_remote_version_no_transaction_sets_pgmesh_remote() -> None:
+    """A link without recent conflicts leaves `pgmesh.remote` out (router.apply.decide.Decisions.remote):
+    the origin's set-up alone, prepared apart from the one that sets it, for every kind of statement."""
+    from router.apply.prepared import Prepared
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    prepared = Prepared()
+    prelude: list[str] = []
+    one = Insert(7, TupleData(b"ttn", (b"1", b"x", None)))
+    update = Update(7, TupleData(b"ttn", (b"2", b"x", None)))
+    for changes in ((one,), (update, one), (Delete(7, TupleData(b"tnn", (b"2", None, None)), "K"),)):
+        script = transaction_script(txn(*changes), tables, prepared=prepared, guard_origin=3, prelude=prelude,
+                                    remote=False)
+        assert "pgmesh.remote" not in script and "|" not in script, script
+    assert not any("pgmesh.remote" in p for p in prelude), prelude
+    assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in prelude
+    # with it again: the statements that set it, prepared beside the others
+    script = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
+    assert "'1/200|2000-01-01 00:00:00.000000+00|'" in script
+    assert any("set_config('pgmesh.remote', $3, true)" in p for p in prelude)
+
 def _raw(insert: Insert) -> object:
     """The RawInsert for `insert`: its row as pgoutput's TupleData bytes (text and null cells)."""
     import struct
