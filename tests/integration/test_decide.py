@@ -158,5 +158,6 @@ async def test_a_conflict_after_a_quiet_spell_is_decided_with_the_remote_version
     query = "SELECT id, v FROM t ORDER BY id"
     assert await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
     for node, other in ((a, b), (b, a)):
-        history = await fetch(node.dsn(), "SELECT remote_origin, remote_commit_time FROM pgmesh.conflict_history")
+        history = await fetch(node.dsn(), "SELECT remote_origin, remote_commit_time"
+                                          " FROM pgmesh.conflict_history")
         assert history == [(other.name, times[other.name][0][0])], (node.name, history, times)
