@@ -113,9 +113,11 @@ class SourceProgress:
         return min((link.durable(self.seen) for link in self._all), default=self.seen)
 
     def on_seen(self, end_lsn: int) -> None:
-        self.seen = max(self.seen, end_lsn)
+        if end_lsn > self.seen:
+            self.seen = end_lsn
         for link in self._all:
-            link.passed(end_lsn)
+            if link.missed_until is not None:  # (once per transaction: no call for a link that is whole)
+                link.passed(end_lsn)
 
     def rewind_position(self) -> int | None:
         """Where to re-read from so that every detached link gets what it missed (None: no need)."""

@@ -119,7 +119,8 @@ class SourcePump:
                 spill.release()  # the source's, held from the announcement to this hand-out
 
     async def _dispatch_one(self, txn: Transaction) -> None:
-        await self._to_recorder(txn)
+        if self.recorder is not None and txn.origin is None:  # an echo is not the source's own
+            await self._to_recorder(txn)
         spill = txn.spill
         if spill is not None and spill.early and spill.final is txn:
             # The commit of a transaction handed out at its first spill: the links that took it then

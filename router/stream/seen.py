@@ -51,41 +51,62 @@ def origin_nodes(nodes: Iterable[str], origin_name: str, early_origin_name: str)
 class SeenVersions:
     """The per-node newest commit times applied on one source node, as its stream tells them."""
 
-    __slots__ = ("_history", "_latest", "_nodes", "snapshot")
+    __slots__ = ("_dirty", "_forgotten", "_history", "_latest", "_nodes", "_snapshot")
 
     def __init__(self, origins: Mapping[str, str], *, own: str | None = None) -> None:
         """`origins`: replication origin name -> node name (`origin_nodes`); origins of `own` (the
         source node itself) are left out."""
         self._nodes = {origin: node for origin, node in origins.items() if node != own}
         self._latest: dict[str, int] = {}
-        self.snapshot: Seen = ()
-        # (commit LSN of an echo that changed the vector, the vector after it), oldest first.
-        self._history: deque[tuple[int, Seen]] = deque()
+        self._snapshot: Seen = ()
+        self._dirty = False  # `_latest` changed since `_snapshot` was made
+        # (commit LSN of an echo that changed the vector, its node, the node's time before it), oldest
+        # first: a rewind undoes them. Undone, an echo counts again when it is read again.
+        self._history: deque[tuple[int, str, int | None]] = deque()
+        self._forgotten = -1  # the newest commit LSN of an echo no longer in `_history`
+
+    @property
+    def snapshot(self) -> Seen:
+        """The vector, sorted by node: one tuple object until an echo changes it (made when asked for:
+        a stream of echoes alone never needs it)."""
+        if self._dirty:
+            self._snapshot = tuple(sorted(self._latest.items()))
+            self._dirty = False
+        return self._snapshot
 
     def note(self, echo: Transaction, confirmed: int = 0) -> None:
         """An echo handed out by the source, in stream order. `confirmed`: the source's confirmed
-        position (no rewind goes below it: the vectors from before it are forgotten but the last)."""
+        position (no rewind goes below it: what came before it is forgotten but the last change)."""
         node = self._nodes.get(echo.origin or "")
         if node is None:
             return
         time = echo.commit_time
         latest = self._latest
-        if time <= latest.get(node, -1):
+        before = latest.get(node)
+        if before is not None and time <= before:
             return  # a commit time out of commit order (or one seen before): nothing newer
         latest[node] = time
-        self.snapshot = tuple(sorted(latest.items()))
+        self._dirty = True
         history = self._history
-        history.append((echo.commit_lsn, self.snapshot))
+        history.append((echo.commit_lsn, node, before))
         while len(history) > 1 and history[1][0] < confirmed:
-            history.popleft()
+            self._forgotten = history.popleft()[0]
         if len(history) > HISTORY_MAX:
-            history.popleft()
+            self._forgotten = history.popleft()[0]
 
     def rewind(self, lsn: int) -> None:
         """The source hands everything out again from `lsn` (transactions whose commit LSN is at or
         after it): back to the vector of the echoes before it (empty when they are not known)."""
         history = self._history
+        latest = self._latest
+        if lsn <= self._forgotten:  # an echo at or after it is forgotten: not known
+            history.clear()
+            latest.clear()
+            self._forgotten = -1
         while history and history[-1][0] >= lsn:
-            history.pop()
-        self.snapshot = history[-1][1] if history else ()
-        self._latest = dict(self.snapshot)
+            _, node, before = history.pop()
+            if before is None:
+                del latest[node]
+            else:
+                latest[node] = before
+        self._dirty = True
