@@ -26,7 +26,6 @@ import asyncpg
 
 from protocol.messages import Message, Relation, Truncate
 from protocol.transactions import SpilledChange, Transaction
-from router.apply.decide import Decisions
 from router.apply.large import LargeApply
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts
@@ -54,11 +53,15 @@ class SideTransaction:
 
     __slots__ = ("conn", "finishing", "generation", "item", "prepared", "tables", "task", "why")
 
-    def __init__(self, item: EarlyStream, generation: int, decisions: Decisions) -> None:
+    def __init__(self, item: EarlyStream, generation: int) -> None:
         self.item = item
         self.generation = generation  # LinkQueue.cleared when it began
         self.conn: asyncpg.Connection | None = None
-        self.prepared = Prepared(decisions)
+        # No decision functions: the commit time is not known before the commit (the announcement's is
+        # zero), and a conflict decided against it loses (its change is dropped) wherever the local row
+        # is newer than 2000-01-01. Guarded statements raise at a conflict instead: the side transaction
+        # is rolled back and the transaction decided at its commit, with its commit time.
+        self.prepared = Prepared()
         self.tables: set[tuple[str, str]] = set()  # every table it may have locked
         self.task: asyncio.Task[None] | None = None
         self.finishing = False  # the main session is committing it (or taking it over)
@@ -122,7 +125,7 @@ class SideSession:
             if not self._wanted() or item.spill.abandoned or item.spill.deleted:
                 item.spill.release()
                 continue
-            side = self.current = SideTransaction(item, self._queue.cleared, self._link.decisions)
+            side = self.current = SideTransaction(item, self._queue.cleared)
             link.stats.early_streams += 1
             side.task = asyncio.create_task(self._run(side), name=f"side apply {link.name}")
 
