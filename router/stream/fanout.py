@@ -154,9 +154,12 @@ class SourcePump:
             return
         if txn.spill is not None and txn.spill.early and txn.spill.final is not txn:
             return  # handed out before its commit: the recorder takes it at the commit
-        if not (txn.spilled or any(isinstance(c, Delete) or (isinstance(c, Update) and c.old is not None)
-                                   for c in txn.changes)):
-            return  # neither deletes nor takes a key away (a key update sends the old key)
+        if not txn.spilled:
+            for c in txn.changes:  # (a loop: most have one change, and a generator costs more than it)
+                if isinstance(c, Delete) or (isinstance(c, Update) and c.old is not None):
+                    break
+            else:
+                return  # neither deletes nor takes a key away (a key update sends the old key)
         if txn.spill is not None:
             txn.spill.acquire()  # the recorder releases it
         while not self.recorder.offer(txn):
