@@ -343,14 +343,15 @@ async def run_multimaster(ctx: Context) -> Measurement:
     await start_caught_up(ctx, marker=8)
     conflicts_before = s.conflicts() or 0
     script = ctx.scripts / "multimaster.sql"
-    start = time.perf_counter()
-    outs = await asyncio.gather(*(
-        pgbench("-n", "-c", str(MM_CLIENTS), "-j", str(MM_CLIENTS), "-t", str(ctx.sizes.mm_per_client),
-                "-f", str(script), "-D", f"node={MM_NODE_IDS[i]}", node.dsn())
-        for i, node in enumerate(s.data_nodes)
-    ))
-    generated = time.perf_counter()
-    converged, polls = await ctx.watcher.converge(MM_TABLES, ctx.timeout, CONVERGE_POLL_S)
+    async with ctx.window():
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(
+            pgbench("-n", "-c", str(MM_CLIENTS), "-j", str(MM_CLIENTS), "-t", str(ctx.sizes.mm_per_client),
+                    "-f", str(script), "-D", f"node={MM_NODE_IDS[i]}", node.dsn())
+            for i, node in enumerate(s.data_nodes)
+        ))
+        generated = time.perf_counter()
+        converged, polls = await ctx.watcher.converge(MM_TABLES, ctx.timeout, CONVERGE_POLL_S)
     conflicts = s.conflicts()
     txns = [pgbench_txns(out) for out in outs]
     details: dict[str, Any] = {

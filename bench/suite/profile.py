@@ -40,7 +40,7 @@ from bench.harness.workloads import WORKLOAD_TIMEOUT_S, Measurement, Sizes
 from bench.harness.workloads import Window as WindowFactory
 from bench.suite.report import PRIMARY, git_commit
 
-WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag")
+WORKLOADS = ("tpcb", "bulk", "inserts", "visibility", "lag", "multimaster")
 DEFAULT_SYSTEMS = ("pgmesh2", "native")
 DEFAULT_WORKLOADS = ("tpcb", "bulk", "inserts", "visibility")
 OUT = Path(__file__).resolve().parents[1] / "results" / "profiles"
@@ -54,7 +54,8 @@ LOOP = "Runner.run (asyncio/runners.py)"  # where uvloop runs (bench.harness.nod
 LINE = re.compile(r":\d+\)$")
 # What a workload measures per unit: (unit, the Measurement detail that counts them).
 UNITS = {"tpcb": ("transaction", "transactions"), "inserts": ("transaction", "transactions"),
-         "bulk": ("row", "rows"), "visibility": ("row", "rows"), "lag": ("transaction", "pgbench_tps")}
+         "bulk": ("row", "rows"), "visibility": ("row", "rows"), "lag": ("transaction", "pgbench_tps"),
+         "multimaster": ("transaction", "transactions")}
 # A process title (without "postgres: ") -> category: the first entry it starts with wins; else backend.
 BACKGROUND = ("logical replication launcher", "checkpointer", "background writer", "walwriter", "autovacuum",
               "archiver", "startup", "logger")
