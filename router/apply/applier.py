@@ -449,7 +449,8 @@ class Applier(LinkView):
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
-                await self._send("".join(f"{p};\n" for p in prelude) + "\n".join(scripts))
+                notes = self.link.applied_note(batch[: len(scripts)])  # (16+: instead of echoes)
+                await self._send("".join(f"{p};\n" for p in prelude) + "\n".join(scripts) + notes)
                 done = len(scripts)
         except asyncpg.PostgresError as exc:
             await self._after_failure()

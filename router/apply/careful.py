@@ -44,7 +44,7 @@ from router.apply.careful_sql import (
     tombstone_xid_sql,
     write_row_sql,
 )
-from router.apply.scripts import ORIGIN_MARK, moved_key_tombstone
+from router.apply.scripts import COMMIT_CHECKS, ORIGIN_MARK, moved_key_tombstone
 from router.apply.statements import (
     KEY_LOCKS_MAX,
     TABLE_ALIAS,
@@ -147,11 +147,6 @@ class CarefulApplier:
         self._coarse = txn.row_count > KEY_LOCKS_MAX
         self._locked = set()
         async with conn.transaction():
-            await conn.execute(
-                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::text::pg_lsn, $2)",
-                format_lsn(txn.end_lsn),
-                pg_us_to_datetime(txn.commit_time),
-            )
             relations = dict(txn.relations)
             for change in txn.changes:
                 if isinstance(change, Relation):
@@ -167,6 +162,13 @@ class CarefulApplier:
                     relation = relations[change.relid]
                     table = target_table(relation, tables)
                     await self._change(conn, txn, relation, table, change, remote, records)
+            # last before COMMIT: a rollback after it moves the origin on PostgreSQL 16+ (see scripts)
+            await conn.execute(COMMIT_CHECKS)
+            await conn.execute(
+                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::text::pg_lsn, $2)",
+                format_lsn(txn.end_lsn),
+                pg_us_to_datetime(txn.commit_time),
+            )
         for record in records:
             key = (record.table, record.conflict.value)
             self.counts[key] = self.counts.get(key, 0) + 1

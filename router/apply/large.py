@@ -33,7 +33,7 @@ from protocol.transactions import SpilledChange, Transaction
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts, parts
 from router.apply.prepared import Prepared
-from router.apply.scripts import CopyRun, transaction_segments
+from router.apply.scripts import COMMIT_CHECKS, CopyRun, transaction_segments
 from router.apply.statements import KEY_LOCKS_MAX, TargetTable, quote_ident, xact_setup_sql
 from router.ddl.messages import DDL_PREFIX
 from router.errors import ApplyError, LostBeforeCommit
@@ -146,7 +146,7 @@ class LargeApply:
             final = spill.final
             assert final is not None
             whole_txn: Transaction = final
-            await conn.execute(f"{xact_setup_sql(whole_txn)};\nCOMMIT")
+            await conn.execute(f"{COMMIT_CHECKS};\n{xact_setup_sql(whole_txn)};\nCOMMIT")
         except asyncpg.PostgresError:
             await self._undo_ddl()
             while spill.final is None and not spill.abandoned:
@@ -266,7 +266,7 @@ class LargeApply:
             return transaction_segments(
                 t, link.tables, prepared=prepared or link.prepared, guard_origin=link.source_origin,
                 prelude=prelude,
-                relations=relations, begin=begin, commit=commit, setup=setup,
+                relations=relations, begin=begin, commit=commit, setup=setup, setup_last=link.setup_last,
             )
 
         saved = dict(relations)

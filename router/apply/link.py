@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -33,14 +33,24 @@ from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_script
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
-from router.apply.statements import TargetTable, UniqueIndex
+from router.apply.statements import TargetTable, UniqueIndex, quote_literal
 from router.config import Config, NodeConfig
 from router.ddl.reconcile import Drift, reconcile
 from router.errors import sqlstate_of
+from router.stream.items import ORIGIN_NONE_SINCE
+from router.stream.seen import APPLIED_PREFIX, applied_content
 
 __all__ = ["LinkSession"]
 
 # Columns renamed or dropped by DDL on the target, oldest first (router.ddl.capture).
+# Tables with a deferrable constraint or constraint trigger (a DEFERRABLE foreign key, on either side, a
+# deferrable unique key): checked at COMMIT unless a transaction makes them immediate (router.apply.scripts)
+_DEFERRABLE_QUERY = """
+SELECT DISTINCT n.nspname, c.relname FROM pg_catalog.pg_trigger t
+JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE t.tgdeferrable
+"""
+
 _DRIFT_QUERY = """
 SELECT table_name, old_name, new_name FROM pgmesh.column_changes
 WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
@@ -84,9 +94,9 @@ class LinkSession:
     """One link's main session on its target and its view of that target (see the module docstring)."""
 
     __slots__ = (
-        "ahead", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "history_at",
-        "installed_at", "name", "origin", "origin_held", "prepared", "settings", "source", "source_conn",
-        "source_origin", "stats", "tables", "target",
+        "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "history_at",
+        "installed_at", "name", "origin", "origin_held", "prepared", "settings", "setup_last", "source",
+        "source_conn", "source_origin", "stats", "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -98,6 +108,10 @@ class LinkSession:
         self.stats = stats
         self.conn: asyncpg.Connection | None = None
         self.origin_held = False
+        self.announce = False  # ends each batch with an APPLIED_PREFIX message (`applied_note`)
+        # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
+        # after it moves the origin; on 15 it goes with the first statement (one statement fewer)
+        self.setup_last = True
         self.decisions = Decisions(config)
         self.prepared = Prepared(self.decisions)
         # what the decision functions need of every session (router.apply.decide), once origins are read
@@ -125,6 +139,8 @@ class LinkSession:
         self.ahead = {}
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self.origin_held = True
+        self.announce = self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
+        self.setup_last = self.conn.get_server_version().major >= 16
         return await self.origin_progress()
 
     def forget_prepared(self) -> None:
@@ -149,7 +165,22 @@ class LinkSession:
     def script(self, txn: Transaction, prelude: list[str]) -> str:
         """`txn`'s target transaction, as the main session runs it in a batch (router.apply.scripts)."""
         return transaction_script(txn, self.tables, prepared=self.prepared, guard_origin=self.source_origin,
-                                  prelude=prelude, remote=self.decisions.remote)
+                                  prelude=prelude, remote=self.decisions.remote, setup_last=self.setup_last)
+
+    def applied_note(self, batch: Sequence[Transaction]) -> str:
+        """SQL to end `batch` with on a target whose own stream leaves echoes out (pgoutput's `origin
+        'none'`, PostgreSQL 16+): a non-transactional message, without the source's origin (else it
+        would be left out too), saying the newest commit time of the source applied here so far; the
+        target's stream shows it after the batch's commits (router.stream.seen, APPLIED_PREFIX). The
+        origin is taken again in the same statement (its calls run in order)."""
+        if not self.announce or not batch:
+            return ""
+        content = quote_literal(applied_content(self.source, max(t.commit_time for t in batch)))
+        return (
+            "\nSELECT pg_catalog.pg_replication_origin_session_reset(),"
+            f" pg_catalog.pg_logical_emit_message(false, {quote_literal(APPLIED_PREFIX)}, {content}),"
+            f" pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin)});"
+        )
 
     def built(self, transactions: int) -> None:
         """A batch of `transactions` was built to be sent: scripts built ahead are stale, and the remote
@@ -252,6 +283,9 @@ class LinkSession:
             table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
             table.always = frozenset(col for col, _, _, always in columns if always)  # GENERATED ALWAYS
             tables[(schema, name)] = table
+        for key in await self.conn.fetch(_DEFERRABLE_QUERY):
+            if (found := tables.get((key[0], key[1]))) is not None:
+                found.deferrable = True
         self.tables = tables
         self.ahead = {}  # built for the tables as they were
         drift: dict[str, dict[str, str | None]] = {}

@@ -36,6 +36,7 @@ __all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
 
 _SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
 _BARE_SETUP_KEY: Final = (0, "SB", b"")  # the same without `pgmesh.remote`
+_REMOTE_KEY: Final = (0, "R", b"")  # the setting of `pgmesh.remote` alone
 
 
 class Prepared:
@@ -90,6 +91,14 @@ class Prepared:
                 body += ", pg_catalog.set_config('pgmesh.remote', $3, true)"
             name = self._new(key, body, out)
         return _execute(name, args)
+
+    def remote(self, literal: str, out: list[str]) -> str:
+        """The setting of `pgmesh.remote` to `literal` (the last of `setup_args`) alone, prepared once:
+        first in a transaction whose origin set-up comes last (router.apply.scripts)."""
+        name = self._names.get(_REMOTE_KEY)
+        if name is None:
+            name = self._new(_REMOTE_KEY, "SELECT pg_catalog.set_config('pgmesh.remote', $1, true)", out)
+        return _execute(name, [literal])
 
     def _new(self, key: tuple[int, str, bytes], body: str, out: list[str]) -> str:
         self._counter += 1

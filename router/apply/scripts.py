@@ -1,7 +1,10 @@
 """A decoded source transaction as the target's transaction: SQL scripts and COPY runs, no I/O.
 
-A source transaction becomes one script: BEGIN, the origin's `pg_replication_origin_xact_setup` with the
-source's commit end LSN and commit time, one statement per change (`router.apply.statements`), COMMIT. The
+A source transaction becomes one script: BEGIN, one statement per change (`router.apply.statements`), the
+origin's `pg_replication_origin_xact_setup` with the source's commit end LSN and commit time, COMMIT. The
+setup comes last, right before COMMIT: on PostgreSQL 16+ a transaction that rolls back after it (and
+wrote anything) still moves the origin's progress to that LSN, so a conflict or a deadlock would make a
+transaction look applied that never was (invariant 1); deferred constraints are checked before it. The
 script goes to the target in one round trip (simple query protocol), so a reader there sees all of it
 or none of it. In a large transaction, runs of inserts into one table go in by COPY instead
 (`CopyRun`), cutting the script into segments; a part of a transaction read back from a spill file may
@@ -51,6 +54,7 @@ from router.apply.statements import (
 from router.errors import ApplyError
 
 __all__ = [
+    "COMMIT_CHECKS",
     "COPY_MIN_ROWS",
     "COPY_RUN",
     "INSERT_RUN",
@@ -73,6 +77,10 @@ COPY_RUN: Final = 50_000  # rows per COPY (bounds the bytes built at once)
 # once), and the first change of DDL or of a TRUNCATE is internal (the command id of its catalog writes),
 # without origin: the target streamed a transaction that opened with one without an Origin, and its source
 # took it for the target's own and sent it back (invariant 3). A row write carries the origin.
+# Before the origin's xact_setup: what deferred constraints check at COMMIT is checked here instead, so that
+# nothing fails after the setup (on PostgreSQL 16+ a rollback then still moves the origin's progress).
+COMMIT_CHECKS: Final = "SET CONSTRAINTS ALL IMMEDIATE"
+
 ORIGIN_MARK: Final = (
     "INSERT INTO \"pgmesh\".\"node_info\" (\"key\", \"value\")"
     " VALUES ('origin_mark.' || pg_catalog.pg_current_xact_id(), '');"
@@ -255,6 +263,7 @@ def transaction_script(
     guard_origin: int | None = None,
     prelude: list[str] | None = None,
     remote: bool = True,
+    setup_last: bool = True,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
@@ -265,12 +274,12 @@ def transaction_script(
     applying when it meets a conflict (see `router.apply.statements.guard`): the applier then takes the
     careful path.
     New PREPAREs go to `prelude` when given (to run before any transaction of a batch, so that a
-    transaction that fails cannot take a prepared statement down with it), else inline. `remote`: see
-    `transaction_segments`.
+    transaction that fails cannot take a prepared statement down with it), else inline. `remote`,
+    `setup_last`: see `transaction_segments`.
     """
     (script,) = transaction_segments(
         txn, tables, origin_lsn=origin_lsn, prepared=prepared, guard_origin=guard_origin, prelude=prelude,
-        copy=False, remote=remote,
+        copy=False, remote=remote, setup_last=setup_last,
     )
     assert isinstance(script, str)
     return script
@@ -291,6 +300,7 @@ def transaction_segments(
     at_commit: tuple[str, str] | None = None,
     setup: bool = True,
     remote: bool = True,
+    setup_last: bool = True,
 ) -> list[str | CopyRun]:
     """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
     order, the first opening the transaction and the last committing it. With `copy` False (or no
@@ -304,24 +314,29 @@ def transaction_segments(
 
     `at_commit` (statements before COMMIT, statements after it) is for a session that takes the
     replication origin only to commit (router.apply.lanes): the origin's `xact_setup` then goes
-    just before COMMIT, after the first of the two. `setup` False leaves the `xact_setup` out of the
-    opening part (the caller sends it before its own COMMIT). `remote` False leaves `pgmesh.remote` out
+    just before COMMIT, after the first of the two. Else it goes just before COMMIT in the part that
+    commits, after `SET CONSTRAINTS ALL IMMEDIATE` where deferred checks could fail at COMMIT (see the
+    module's docstring); `setup` False leaves it out (the caller sends it, with `COMMIT_SETUP`, before its
+    own COMMIT). `setup_last` False (a PostgreSQL 15 target, where a rollback leaves the origin alone):
+    the set-up goes with the first statement instead (in it, when that is a single guarded insert: one
+    statement fewer). `remote` False leaves `pgmesh.remote` out
     (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
     args = setup_args(txn, origin_lsn, remote)  # the origin's position and commit time, once per transaction
+    sink = out if prepares is None else prepares
+    late = setup_last or at_commit is not None or not setup  # the set-up just before COMMIT
     if prepared is None:
         setup_sql = xact_setup_sql(txn, origin_lsn)
     else:
-        setup_sql = prepared.setup(args, out if prepares is None else prepares)
+        setup_sql = prepared.setup(args[:2] if late else args, sink)
     if begin:
         out.append("BEGIN")
-    # The origin's xact_setup goes with the transaction's first statement (in it, when that is a
-    # single guarded insert: see `prepared_insert`).
-    pending = begin and at_commit is None and setup
-    if begin and not pending and guard_origin is not None and remote:
-        out.append(remote_setting_sql(args))  # the decision functions need the remote version before
+    pending = begin and not late  # set up with the first statement
+    if begin and late and guard_origin is not None and remote:  # the decision functions need it first
+        out.append(remote_setting_sql(args) if prepared is None else prepared.remote(args[2], sink))
+    deferred = False  # a table with deferred constraints: checked before a late set-up
 
     def opening() -> None:
         nonlocal pending
@@ -340,9 +355,10 @@ def transaction_segments(
     run_rel: Relation | None = None
 
     def flush_run() -> None:
-        nonlocal pending
+        nonlocal deferred, pending
         assert run_rel is not None
         table = target_table(run_rel, tables)
+        deferred = deferred or table.deferrable
         if copy and len(run) >= COPY_MIN_ROWS:
             opening()
             if guarded:
@@ -354,7 +370,6 @@ def transaction_segments(
                 segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
             return
         rows = _decoded(run_rel, run)
-        sink = out if prepares is None else prepares
         if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
             with_setup = args if pending else None
             pending = False
@@ -391,12 +406,12 @@ def transaction_segments(
             continue
         relation = relations[change.relid]
         table = target_table(relation, tables)
+        deferred = deferred or table.deferrable
         opening()
         keyed = prepared is not None and _keyed(relation, change.old_kind)
         if isinstance(change, Update):
             if keyed:
                 assert prepared is not None
-                sink = out if prepares is None else prepares
                 out.append(prepared_update(relation, table, change, prepared, sink, guard_origin))
             else:
                 out.append(guard(update_statement(relation, table, change), origin_sql))
@@ -405,7 +420,6 @@ def transaction_segments(
                 out.append(moved)
         elif keyed:
             assert prepared is not None
-            sink = out if prepares is None else prepares
             out.append(prepared_delete(relation, table, change, prepared, sink, guard_origin))
         else:
             out.append(guard(delete_statement(relation, table, change), origin_sql))
@@ -413,10 +427,12 @@ def transaction_segments(
         flush_run()
     opening()  # a transaction (or opening part) without a statement still sets the origin up
     if commit:
-        if at_commit is None:
-            out.append("COMMIT")
-        else:
+        if late and (deferred or not begin):  # (a part: earlier parts may have touched such a table)
+            out.append(COMMIT_CHECKS)  # a failure here rolls back before the setup
+        if at_commit is not None:
             out += [at_commit[0], setup_sql, "COMMIT", at_commit[1]]
+        else:
+            out += [setup_sql, "COMMIT"] if late and setup else ["COMMIT"]
     if out:
         segments.append(";\n".join(out) + ";")
     return segments

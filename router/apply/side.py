@@ -30,6 +30,7 @@ from router.apply.large import LargeApply
 from router.apply.link import LinkSession
 from router.apply.parts import growing_parts
 from router.apply.prepared import Prepared
+from router.apply.scripts import COMMIT_CHECKS
 from router.apply.sessions import LET_ORIGIN_GO, take_origin
 from router.apply.statements import quote_literal, xact_setup_sql
 from router.ddl.messages import has_ddl
@@ -245,6 +246,7 @@ class SideSession:
             await link.let_origin_go()
             try:
                 await conn.execute(
+                    f"{COMMIT_CHECKS};\n"  # what could fail at COMMIT fails before the origin is taken
                     "SELECT pg_catalog.pg_replication_origin_session_reset();\n"
                     f"SELECT pg_catalog.pg_replication_origin_session_setup({quote_literal(link.origin)});\n"
                     f"{xact_setup_sql(txn)};\nCOMMIT;\n"

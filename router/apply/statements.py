@@ -93,8 +93,8 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "always", "columns", "compare", "deferred", "indexes", "name", "partitioned", "pk",
-        "qualified", "tombstone_key", "types", "uniques",
+        "_fits", "always", "columns", "compare", "deferrable", "deferred", "indexes", "name", "partitioned",
+        "pk", "qualified", "tombstone_key", "types", "uniques",
     )
 
     def __init__(
@@ -126,6 +126,8 @@ class TargetTable:
         # the columns the tombstone trigger keys deletions by: the primary key, else every column
         self.tombstone_key = pk or tuple(self.types) or tuple(sorted(columns))
         self.deferred = False  # the primary key is DEFERRABLE: no ON CONFLICT can name it
+        # a deferrable constraint or constraint trigger (either side of a foreign key): checked at COMMIT
+        self.deferrable = False
         self.always: frozenset[str] = frozenset()  # identity columns GENERATED ALWAYS (no UPDATE sets them)
 
 

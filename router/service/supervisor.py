@@ -78,7 +78,7 @@ class Router:
         self._exported: dict[tuple[str, str], LinkStats] = {}  # each link's counters when last exported
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
-            application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True,
+            application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True, origin_none=True,
             spill_bytes=config.replication.spill_mb << 20, early_spilled=config.replication.early_apply,
             early_streamed=config.replication.early_apply,
         )

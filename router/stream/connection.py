@@ -32,7 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
-from router.stream.items import SourceOptions, SystemInfo, publication_list
+from router.stream.items import ORIGIN_NONE_SINCE, SourceOptions, SystemInfo, publication_list
 from router.stream.slots import SlotCreated, SlotInfo, hold_snapshot
 from router.stream.state import Lifecycle, SourceState, SourceStats
 
@@ -242,12 +242,14 @@ class ReplicationConnection:
 
     # ---------------------------------------------------------------- starting the stream
 
-    def _start_command(self, lsn: int) -> bytes:
+    def _start_command(self, lsn: int, server_version: int = 0) -> bytes:
         o = self.options
         opts = [
             f"proto_version '{int(o.proto_version)}'",
             f"publication_names {publication_list(self.publications)}",
         ]
+        if o.origin_none and server_version >= ORIGIN_NONE_SINCE:
+            opts.append("origin 'none'")
         if o.binary:
             opts.append("binary 'true'")
         if o.messages:
@@ -259,7 +261,7 @@ class ReplicationConnection:
     async def _start(self, lsn: int) -> None:
         conn = await self._connect()
         pgconn = conn.pgconn
-        pgconn.send_query(self._start_command(lsn))
+        pgconn.send_query(self._start_command(lsn, conn.info.server_version))
         await self._flush_out(pgconn)
         while True:
             pgconn.consume_input()

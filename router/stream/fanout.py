@@ -34,7 +34,7 @@ from router.progress import LinkProgress, SourceProgress
 from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
-from router.stream.seen import SeenVersions
+from router.stream.seen import APPLIED_PREFIX, SeenVersions
 from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
 
@@ -90,8 +90,10 @@ class SourcePump:
                     for link in self._reattach:
                         link.reattach(self.progress.seen)
                     self._reattach = []
-                if isinstance(item, Message):
-                    continue  # non-transactional logical messages carry nothing to apply (yet)
+                if isinstance(item, Message):  # non-transactional: nothing to apply
+                    if item.prefix == APPLIED_PREFIX:  # what an applier committed here (no echoes)
+                        self.seen.note_applied(item.lsn, item.content, self.source.confirmed_lsn)
+                    continue
                 if isinstance(item, EarlyStream):
                     self._announce(item)
                     continue

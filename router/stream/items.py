@@ -7,12 +7,16 @@ Must not: open a connection or read a stream (router.stream.connection and route
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 from protocol.transactions import Transaction
 from router.stream.spool import SpillFile
 
-__all__ = ["EarlyStream", "SourceOptions", "SystemInfo", "publication_list"]
+__all__ = ["ORIGIN_NONE_SINCE", "EarlyStream", "SourceOptions", "SystemInfo", "publication_list"]
+
+ORIGIN_NONE_SINCE: Final = 160000  # server_version_num from which pgoutput takes `origin 'none'`
 
 
 class SourceOptions(msgspec.Struct, frozen=True):
@@ -29,6 +33,9 @@ class SourceOptions(msgspec.Struct, frozen=True):
     connect_timeout: float = 10.0
     advance_when_idle: bool = True
     skip_echo_rows: bool = False  # do not decode the rows of transactions that carry an origin
+    # PostgreSQL 16+: ask pgoutput for `origin 'none'`, so that the walsender neither decodes nor sends
+    # what carries a replication origin (pgmesh's applied transactions: echoes); 15 has no such option
+    origin_none: bool = False
     application_name: str = "pgmesh"
     spill_bytes: int = 0  # an open transaction's payload kept in memory before the rest spills (0: never)
     # hand a plain transaction out at its first spill, before its commit arrives (appliers start on it)

@@ -12,6 +12,12 @@ every transaction stamped until the next echo changes it. A transaction of the s
 committed after every echo noted before it (the stream is in commit order), so the node had applied
 those versions, or decided against them, when it committed (router.conflicts.causality uses it).
 
+A node whose stream leaves echoes out (pgoutput's `origin 'none'`, PostgreSQL 16+) never shows them:
+there each applier ends a batch with a non-transactional message of its own, without the origin
+(APPLIED_PREFIX, router.apply.link.LinkSession.applied_note), which comes in the stream after the
+batch's commits and before any later commit of the node (`note_applied`). It knows per batch, not per
+transaction: less, never more.
+
 Known less, never more: `()` or a missing node means "not known", and a version not known to be seen
 counts as concurrent (a conflict decided by the resolver, as before). So the vector starts empty when
 the router starts (it is not persisted); a source rewound to re-read from an older position gets the
@@ -31,11 +37,22 @@ from typing import Final
 
 from protocol.transactions import Transaction
 
-__all__ = ["HISTORY_MAX", "Seen", "SeenVersions", "origin_nodes"]
+__all__ = ["APPLIED_PREFIX", "HISTORY_MAX", "Seen", "SeenVersions", "applied_content", "origin_nodes"]
 
 Seen = tuple[tuple[str, int], ...]
 
-HISTORY_MAX: Final = 65_536  # vectors kept for rewinds (one per echo that changed it): a few MB at most
+HISTORY_MAX: Final = 65_536  # changes kept for rewinds (one per echo that changed the vector): a few MB
+
+# A non-transactional logical message an applier emits on its target after a batch, without the
+# origin, where the target's own stream leaves echoes out (origin 'none', PostgreSQL 16+): "<source
+# node>|<newest commit time of it applied so far, µs>". In the target's stream it stands for the echoes
+# of that batch (`SeenVersions.note_applied`).
+APPLIED_PREFIX: Final = "pgmesh.applied"
+
+
+def applied_content(node: str, commit_time: int) -> str:
+    """The content of an APPLIED_PREFIX message."""
+    return f"{node}|{commit_time}"
 
 
 def origin_nodes(nodes: Iterable[str], origin_name: str, early_origin_name: str) -> dict[str, str]:
@@ -78,9 +95,18 @@ class SeenVersions:
         """An echo handed out by the source, in stream order. `confirmed`: the source's confirmed
         position (no rewind goes below it: what came before it is forgotten but the last change)."""
         node = self._nodes.get(echo.origin or "")
-        if node is None:
-            return
-        time = echo.commit_time
+        if node is not None:
+            self._note(node, echo.commit_time, echo.commit_lsn, confirmed)
+
+    def note_applied(self, lsn: int, content: bytes, confirmed: int = 0) -> None:
+        """An APPLIED_PREFIX message at `lsn` in the source's stream, in stream order: every transaction
+        it names was committed on the source before it, as if their echoes had come. A malformed one or
+        one naming no other node is passed over (it can only make the vector know less)."""
+        node, _, time = content.decode(errors="replace").rpartition("|")
+        if node in self._nodes.values() and time.isdigit():
+            self._note(node, int(time), lsn, confirmed)
+
+    def _note(self, node: str, time: int, lsn: int, confirmed: int) -> None:
         latest = self._latest
         before = latest.get(node)
         if before is not None and time <= before:
@@ -88,7 +114,7 @@ class SeenVersions:
         latest[node] = time
         self._dirty = True
         history = self._history
-        history.append((echo.commit_lsn, node, before))
+        history.append((lsn, node, before))
         while len(history) > 1 and history[1][0] < confirmed:
             self._forgotten = history.popleft()[0]
         if len(history) > HISTORY_MAX:

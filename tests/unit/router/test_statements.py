@@ -27,19 +27,35 @@ def txn(*changes: object, relations: tuple[Relation, ...] = (REL, FULL)) -> Tran
     )
 
 
-def test_script_is_one_transaction_with_origin_setup() -> None:
+def test_script_is_one_transaction_with_origin_setup_last() -> None:
+    """The origin's set-up is the last statement before COMMIT: on PostgreSQL 16+ a transaction that rolls
+    back after it still moves the origin's progress (the change before it failing would count as applied)."""
     script = transaction_script(txn(Insert(7, TupleData(b"tnt", (b"1", None, b'{"k": "it\'s"}')))), TABLES)
     lines = script.split(";\n")
     assert lines[0] == "BEGIN"
     assert lines[1] == (
-        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00'),"
-        " pg_catalog.set_config('pgmesh.remote', '1/200|2000-01-01 00:00:00.000000+00|', true)"
-    )
-    assert lines[2] == (
         'INSERT INTO "public"."Odd Name" ("id", "note", "doc") OVERRIDING SYSTEM VALUE'
         ' VALUES (\'1\', NULL, \'{"k": "it\'\'s"}\')'
     )
+    assert lines[2] == (
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200', '2000-01-01 00:00:00.000000+00'),"
+        " pg_catalog.set_config('pgmesh.remote', '1/200|2000-01-01 00:00:00.000000+00|', true)"
+    )
     assert lines[-1] == "COMMIT;"
+
+
+def test_deferred_checks_run_before_the_origin_setup() -> None:
+    """A table with a deferrable constraint: `SET CONSTRAINTS ALL IMMEDIATE` before the set-up, so that no
+    check fails at COMMIT, after it."""
+    from router.apply.scripts import COMMIT_CHECKS
+
+    tables = {key: TargetTable(*key, t.columns) for key, t in TABLES.items()}
+    insert = Insert(7, TupleData(b"tnt", (b"1", None, b"{}")))
+    assert COMMIT_CHECKS not in transaction_script(txn(insert), tables)
+    tables[("public", "Odd Name")].deferrable = True
+    lines = transaction_script(txn(insert), tables).split(";\n")
+    assert lines[-3:-1] == [COMMIT_CHECKS, lines[-2]] and "xact_setup" in lines[-2]
+    assert lines.index(COMMIT_CHECKS) == len(lines) - 3
 
 
 def test_update_leaves_unchanged_toast_out_and_matches_old_key() -> None:
@@ -103,7 +119,7 @@ def test_keyed_updates_and_deletes_use_prepared_statements_once_per_shape() -> N
                                prepared=prepared)
     # the origin's xact_setup is prepared too, once per session
     assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in first
-    assert "BEGIN;\nEXECUTE pgmesh_1('1/200', " in first
+    assert "EXECUTE pgmesh_1('1/200', '2000-01-01 00:00:00.000000+00');\nCOMMIT;" in first  # last
     assert (
         'PREPARE pgmesh_2 AS UPDATE "public"."Odd Name" AS "pgmesh_t" SET "id" = $1, "note" = $2'
         ' WHERE "pgmesh_t"."id" = $3'
@@ -129,28 +145,24 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
     script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    # the origin's setup; the insert, unless a tombstone holds the key; the setup with the locks (the
-    # transaction's first statement)
-    assert len(prelude) == 3
-    assert prelude[0] == (
-        "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2),"
-        " pg_catalog.set_config('pgmesh.remote', $3, true)"
-    )
-    assert "EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[1] and "$1::integer" in prelude[1]
-    assert "pg_replication_origin_xact_setup($2, $3)" in prelude[2]
-    assert "pg_advisory_xact_lock_shared" in prelude[2] and "hashtextextended" in prelude[2]
-    assert script.startswith(
-        "BEGIN;\nEXECUTE pgmesh_3('1', '1/200', '2000-01-01 00:00:00.000000+00',"
-        " '1/200|2000-01-01 00:00:00.000000+00|');\nEXECUTE pgmesh_2('1', 'it''s', NULL);\nCOMMIT;"
+    # the origin's setup; the remote version's; the insert, unless a tombstone holds the key; the locks
+    assert len(prelude) == 4
+    assert prelude[0] == "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
+    assert prelude[1] == "PREPARE pgmesh_2 AS SELECT pg_catalog.set_config('pgmesh.remote', $1, true)"
+    assert "EXISTS (SELECT 1 FROM pgmesh.tombstones" in prelude[2] and "$1::integer" in prelude[2]
+    assert "pg_advisory_xact_lock_shared" in prelude[3] and "hashtextextended" in prelude[3]
+    # the remote version first (the decision functions read it), the origin's setup last
+    assert script == (
+        "BEGIN;\nEXECUTE pgmesh_2('1/200|2000-01-01 00:00:00.000000+00|');\n"
+        "EXECUTE pgmesh_4('1');\nEXECUTE pgmesh_3('1', 'it''s', NULL);\n"
+        "EXECUTE pgmesh_1('1/200', '2000-01-01 00:00:00.000000+00');\nCOMMIT;"
     )
     again = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert len(prelude) == 3 and "EXECUTE pgmesh_3" in again  # planned once per relation
-    # not the first statement: the setup alone, then the locks
+    assert len(prelude) == 4 and "EXECUTE pgmesh_4" in again  # planned once per relation
     update = Update(7, TupleData(b"ttn", (b"2", b"x", None)))
     later = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert later.index("EXECUTE pgmesh_1(") < later.index("EXECUTE pgmesh_4(")  # the update
-    assert "SELECT pg_catalog.pg_advisory_xact_lock_shared" in prelude[-1]  # the locks, alone
-    assert later.index("EXECUTE pgmesh_4(") < later.index(f"EXECUTE {prelude[-1].split()[1]}('1')")
+    assert later.index("EXECUTE pgmesh_5(") < later.index("EXECUTE pgmesh_4('1')")  # the update, the locks
+    assert later.index("EXECUTE pgmesh_4('1')") < later.index("EXECUTE pgmesh_1(")  # the setup last
     many = [Insert(7, TupleData(b"ttn", (str(i).encode(), b"x", None))) for i in range(KEY_LOCKS_MAX + 1)]
     big = transaction_script(txn(*many), tables, prepared=prepared, guard_origin=3, prelude=prelude)
     assert "pg_advisory_xact_lock(pg_catalog.hashtext('public.Odd Name'), 0)" in big  # the table, once
@@ -159,8 +171,8 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
 
 
 def test_without_the_remote_version_no_transaction_sets_pgmesh_remote() -> None:
-    """A link without recent conflicts leaves `pgmesh.remote` out (router.apply.decide.Decisions.remote):
-    the origin's set-up alone, prepared apart from the one that sets it, for every kind of statement."""
+    """A link without recent conflicts leaves `pgmesh.remote` out (router.apply.decide.Decisions.remote),
+    for every kind of statement."""
     from router.apply.prepared import Prepared
 
     table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
@@ -175,11 +187,11 @@ def test_without_the_remote_version_no_transaction_sets_pgmesh_remote() -> None:
                                     remote=False)
         assert "pgmesh.remote" not in script and "|" not in script, script
     assert not any("pgmesh.remote" in p for p in prelude), prelude
-    assert "PREPARE pgmesh_1 AS SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)" in prelude
-    # with it again: the statements that set it, prepared beside the others
+    # with it: set first, before any statement that may call a decision function
     script = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude)
-    assert "'1/200|2000-01-01 00:00:00.000000+00|'" in script
-    assert any("set_config('pgmesh.remote', $3, true)" in p for p in prelude)
+    name = prelude[-1].split()[1]
+    assert prelude[-1] == f"PREPARE {name} AS SELECT pg_catalog.set_config('pgmesh.remote', $1, true)"
+    assert script.startswith(f"BEGIN;\nEXECUTE {name}('1/200|2000-01-01 00:00:00.000000+00|');")
 
 def _raw(insert: Insert) -> object:
     """The RawInsert for `insert`: its row as pgoutput's TupleData bytes (text and null cells)."""
@@ -239,3 +251,27 @@ def test_a_raw_insert_that_does_not_read_back_names_its_table() -> None:
         assert caught.value.relation == "public.Odd Name"
     with pytest.raises(ApplyError, match="does not read back"):  # a short run: an INSERT
         transaction_segments(txn(good[0], damaged), tables, guard_origin=3)
+
+
+def test_on_postgresql_15_the_origin_setup_goes_first_fused_with_a_single_inserts_locks() -> None:
+    """A rollback leaves the origin alone on 15: the set-up (with `pgmesh.remote`) goes with the first
+    statement, in it when that is a single guarded insert (one statement fewer than set-up last)."""
+    from router.apply.prepared import Prepared
+
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    tables = {("public", "Odd Name"): table}
+    prepared = Prepared()
+    prelude: list[str] = []
+    one = Insert(7, TupleData(b"ttn", (b"1", b"x", None)))
+    script = transaction_script(txn(one), tables, prepared=prepared, guard_origin=3, prelude=prelude,
+                                setup_last=False)
+    fused = next(p for p in prelude if "pg_advisory_xact_lock_shared" in p)
+    assert "pg_replication_origin_xact_setup($2, $3)" in fused and "set_config('pgmesh.remote', $4" in fused
+    statements = script.split(";\n")
+    assert statements[0] == "BEGIN" and statements[1].startswith(f"EXECUTE {fused.split()[1]}('1', '1/200'")
+    assert len(statements) == 4 and statements[-1] == "COMMIT;"
+    update = Update(7, TupleData(b"ttn", (b"2", b"x", None)))
+    later = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude,
+                               setup_last=False)
+    assert later.split(";\n")[1].startswith("EXECUTE pgmesh_1('1/200'")  # the set-up, then the update
