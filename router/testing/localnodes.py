@@ -1,7 +1,8 @@
 """Throw-away local PostgreSQL clusters for `pgmesh demo` and the integration tests.
 
-Owns: one cached `initdb` template per process (the binaries are `router.cluster.pgbin`'s), copying it
-into per-node data directories, their configuration (postgresql.conf additions, pg_hba.conf), free
+Owns: one cached `initdb` template per process and binary directory (the binaries are
+`router.cluster.pgbin`'s, chosen per node by major version: `create_nodes(..., versions=[15, 18])`),
+copying it into per-node data directories, their configuration (postgresql.conf additions, pg_hba.conf), free
 loopback ports, and starting / stopping / crashing / destroying those servers with `pg_ctl`.
 
 Must not: touch any cluster it did not create, run the server as root (when euid is 0 every server-side
@@ -65,13 +66,22 @@ class LocalNodeError(RuntimeError):
 # Binaries and OS user
 
 
-def find_pg_bindir() -> Path:
-    """The PostgreSQL (>= 15) binary directory (`router.cluster.pgbin.find_pg_bindir`); when there is none,
-    a LocalNodeError saying where it looked."""
+def find_pg_bindir(major: int | None = None) -> Path:
+    """The binary directory of PostgreSQL `major` (None: the default one, >= 15;
+    `router.cluster.pgbin.find_pg_bindir`); when there is none, a LocalNodeError saying where it looked."""
     try:
-        return pgbin.find_pg_bindir()
+        return pgbin.find_pg_bindir(major)
     except pgbin.PgBinError as exc:
         raise LocalNodeError(str(exc)) from None
+
+
+def _bindirs(versions: Sequence[int | None]) -> list[Path]:
+    """One binary directory per requested major version (None: the default), each looked up once."""
+    found: dict[int | None, Path] = {}
+    for major in versions:
+        if major not in found:
+            found[major] = find_pg_bindir(major)
+    return [found[major] for major in versions]
 
 
 def _psql_path(bindir: Path) -> str:
@@ -124,7 +134,7 @@ def _clean_env() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The per-process initdb template
+# The initdb templates: one per process and binary directory
 
 
 _template_lock = threading.Lock()
@@ -471,34 +481,42 @@ def _prepare_databases(nodes: Sequence[LocalNode]) -> None:
 def create_nodes(
     names: Sequence[str],
     *,
+    versions: Sequence[int | None] | None = None,
     base_dir: Path | None = None,
     settings: Mapping[str, str] | None = None,
     password: str | None = None,
 ) -> list[LocalNode]:
     """Create, configure and start one cluster per name, each with database `app`.
 
-    `base_dir` is the parent of the per-node directories (default: the system temp dir). `settings`
-    override the postgresql.conf defaults; `password` switches TCP auth to scram-sha-256 for `postgres`.
-    On failure every node created so far is destroyed and a LocalNodeError is raised.
+    `versions` gives each node's PostgreSQL major version, in the order of `names` (None, or no list:
+    the default binaries of `find_pg_bindir()`). `base_dir` is the parent of the per-node directories
+    (default: the system temp dir). `settings` override the postgresql.conf defaults; `password`
+    switches TCP auth to scram-sha-256 for `postgres`. On failure every node created so far is
+    destroyed and a LocalNodeError is raised (also when a requested version is not installed).
     """
     if len(set(names)) != len(names):
         raise LocalNodeError(f"node names must be distinct: {list(names)}")
-    bindir = find_pg_bindir()
-    template = _template_datadir(bindir)
+    wanted = [None] * len(names) if versions is None else list(versions)
+    if len(wanted) != len(names):
+        raise LocalNodeError(f"one version per node: {list(names)} but versions {wanted}")
+    bindirs = _bindirs(wanted)
+    templates = {bindir: _template_datadir(bindir) for bindir in bindirs}
     if base_dir is not None:
         base_dir.mkdir(parents=True, exist_ok=True)
     nodes: list[LocalNode] = []
     try:
         ports = _free_ports(len(names), set())
-        for name, port in zip(names, ports, strict=True):
-            nodes.append(_new_node(name, port, bindir, template, settings or {}, password, base_dir))
+        for name, port, bindir in zip(names, ports, bindirs, strict=True):
+            nodes.append(
+                _new_node(name, port, bindir, templates[bindir], settings or {}, password, base_dir)
+            )
         _start_all(nodes)
         _prepare_databases(nodes)
     except BaseException:
         for node in nodes:
             node.destroy()
         raise
-    logger.info("created nodes %s", ", ".join(f"{n.name}:{n.port}" for n in nodes))
+    logger.info("created nodes %s", ", ".join(f"{n.name}:{n.port} ({n.bindir})" for n in nodes))
     return nodes
 
 
@@ -511,11 +529,14 @@ class LocalNodeSet:
         self,
         names: Sequence[str],
         *,
+        versions: Sequence[int | None] | None = None,
         base_dir: Path | None = None,
         settings: Mapping[str, str] | None = None,
         password: str | None = None,
     ) -> None:
-        self.nodes = create_nodes(names, base_dir=base_dir, settings=settings, password=password)
+        self.nodes = create_nodes(
+            names, versions=versions, base_dir=base_dir, settings=settings, password=password
+        )
 
     def __enter__(self) -> list[LocalNode]:
         return self.nodes
