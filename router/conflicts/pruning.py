@@ -62,9 +62,9 @@ import psycopg
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import describe
+from router.progress import LinkProgress
 
 if TYPE_CHECKING:
-    from protocol.transactions import Transaction
     from router.service.metrics import Metrics
 
 __all__ = [
@@ -126,19 +126,21 @@ def link_safe_time(applied: tuple[int, int] | None, flushed: int | None, caught_
 
 
 class Link(Protocol):
-    """What the pruner reads of a link's applier: its source and target, and whether it runs (applies
-    whatever comes: not paused, held or failing)."""
+    """What the pruner reads of a link's applier: its source and target, whether it runs (applies
+    whatever comes: not paused, held or failing), and the last transaction it committed (its end LSN in
+    `progress.applied`, its commit time): read each round, not noted per transaction."""
 
     source: str
+    progress: LinkProgress
+
+    @property
+    def last_commit_time(self) -> int | None: ...
 
     @property
     def target(self) -> NodeConfig: ...
 
     @property
     def ready_for_more(self) -> bool: ...
-
-
-AppliedHook = Callable[[Any, "Transaction"], None]
 
 
 class LinkReport(msgspec.Struct, frozen=True):
@@ -242,17 +244,6 @@ class TombstonePruner:
         self._conns: dict[str, psycopg.AsyncConnection[Any]] = {}
         self._exported: dict[str, int] = {}  # node -> `pruned` when last added to the metrics
 
-    def chain(self, then: AppliedHook | None) -> AppliedHook:
-        """The appliers' `on_applied` hook: note each committed transaction, then call `then`."""
-        note = self.tracker.note_applied
-
-        def applied(applier: Link, txn: Transaction) -> None:
-            note(applier.source, applier.target.name, txn.end_lsn, txn.commit_time)
-            if then is not None:
-                then(applier, txn)
-
-        return applied
-
     async def run(self) -> None:
         """Prune every interval until cancelled; a node that fails is reported and tried next round."""
         try:
@@ -273,8 +264,12 @@ class TombstonePruner:
                     await self._read_caught_up(node)
             except (psycopg.Error, OSError, TimeoutError):
                 await self._drop(node.name)  # a source that does not answer: no news (said below)
+        appliers = self._links()
+        for (source, target), applier in appliers.items():
+            if (at := applier.last_commit_time) is not None:
+                self.tracker.note_applied(source, target, applier.progress.applied, at)
         links = [LinkReport(source, target, applier.ready_for_more)
-                 for (source, target), applier in self._links().items()]
+                 for (source, target), applier in appliers.items()]
         for node in self.nodes:
             stats = self.stats[node.name]
             stats.rounds += 1

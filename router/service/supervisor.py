@@ -194,7 +194,7 @@ class Router:
                 queue = LinkQueue(queue_max)
                 target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=self.pruner.chain(self._on_applied_hook), clock=self.clock,
+                                  on_applied=self._on_applied_hook, clock=self.clock,
                                   target_clock=target_clock)
                 target_clock.show_on(applier.condition)
                 if key in paused:
