@@ -1,11 +1,13 @@
-"""pytest fixtures that hand integration tests real PostgreSQL 15 nodes.
+"""pytest fixtures that hand integration tests real PostgreSQL nodes (15 by default; any major per node).
 
 Owns: choosing the backend (local throw-away clusters from `router.testing.localnodes`, or Docker containers
-via testcontainers), the `pg_backend` and `pg_nodes` fixtures, and destroying every node a test created, even
-when the test failed.
+via testcontainers), the PostgreSQL major version of each node (asked per node, `pg_nodes(versions=[15,
+18])`, else $PGMESH_TEST_PG, else the default binaries), the `pg_backend` and `pg_nodes` fixtures, and
+destroying every node a test created, even when the test failed.
 
-Must not: skip silently when no backend exists (it fails with what to install), leave servers or
-containers running after a test, or know anything about pgmesh beyond a node's DSN.
+Must not: skip silently when no backend exists or $PGMESH_TEST_PG names a version that is not installed
+(it fails with what to install; only a test that asks for a version itself is skipped, with the reason),
+leave servers or containers running after a test, or know anything about pgmesh beyond a node's DSN.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from router.testing.localnodes import LocalNodeError, create_nodes, find_pg_bind
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "PGMESH_TEST_BACKEND"
-DOCKER_IMAGE = "postgres:15"
+VERSION_ENV = "PGMESH_TEST_PG"
+DOCKER_MAJOR = 15  # the image of a node asking for no version
 DOCKER_SETTINGS: Mapping[str, str] = {
     "wal_level": "logical",
     "track_commit_timestamp": "on",
@@ -55,11 +58,13 @@ def _rows_as_text(rows: Sequence[Sequence[Any]]) -> str:
 
 
 class DockerNode:
-    """A postgres:15 container with the same test-facing surface as LocalNode."""
+    """A postgres:<major> container (15 by default) with the same test-facing surface as LocalNode."""
 
     __slots__ = ("container", "dbname", "host", "name", "password", "port")
 
-    def __init__(self, name: str, settings: Mapping[str, str], password: str | None) -> None:
+    def __init__(
+        self, name: str, settings: Mapping[str, str], password: str | None, major: int | None = None
+    ) -> None:
         try:
             from testcontainers.community.postgres import PostgresContainer
         except ImportError:  # testcontainers < 4.14
@@ -71,7 +76,8 @@ class DockerNode:
         self.dbname = "app"
         self.password = password or "postgres"
         self.container = PostgresContainer(
-            DOCKER_IMAGE, username="postgres", password=self.password, dbname=self.dbname, driver=None
+            f"postgres:{major or DOCKER_MAJOR}", username="postgres", password=self.password,
+            dbname=self.dbname, driver=None,
         ).with_command(command)
         self.container.start()
         self.host = self.container.get_container_host_ip()
@@ -119,8 +125,36 @@ def _docker_reachable() -> bool:
     return True
 
 
+def default_version() -> int | None:
+    """The major version of every node that asks for none: $PGMESH_TEST_PG (e.g. 18), or None."""
+    raw = os.environ.get(VERSION_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        pytest.fail(f"{VERSION_ENV}={raw!r}: expected a PostgreSQL major version such as 15 or 18")
+    return int(raw)
+
+
+def node_versions(count: int, versions: Sequence[int | None] | None) -> list[int | None]:
+    """One major version per node: the test's, else $PGMESH_TEST_PG, else None (the default binaries)."""
+    if versions is not None and len(versions) != count:
+        pytest.fail(f"one version per node: {count} nodes but versions {list(versions)}")
+    default = default_version()
+    return [default if v is None else v for v in (versions or [None] * count)]
+
+
+def require_versions(asked: Sequence[int | None]) -> None:
+    """Skip the test, saying why, when a version it asked for itself is not installed here."""
+    for major in dict.fromkeys(v for v in asked if v is not None):
+        try:
+            find_pg_bindir(major)
+        except LocalNodeError as exc:
+            pytest.skip(f"PostgreSQL {major} is not installed: {exc}")
+
+
 def choose_backend() -> str:
-    """'local' or 'docker' from $PGMESH_TEST_BACKEND (local | docker | auto); fail when neither works."""
+    """'local' or 'docker' from $PGMESH_TEST_BACKEND (local | docker | auto); fail when neither works
+    (or when $PGMESH_TEST_PG names a version that neither has)."""
     wanted = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if wanted == "docker":
         if not _docker_reachable():
@@ -129,7 +163,7 @@ def choose_backend() -> str:
     if wanted not in ("local", "auto"):
         pytest.fail(f"{BACKEND_ENV}={wanted!r}: expected local, docker or auto")
     try:
-        find_pg_bindir()
+        find_pg_bindir(default_version())
         return "local"
     except LocalNodeError as exc:
         if wanted == "local":
@@ -138,16 +172,26 @@ def choose_backend() -> str:
             return "docker"
         pytest.fail(
             f"no PostgreSQL test backend: {exc}; and no Docker engine is reachable. "
-            f"Install PostgreSQL 15+ (or set PGMESH_PG_BINDIR) or start Docker."
+            f"Install PostgreSQL 15+ (or set PGMESH_PG_BINDIR; {VERSION_ENV} asks for one major version) "
+            f"or start Docker."
         )
 
 
 @pytest.fixture(scope="session")
-def pg_backend() -> str:
-    """The node backend for this test session: 'local' or 'docker'."""
+def pg_backend() -> Iterator[str]:
+    """The node backend for this test session: 'local' or 'docker'.
+
+    With $PGMESH_TEST_PG on the local backend, $PGMESH_PG_BINDIR points at that version's binaries for
+    the session, so what tests and pgmesh itself run beside a server (pg_dump for a join, psql) is of
+    that version too, not the machine's default (pg_dump refuses a newer server).
+    """
     backend = choose_backend()
-    logger.info("integration backend: %s", backend)
-    return backend
+    major = default_version()
+    logger.info("integration backend: %s, PostgreSQL %s", backend, major or "default")
+    with pytest.MonkeyPatch.context() as patch:
+        if backend == "local" and major is not None:
+            patch.setenv("PGMESH_PG_BINDIR", str(find_pg_bindir(major)))
+        yield backend
 
 
 NodeFactory = Callable[..., list[NodeLike]]
@@ -155,8 +199,10 @@ NodeFactory = Callable[..., list[NodeLike]]
 
 @pytest.fixture
 def pg_nodes(pg_backend: str) -> Iterator[NodeFactory]:
-    """Factory: `pg_nodes(n=1, names=None, settings=None, password=None)` -> started nodes.
+    """Factory: `pg_nodes(n=1, names=None, settings=None, password=None, versions=None)` -> started nodes.
 
+    `versions`: one PostgreSQL major version per node (None for a node: $PGMESH_TEST_PG, else the
+    default binaries); a test asking for a version that is not installed is skipped with the reason.
     Every node created through it is destroyed at teardown, whatever the test's outcome.
     """
     created: list[Any] = []
@@ -166,16 +212,19 @@ def pg_nodes(pg_backend: str) -> Iterator[NodeFactory]:
         names: Sequence[str] | None = None,
         settings: Mapping[str, str] | None = None,
         password: str | None = None,
+        versions: Sequence[int | None] | None = None,
     ) -> list[Any]:
         if names is None:
             names = [f"n{len(created) + i + 1}" for i in range(n)]
+        majors = node_versions(len(names), versions)
         if pg_backend == "local":
-            nodes: list[Any] = create_nodes(names, settings=settings, password=password)
+            require_versions(versions or ())
+            nodes: list[Any] = create_nodes(names, versions=majors, settings=settings, password=password)
             created.extend(nodes)
             return nodes
         nodes = []
-        for name in names:
-            nodes.append(DockerNode(name, settings or {}, password))
+        for name, major in zip(names, majors, strict=True):
+            nodes.append(DockerNode(name, settings or {}, password, major))
             created.append(nodes[-1])
         return nodes
 

@@ -1,7 +1,8 @@
 """The `mesh` pytest fixture: real nodes set up as one pgmesh cluster, the set-up integration tests share.
 
-Owns: turning the fixture's arguments (how many nodes or their names, the schema, node settings, config
-options, spare nodes, whether to run init) into started nodes and a `router.testing.mesh.Mesh`.
+Owns: turning the fixture's arguments (how many nodes or their names, their PostgreSQL versions, the
+schema, node settings, config options, spare nodes, whether to run init) into started nodes and a
+`router.testing.mesh.Mesh`.
 Must not: run a router (tests do, with `running_router`), or destroy nodes itself (`pg_nodes` does, at
 teardown, whatever the test's outcome).
 """
@@ -29,11 +30,27 @@ def node_names(nodes: int | Sequence[str]) -> list[str]:
     return list(nodes)
 
 
+def spare_versions(
+    versions: Sequence[int | None] | None, members: int, spares: int
+) -> list[int | None] | None:
+    """Members' versions, then the spares' (given, or None each: the default)."""
+    if versions is None:
+        return None
+    if len(versions) == members:
+        return [*versions, *[None] * spares]
+    if len(versions) != members + spares:
+        pytest.fail(f"mesh: {len(versions)} versions for {members} nodes and {spares} spares")
+    return list(versions)
+
+
 @pytest.fixture
 def mesh(pg_nodes: NodeFactory) -> MeshFactory:
     """Factory: `await mesh(nodes=2, schema="", ...)` -> a `Mesh` whose nodes hold `schema` and pgmesh.
 
     - `nodes`: how many (named a, b, c, ...) or their names, in config order;
+    - `versions`: the PostgreSQL major version of each member (then of each spare, when given), e.g.
+      `mesh(nodes=3, versions=[15, 18, 18])`; None for a node: $PGMESH_TEST_PG, else the default binaries.
+      A version that is not installed skips the test with the reason;
     - `schema`: SQL run on every member before init;
     - `settings`: server settings for every node (default `NODE_SETTINGS`; `{}` for the defaults only),
       `password`: scram-sha-256 for `postgres`;
@@ -46,6 +63,7 @@ def mesh(pg_nodes: NodeFactory) -> MeshFactory:
         nodes: int | Sequence[str] = 2,
         schema: str = "",
         *,
+        versions: Sequence[int | None] | None = None,
         settings: Mapping[str, str] = NODE_SETTINGS,
         password: str | None = None,
         spares: Sequence[str] = (),
@@ -56,7 +74,8 @@ def mesh(pg_nodes: NodeFactory) -> MeshFactory:
         init: bool = True,
     ) -> Mesh:
         names = node_names(nodes)
-        started = pg_nodes(names=[*names, *spares], settings=settings, password=password)
+        every = spare_versions(versions, len(names), len(spares))
+        started = pg_nodes(names=[*names, *spares], settings=settings, password=password, versions=every)
         members, spare = started[: len(names)], started[len(names) :]
         logger.info("mesh %s over %s (spares: %s)", cluster, ", ".join(names), ", ".join(spares) or "none")
         return await prepare_mesh(
