@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from router.testing.mesh import execute, fetch, running_router, wait_converged
+from tests.fix_cluster import VERSION_ENV, NodeFactory, require_versions
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = 'CREATE TABLE "notes" ("id" int PRIMARY KEY, "written_on" text NOT NULL);'
@@ -25,6 +28,15 @@ async def server_major(node: Any) -> int:
 async def test_each_node_runs_the_version_it_asked_for(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA, versions=VERSIONS, init=False)
     assert [await server_major(node) for node in m.nodes] == VERSIONS
+
+
+async def test_nodes_without_a_version_follow_pgmesh_test_pg(
+    pg_nodes: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_versions([18])
+    monkeypatch.setenv(VERSION_ENV, "18")
+    plain, asked = pg_nodes(names=["plain", "asked"], versions=[None, 15])
+    assert [await server_major(plain), await server_major(asked)] == [18, 15]
 
 
 async def test_mixed_versions_replicate_both_ways(mesh: MeshFactory) -> None:
