@@ -385,9 +385,13 @@ class ReplicationSource:
                     self._delivered_high = max(self._delivered_high, out.end_lsn)
                     self.stats.transactions_out += 1
                 elif isinstance(out, Message):
-                    if out.lsn < self._skip_before:
-                        continue
-                    self._skip_before = out.lsn + 1
+                    # A non-transactional message carries the END of its WAL record (decode.c passes
+                    # `buf->endRecPtr`): a commit record right after it starts there, so a transaction
+                    # whose commit LSN is the message's LSN comes after it and must not count as resent
+                    # (a pgmesh.applied note on a 16+ node made the next commit vanish: issue 19).
+                    if out.lsn <= self._skip_before:
+                        continue  # resent (or ended where decoding starts: the server skips it too)
+                    self._skip_before = out.lsn
                     self._delivered_high = max(self._delivered_high, self._skip_before)
                 else:
                     early = self._spill(out, wal_start)

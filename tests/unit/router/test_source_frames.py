@@ -54,7 +54,7 @@ def end_of(item: object) -> int:
     if isinstance(item, Transaction):
         return item.end_lsn
     assert isinstance(item, Message)
-    return item.lsn + 1
+    return item.lsn  # the end of its record (a commit right after it starts there)
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -226,3 +226,29 @@ def test_the_source_and_its_fan_out_count_into_one_stats_struct() -> None:
     assert pump.stats is source.stats and isinstance(source.stats, SourceStats)
     source.stats.echoes += 2
     assert (pump.echoes, pump.transactions, source.echo_rows_skipped) == (2, 0, 1)
+
+
+def _frame(wal_start: int, payload: bytes) -> memoryview:
+    return memoryview(b"w" + struct.pack(">QQQ", wal_start, wal_start, 0) + payload)
+
+
+def test_a_commit_right_after_a_non_transactional_message_is_handed_out() -> None:
+    """A non-transactional message carries the end of its WAL record; a commit record written right after
+    it has that LSN as its commit LSN. The transaction comes after the message and is handed out (it was
+    taken for one sent again: a pgmesh.applied note on a PostgreSQL 16+ node lost the next commit), and
+    the message itself, sent again after a reconnect, is not handed out twice."""
+    end = 0x1B5D528
+    frames = [
+        _frame(end - 0x80, b"B" + struct.pack(">QqI", end, 1000, 800)),  # its commit record starts at `end`
+        _frame(end, b"M" + struct.pack(">BQ", 0, end) + b"pgmesh.applied\x00" + struct.pack(">I", 3)
+               + b"a|1"),
+        _frame(end, b"C" + struct.pack(">BQQq", 0, end, end + 0x30, 1000)),
+    ]
+    source = new_source()
+    out = source.feed(frames)
+    assert [type(item) for item in out] == [Message, Transaction]
+    assert isinstance(out[1], Transaction) and out[1].xid == 800 and out[1].commit_lsn == end
+    assert source.delivered_lsn == end + 0x30
+    assert source.feed(frames) == []  # sent again: both handed out already
+    again = new_source()
+    assert again.feed(frames[1:2]) == [out[0]] and again.feed(frames[1:2]) == []
