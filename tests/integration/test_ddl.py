@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
+from router.cluster.pgbin import major_version
 from router.config import parse_config
 from router.ops.cli import main as pgmesh
 from router.testing.mesh import (
@@ -44,9 +46,18 @@ async def writer(node: Any, base: int, stop: asyncio.Event) -> int:
     return written
 
 
-def schema_dump(dsn: str) -> str:
+def pg_dump_for(nodes: Sequence[Any]) -> str:
+    """One pg_dump for every node (the dumps are compared as text): the newest of the nodes' own (a
+    pg_dump refuses a server newer than itself: the 15 one cannot dump an 18 node), else Debian's 15."""
+    bindirs = [bindir for node in nodes if (bindir := getattr(node, "bindir", None)) is not None]
+    if not bindirs:
+        return PG_DUMP
+    return str(max(bindirs, key=lambda bindir: major_version(bindir) or 0) / "pg_dump")
+
+
+def schema_dump(dsn: str, pg_dump: str = PG_DUMP) -> str:
     out = subprocess.run(
-        [PG_DUMP, "--schema-only", "--no-owner", "--schema", "public", dsn],
+        [pg_dump, "--schema-only", "--no-owner", "--schema", "public", dsn],
         check=True, capture_output=True, text=True,
     ).stdout
     skip = ("--", "\\restrict", "\\unrestrict")  # comments; pg_dump's per-run random restrict keys
@@ -105,7 +116,7 @@ async def test_ddl_from_every_node_under_writes_converges(mesh: MeshFactory) -> 
         ddl_transactions = sum(1 for _, statement, _ in steps if not statement.startswith("INSERT"))
         assert sum(applier.ddl_applied for applier in router.appliers.values()) == ddl_transactions * 2
     assert all(w > 20 for w in written), written
-    dumps = [schema_dump(n.dsn()) for n in nodes]
+    dumps = [schema_dump(n.dsn(), pg_dump_for(nodes)) for n in nodes]
     assert dumps[0] == dumps[1] == dumps[2], "schemas differ"
     assert "t_v_id_idx1" not in dumps[0]  # each command ran once per node
     for node in nodes:
