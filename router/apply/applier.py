@@ -529,6 +529,8 @@ class Applier(LinkView):
                     await link.reload_tables()
                 else:
                     raise
+        if note := link.applied_note([txn]):  # 16+: its commit shows no echo (router.stream.seen)
+            await link.conn.execute(note)
         await link.count_conflicts()  # its own, and those of transactions committed before a failed batch's
         if ddl:
             self.stats.ddl_applied += 1

@@ -118,6 +118,9 @@ class LargeApply:
         except Exception:
             await self._undo_ddl()
             raise
+        if note := self._link.applied_note([txn]):  # committed: 16+ shows no echo of it
+            assert self._link.conn is not None
+            await self._link.conn.execute(note)
         await self._done()
         return txn
 
@@ -146,7 +149,8 @@ class LargeApply:
             final = spill.final
             assert final is not None
             whole_txn: Transaction = final
-            await conn.execute(f"{COMMIT_CHECKS};\n{xact_setup_sql(whole_txn)};\nCOMMIT")
+            await conn.execute(f"{COMMIT_CHECKS};\n{xact_setup_sql(whole_txn)};\nCOMMIT;"
+                               f"{link.applied_note([whole_txn])}")
         except asyncpg.PostgresError:
             await self._undo_ddl()
             while spill.final is None and not spill.abandoned:

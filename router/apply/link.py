@@ -172,15 +172,25 @@ class LinkSession:
         'none'`, PostgreSQL 16+): a non-transactional message, without the source's origin (else it
         would be left out too), saying the newest commit time of the source applied here so far; the
         target's stream shows it after the batch's commits (router.stream.seen, APPLIED_PREFIX). The
-        origin is taken again in the same statement (its calls run in order)."""
+        origin is taken again in the same statement (its calls run in order). For the main session, which
+        holds the origin; every path that commits applied transactions ends with one (a batch, a large
+        transaction, the careful path, lanes, the side session: `applied_message`)."""
+        message = self.applied_message(batch)
+        if not message:
+            return ""
+        return (
+            "\nSELECT pg_catalog.pg_replication_origin_session_reset(),"
+            f" {message},"
+            f" pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin)});"
+        )
+
+    def applied_message(self, batch: Sequence[Transaction]) -> str:
+        """The APPLIED_PREFIX message of `applied_note` alone, as a SELECT item ('' where the target's
+        stream shows echoes, or for nothing), for a session that holds no origin when it runs it."""
         if not self.announce or not batch:
             return ""
         content = quote_literal(applied_content(self.source, max(t.commit_time for t in batch)))
-        return (
-            "\nSELECT pg_catalog.pg_replication_origin_session_reset(),"
-            f" pg_catalog.pg_logical_emit_message(false, {quote_literal(APPLIED_PREFIX)}, {content}),"
-            f" pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin)});"
-        )
+        return f"pg_catalog.pg_logical_emit_message(false, {quote_literal(APPLIED_PREFIX)}, {content})"
 
     def built(self, transactions: int) -> None:
         """A batch of `transactions` was built to be sent: scripts built ahead are stale, and the remote

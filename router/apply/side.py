@@ -251,6 +251,8 @@ class SideSession:
                     f"SELECT pg_catalog.pg_replication_origin_session_setup({quote_literal(link.origin)});\n"
                     f"{xact_setup_sql(txn)};\nCOMMIT;\n"
                     "SELECT pg_catalog.pg_replication_origin_session_reset()"
+                    # 16+: the stream shows no echo of it; this stands for it (router.stream.seen)
+                    + (f";\nSELECT {note}" if (note := link.applied_message([txn])) else "")
                 )
                 committed = True
             except asyncpg.PostgresError as exc:
