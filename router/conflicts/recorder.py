@@ -343,12 +343,16 @@ def _key_values(relation: Relation, row: TupleData, key: tuple[str, ...]) -> tup
 
 
 def full_xid(xid: int, current: int) -> int:
-    """The 64-bit xid (xid8) of a transaction that committed before `current` (the next xid, 64 bits),
-    from its 32 bits: same epoch as `current` unless it is above current's low half."""
-    epoch = current >> 32
-    if xid >= current & 0xFFFFFFFF:
-        epoch -= 1
-    return (epoch << 32) | xid
+    """The 64-bit xid (xid8) of a committed transaction from its 32 bits: the one nearest `current` (the
+    next xid, 64 bits, from a snapshot taken after the commit was decoded), as PostgreSQL widens an xid.
+    Usually below `current`, but a commit can be decoded before its backend has left the proc array, and
+    then it is at or above it: the same epoch, not the one before (in epoch 0 that was a negative xid8,
+    and the recorder's batch failed and was retried; seen on PostgreSQL 18)."""
+    delta = (xid - current) & 0xFFFFFFFF
+    if delta >= 1 << 31:
+        delta -= 1 << 32
+    full = current + delta
+    return full if full >= 0 else xid
 
 
 def _key_array(table: _Table, alias: str) -> str:
