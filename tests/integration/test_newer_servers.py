@@ -5,13 +5,22 @@
    (`pgmesh.applied`, router.apply.link.LinkSession.applied_note); the source took the next commit on
    the node for one sent again and dropped it (rows missing on every other node, every link
    streaming). Here a client emits the message itself inside its transactions, on any version.
+2. Every path that commits applied transactions tells the target's seen vector (router.stream.seen):
+   on 15 through their echoes, on 16+ (no echo is sent) through the pgmesh.applied note each path
+   writes after its commit: a large transaction, and the careful path (a conflict; on 15 a change
+   decided against may write nothing, so no echo tells of it: that check is for 16+).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 
-from router.testing.mesh import fetch, running_router, wait_converged
+from protocol.lsn import datetime_to_pg_us
+from router.apply.statements import KEY_LOCKS_MAX
+from router.service.supervisor import Router
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE t (id int PRIMARY KEY, v text)"
@@ -30,3 +39,39 @@ async def test_a_commit_right_after_a_non_transactional_message_is_replicated(me
                     await conn.execute("SELECT pg_logical_emit_message(false, 'pgmesh.test', 'x')")
         await wait_converged(m.nodes, ["t"], limit=60)
     assert await fetch(b.dsn(), "SELECT count(*) FROM t") == [(ROUNDS,)]
+
+
+async def commit_time(node: Any, key: int) -> int:
+    """The commit time of row `key` on `node` as it is now (µs since 2000-01-01)."""
+    query = "SELECT pg_xact_commit_timestamp(xmin) FROM t WHERE id = %s"
+    ((when,),) = await fetch(node.dsn(), query, [key])
+    return datetime_to_pg_us(when)
+
+
+async def seen_holds(router: Router, target: Any, source: Any, when: int) -> None:
+    """Wait until `target`'s seen vector holds `source`'s commit at `when`."""
+    pump = router.pumps[target.name]
+    await wait_for(lambda: dict(pump.seen.snapshot).get(source.name, 0) >= when,
+                   f"{target.name}'s seen vector to hold {source.name}'s commit at {when}")
+
+
+async def test_large_and_careful_transactions_reach_the_seen_vector(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        big = KEY_LOCKS_MAX * 4
+        await execute(a.dsn(), f"INSERT INTO t SELECT g, 'big' FROM generate_series(1, {big}) g")
+        await wait_converged(m.nodes, ["t"], limit=60)
+        assert router.appliers[("a", "b")].copied_transactions == 1  # the large path
+        await seen_holds(router, b, a, await commit_time(a, 1))
+        await router.pause(None)
+        await execute(a.dsn(), "INSERT INTO t VALUES (0, 'a')")
+        await execute(b.dsn(), "INSERT INTO t VALUES (0, 'b')")  # a conflict each way: the careful path
+        from_a, from_b = await commit_time(a, 0), await commit_time(b, 0)
+        await router.resume(None)
+        await wait_converged(m.nodes, ["t"], limit=60)
+        assert router.appliers[("a", "b")].conflicts == router.appliers[("b", "a")].conflicts == 1
+        ((version,),) = await fetch(a.dsn(), "SELECT current_setting('server_version_num')::int")
+        if version >= 160000:  # (on 15 a change decided against may write nothing: no echo, known less)
+            await seen_holds(router, b, a, from_a)
+            await seen_holds(router, a, b, from_b)
