@@ -27,6 +27,13 @@ def txn(*changes: object, relations: tuple[Relation, ...] = (REL, FULL)) -> Tran
     )
 
 
+def keyed_tables() -> dict[tuple[str, str], TargetTable]:
+    """REL's table as a target with column types and a primary key (the guarded, prepared paths)."""
+    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
+                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
+    return {("public", "Odd Name"): table}
+
+
 def test_script_is_one_transaction_with_origin_setup_last() -> None:
     """The origin's set-up is the last statement before COMMIT: on PostgreSQL 16+ a transaction that rolls
     back after it still moves the origin's progress (the change before it failing would count as applied)."""
@@ -138,9 +145,7 @@ def test_guarded_single_inserts_are_prepared_and_big_transactions_lock_tables() 
     from router.apply.prepared import Prepared
     from router.apply.statements import KEY_LOCKS_MAX
 
-    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
-                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
-    tables = {("public", "Odd Name"): table}
+    tables = keyed_tables()
     prepared = Prepared()
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"it's", None)))
@@ -175,9 +180,7 @@ def test_without_the_remote_version_no_transaction_sets_pgmesh_remote() -> None:
     for every kind of statement."""
     from router.apply.prepared import Prepared
 
-    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
-                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
-    tables = {("public", "Odd Name"): table}
+    tables = keyed_tables()
     prepared = Prepared()
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"x", None)))
@@ -210,9 +213,7 @@ def _raw(insert: Insert) -> object:
 def test_raw_inserts_read_back_from_a_spill_go_to_copy_and_insert_as_decoded_ones() -> None:
     from router.apply.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
 
-    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
-                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
-    tables = {("public", "Odd Name"): table}
+    tables = keyed_tables()
     notes = [b"plain", b"tab\there", b"new\nline", b"back\\slash", None]
     rows = [Insert(7, TupleData(b"t" + (b"t" if notes[i % 5] is not None else b"n") + b"n",
                                 (str(i).encode(), notes[i % 5], None)))
@@ -237,9 +238,7 @@ def test_a_raw_insert_that_does_not_read_back_names_its_table() -> None:
     from protocol.messages import RawInsert
     from router.apply.scripts import COPY_MIN_ROWS, CopyRun, transaction_segments
 
-    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
-                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
-    tables = {("public", "Odd Name"): table}
+    tables = keyed_tables()
     good = [_raw(Insert(7, TupleData(b"tnn", (str(i).encode(), None, None)))) for i in range(COPY_MIN_ROWS)]
     damaged = RawInsert(7, good[0].data[:-1])  # type: ignore[attr-defined]  # one byte short
     segments = transaction_segments(txn(*good, damaged), tables, guard_origin=3)
@@ -258,9 +257,7 @@ def test_on_postgresql_15_the_origin_setup_goes_first_fused_with_a_single_insert
     statement, in it when that is a single guarded insert (one statement fewer than set-up last)."""
     from router.apply.prepared import Prepared
 
-    table = TargetTable("public", "Odd Name", frozenset({"id", "note", "doc"}),
-                        {"id": "integer", "note": "text", "doc": "json"}, pk=("id",))
-    tables = {("public", "Odd Name"): table}
+    tables = keyed_tables()
     prepared = Prepared()
     prelude: list[str] = []
     one = Insert(7, TupleData(b"ttn", (b"1", b"x", None)))
