@@ -9,6 +9,8 @@
    on 15 through their echoes, on 16+ (no echo is sent) through the pgmesh.applied note each path
    writes after its commit: a large transaction, and the careful path (a conflict; on 15 a change
    decided against may write nothing, so no echo tells of it: that check is for 16+).
+3. A node that only applies: on 16+ its stream holds only those notes, and its slot is still confirmed
+   to its WAL end (a note passes as an echo does).
 """
 
 from __future__ import annotations
@@ -75,3 +77,24 @@ async def test_large_and_careful_transactions_reach_the_seen_vector(mesh: MeshFa
         if version >= 160000:  # (on 15 a change decided against may write nothing: no echo, known less)
             await seen_holds(router, b, a, from_a)
             await seen_holds(router, a, b, from_b)
+
+
+async def test_a_node_that_only_applies_has_its_slot_confirmed_to_its_end(mesh: MeshFactory) -> None:
+    """3. On 16+ b's own stream holds nothing but the notes of what was applied there: its slot is still
+    confirmed up to b's WAL end (the notes pass as echoes do; else WAL piles up on b and a `pgmesh ddl
+    --wait` barrier waits for ever)."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    async with running_router(m.config):
+        for i in range(3):
+            await execute(a.dsn(), f"INSERT INTO t VALUES ({i}, 'a')")
+        await wait_converged(m.nodes, ["t"], limit=60)
+        ((end,),) = await fetch(b.dsn(), "SELECT pg_current_wal_lsn()::text")
+        query = ("SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
+                 " WHERE slot_name = %s")
+        await wait_for(lambda: _true(fetch(b.dsn(), query, [end, m.config.slot_name])),
+                       f"b's slot confirmed to {end}")
+
+
+async def _true(rows: Any) -> bool:
+    return bool((await rows)[0][0])
