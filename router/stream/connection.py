@@ -46,6 +46,8 @@ _OUTPUT_SETTINGS: Final = "-c datestyle=ISO -c intervalstyle=postgres -c extra_f
 _XLOG_TAG: Final = 0x77  # 'w'
 _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
+# server_version_num from which pgoutput skips a missing publication with a warning instead of failing
+SKIPS_MISSING_PUBLICATION_SINCE: Final = 180000
 
 
 class Positions(Protocol):
@@ -258,8 +260,25 @@ class ReplicationConnection:
             opts.append("streaming 'true'")
         return f'START_REPLICATION SLOT "{self.slot}" LOGICAL {format_lsn(lsn)} ({", ".join(opts)})'.encode()
 
+    async def _check_publications(self, lsn: int) -> None:
+        """PostgreSQL 18's pgoutput skips a publication that does not exist (a warning in the server log)
+        where older ones fail: its changes would go nowhere, silently. Check before streaming."""
+        query = sql.SQL(
+            "SELECT p.name FROM unnest({}::text[]) AS p(name)"
+            " WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = p.name)"
+        ).format(sql.Literal(list(self.publications)))
+        missing = [row[0] for row in await self._command(query)]
+        if missing:
+            raise SourceError(
+                f"publication {', '.join(missing)} does not exist (PostgreSQL 18 would stream without it,"
+                " leaving its changes out): create it again on this node before streaming resumes",
+                node=self.node, lsn=lsn,
+            )
+
     async def _start(self, lsn: int) -> None:
         conn = await self._connect()
+        if conn.info.server_version >= SKIPS_MISSING_PUBLICATION_SINCE:
+            await self._check_publications(lsn)
         pgconn = conn.pgconn
         pgconn.send_query(self._start_command(lsn, conn.info.server_version))
         await self._flush_out(pgconn)
