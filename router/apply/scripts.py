@@ -316,7 +316,7 @@ def transaction_segments(
     replication origin only to commit (router.apply.lanes): the origin's `xact_setup` then goes
     just before COMMIT, after the first of the two. Else it goes just before COMMIT in the part that
     commits, after `SET CONSTRAINTS ALL IMMEDIATE` where deferred checks could fail at COMMIT (see the
-    module's docstring); `setup` False leaves it out (the caller sends it, with `COMMIT_SETUP`, before its
+    module's docstring); `setup` False leaves it out (the caller sends it, after `COMMIT_CHECKS`, before its
     own COMMIT). `setup_last` False (a PostgreSQL 15 target, where a rollback leaves the origin alone):
     the set-up goes with the first statement instead (in it, when that is a single guarded insert: one
     statement fewer). `remote` False leaves `pgmesh.remote` out
