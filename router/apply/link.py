@@ -42,7 +42,6 @@ from router.stream.seen import APPLIED_PREFIX, applied_content
 
 __all__ = ["LinkSession"]
 
-# Columns renamed or dropped by DDL on the target, oldest first (router.ddl.capture).
 # Tables with a deferrable constraint or constraint trigger (a DEFERRABLE foreign key, on either side, a
 # deferrable unique key): checked at COMMIT unless a transaction makes them immediate (router.apply.scripts)
 _DEFERRABLE_QUERY = """
@@ -51,6 +50,7 @@ JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid JOIN pg_catalog.pg_namespace n O
 WHERE t.tgdeferrable
 """
 
+# Columns renamed or dropped by DDL on the target, oldest first (router.ddl.capture).
 _DRIFT_QUERY = """
 SELECT table_name, old_name, new_name FROM pgmesh.column_changes
 WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
@@ -139,8 +139,8 @@ class LinkSession:
         self.ahead = {}
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self.origin_held = True
-        self.announce = self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
-        self.setup_last = self.conn.get_server_version().major >= 16
+        # both for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
+        self.announce = self.setup_last = self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
         return await self.origin_progress()
 
     def forget_prepared(self) -> None:
