@@ -155,7 +155,7 @@ class SourcePump:
         """Hand a committed transaction of the source's own that deletes (or changes a key) to its
         tombstone recorder."""
         link = self.progress.recorder
-        if self.recorder is None or link is None or txn.origin is not None or not link.wants(txn.end_lsn):
+        if self.recorder is None or link is None or not link.wants(txn.end_lsn):  # (an echo: not called)
             return
         if txn.spill is not None and txn.spill.early and txn.spill.final is not txn:
             return  # handed out before its commit: the recorder takes it at the commit
