@@ -32,6 +32,7 @@ from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
 from router.ddl.capture import install_ddl_capture
 from router.errors import ConfigError, PgmeshError, SlotError, describe
+from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = ["init_cluster", "install", "uninstall"]
 
@@ -139,6 +140,10 @@ async def _ensure_slot(conn: Conn, config: Config, node: str) -> list[str]:
                 hint=f"drop it (SELECT pg_drop_replication_slot('{name}')) or rename the cluster",
             )
         return []
+    if conn.info.server_version >= FAILOVER_SLOTS_SINCE:  # follows a failover to a physical standby
+        create = "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', failover => true)"
+        await conn.execute(create, [name])
+        return [f"created logical slot {name} (pgoutput, failover: docs/failover.md)"]
     await conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", [name])
     return [f"created logical slot {name} (pgoutput)"]
 

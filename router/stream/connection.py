@@ -33,7 +33,7 @@ from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
 from router.stream.items import ORIGIN_NONE_SINCE, SourceOptions, SystemInfo, publication_list
-from router.stream.slots import SlotCreated, SlotInfo, hold_snapshot
+from router.stream.slots import FAILOVER_SLOTS_SINCE, SlotCreated, SlotInfo, hold_snapshot
 from router.stream.state import Lifecycle, SourceState, SourceStats
 
 __all__ = ["Positions", "ReplicationConnection"]
@@ -48,6 +48,13 @@ _KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
 # server_version_num from which pgoutput skips a missing publication with a warning instead of failing
 SKIPS_MISSING_PUBLICATION_SINCE: Final = 180000
+# What to do when the node has no pgmesh slot (42704): most often a physical standby just promoted.
+_SLOT_MISSING_HINT: Final = (
+    "if this node is a physical standby promoted in a failover: PostgreSQL 15 and 16 do not carry logical"
+    " slots over to a standby, so re-join the node (`pgmesh join` from a donor, docs/join.md); 17+ keeps the"
+    " slot only with sync_replication_slots = on on the standby and the slot synced before the promotion"
+    " (docs/failover.md). Otherwise run `pgmesh init` again"
+)
 
 
 class Positions(Protocol):
@@ -182,10 +189,13 @@ class ReplicationConnection:
     async def create_slot(self, *, export_snapshot: bool = False, temporary: bool = False) -> SlotCreated:
         """CREATE_REPLICATION_SLOT ... LOGICAL pgoutput; with an exported snapshot held open if asked."""
         snapshot_mode = "export" if export_snapshot else "nothing"
-        command = sql.SQL("CREATE_REPLICATION_SLOT {} {}LOGICAL pgoutput (SNAPSHOT {})").format(
+        # 17+: a permanent slot follows a failover to a physical standby (docs/failover.md)
+        failover = not temporary and (await self._connect()).info.server_version >= FAILOVER_SLOTS_SINCE
+        command = sql.SQL("CREATE_REPLICATION_SLOT {} {}LOGICAL pgoutput (SNAPSHOT {}{})").format(
             sql.Identifier(self.slot),
             sql.SQL("TEMPORARY " if temporary else ""),
             sql.Literal(snapshot_mode),
+            sql.SQL(", FAILOVER true" if failover else ""),
         )
         try:
             rows = await self._command(command)
@@ -298,6 +308,7 @@ class ReplicationConnection:
                 node=self.node,
                 lsn=lsn,
                 sqlstate=code,
+                hint=_SLOT_MISSING_HINT if code == "42704" else None,
             )
         pgconn.nonblocking = 1
         self._streaming = True

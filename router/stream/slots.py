@@ -6,7 +6,9 @@ what it hands back is defined here: `SlotInfo` (that row), `SlotCreated` (the ne
 consistent point) and `ExportedSnapshot`. The replication connection that exports a snapshot loses it
 at its next command, so `hold_snapshot` imports it at once on a holder connection of its own and
 re-exports it; the re-exported name stays valid while the holder's transaction is open, whatever the
-source does next. `check_slot_name` is the rule for slot names.
+source does next. `check_slot_name` is the rule for slot names; `FAILOVER_SLOTS_SINCE` the server from
+which a permanent slot is created with failover (kept in step on a physical standby with
+`sync_replication_slots = on`, so it survives the standby's promotion: docs/failover.md).
 
 Must not: touch the replication connection (router.stream.connection is the only code that does), or create,
 drop or advance a slot.
@@ -24,9 +26,13 @@ from psycopg import sql
 
 from router.errors import SlotError, describe
 
-__all__ = ["ExportedSnapshot", "SlotCreated", "SlotInfo", "check_slot_name", "hold_snapshot"]
+__all__ = [
+    "FAILOVER_SLOTS_SINCE", "ExportedSnapshot", "SlotCreated", "SlotInfo", "check_slot_name", "hold_snapshot",
+]
 
 _SLOT_NAME: Final = re.compile(r"^[a-z0-9_]{1,63}$")
+# server_version_num from which a logical slot can be a failover slot (a temporary one never is)
+FAILOVER_SLOTS_SINCE: Final = 170000
 
 
 class SlotInfo(msgspec.Struct, frozen=True):
