@@ -1,4 +1,4 @@
-"""The messages of pgoutput (PostgreSQL 15, proto_version 1 and 2) as frozen data.
+"""The messages of pgoutput (PostgreSQL 15-18, proto_version 1 to 4; no two-phase) as frozen data.
 
 Data only: no decoding, no state. Positions are ints (see `protocol.lsn` to print them) and times are
 microseconds since 2000-01-01 UTC, exactly as they travel. A row is a `TupleData`: one kind byte per
@@ -215,8 +215,16 @@ class StreamCommit(msgspec.Struct, frozen=True, gc=False, tag="c"):
 
 
 class StreamAbort(msgspec.Struct, frozen=True, gc=False, tag="A"):
+    """`subxid == xid`: the whole streamed transaction aborted; else that subtransaction only.
+
+    `abort_lsn` (the abort record's LSN) and `abort_time` come only with proto_version 4 and streaming
+    'parallel' (PostgreSQL 16+); None otherwise.
+    """
+
     xid: int
     subxid: int
+    abort_lsn: int | None = None
+    abort_time: int | None = None
 
 
 PgOutputMessage = (

@@ -1,10 +1,17 @@
-"""Decoder of pgoutput's binary messages (PostgreSQL 15, proto_version 1 and 2).
+"""Decoder of pgoutput's binary messages (PostgreSQL 15-18, proto_version 1 to 4).
 
 `decode(payload)` turns the bytes of one XLogData payload into one message from `protocol.messages`,
-through a table from tag byte to one small function per message. In a proto_version 2 stream the row,
+through a table from tag byte to one small function per message. In a proto_version 2+ stream the row,
 schema and logical messages between Stream Start and Stream Stop carry a leading xid: `Decoder` tracks
 that state; `decode(..., streaming=True)` is the stateless form. Any input that is not exactly one
 well-formed message raises `ProtocolError` (with the LSN when the caller gives it), never anything else.
+
+What the versions change, as far as pgmesh asks for it: 2 adds streaming of in-progress transactions;
+3 adds the two-phase messages (Begin Prepare, Prepare, Commit / Rollback Prepared, Stream Prepare), sent
+only with `two_phase 'on'`, which pgmesh never asks for (a prepared transaction then arrives whole at
+COMMIT PREPARED, like any other): they are not decoded (UnknownMessage); 4 (PostgreSQL 16+) allows
+streaming 'parallel', under which, and only then, Stream Abort also carries the abort's LSN and time.
+The bytes do not say which: the caller does (`abort_info`, true exactly when it asked for 'parallel').
 
 `raw_insert` splits an Insert without reading its row (`RawInsert`), for rows that are only copied
 through; `decode_raw_insert` reads it later, exactly as `decode` would have.
@@ -58,6 +65,7 @@ _BEGIN = struct.Struct(">QqI")
 _COMMIT = struct.Struct(">BQQq")
 _STREAM_COMMIT = struct.Struct(">IBQQq")
 _STREAM_ABORT = struct.Struct(">II")
+_STREAM_ABORT_INFO = struct.Struct(">IIQq")  # proto_version 4, streaming 'parallel': + abort LSN, time
 _STREAM_START = struct.Struct(">IB")
 _COLUMN_TAIL = struct.Struct(">Ii")
 _MESSAGE_HEAD = struct.Struct(">BQ")
@@ -213,7 +221,7 @@ def _origin(buf: bytes, pos: int) -> tuple[PgOutputMessage, int]:
     return Origin(commit_lsn, name), pos
 
 
-# The readers of the messages that carry a leading xid inside a proto_version 2 stream block take it as
+# The readers of the messages that carry a leading xid inside a proto_version 2+ stream block take it as
 # an argument: None outside a block (the plain table calls them with two arguments), read by `_in_block`.
 
 
@@ -431,6 +439,11 @@ def _stream_abort(buf: bytes, pos: int) -> tuple[PgOutputMessage, int]:
     return StreamAbort(xid, subxid), pos + _STREAM_ABORT.size
 
 
+def _stream_abort_info(buf: bytes, pos: int) -> tuple[PgOutputMessage, int]:
+    xid, subxid, abort_lsn, abort_time = _STREAM_ABORT_INFO.unpack_from(buf, pos)
+    return StreamAbort(xid, subxid, abort_lsn, abort_time), pos + _STREAM_ABORT_INFO.size
+
+
 # Outside a stream block (and always in proto_version 1).
 _READERS: Final[dict[int, _Reader]] = {
     ord("B"): _begin,
@@ -462,6 +475,10 @@ _STREAM_READERS: Final[dict[int, _Reader]] = {
     **_READERS,
     **{tag: _in_block(reader) for tag, reader in _XID_READERS.items()},
 }
+# The same four tables when Stream Abort carries the abort's LSN and time (streaming 'parallel').
+_READERS_ABORT_INFO: Final[dict[int, _Reader]] = {**_READERS, ord("A"): _stream_abort_info}
+_STREAM_READERS_ABORT_INFO: Final[dict[int, _Reader]] = {**_STREAM_READERS, ord("A"): _stream_abort_info}
+_TABLES: Final = {False: (_READERS, _STREAM_READERS), True: (_READERS_ABORT_INFO, _STREAM_READERS_ABORT_INFO)}
 _STREAM_START_TAG: Final = 0x53  # 'S'
 _STREAM_STOP_TAG: Final = 0x45  # 'E'
 
@@ -491,17 +508,19 @@ def decode(
     lsn: int | None = None,
     streaming: bool = False,
     offset: int = 0,
+    abort_info: bool = False,
 ) -> PgOutputMessage:
     """Decode exactly one pgoutput message. `streaming`: inside a Stream Start/Stop block (xid prefix).
 
     `offset`: where the message starts in `payload` (it runs to the end), so that a caller holding a
-    whole XLogData body need not copy the payload out of it.
+    whole XLogData body need not copy the payload out of it. `abort_info`: the stream was started with
+    proto_version 4 and streaming 'parallel' (Stream Abort carries the abort's LSN and time).
     """
     buf = payload if isinstance(payload, bytes) else bytes(payload)
     if offset < 0:
         raise ValueError(f"negative offset {offset}")
     tag = buf[offset] if offset < len(buf) else -1
-    reader = (_STREAM_READERS if streaming else _READERS).get(tag)
+    reader = _TABLES[abort_info][streaming].get(tag)
     if reader is None:
         raise _not_one_message(buf, offset, lsn)
     try:
@@ -514,16 +533,23 @@ def decode(
 
 
 class Decoder:
-    """Stateful front of `decode`: knows whether a proto_version 2 stream block is open."""
+    """Stateful front of `decode`: knows whether a stream block is open, and whether Stream Abort
+    carries the abort's LSN and time (`abort_info`: proto_version 4 with streaming 'parallel')."""
 
-    __slots__ = ("in_stream",)
+    __slots__ = ("_inside", "_outside", "abort_info", "in_stream")
 
-    def __init__(self) -> None:
+    def __init__(self, *, abort_info: bool = False) -> None:
         self.in_stream = False
+        self.abort_info = abort_info
+        self._outside, self._inside = _TABLES[abort_info]
 
-    def reset(self) -> None:
-        """Forget stream state (after a reconnect the server starts every block afresh)."""
+    def reset(self, *, abort_info: bool | None = None) -> None:
+        """Forget stream state (after a reconnect the server starts every block afresh); `abort_info`:
+        what the new stream was started with (None: as before)."""
         self.in_stream = False
+        if abort_info is not None:
+            self.abort_info = abort_info
+            self._outside, self._inside = _TABLES[abort_info]
 
     def decode(
         self, payload: bytes | bytearray | memoryview, lsn: int | None = None, offset: int = 0
@@ -536,7 +562,7 @@ class Decoder:
         if offset < 0:
             raise ValueError(f"negative offset {offset}")
         tag = buf[offset] if offset < len(buf) else -1
-        reader = (_STREAM_READERS if self.in_stream else _READERS).get(tag)
+        reader = (self._inside if self.in_stream else self._outside).get(tag)
         if reader is None:
             raise _not_one_message(buf, offset, lsn)
         try:
