@@ -32,7 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
-from router.stream.items import ORIGIN_NONE_SINCE, SourceOptions, SystemInfo, publication_list
+from router.stream.items import SourceOptions, StreamSettings, SystemInfo, negotiate
 from router.stream.slots import FAILOVER_SLOTS_SINCE, SlotCreated, SlotInfo, hold_snapshot
 from router.stream.state import Lifecycle, SourceState, SourceStats
 
@@ -70,6 +70,9 @@ class Positions(Protocol):
 
     def on_keepalive(self, wal_end: int) -> None: ...
 
+    def on_stream_start(self, settings: StreamSettings) -> None:
+        """START_REPLICATION succeeded with `settings`: the frames that follow are in that format."""
+
 
 def _wake(ready: asyncio.Future[None]) -> None:
     if not ready.done():
@@ -82,7 +85,7 @@ class ReplicationConnection:
     __slots__ = (
         "_clock", "_confirm_event", "_conn", "_dsn", "_last_status_sent", "_life", "_positions", "_reading",
         "_send_lock", "_starved_since", "_stats", "_status_task", "_streaming", "node", "options",
-        "publications", "slot",
+        "publications", "settings", "slot",
     )
 
     def __init__(
@@ -119,6 +122,8 @@ class ReplicationConnection:
         self._send_lock = asyncio.Lock()
         self._status_task: asyncio.Task[None] | None = None
         self._reading: tuple[int, asyncio.Future[None]] | None = None
+        # what the last START_REPLICATION asked of the server (`negotiate`: options and its version)
+        self.settings: StreamSettings | None = None
 
     # ---------------------------------------------------------------- connection
 
@@ -254,21 +259,9 @@ class ReplicationConnection:
 
     # ---------------------------------------------------------------- starting the stream
 
-    def _start_command(self, lsn: int, server_version: int = 0) -> bytes:
-        o = self.options
-        opts = [
-            f"proto_version '{int(o.proto_version)}'",
-            f"publication_names {publication_list(self.publications)}",
-        ]
-        if o.origin_none and server_version >= ORIGIN_NONE_SINCE:
-            opts.append("origin 'none'")
-        if o.binary:
-            opts.append("binary 'true'")
-        if o.messages:
-            opts.append("messages 'true'")
-        if o.streaming and o.proto_version >= 2:
-            opts.append("streaming 'true'")
-        return f'START_REPLICATION SLOT "{self.slot}" LOGICAL {format_lsn(lsn)} ({", ".join(opts)})'.encode()
+    def _start_command(self, lsn: int, settings: StreamSettings) -> bytes:
+        options = settings.option_list(self.publications)
+        return f'START_REPLICATION SLOT "{self.slot}" LOGICAL {format_lsn(lsn)} {options}'.encode()
 
     async def _check_publications(self, lsn: int) -> None:
         """PostgreSQL 18's pgoutput skips a publication that does not exist (a warning in the server log)
@@ -290,7 +283,8 @@ class ReplicationConnection:
         if conn.info.server_version >= SKIPS_MISSING_PUBLICATION_SINCE:
             await self._check_publications(lsn)
         pgconn = conn.pgconn
-        pgconn.send_query(self._start_command(lsn, conn.info.server_version))
+        settings = negotiate(self.options, conn.info.server_version)
+        pgconn.send_query(self._start_command(lsn, settings))
         await self._flush_out(pgconn)
         while True:
             pgconn.consume_input()
@@ -311,9 +305,14 @@ class ReplicationConnection:
                 hint=_SLOT_MISSING_HINT if code == "42704" else None,
             )
         pgconn.nonblocking = 1
+        self.settings = settings
+        self._positions.on_stream_start(settings)
         self._streaming = True
         self._starved_since = None
-        self._life.to(SourceState.STREAMING, detail=f"slot {self.slot} from {format_lsn(lsn)}")
+        self._life.to(SourceState.STREAMING, detail=(
+            f"slot {self.slot} from {format_lsn(lsn)}: proto_version {settings.proto_version}, streaming"
+            f" {settings.streaming}, {'binary' if settings.binary else 'text'} values"
+        ))
 
     async def _wait_readable(self, pgconn: pq.abc.PGconn, limit: float | None) -> None:
         """Until the socket is readable; `abort` ends the wait with ConnectionLost."""

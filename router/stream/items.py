@@ -1,5 +1,6 @@
 """What a replication source takes and hands out besides transactions: its options (`SourceOptions`),
-the announcement of a streamed transaction before its commit (`EarlyStream`), IDENTIFY_SYSTEM's answer
+what they come to on one server (`StreamSettings`, chosen by `negotiate` from its version), the
+announcement of a streamed transaction before its commit (`EarlyStream`), IDENTIFY_SYSTEM's answer
 (`SystemInfo`), and the `publication_names` option's quoting.
 
 Must not: open a connection or read a stream (router.stream.connection and router.stream.source do).
@@ -7,24 +8,35 @@ Must not: open a connection or read a stream (router.stream.connection and route
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Iterable
+from typing import Final, Literal
 
 import msgspec
 
 from protocol.transactions import Transaction
 from router.stream.spool import SpillFile
 
-__all__ = ["ORIGIN_NONE_SINCE", "EarlyStream", "SourceOptions", "SystemInfo", "publication_list"]
+__all__ = [
+    "ORIGIN_NONE_SINCE", "PROTO_4_SINCE", "EarlyStream", "SourceOptions", "StreamSettings", "SystemInfo",
+    "binary_formats_match", "highest_proto_version", "negotiate", "publication_list",
+]
 
 ORIGIN_NONE_SINCE: Final = 160000  # server_version_num from which pgoutput takes `origin 'none'`
+PROTO_4_SINCE: Final = 160000  # ... and proto_version 4 (streaming 'parallel')
 
 
 class SourceOptions(msgspec.Struct, frozen=True):
-    """How a source talks to its node. Times in seconds."""
+    """How a source talks to its node. Times in seconds. What they come to on one server: `negotiate`."""
 
-    proto_version: int = 2
+    proto_version: int = 0  # 0: the highest the server speaks that the decoder reads (highest_proto_version)
     streaming: bool = True
-    binary: bool = True
+    # with proto_version 4 (16+): streaming 'parallel' rather than 'on' (Stream Abort then carries the
+    # abort's LSN and time; nothing else pgoutput sends changes)
+    parallel_streaming: bool = True
+    binary: bool = True  # asked for; sent only where the formats match (`binary_formats_match`)
+    # server_version_num of every node this source's changes are applied to (empty: none named, as for a
+    # capture or a bench: `binary` as asked)
+    target_versions: tuple[int, ...] = ()
     messages: bool = True
     status_interval: float = 10.0
     receive_timeout: float = 60.0
@@ -42,6 +54,80 @@ class SourceOptions(msgspec.Struct, frozen=True):
     early_spilled: bool = False
     # announce a streamed transaction at its first spill (an EarlyStream item), before it commits
     early_streamed: bool = False
+
+
+StreamingMode = Literal["off", "on", "parallel"]
+
+
+class StreamSettings(msgspec.Struct, frozen=True):
+    """What START_REPLICATION asks of one server (`negotiate`): its pgoutput options."""
+
+    proto_version: int
+    streaming: StreamingMode
+    binary: bool
+    messages: bool
+    origin_none: bool
+
+    @property
+    def abort_info(self) -> bool:
+        """Stream Abort carries the abort's LSN and time (pgoutput writes them only under 'parallel')."""
+        return self.streaming == "parallel"
+
+    def option_list(self, publications: tuple[str, ...] | list[str]) -> str:
+        """The parenthesised option list of START_REPLICATION ... LOGICAL."""
+        opts = [f"proto_version '{int(self.proto_version)}'"]
+        opts.append(f"publication_names {publication_list(publications)}")
+        if self.origin_none:
+            opts.append("origin 'none'")
+        if self.binary:
+            opts.append("binary 'true'")
+        if self.messages:
+            opts.append("messages 'true'")
+        if self.streaming != "off":
+            opts.append(f"streaming '{'true' if self.streaming == 'on' else 'parallel'}'")
+        return f"({', '.join(opts)})"
+
+
+def highest_proto_version(server_version: int) -> int:
+    """The highest pgoutput proto_version `server_version` speaks that pgmesh reads: 4 on 16+, 2 on 15.
+
+    15 also speaks 3, which only adds the two-phase messages, sent with `two_phase 'on'` alone: pgmesh
+    never asks for it (a prepared transaction arrives whole at COMMIT PREPARED), so 3 would change
+    nothing on 15 and 2 stays. 4 adds streaming 'parallel'; what else 16-18 send is as in 2.
+    """
+    return 4 if server_version >= PROTO_4_SINCE else 2
+
+
+def binary_formats_match(source_version: int, target_versions: Iterable[int]) -> bool:
+    """Whether a value in its type's binary send format from `source_version` is known to be read back
+    alike by every target: only when all run the source's major version.
+
+    Built-in types' send/recv formats are stable across 15-18, but an extension's or a user's type is
+    not guaranteed to be: a mesh of mixed majors gets text (output and input functions) for that source.
+    No targets: nothing to match (True).
+    """
+    major = source_version // 10000
+    return all(v // 10000 == major for v in target_versions)
+
+
+def negotiate(options: SourceOptions, server_version: int) -> StreamSettings:
+    """The pgoutput options to ask a server of `server_version` (server_version_num) for.
+
+    proto_version as asked, else the highest both sides speak; streaming 'parallel' when asked for and
+    proto_version 4 allows it, else 'on' (2+) or off; binary only where `binary_formats_match`;
+    `origin 'none'` on 16+ only (15 rejects the option).
+    """
+    proto = options.proto_version or highest_proto_version(server_version)
+    streaming: StreamingMode = "off"
+    if options.streaming and proto >= 2:
+        streaming = "parallel" if options.parallel_streaming and proto >= 4 else "on"
+    return StreamSettings(
+        proto_version=proto,
+        streaming=streaming,
+        binary=options.binary and binary_formats_match(server_version, options.target_versions),
+        messages=options.messages,
+        origin_none=options.origin_none and server_version >= ORIGIN_NONE_SINCE,
+    )
 
 
 class EarlyStream(msgspec.Struct, frozen=True, gc=False):

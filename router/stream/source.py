@@ -48,7 +48,7 @@ from protocol.transactions import Spill, SpillDropped, Transaction, TransactionA
 from router.errors import ConnectionLost, SourceError
 from router.stats import StatView
 from router.stream.connection import ReplicationConnection
-from router.stream.items import EarlyStream, SourceOptions, SystemInfo
+from router.stream.items import EarlyStream, SourceOptions, StreamSettings, SystemInfo
 from router.stream.slots import SlotCreated, SlotInfo, check_slot_name
 from router.stream.spool import Spool
 from router.stream.state import Lifecycle, SourceState, SourceStats
@@ -154,6 +154,10 @@ class ReplicationSource:
         """The server's WAL end from a keepalive: everything before it was sent (or is not for us)."""
         self._server_wal_end = max(self._server_wal_end, wal_end)
         self._received = max(self._received, wal_end)
+
+    def on_stream_start(self, settings: StreamSettings) -> None:
+        """The connection started streaming with `settings` (before its first frame): decode as it sends."""
+        self._decoder.reset(abort_info=settings.abort_info)
 
     def confirm(self, lsn: int) -> None:
         """The caller has durably handled everything before `lsn` (a transaction's `end_lsn`)."""
