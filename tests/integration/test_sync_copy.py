@@ -27,6 +27,8 @@ from router.cluster.sync.copy import (
     read_leaves,
     reuse_spark,
 )
+from router.cluster.sync.plan import BlockRange, CopyTask
+from router.cluster.sync.worker import SNAPSHOT_HINT, CopyJob, TaskFailure, run_task
 from router.errors import PgmeshError
 from router.testing.localnodes import find_pg_bindir
 
@@ -253,9 +255,19 @@ def test_errors_name_the_role_table_and_sqlstate_but_no_dsn(pg_nodes: Any, spark
     # Once the exporting transaction has ended the snapshot cannot be imported: say what to do.
     with pytest.raises(PgmeshError) as info:
         copy_snapshot(donor.dsn(), target.dsn(), exported.name, table, spark_master=MASTER)
-    assert info.value.node == "donor" and info.value.sqlstate == "22023"
+    with psycopg.connect(donor.dsn()) as conn:
+        version = conn.info.server_version
+    # (PostgreSQL 18 says 42704, undefined object; older ones 22023, invalid parameter value)
+    assert info.value.node == "donor" and info.value.sqlstate == ("42704" if version >= 180000 else "22023")
     assert "keep the connection that exported it" in str(info.value)
     assert PASSWORD not in str(info.value)
+    # A task whose snapshot went after the planning (a task imports it itself) says the same.
+    job = CopyJob(donor.dsn(), target.dsn(), exported.name, "pgmesh-test", 1)
+    task = CopyTask(0, "public", "t", ("id", "v"), BlockRange(0, None), 1)
+    with pytest.raises(TaskFailure) as failed:
+        run_task(job, task)
+    assert failed.value.record["sqlstate"] == info.value.sqlstate
+    assert failed.value.record["role"] == "donor" and failed.value.record["hint"] == SNAPSHOT_HINT
 
 
 # Tables that binary COPY cannot carry (issue 17): a type without send/receive functions (aclitem, a

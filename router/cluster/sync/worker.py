@@ -254,7 +254,8 @@ def _open_snapshot(donor: psycopg.Connection[Any], job: CopyJob, task: CopyTask)
         donor.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         donor.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshot)))
     except psycopg.Error as exc:
-        hint = SNAPSHOT_HINT if exc.sqlstate in ("22023", "0A000", "25001") else None
+        # a snapshot no longer importable: 22023 before PostgreSQL 18, 42704 (undefined object) on 18
+        hint = SNAPSHOT_HINT if exc.sqlstate in ("22023", "42704", "0A000", "25001") else None
         raise _fail("donor", task, exc, hint) from None
 
 
