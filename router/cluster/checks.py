@@ -6,8 +6,10 @@ version, the settings logical replication and commit timestamps need, free slots
 role's privileges, and that every replicated table exists on every node with the same columns, a key,
 and the same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`:
 compared by shape, never by name), that tables with delta columns can have them, and that each custom
-resolver decides alike whichever side is local (`router.conflicts.symmetry`). The report
-(`InitReport`) renders one block per node, one line per check, and what to do under each problem.
+resolver decides alike whichever side is local (`router.conflicts.symmetry`); and, for a node with a
+physical standby, whether pgmesh's slot will survive its promotion (a warning, never a failure:
+docs/failover.md). The report (`InitReport`) renders one block per node, one line per check, and what to
+do under each problem or warning.
 Also the admin connection `pgmesh init` uses (`connect`), shared with `router.cluster.install`.
 
 Must not: write anything to a node (installing is `router.cluster.install`'s), stream or apply
@@ -33,6 +35,7 @@ from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
 from router.conflicts.symmetry import asymmetry
 from router.errors import ConfigError, PgmeshError, describe
+from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = [
     "Check",
@@ -55,6 +58,7 @@ CHECK_LOCK_WAIT_S: Final = 10  # the longest the checks wait for a lock on a tab
 APPLICATION_NAME: Final = "pgmesh init"
 OK_MARK: Final = "✓"
 FAIL_MARK: Final = "✗"
+WARN_MARK: Final = "!"
 _SETTINGS: Final = (
     "server_version",
     "server_version_num",
@@ -63,10 +67,20 @@ _SETTINGS: Final = (
     "max_replication_slots",
     "max_wal_senders",
     "output_plugin_libraries",
+    "synchronized_standby_slots",  # 17+
 )
 _RESTART: Final = "in postgresql.conf (or ALTER SYSTEM SET) and restart the server"
 # Types a delta column may have (format_type names, without a typmod).
 _DELTA_TYPES: Final = frozenset({"smallint", "integer", "bigint", "numeric", "real", "double precision"})
+
+# Physical standbys streaming from the node: their slot's name, or null for one streaming without a slot
+# (logical walsenders, the router's own among them, hold a logical slot and are left out).
+_STANDBYS_SQL: Final = """
+SELECT s.slot_name FROM pg_stat_replication r
+LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid
+WHERE s.slot_type IS DISTINCT FROM 'logical'
+ORDER BY 1
+"""
 
 # Ordinary and partitioned tables outside the system schemas. Partitions are left out: a partitioned
 # table stands for its partitions (the publication publishes via the partition root).
@@ -84,7 +98,8 @@ ORDER BY n.nspname, c.relname, a.attnum
 
 
 class Check(msgspec.Struct, frozen=True):
-    """One pre-flight check on one node; `hint` says what to do when it failed."""
+    """One pre-flight check on one node; `hint` says what to do when it failed (or warns). A warning
+    passes (`ok`): init goes on, the report says what to look at."""
 
     node: str
     check: str
@@ -92,6 +107,7 @@ class Check(msgspec.Struct, frozen=True):
     detail: str
     relation: str | None = None
     hint: str | None = None
+    warn: bool = False
 
 
 class InitReport(msgspec.Struct, frozen=True):
@@ -120,8 +136,9 @@ class InitReport(msgspec.Struct, frozen=True):
             lines.append(f"node {node}")
             for c in (c for c in self.checks if c.node == node):
                 what = f"table {c.relation}: {c.detail}" if c.relation else c.detail
-                lines.append(f"  {OK_MARK if c.ok else FAIL_MARK} {c.check:<{width}}  {what}")
-                if not c.ok and c.hint:
+                mark = FAIL_MARK if not c.ok else WARN_MARK if c.warn else OK_MARK
+                lines.append(f"  {mark} {c.check:<{width}}  {what}")
+                if (c.warn or not c.ok) and c.hint:
                     lines.append(f"    {'':<{width}}  -> {c.hint}")
         problems = self.problems
         if problems:
@@ -154,6 +171,8 @@ class NodeFacts(msgspec.Struct, frozen=True):
     walsenders: int
     tables: dict[TableName, TableFacts]
     publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
+    standbys: list[str | None] = msgspec.field(default_factory=list)  # physical slot of each, or None
+    slot_failover: bool | None = None  # 17+: whether pgmesh's slot is a failover slot (None: no slot / < 17)
     clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
 
 
@@ -223,6 +242,14 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         "SELECT puballtables FROM pg_publication WHERE pubname = %s", [config.publication_name]
     )
     publication = await cur.fetchone()
+    cur = await conn.execute(_STANDBYS_SQL)
+    standbys: list[str | None] = [r[0] for r in await cur.fetchall()]
+    failover = None
+    if own and int(settings.get("server_version_num", "0")) >= FAILOVER_SLOTS_SINCE:
+        cur = await conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s",
+                                 [config.slot_name])
+        row = await cur.fetchone()
+        failover = bool(row[0]) if row else None
     tables = {t: f for t, f in (await _table_facts(conn)).items() if config.replicates(*t)}
     clock = await measure(connection_query(conn))
     return NodeFacts(
@@ -232,6 +259,8 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         slots_used=int(slots_used),
         own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
         publication_all_tables=bool(publication and publication[0]),
+        standbys=standbys,
+        slot_failover=failover,
         database=database,
         walsenders=int(walsenders),
         tables=tables,
@@ -368,6 +397,51 @@ def _check_publication(f: NodeFacts, config: Config) -> Check | None:
     return Check("", "publication", False, detail, hint=hint)
 
 
+_STANDBY_SETTINGS: Final = (
+    "on the standby: sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name set and a"
+    " dbname in primary_conninfo (docs/failover.md)"
+)
+
+
+def _check_failover(f: NodeFacts, config: Config) -> Check | None:
+    """With a physical standby: whether pgmesh's slot survives the standby's promotion. Only warnings
+    (pgmesh runs without it; the operator decides), and nothing at all for a node without a standby."""
+    if not f.standbys:
+        return None
+    num = int(f.settings.get("server_version_num", "0"))
+    named = sorted({s for s in f.standbys if s is not None})
+    standbys = f"physical standby slot {', '.join(named)}" if named else "a physical standby"
+    if num < FAILOVER_SLOTS_SINCE:
+        detail = (f"{standbys} streams from here, but PostgreSQL {num // 10000} does not carry logical slots"
+                  f" to a standby: after its promotion the slot {config.slot_name} is missing there")
+        hint = ("after a failover, re-join the promoted node (`pgmesh join` from a donor, docs/join.md), or"
+                " upgrade to 17+ for failover slots (docs/failover.md)")
+        return Check("", "failover", True, detail, hint=hint, warn=True)
+    problems: list[str] = []
+    fixes: list[str] = []
+    if f.slot_failover is False:
+        problems.append(f"slot {config.slot_name} is not a failover slot (made before 17, or by hand)")
+        fixes.append(f"with the router stopped, run ALTER_REPLICATION_SLOT {config.slot_name} (FAILOVER true)"
+                     " on a replication=database connection")
+    if None in f.standbys:
+        problems.append("a standby streams without a replication slot: slots are synced only through one")
+        fixes.append("give it a physical slot (primary_slot_name)")
+    listed = f.settings.get("synchronized_standby_slots", "")
+    synchronized = {part.strip().strip('"') for part in listed.split(",")}
+    unlisted = [s for s in named if s not in synchronized]
+    if unlisted:
+        problems.append(f"synchronized_standby_slots does not name {', '.join(unlisted)}: other nodes may get"
+                        " changes the standby does not have yet, which a promotion loses on this node alone")
+        fixes.append(f"ALTER SYSTEM SET synchronized_standby_slots = '{', '.join(named)}';"
+                     " SELECT pg_reload_conf()")
+    if problems:
+        hint = "; ".join(fixes) + f"; {_STANDBY_SETTINGS}"
+        return Check("", "failover", True, "; ".join(problems), hint=hint, warn=True)
+    detail = (f"{standbys} in synchronized_standby_slots, slot {config.slot_name} a failover slot"
+              f" ({_STANDBY_SETTINGS})")
+    return Check("", "failover", True, detail)
+
+
 _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
     _check_connect,
     _check_version,
@@ -379,6 +453,7 @@ _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
     _check_superuser,
     _check_plugin,
     _check_publication,
+    _check_failover,
 )
 
 
