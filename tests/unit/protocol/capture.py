@@ -2,6 +2,7 @@
 
 Run: `.venv/bin/python -m tests.unit.protocol.capture` (starts a throw-away node, runs the scenario, writes
 one JSON file per slot configuration). The decoder tests read those files; they never need a server.
+`... capture v4` captures the proto_version 4 files instead, from a PostgreSQL 18 node (see V4_SLOTS).
 
 Four slots see the same scenario: proto_version 1 in text and in binary, proto_version 2 with
 streaming in text and in binary. The scenario covers every pgoutput message PostgreSQL 15 sends:
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,15 @@ SLOTS: dict[str, SourceOptions] = {
     "binary_v1": SourceOptions(proto_version=1, binary=True, streaming=False),
     "text_v2_stream": SourceOptions(proto_version=2, binary=False, streaming=True),
     "binary_v2_stream": SourceOptions(proto_version=2, binary=True, streaming=True),
+}
+
+# proto_version 4 (PostgreSQL 16+), from an 18 node, text, the streamed part of the scenario only: once
+# with streaming 'parallel' (Stream Abort carries the abort's LSN and time) and once with 'on' (it does
+# not), so that a test can check that nothing else differs between the two.
+V4_VERSION = 18
+V4_SLOTS: dict[str, SourceOptions] = {
+    "text_v4_parallel": SourceOptions(proto_version=4, binary=False, streaming=True, parallel_streaming=True),
+    "text_v4_on": SourceOptions(proto_version=4, binary=False, streaming=True, parallel_streaming=False),
 }
 
 SCHEMA = """
@@ -96,6 +108,41 @@ async def run_transaction(conn: psycopg.AsyncConnection[Any], step: str | list[s
         await conn.execute("COMMIT")
 
 
+async def scenario_v4(dsn: str, streamed: Callable[[int], Awaitable[None]]) -> None:
+    """The streamed transactions, read live: PostgreSQL 18 does not stream a transaction it already knows
+    aborted, so the one that aborts whole rolls back only once `streamed(xid)` (every slot has sent a
+    Stream Start for it)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await run_transaction(conn, STREAMED[0])
+        await conn.execute("BEGIN")
+        cur = await conn.execute("SELECT txid_current() % 4294967296")
+        row = await cur.fetchone()
+        assert row is not None
+        await conn.execute("INSERT INTO bulk SELECT i, 'gone' FROM generate_series(10001, 11500) AS i")
+        await streamed(int(row[0]))
+        await conn.execute("ROLLBACK")
+        await run_transaction(conn, STREAMED[2])
+        await conn.execute(f"SELECT pg_logical_emit_message(false, '{END_MARKER.decode()}', 'end')")
+
+
+class StreamStarts:
+    """The xids each live capture has seen a Stream Start for, to wait on."""
+
+    def __init__(self, slots: list[str]) -> None:
+        self.seen: dict[str, set[int]] = {slot: set() for slot in slots}
+        self.changed = asyncio.Condition()
+
+    async def saw(self, slot: str, payload: bytes) -> None:
+        if payload[:1] == b"S":
+            async with self.changed:
+                self.seen[slot].add(struct.unpack_from(">I", payload, 1)[0])
+                self.changed.notify_all()
+
+    async def wait(self, xid: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: all(xid in xids for xids in self.seen.values()))
+
+
 async def scenario(dsn: str) -> None:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         for step in DML:
@@ -119,7 +166,9 @@ async def scenario(dsn: str) -> None:
         await conn.execute(f"SELECT pg_logical_emit_message(false, '{END_MARKER.decode()}', 'end')")
 
 
-async def capture_slot(dsn: str, slot: str, options: SourceOptions) -> list[dict[str, Any]]:
+async def capture_slot(
+    dsn: str, slot: str, options: SourceOptions, starts: StreamStarts | None = None
+) -> list[dict[str, Any]]:
     # logical_decoding_work_mem is read by the walsender: 64kB makes the bulk transactions stream.
     stream_dsn = f"{dsn} options='-c logical_decoding_work_mem=64kB'"
     source = ReplicationSource("capture", stream_dsn, slot, ["cap"], options=options)
@@ -129,13 +178,16 @@ async def capture_slot(dsn: str, slot: str, options: SourceOptions) -> list[dict
             if END_MARKER in frame.payload:
                 break
             frames.append({"wal_start": format_lsn(frame.wal_start), "payload": frame.payload.hex()})
+            if starts is not None:
+                await starts.saw(slot, frame.payload)
     finally:
         await source.close()
     return frames
 
 
-async def main() -> None:
-    (node,) = create_nodes(["capture"])
+async def main(v4: bool = False) -> None:
+    slots = V4_SLOTS if v4 else SLOTS
+    (node,) = create_nodes(["capture"], versions=[V4_VERSION if v4 else None])
     try:
         dsn = node.dsn()
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
@@ -143,18 +195,25 @@ async def main() -> None:
             cur = await conn.execute("SHOW server_version")
             row = await cur.fetchone()
             version = str(row[0]) if row else "?"
-        for slot, options in SLOTS.items():
+        for slot, options in slots.items():
             await ReplicationSource("capture", dsn, slot, ["cap"], options=options).create_slot()
-        await scenario(dsn)
+        if v4:
+            starts = StreamStarts(list(slots))
+            async with asyncio.TaskGroup() as group:
+                live = {s: group.create_task(capture_slot(dsn, s, o, starts)) for s, o in slots.items()}
+                await scenario_v4(dsn, starts.wait)
+            captured = {slot: task.result() for slot, task in live.items()}
+        else:
+            await scenario(dsn)
+            captured = {slot: await capture_slot(dsn, slot, options) for slot, options in slots.items()}
         DATA.mkdir(parents=True, exist_ok=True)
-        for slot, options in SLOTS.items():
-            frames = await capture_slot(dsn, slot, options)
-            document = {
-                "server_version": version,
-                "options": {"proto_version": options.proto_version, "binary": options.binary,
-                            "streaming": options.streaming, "messages": True},
-                "frames": frames,
-            }
+        for slot, options in slots.items():
+            frames = captured[slot]
+            opts: dict[str, object] = {"proto_version": options.proto_version, "binary": options.binary,
+                                       "streaming": options.streaming, "messages": True}
+            if v4:
+                opts["streaming_mode"] = "parallel" if options.parallel_streaming else "on"
+            document = {"server_version": version, "options": opts, "frames": frames}
             path = DATA / f"{slot}.json"
             path.write_text(json.dumps(document, indent=0) + "\n")
             print(f"{path}: {len(frames)} frames", file=sys.stderr)
@@ -163,4 +222,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(v4=sys.argv[1:] == ["v4"]))

@@ -13,7 +13,9 @@ from protocol.pgoutput import Decoder
 from protocol.transactions import Transaction, TransactionAssembler
 
 DATA = Path(__file__).parent / "data"
-CAPTURES = ("text_v1", "binary_v1", "text_v2_stream", "binary_v2_stream")
+CAPTURES = ("text_v1", "binary_v1", "text_v2_stream", "binary_v2_stream")  # PostgreSQL 15, whole scenario
+# PostgreSQL 18, proto_version 4, the streamed transactions only: streaming 'parallel' and 'on'
+V4_CAPTURES = ("text_v4_parallel", "text_v4_on")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Capture:
     binary: bool
     streaming: bool
     frames: tuple[Frame, ...]
+    abort_info: bool = False  # streaming 'parallel': Stream Abort carries the abort's LSN and time
 
 
 @functools.cache
@@ -38,14 +41,16 @@ def load(name: str) -> Capture:
     frames = tuple(Frame(parse_lsn(f["wal_start"]), bytes.fromhex(f["payload"])) for f in doc["frames"])
     opts = doc["options"]
     return Capture(
-        name, doc["server_version"], opts["proto_version"], opts["binary"], opts["streaming"], frames
+        name, doc["server_version"], opts["proto_version"], opts["binary"], opts["streaming"], frames,
+        opts.get("streaming_mode") == "parallel",
     )
 
 
 @functools.cache
 def messages(name: str) -> tuple[PgOutputMessage, ...]:
-    decoder = Decoder()
-    return tuple(decoder.decode(f.payload, f.wal_start) for f in load(name).frames)
+    capture = load(name)
+    decoder = Decoder(abort_info=capture.abort_info)
+    return tuple(decoder.decode(f.payload, f.wal_start) for f in capture.frames)
 
 
 @functools.cache
