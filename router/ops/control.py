@@ -87,7 +87,7 @@ async def offline_status(config: Config) -> StatusReport:
                 sources.append(await _offline_source(conn, config, node.name))
                 clocks.append(node_clock(node.name, await measure(connection_query(conn)), config.clocks))
         except psycopg.Error as exc:
-            sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, describe(exc)))
+            sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, 0, describe(exc)))
     divergence = config.divergent_resolvers()
     return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks)
 
@@ -120,8 +120,10 @@ async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, no
     )
     row = await cur.fetchone()
     if row is None:
-        return SourceStatus(node, "no slot", "?", "?", 0, 0, 0, "pgmesh is not installed; run `pgmesh init`")
-    return SourceStatus(node, "down", row[1], row[0] or "0/0", 0, 0, 0, "router not running")
+        return SourceStatus(
+            node, "no slot", "?", "?", 0, 0, 0, 0, "pgmesh is not installed; run `pgmesh init`"
+        )
+    return SourceStatus(node, "down", row[1], row[0] or "0/0", 0, 0, 0, 0, "router not running")
 
 
 async def fetch_status(config: Config) -> StatusReport:

@@ -262,6 +262,7 @@ class Metrics:
     """
 
     __slots__ = (
+        "applied_notes_total",
         "applied_rows_total",
         "applied_transactions_total",
         "apply_errors_total",
@@ -374,6 +375,12 @@ class Metrics:
             "Transactions decoded from the node that carried a replication origin, so were not fanned out.",
             ("node",),
         )
+        self.applied_notes_total = counter(
+            PREFIX + "applied_notes_total",
+            "pgmesh.applied messages decoded from the node (PostgreSQL 16+: what appliers committed there;"
+            " its echoes are never sent).",
+            ("node",),
+        )
         self.source_received_bytes_total = counter(
             PREFIX + "source_received_bytes_total",
             "Replication stream bytes received from the node.",
@@ -415,6 +422,7 @@ class Metrics:
     def observe_source(self, node: str, stats: SourceStats) -> None:
         """Bring the node metrics of `node` up to its source's counters (read whole, as they are now)."""
         for family, new in ((self.echo_transactions_total, stats.echoes),
+                            (self.applied_notes_total, stats.applied_notes),
                             (self.source_received_bytes_total, stats.bytes_received),
                             (self.source_reconnects_total, stats.reconnects)):
             raise_to(family.labels(node=node), new)

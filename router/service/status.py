@@ -35,7 +35,8 @@ class SourceStatus(msgspec.Struct, frozen=True):
     received_lsn: str
     confirmed_lsn: str
     transactions: int
-    echoes: int
+    echoes: int  # applied transactions that came back (15: decoded, then dropped)
+    applied_notes: int  # 16+: pgmesh.applied messages in their place (echoes are never sent)
     reconnects: int
     last_error: str | None
 

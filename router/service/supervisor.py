@@ -491,7 +491,8 @@ class Router:
             SourceStatus(
                 node=node, state=pump.source.state.value, received_lsn=format_lsn(pump.source.received_lsn),
                 confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.stats.transactions,
-                echoes=pump.stats.echoes, reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
+                echoes=pump.stats.echoes, applied_notes=pump.stats.applied_notes,
+                reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
             )
             for node, pump in self.pumps.items()
         ]

@@ -92,6 +92,7 @@ class SourcePump:
                     self._reattach = []
                 if isinstance(item, Message):  # non-transactional: nothing to apply
                     if item.prefix == APPLIED_PREFIX:  # what an applier committed here (no echoes)
+                        self.stats.applied_notes += 1
                         self.seen.note_applied(item.lsn, item.content, self.source.confirmed_lsn)
                     # passed, as an echo is: else a node whose stream ends with such a note (16+: after
                     # every applied batch) never has its slot confirmed past it (WAL kept, barriers hang)

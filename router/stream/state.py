@@ -115,3 +115,4 @@ class SourceStats(msgspec.Struct, gc=False):
     # the fan-out (router.stream.fanout)
     transactions: int = 0  # transactions fanned out to the links
     echoes: int = 0  # transactions that carried a replication origin, so went nowhere
+    applied_notes: int = 0  # pgmesh.applied messages (16+: what appliers committed here, instead of echoes)

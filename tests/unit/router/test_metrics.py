@@ -171,6 +171,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_early_transactions_total": ("counter", ("source", "target")),
     "pgmesh_early_rolled_back_total": ("counter", ("source", "target")),
     "pgmesh_echo_transactions_total": ("counter", ("node",)),
+    "pgmesh_applied_notes_total": ("counter", ("node",)),
     "pgmesh_divergence_allowed": ("gauge", ("setting",)),
     "pgmesh_schema_drift": ("gauge", ("node", "table")),
     "pgmesh_tombstones": ("gauge", ("node",)),
