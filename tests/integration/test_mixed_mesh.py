@@ -16,6 +16,7 @@ import random
 from typing import Any
 
 import psycopg
+import pytest
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
@@ -28,6 +29,7 @@ CREATE TABLE "hot" ("id" int PRIMARY KEY, "writer" text NOT NULL, "n" int NOT NU
 INSERT INTO "hot" SELECT i, 'seed', 0 FROM generate_series(0, 20) i;
 """
 TABLES = ["accounts", "orders", "hot"]
+pytestmark = pytest.mark.versions
 VERSIONS = [15, 18, 18]
 ROUNDS = 40
 
