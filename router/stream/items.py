@@ -30,8 +30,11 @@ class SourceOptions(msgspec.Struct, frozen=True):
 
     proto_version: int = 0  # 0: the highest the server speaks that the decoder reads (highest_proto_version)
     streaming: bool = True
-    # with proto_version 4 (16+): streaming 'parallel' rather than 'on' (Stream Abort then carries the
-    # abort's LSN and time; nothing else pgoutput sends changes)
+    # With proto_version 4 (16+): streaming 'parallel' rather than 'on'. pgoutput's only use of the mode is
+    # Stream Abort, which then also carries the abort's LSN and time; when it opens stream blocks and what
+    # they hold are the same (PostgreSQL 18 captures of both: tests/unit/protocol/test_proto_v4.py). The
+    # router gains little from it (a streamed transaction is dropped, or rolled back where it was started
+    # early, at its Stream Abort either way); the decoder reads the fields and the StreamAbort keeps them.
     parallel_streaming: bool = True
     binary: bool = True  # asked for; sent only where the formats match (`binary_formats_match`)
     # server_version_num of every node this source's changes are applied to (empty: none named, as for a
