@@ -172,6 +172,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     tables: dict[TableName, TableFacts]
     publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
     standbys: list[str | None] = msgspec.field(default_factory=list)  # physical slot of each, or None
+    physical_slots: list[str] = msgspec.field(default_factory=list)  # every physical slot, streamed or not
     slot_failover: bool | None = None  # 17+: whether pgmesh's slot is a failover slot (None: no slot / < 17)
     clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
 
@@ -244,6 +245,8 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
     publication = await cur.fetchone()
     cur = await conn.execute(_STANDBYS_SQL)
     standbys: list[str | None] = [r[0] for r in await cur.fetchall()]
+    cur = await conn.execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical'")
+    physical = [r[0] for r in await cur.fetchall()]
     failover = None
     if own and int(settings.get("server_version_num", "0")) >= FAILOVER_SLOTS_SINCE:
         cur = await conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s",
@@ -260,6 +263,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
         publication_all_tables=bool(publication and publication[0]),
         standbys=standbys,
+        physical_slots=physical,
         slot_failover=failover,
         database=database,
         walsenders=int(walsenders),
@@ -403,10 +407,52 @@ _STANDBY_SETTINGS: Final = (
 )
 
 
+def _synchronized(f: NodeFacts) -> list[str]:
+    """The slots synchronized_standby_slots names (17+; '*' is not allowed there)."""
+    listed = f.settings.get("synchronized_standby_slots", "")
+    return [name for part in listed.split(",") if (name := part.strip().strip('"'))]
+
+
+def _standby_problems(f: NodeFacts, config: Config) -> list[tuple[str, str]]:
+    """17+: what keeps pgmesh's slot from being synced to, or safe on, a promoted standby (with fixes)."""
+    named = sorted({s for s in f.standbys if s is not None})
+    listed = _synchronized(f)
+    found: list[tuple[str, str]] = []
+    if f.slot_failover is False:
+        found.append((f"slot {config.slot_name} is not a failover slot (made before 17, or by hand)",
+                      f"with the router stopped, run ALTER_REPLICATION_SLOT {config.slot_name}"
+                      " (FAILOVER true) on a replication=database connection"))
+    if None in f.standbys:
+        found.append(("a standby streams without a replication slot: slots are synced only through one",
+                      "give it a physical slot (primary_slot_name)"))
+    unlisted = [s for s in named if s not in listed]
+    if unlisted:
+        found.append((f"synchronized_standby_slots does not name {', '.join(unlisted)}: other nodes may get"
+                      " changes the standby does not have yet, which a promotion loses on this node alone",
+                      f"ALTER SYSTEM SET synchronized_standby_slots = '{', '.join(named)}';"
+                      " SELECT pg_reload_conf()"))
+    idle = [s for s in listed if s in f.physical_slots and s not in named]
+    if idle:
+        found.append((f"the standby of slot {', '.join(idle)} is not streaming: this node's changes wait for"
+                      " it", "start that standby, or take its slot out of synchronized_standby_slots"))
+    return found
+
+
 def _check_failover(f: NodeFacts, config: Config) -> Check | None:
-    """With a physical standby: whether pgmesh's slot survives the standby's promotion. Only warnings
-    (pgmesh runs without it; the operator decides), and nothing at all for a node without a standby."""
-    if not f.standbys:
+    """With a physical standby: whether pgmesh's slot survives the standby's promotion. Warnings (pgmesh
+    runs without it; the operator decides), nothing for a node without a standby; a failure only for a
+    synchronized_standby_slots naming a slot that does not exist (the node's changes would wait for ever,
+    as on a promoted standby that kept its old primary's setting)."""
+    listed = _synchronized(f)
+    missing = [s for s in listed if s not in f.physical_slots]
+    if missing:
+        detail = (f"synchronized_standby_slots names {', '.join(missing)}, no physical slot here: pgmesh's"
+                  " slot streams nothing until it exists (after a failover: the old primary's setting)")
+        kept = ", ".join(s for s in listed if s not in missing)
+        hint = (f"ALTER SYSTEM SET synchronized_standby_slots = '{kept}'; SELECT pg_reload_conf()"
+                " (docs/failover.md)")
+        return Check("", "failover", False, detail, hint=hint)
+    if not f.standbys and not listed:
         return None
     num = int(f.settings.get("server_version_num", "0"))
     named = sorted({s for s in f.standbys if s is not None})
@@ -417,26 +463,10 @@ def _check_failover(f: NodeFacts, config: Config) -> Check | None:
         hint = ("after a failover, re-join the promoted node (`pgmesh join` from a donor, docs/join.md), or"
                 " upgrade to 17+ for failover slots (docs/failover.md)")
         return Check("", "failover", True, detail, hint=hint, warn=True)
-    problems: list[str] = []
-    fixes: list[str] = []
-    if f.slot_failover is False:
-        problems.append(f"slot {config.slot_name} is not a failover slot (made before 17, or by hand)")
-        fixes.append(f"with the router stopped, run ALTER_REPLICATION_SLOT {config.slot_name} (FAILOVER true)"
-                     " on a replication=database connection")
-    if None in f.standbys:
-        problems.append("a standby streams without a replication slot: slots are synced only through one")
-        fixes.append("give it a physical slot (primary_slot_name)")
-    listed = f.settings.get("synchronized_standby_slots", "")
-    synchronized = {part.strip().strip('"') for part in listed.split(",")}
-    unlisted = [s for s in named if s not in synchronized]
-    if unlisted:
-        problems.append(f"synchronized_standby_slots does not name {', '.join(unlisted)}: other nodes may get"
-                        " changes the standby does not have yet, which a promotion loses on this node alone")
-        fixes.append(f"ALTER SYSTEM SET synchronized_standby_slots = '{', '.join(named)}';"
-                     " SELECT pg_reload_conf()")
-    if problems:
-        hint = "; ".join(fixes) + f"; {_STANDBY_SETTINGS}"
-        return Check("", "failover", True, "; ".join(problems), hint=hint, warn=True)
+    found = _standby_problems(f, config)
+    if found:
+        hint = "; ".join(fix for _, fix in found) + f"; {_STANDBY_SETTINGS}"
+        return Check("", "failover", True, "; ".join(what for what, _ in found), hint=hint, warn=True)
     detail = (f"{standbys} in synchronized_standby_slots, slot {config.slot_name} a failover slot"
               f" ({_STANDBY_SETTINGS})")
     return Check("", "failover", True, detail)

@@ -30,8 +30,9 @@ def facts(version: int, standbys: list[str | None], **settings: str) -> NodeFact
     base |= {"track_commit_timestamp": "on", "max_replication_slots": "10", "max_wal_senders": "10"}
     own = ("pgoutput", "app", False)
     failover = True if version >= 17 else None
+    physical = [s for s in standbys if s is not None]
     return NodeFacts(base | settings, "postgres", True, 2, own, "app", 1, {}, standbys=standbys,
-                     slot_failover=failover)
+                     physical_slots=physical, slot_failover=failover)
 
 
 def failover_check(f: NodeFacts) -> Check | None:
@@ -57,7 +58,7 @@ def test_18_warns_until_the_standby_slot_is_synchronized() -> None:
     assert "synchronized_standby_slots does not name b_standby" in check.detail
     assert "synchronized_standby_slots = 'b_standby'" in (check.hint or "")
     assert "sync_replication_slots = on" in (check.hint or "")
-    check = failover_check(facts(18, ["b_standby"], synchronized_standby_slots="other, b_standby"))
+    check = failover_check(facts(18, ["b_standby", "other"], synchronized_standby_slots='other, "b_standby"'))
     assert check is not None and check.ok and not check.warn
     assert "b_standby" in check.detail
 
@@ -68,6 +69,18 @@ def test_18_warns_of_a_slot_without_failover_and_a_standby_without_a_slot() -> N
     assert check is not None and check.ok and check.warn
     assert "not a failover slot" in check.detail and "without a replication slot" in check.detail
     assert "ALTER_REPLICATION_SLOT pgmesh_fo (FAILOVER true)" in (check.hint or "")
+
+
+def test_18_a_synchronized_standby_slot_that_does_not_exist_fails_one_not_streaming_warns() -> None:
+    promoted = facts(18, [], synchronized_standby_slots="b_standby")  # the old primary's setting
+    check = failover_check(promoted)
+    assert check is not None and not check.ok
+    assert "names b_standby, no physical slot here" in check.detail
+    assert "synchronized_standby_slots = ''" in (check.hint or "")
+    idle = msgspec.structs.replace(promoted, physical_slots=["b_standby"])
+    check = failover_check(idle)
+    assert check is not None and check.ok and check.warn
+    assert "the standby of slot b_standby is not streaming" in check.detail
 
 
 def test_a_warning_is_rendered_with_its_hint_and_the_report_stays_ready() -> None:
