@@ -27,7 +27,7 @@ from router.testing.mesh import fetch, free_port, running_router, wait_converged
 from tests.fix_cluster import require_versions
 from tests.fix_mesh import MeshFactory
 
-pytestmark = pytest.mark.slow  # the join copies with Spark (a JVM)
+pytestmark = [pytest.mark.slow, pytest.mark.versions]  # the join copies with Spark (a JVM); pins versions
 
 OLD, NEW = 15, 18
 SEED_ROWS = 20_000

@@ -19,6 +19,7 @@ from tests.fix_cluster import VERSION_ENV, NodeFactory, require_versions
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = 'CREATE TABLE "notes" ("id" int PRIMARY KEY, "written_on" text NOT NULL);'
+pytestmark = pytest.mark.versions  # pins its nodes' versions: runs once, not again under PGMESH_TEST_PG
 VERSIONS = [15, 18]
 
 
