@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 import psycopg
+import pytest
 
 from protocol.messages import KIND_BINARY, KIND_NULL, KIND_TEXT, Insert
 from protocol.transactions import Transaction
@@ -22,6 +23,8 @@ from router.stream.source import ReplicationSource
 from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_cluster import NodeFactory
 from tests.fix_mesh import MeshFactory
+
+pytestmark = pytest.mark.versions  # pins its nodes' versions: runs once, not again under PGMESH_TEST_PG
 
 SCHEMA = """
 CREATE TYPE "mood" AS ENUM ('sad', 'ok', 'happy');
