@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from protocol.lsn import datetime_to_pg_us
 from router.testing.mesh import NODE_SETTINGS, converged, execute, fetch, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -251,6 +252,35 @@ async def test_few_big_toasted_rows(mesh: MeshFactory, settings: dict[str, str])
 WIDE = "(SELECT string_agg(md5(g::text || i), '') FROM generate_series(1, 100) AS g)"  # 3.2 kB, TOASTed
 
 
+async def has_echoes(node: Any) -> bool:
+    """Whether what the router applies on `node` comes back in its stream as echoes: PostgreSQL 15.
+    On 16+ the router asks for `origin 'none'`: nothing of it is decoded, the applier's pgmesh.applied
+    note stands for it (router.stream.seen)."""
+    ((version,),) = await fetch(node.dsn(), "SELECT current_setting('server_version_num')::int")
+    return bool(version < 160000)
+
+
+async def seen_on_b(router: Any, a: Any, tables: list[str]) -> None:
+    """16+: wait until B's seen vector holds A's newest commit of rows in `tables` (the applier's
+    note of it came back in B's stream), and no echo came (none is decoded)."""
+    union = " UNION ALL ".join(f'SELECT pg_xact_commit_timestamp(xmin) AS t FROM "{t}"' for t in tables)
+    ((when,),) = await fetch(a.dsn(), f"SELECT max(t) FROM ({union}) AS c")
+    pump = router.pumps["b"]
+    await wait_for(lambda: dict(pump.seen.snapshot).get("a", 0) >= datetime_to_pg_us(when),
+                   "B's seen vector to hold A's transaction", 60)
+    assert pump.echoes == 0, pump.echoes
+
+
+async def b_streamed(b: Any, echoes: bool) -> None:
+    """15: B streamed the router's transaction in progress (else the test no longer tests what it
+    names). 16+: B decoded nothing of it (origin 'none'), so streamed nothing."""
+    (streamed,) = await fetch(b.dsn(), "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots")
+    if echoes:
+        assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
+    else:
+        assert streamed[0] == 0, "B streamed what it should not have decoded (origin 'none')"
+
+
 @pytest.mark.parametrize("path", ["large", "careful", "truncate"])
 async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFactory, path: str) -> None:
     """Both servers stream in progress: A's CREATE TABLE and rows, applied on B by the router, must come
@@ -259,58 +289,71 @@ async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFact
     B streamed the router's transaction without an Origin. Through the large path (20k rows, COPY), the
     careful one (40 wide rows, few enough for it: router.apply.parts.is_large), each more than B's
     logical_decoding_work_mem so that B streams it, and a TRUNCATE in place of the DDL (the same: its
-    first change is that of its catalog writes), then 20k rows."""
+    first change is that of its catalog writes), then 20k rows. On 16+ (origin 'none') B decodes none of
+    it: no echo, nothing streamed, and the applier's pgmesh.applied note reaches B's seen vector."""
     m = await mesh(nodes=2, settings=STREAMED)
     a, b = m.nodes
     rows = (f'INSERT INTO "s_huge" SELECT i, i, {WIDE} FROM generate_series(1, 40) AS i' if path == "careful"
             else fill("s_huge", 1, 20_000))
     async with running_router(m.config) as router:
         pump = router.pumps["b"]
+        echoes = await has_echoes(b)
         if path == "truncate":
             await execute(a.dsn(), huge_table("s_huge"), fill("s_huge", 1, 10))
             await equal_everywhere(router, m.nodes, ["s_huge"])
-            await wait_for(lambda: pump.echoes >= 1, "B's echo of A's rows", 60)  # (the DDL's was empty)
+            if echoes:
+                await wait_for(lambda: pump.echoes >= 1, "B's echo of A's rows", 60)  # (the DDL's was empty)
+            else:
+                await seen_on_b(router, a, ["s_huge"])
             await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows, "COMMIT")
         else:
             await execute(a.dsn(), "BEGIN", huge_table("s_huge"), rows, "COMMIT")
         await equal_everywhere(router, m.nodes, ["s_huge"])
-        expected = 2 if path == "truncate" else 1
-        await wait_for(lambda: pump.echoes + pump.transactions >= expected, "B's echo of A's transaction", 60)
+        if echoes:
+            expected = 2 if path == "truncate" else 1
+            await wait_for(lambda: pump.echoes + pump.transactions >= expected, "B's echo of A's transaction",
+                           60)
+        else:
+            await seen_on_b(router, a, ["s_huge"])
         assert pump.transactions == 0, "B's echo of A's transaction was taken for B's own"
         link = router.appliers[("a", "b")]
         assert link.ddl_applied == 1
         assert (link.stats.copied_transactions > 0) == (path != "careful"), "not the path meant"
-        (streamed,) = await fetch(b.dsn(), "SELECT coalesce(sum(stream_txns), 0)"
-                                  " FROM pg_stat_replication_slots")
-        assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
+        await b_streamed(b, echoes)
 
 
 async def test_streamed_echo_of_a_truncate_applied_the_careful_way(mesh: MeshFactory) -> None:
     """The TRUNCATE variant above, with a conflict in the same transaction (a row of another table B
     changed while the links were held): the whole transaction is applied on the careful path, which
-    writes the origin mark before its TRUNCATE too; B streams it and its echo is recognised."""
+    writes the origin mark before its TRUNCATE too; B streams it and its echo is recognised (15; on 16+
+    B decodes none of it and the careful path's note reaches B's seen vector)."""
     m = await mesh(nodes=2, settings=STREAMED)
     a, b = m.nodes
     rows = f'INSERT INTO "s_huge" SELECT i, i, {WIDE} FROM generate_series(1, 40) AS i'
     async with running_router(m.config) as router:
         pump = router.pumps["b"]
+        echoes = await has_echoes(b)
         await execute(a.dsn(), huge_table("s_huge"), fill("s_huge", 1, 10),
                       'CREATE TABLE "u" ("id" integer PRIMARY KEY, "v" text)',
                       "INSERT INTO \"u\" VALUES (1, 'a')")
         await equal_everywhere(router, m.nodes, ["s_huge", "u"])
-        await wait_for(lambda: pump.echoes >= 2, "B's echoes of A's rows", 60)
-        echoes = pump.echoes
+        if echoes:
+            await wait_for(lambda: pump.echoes >= 2, "B's echoes of A's rows", 60)
+        else:
+            await seen_on_b(router, a, ["s_huge", "u"])
+        before = pump.echoes
         await router.pause(None)
         await execute(b.dsn(), "UPDATE \"u\" SET \"v\" = 'b' WHERE \"id\" = 1")
         await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows,
                       "UPDATE \"u\" SET \"v\" = 'a, later' WHERE \"id\" = 1", "COMMIT")
         await router.resume(None)
         await equal_everywhere(router, m.nodes, ["s_huge", "u"])
-        await wait_for(lambda: pump.echoes > echoes, "B's echo of A's transaction", 60)
+        if echoes:
+            await wait_for(lambda: pump.echoes > before, "B's echo of A's transaction", 60)
+        else:
+            await seen_on_b(router, a, ["s_huge", "u"])
         assert pump.transactions == 1, "B's echo of A's transaction was taken for B's own"  # B's update
-        (streamed,) = await fetch(b.dsn(), "SELECT coalesce(sum(stream_txns), 0)"
-                                  " FROM pg_stat_replication_slots")
-        assert streamed[0] >= 1, "B did not stream the transaction: the test no longer tests what it names"
+        await b_streamed(b, echoes)
         assert await fetch(b.dsn(), 'SELECT v FROM "u"') == [("a, later",)]
 
 
