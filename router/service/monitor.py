@@ -1,5 +1,10 @@
 """The router's monitoring connection to each node: flushed origin progress, paused links.
 
+A node with physical standbys named in `synchronized_standby_slots` (17+; docs/failover.md) counts an
+origin position as flushed only once those standbys have flushed the node's WAL up to it (`StandbyGate`):
+the sources' slots are never confirmed past what a promoted standby would have, so after a failover the
+other nodes still hold, and send again, what the standby had not received.
+
 Must not: apply anything, or hold a replication origin. One psycopg connection per node,
 `application_name` pgmesh-monitor, reopened on the next call after a failure.
 """
@@ -7,14 +12,56 @@ Must not: apply anything, or hold a replication origin. One psycopg connection p
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import json
+from collections import deque
+from typing import Any, Final
 
 import psycopg
 
 from protocol.lsn import parse_lsn
 from router.config import Config, NodeConfig
 
-__all__ = ["MonitorTarget"]
+__all__ = ["MonitorTarget", "StandbyGate"]
+
+# The node's WAL flushed now, the standbys it waits for (17+; '' before), each physical slot's restart_lsn
+# (for a physical slot: what its standby has flushed).
+_STANDBY_SQL: Final = (
+    "SELECT pg_catalog.pg_current_wal_flush_lsn()::text,"
+    " coalesce(pg_catalog.current_setting('synchronized_standby_slots', true), ''),"
+    " (SELECT pg_catalog.json_object_agg(slot_name, restart_lsn::text) FROM pg_catalog.pg_replication_slots"
+    "  WHERE slot_type = 'physical')"
+)
+_SAMPLES_MAX: Final = 1000  # an older sample dropped only delays a release: later ones are higher
+
+
+class StandbyGate:
+    """Origin positions read on a node, released once its standbys have the WAL they were read at.
+
+    `release(positions, wal_flush, standby_flush)`: `positions` were read before the node's WAL was
+    flushed to `wal_flush` (so their commits are at or below it); `standby_flush` is the least that the
+    standbys have flushed (None: no standby to wait for, the positions pass as they are). Returns, per
+    source, the newest positions whose `wal_flush` every standby has reached (0 before any).
+    """
+
+    __slots__ = ("_released", "_samples")
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, dict[str, int]]] = deque(maxlen=_SAMPLES_MAX)
+        self._released: dict[str, int] = {}
+
+    def release(self, positions: dict[str, int], wal_flush: int, standby_flush: int | None) -> dict[str, int]:
+        if standby_flush is None:
+            self._samples.clear()
+            self._keep(positions)
+            return dict(positions)
+        self._samples.append((wal_flush, positions))
+        while self._samples and self._samples[0][0] <= standby_flush:
+            self._keep(self._samples.popleft()[1])
+        return {source: min(lsn, self._released.get(source, 0)) for source, lsn in positions.items()}
+
+    def _keep(self, positions: dict[str, int]) -> None:
+        for source, lsn in positions.items():
+            self._released[source] = max(lsn, self._released.get(source, 0))
 
 
 class MonitorTarget:
@@ -25,6 +72,7 @@ class MonitorTarget:
         self.node = node
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.error: str | None = None
+        self.gate = StandbyGate()
 
     async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         if self.conn is None or self.conn.closed:
@@ -35,14 +83,22 @@ class MonitorTarget:
         return await cur.fetchall() if cur.description else []
 
     async def origin_progress(self) -> dict[str, int]:
-        """source node -> flushed position of its origin on this target."""
+        """source node -> flushed position of its origin on this target (and on the standbys it waits
+        for: `StandbyGate`)."""
         prefix = self.config.origin_name("")
         rows = await self.query(
             "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
             " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)",
             [prefix],
         )
-        return {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
+        positions = {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
+        flushed, listed, slots = (await self.query(_STANDBY_SQL))[0]  # read after: at or above positions
+        names = [name for part in str(listed).split(",") if (name := part.strip().strip('"'))]
+        if not names:
+            return self.gate.release(positions, 0, None)
+        found = json.loads(slots) if isinstance(slots, str) else (slots or {})
+        standby = min((parse_lsn(found[n]) if found.get(n) else 0 for n in names), default=0)
+        return self.gate.release(positions, parse_lsn(flushed), standby)
 
     async def paused_sources(self) -> dict[str, str | None]:
         rows = await self.query("SELECT source, reason FROM pgmesh.links WHERE paused")

@@ -174,17 +174,17 @@ async def has_rows(node: Any, writer: Writer, at_least: int) -> bool:
 # 18: the failover slot carries pgmesh over to the promoted standby
 
 
-async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFactory) -> None:
+async def standby_mesh(mesh: MeshFactory) -> tuple[Mesh, Any, Any, Any]:
+    """a (default version) and b (18), b's standby (18) streaming and syncing pgmesh's failover slot,
+    listed in b's synchronized_standby_slots and synchronous_standby_names; init's report along the way."""
     m: Mesh = await mesh(nodes=2, schema=SCHEMA, versions=[None, 18, 18], spares=["b_std"],
                          replication=REPLICATION)
     a, b = m.nodes
     standby = m.spares[0]
-    slot = m.config.slot_name
     assert await fetch(b.dsn(), "SELECT failover FROM pg_replication_slots WHERE slot_name = %s",
-                       [slot]) == [(True,)], "init creates the 18 node's slot with failover"
+                       [m.config.slot_name]) == [(True,)], "init creates the 18 node's slot with failover"
     make_standby(b, standby, sync_slots=True)
     await wait_for(lambda: streaming(b), "the standby to stream from b", LIMIT_S)
-
     # init's report: the standby is seen, and warned about until its slot is synchronized
     failover = [c for c in (await check_cluster(m.config)).checks if c.check == "failover"]
     assert [(c.node, c.ok, c.warn) for c in failover] == [("b", True, True)], failover
@@ -194,7 +194,16 @@ async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFact
     await wait_for(lambda: _setting_is(b, "synchronized_standby_slots", STANDBY_SLOT), "the reload", 30)
     failover = [c for c in (await check_cluster(m.config)).checks if c.check == "failover"]
     assert [(c.node, c.ok, c.warn) for c in failover] == [("b", True, False)], failover
+    return m, a, b, standby
 
+
+async def fail_over(m: Mesh, a: Any, b: Any, standby: Any, *, standby_behind: bool) -> tuple[Writer, Writer]:
+    """Writes on a and b under a running router; b crashes (the router still running) and its standby is
+    promoted; the router is started again over it (b's address changed in the config) and writes go on.
+    `standby_behind`: b's standby is stopped a while before the crash (b's own writes stopped first: with
+    synchronous_standby_names they would wait for it) while the router goes on applying a's rows into b,
+    so the standby lacks some of a's rows that b had flushed."""
+    slot = m.config.slot_name
     on_a, on_b = Writer("a"), Writer("b")
     a_task = asyncio.create_task(on_a.run(a.dsn()))
     b_task = asyncio.create_task(on_b.run(b.dsn()))
@@ -203,19 +212,26 @@ async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFact
             await wait_for(lambda: synced(standby, slot), "the standby's copy of the slot synced", LIMIT_S)
             await wait_for(lambda: has_rows(b, on_a, 50), "a's rows on b", LIMIT_S)
             await wait_for(lambda: has_rows(a, on_b, 50), "b's rows on a", LIMIT_S)
-        # The router is stopped; a keeps writing, b too (each commit on the standby before it is
-        # acknowledged: synchronous_standby_names). Everything the router applied into b is flushed there:
-        # once the standby replayed that far, it holds every change b took from a.
-        flushed = (await fetch(b.dsn(), "SELECT pg_current_wal_flush_lsn()::text"))[0][0]
-        await wait_for(lambda: replayed(standby, flushed), f"the standby to replay b to {flushed}", LIMIT_S)
-        before = len(on_b.acked)
-        await wait_for(lambda: len(on_b.acked) > before + 10, "b's writer to go on", LIMIT_S)
-        b.stop("immediate")  # the crash
-        await asyncio.wait_for(b_task, LIMIT_S)
+            if standby_behind:
+                on_b.stop.set()
+                await asyncio.wait_for(b_task, LIMIT_S)
+                flushed = (await fetch(b.dsn(), "SELECT pg_current_wal_flush_lsn()::text"))[0][0]
+                await wait_for(lambda: replayed(standby, flushed), f"the standby to replay b to {flushed}",
+                               LIMIT_S)
+                standby.stop("fast")
+                written = len(on_a.acked)
+                await wait_for(lambda: has_rows(b, on_a, written + 50), "a's rows on b, not on its standby",
+                               LIMIT_S)
+            else:
+                before = len(on_b.acked)
+                await wait_for(lambda: len(on_b.acked) > before + 20, "b's writer to go on", LIMIT_S)
+            b.stop("immediate")  # the crash, with the router running
+            await asyncio.wait_for(b_task, LIMIT_S)
+        if standby_behind:
+            standby.start()
         await promote(standby)
-
-        promoted = Renamed("b", standby)
-        config = parse_config(m.config_text([a, promoted]))
+        config = parse_config(m.config_text([a, Renamed("b", standby)]))
+        on_b.stop.clear()
         b_task = asyncio.create_task(on_b.run(standby.dsn()))
         async with running_router(config) as router:
             written_a, written_b = len(on_a.acked), len(on_b.acked)
@@ -233,13 +249,18 @@ async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFact
         on_a.stop.set()
         on_b.stop.set()
         await asyncio.gather(a_task, b_task, return_exceptions=True)
+    return on_a, on_b
 
+
+async def assert_each_write_once(nodes: Sequence[Any], on_a: Writer, on_b: Writer) -> None:
+    """Every acknowledged write on every node, nothing else but b's one write in flight at the crash,
+    each arrived once (no transaction applied twice, no conflict from one sent again)."""
     logger.info("failover: a wrote %d rows, b and its promoted standby %d (%d unsure at the crash)",
                 len(on_a.acked), len(on_b.acked), len(on_b.unsure))
     assert on_a.unsure == [], "a never went away"
     assert len(on_b.unsure) <= 1, on_b.unsure
     wrote = set(on_a.acked) | set(on_b.acked)
-    for node in (a, standby):
+    for node in nodes:
         found = {key for (key,) in await keys(node)}
         assert wrote <= found, f"lost on {node.name}: {sorted(wrote - found)[:10]}"
         assert found - wrote <= set(on_b.unsure), f"not written, on {node.name}: {sorted(found - wrote)[:10]}"
@@ -249,6 +270,25 @@ async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFact
         assert arrived == [(len(found),)], node.name
         conflicts = await fetch(node.dsn(), "SELECT count(*) FROM pgmesh.conflict_history")
         assert conflicts == [(0,)], f"a transaction sent again met its own rows on {node.name}"
+
+
+async def test_failover_of_an_18_node_to_its_standby_under_writes(mesh: MeshFactory) -> None:
+    """An unplanned crash of b with the router running and writes on both nodes; the standby streaming."""
+    m, a, b, standby = await standby_mesh(mesh)
+    on_a, on_b = await fail_over(m, a, b, standby, standby_behind=False)
+    await assert_each_write_once([a, standby], on_a, on_b)
+
+
+async def test_failover_to_a_standby_that_was_behind_loses_none_of_the_other_nodes_rows(
+    mesh: MeshFactory,
+) -> None:
+    """b's standby misses a's rows b had applied and flushed: a's slot was never confirmed past what the
+    standby had (router.service.monitor.StandbyGate), so the router sends them again to the promoted
+    standby."""
+    m, a, b, standby = await standby_mesh(mesh)
+    on_a, on_b = await fail_over(m, a, b, standby, standby_behind=True)
+    assert on_b.unsure == []  # b's writer had stopped before the crash
+    await assert_each_write_once([a, standby], on_a, on_b)
 
 
 async def _setting_is(node: Any, name: str, value: str) -> bool:
