@@ -2,18 +2,21 @@
 standby with nothing lost or repeated; on 15/16 the slot is missing there and the router says what to do.
 
 Owns: building a physical standby of a mesh node (pg_basebackup into a spare node's data directory, its own
-physical slot, the 17+ slot-sync settings), promoting it, and the two failover scenarios:
-- 18: writes on both nodes under a running router; the standby's copy of pgmesh's failover slot is
-  synced; the router is stopped (an operator's failover: the node's address changes in the config), the
-  standby replays everything its primary flushed, the primary is crash-stopped, the standby promoted, and
-  the router started again over it, while the other node keeps writing throughout. Every acknowledged
+physical slot, the 17+ slot-sync settings), promoting it, and the failover scenarios:
+- 18, a crash: writes on both nodes under a running router; the standby's copy of pgmesh's failover slot
+  is synced; b is crash-stopped with the router running, its standby promoted, the router started again
+  over it (b's address changed in the config), while a keeps writing throughout. Every acknowledged
   write is on both nodes exactly once (no conflict, one arrival per key, counted by an ALWAYS trigger);
-  the one write in flight at the crash is there once or nowhere.
+  the one write in flight at the crash is there once or nowhere. b's own writes are on the standby when
+  acknowledged (synchronous_standby_names): physical replication's part, not pgmesh's.
+- 18, the standby behind: it is stopped while the router goes on applying a's rows into b, then b
+  crashes. The standby lacks rows b had flushed; a's slot was not confirmed past what the standby had
+  (router.service.monitor.StandbyGate), so they come again. Without the gate this test fails.
+- init's report on the standby (warned until synchronized_standby_slots names it).
 - 15: the promoted standby has no pgmesh slot; the source fails with 42704 naming the node and saying to
   re-join it.
 Must not: sleep to let something happen (every wait polls a condition, bounded in time), or assert on
-timings. What it does not prove: a crash while the router is applying into the node and the standby lags
-(docs/failover.md, "what is not covered").
+timings.
 """
 
 from __future__ import annotations
