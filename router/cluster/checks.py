@@ -6,10 +6,9 @@ version, the settings logical replication and commit timestamps need, free slots
 role's privileges, and that every replicated table exists on every node with the same columns, a key,
 and the same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`:
 compared by shape, never by name), that tables with delta columns can have them, and that each custom
-resolver decides alike whichever side is local (`router.conflicts.symmetry`); and, for a node with a
-physical standby, whether pgmesh's slot will survive its promotion (a warning, never a failure:
-docs/failover.md). The report (`InitReport`) renders one block per node, one line per check, and what to
-do under each problem or warning.
+resolver decides alike whichever side is local (`router.conflicts.symmetry`), and a standby's failover
+(`router.cluster.standbys`). The report (`InitReport`) renders one block per node, one line per check,
+and what to do under each problem or warning.
 Also the admin connection `pgmesh init` uses (`connect`), shared with `router.cluster.install`.
 
 Must not: write anything to a node (installing is `router.cluster.install`'s), stream or apply
@@ -31,11 +30,11 @@ from psycopg import sql
 
 from router.cluster.clocks import ClockLevel, Sample, connection_query, decides_by_time, level_of, measure
 from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
+from router.cluster.standbys import StandbyFacts, failover_finding, read_standbys
 from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
 from router.conflicts.symmetry import asymmetry
 from router.errors import ConfigError, PgmeshError, describe
-from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = [
     "Check",
@@ -67,20 +66,10 @@ _SETTINGS: Final = (
     "max_replication_slots",
     "max_wal_senders",
     "output_plugin_libraries",
-    "synchronized_standby_slots",  # 17+
 )
 _RESTART: Final = "in postgresql.conf (or ALTER SYSTEM SET) and restart the server"
 # Types a delta column may have (format_type names, without a typmod).
 _DELTA_TYPES: Final = frozenset({"smallint", "integer", "bigint", "numeric", "real", "double precision"})
-
-# Physical standbys streaming from the node: their slot's name, or null for one streaming without a slot
-# (logical walsenders, the router's own among them, hold a logical slot and are left out).
-_STANDBYS_SQL: Final = """
-SELECT s.slot_name FROM pg_stat_replication r
-LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid
-WHERE s.slot_type IS DISTINCT FROM 'logical'
-ORDER BY 1
-"""
 
 # Ordinary and partitioned tables outside the system schemas. Partitions are left out: a partitioned
 # table stands for its partitions (the publication publishes via the partition root).
@@ -98,8 +87,7 @@ ORDER BY n.nspname, c.relname, a.attnum
 
 
 class Check(msgspec.Struct, frozen=True):
-    """One pre-flight check on one node; `hint` says what to do when it failed (or warns). A warning
-    passes (`ok`): init goes on, the report says what to look at."""
+    """One pre-flight check on one node; `hint` says what to do when it failed or warns (`ok`: passes)."""
 
     node: str
     check: str
@@ -171,9 +159,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     walsenders: int
     tables: dict[TableName, TableFacts]
     publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
-    standbys: list[str | None] = msgspec.field(default_factory=list)  # physical slot of each, or None
-    physical_slots: list[str] = msgspec.field(default_factory=list)  # every physical slot, streamed or not
-    slot_failover: bool | None = None  # 17+: whether pgmesh's slot is a failover slot (None: no slot / < 17)
+    standby: StandbyFacts = StandbyFacts()  # its physical standbys (router.cluster.standbys)
     clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
 
 
@@ -243,16 +229,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         "SELECT puballtables FROM pg_publication WHERE pubname = %s", [config.publication_name]
     )
     publication = await cur.fetchone()
-    cur = await conn.execute(_STANDBYS_SQL)
-    standbys: list[str | None] = [r[0] for r in await cur.fetchall()]
-    cur = await conn.execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical'")
-    physical = [r[0] for r in await cur.fetchall()]
-    failover = None
-    if own and int(settings.get("server_version_num", "0")) >= FAILOVER_SLOTS_SINCE:
-        cur = await conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s",
-                                 [config.slot_name])
-        row = await cur.fetchone()
-        failover = bool(row[0]) if row else None
+    standby = await read_standbys(conn, config.slot_name)
     tables = {t: f for t, f in (await _table_facts(conn)).items() if config.replicates(*t)}
     clock = await measure(connection_query(conn))
     return NodeFacts(
@@ -262,9 +239,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         slots_used=int(slots_used),
         own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
         publication_all_tables=bool(publication and publication[0]),
-        standbys=standbys,
-        physical_slots=physical,
-        slot_failover=failover,
+        standby=standby,
         database=database,
         walsenders=int(walsenders),
         tables=tables,
@@ -401,75 +376,10 @@ def _check_publication(f: NodeFacts, config: Config) -> Check | None:
     return Check("", "publication", False, detail, hint=hint)
 
 
-_STANDBY_SETTINGS: Final = (
-    "on the standby: sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name set and a"
-    " dbname in primary_conninfo (docs/failover.md)"
-)
-
-
-def _synchronized(f: NodeFacts) -> list[str]:
-    """The slots synchronized_standby_slots names (17+; '*' is not allowed there)."""
-    listed = f.settings.get("synchronized_standby_slots", "")
-    return [name for part in listed.split(",") if (name := part.strip().strip('"'))]
-
-
-def _standby_problems(f: NodeFacts, config: Config) -> list[tuple[str, str]]:
-    """17+: what keeps pgmesh's slot from being synced to, or safe on, a promoted standby (with fixes)."""
-    named = sorted({s for s in f.standbys if s is not None})
-    listed = _synchronized(f)
-    found: list[tuple[str, str]] = []
-    if f.slot_failover is False:
-        found.append((f"slot {config.slot_name} is not a failover slot (made before 17, or by hand)",
-                      f"with the router stopped, run ALTER_REPLICATION_SLOT {config.slot_name}"
-                      " (FAILOVER true) on a replication=database connection"))
-    if None in f.standbys:
-        found.append(("a standby streams without a replication slot: slots are synced only through one",
-                      "give it a physical slot (primary_slot_name)"))
-    unlisted = [s for s in named if s not in listed]
-    if unlisted:
-        found.append((f"synchronized_standby_slots does not name {', '.join(unlisted)}: other nodes may get"
-                      " changes the standby does not have yet, which a promotion loses on this node alone",
-                      f"ALTER SYSTEM SET synchronized_standby_slots = '{', '.join(named)}';"
-                      " SELECT pg_reload_conf()"))
-    idle = [s for s in listed if s in f.physical_slots and s not in named]
-    if idle:
-        found.append((f"the standby of slot {', '.join(idle)} is not streaming: this node's changes wait for"
-                      " it", "start that standby, or take its slot out of synchronized_standby_slots"))
-    return found
-
-
 def _check_failover(f: NodeFacts, config: Config) -> Check | None:
-    """With a physical standby: whether pgmesh's slot survives the standby's promotion. Warnings (pgmesh
-    runs without it; the operator decides), nothing for a node without a standby; a failure only for a
-    synchronized_standby_slots naming a slot that does not exist (the node's changes would wait for ever,
-    as on a promoted standby that kept its old primary's setting)."""
-    listed = _synchronized(f)
-    missing = [s for s in listed if s not in f.physical_slots]
-    if missing:
-        detail = (f"synchronized_standby_slots names {', '.join(missing)}, no physical slot here: pgmesh's"
-                  " slot streams nothing until it exists (after a failover: the old primary's setting)")
-        kept = ", ".join(s for s in listed if s not in missing)
-        hint = (f"ALTER SYSTEM SET synchronized_standby_slots = '{kept}'; SELECT pg_reload_conf()"
-                " (docs/failover.md)")
-        return Check("", "failover", False, detail, hint=hint)
-    if not f.standbys and not listed:
-        return None
-    num = int(f.settings.get("server_version_num", "0"))
-    named = sorted({s for s in f.standbys if s is not None})
-    standbys = f"physical standby slot {', '.join(named)}" if named else "a physical standby"
-    if num < FAILOVER_SLOTS_SINCE:
-        detail = (f"{standbys} streams from here, but PostgreSQL {num // 10000} does not carry logical slots"
-                  f" to a standby: after its promotion the slot {config.slot_name} is missing there")
-        hint = ("after a failover, re-join the promoted node (`pgmesh join` from a donor, docs/join.md), or"
-                " upgrade to 17+ for failover slots (docs/failover.md)")
-        return Check("", "failover", True, detail, hint=hint, warn=True)
-    found = _standby_problems(f, config)
-    if found:
-        hint = "; ".join(fix for _, fix in found) + f"; {_STANDBY_SETTINGS}"
-        return Check("", "failover", True, "; ".join(what for what, _ in found), hint=hint, warn=True)
-    detail = (f"{standbys} in synchronized_standby_slots, slot {config.slot_name} a failover slot"
-              f" ({_STANDBY_SETTINGS})")
-    return Check("", "failover", True, detail)
+    """With a physical standby: whether pgmesh's slot survives its promotion (router.cluster.standbys)."""
+    found = failover_finding(f.standby, config.slot_name)
+    return None if found is None else Check("", "failover", **msgspec.structs.asdict(found))
 
 
 _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from router.cluster.checks import Check, InitReport, NodeFacts, _node_checks
+from router.cluster.standbys import StandbyFacts, slot_names
 from router.config import parse_config
 
 CONFIG = parse_config("""
@@ -25,14 +26,17 @@ dsn = "host=y"
 """)
 
 
-def facts(version: int, standbys: list[str | None], **settings: str) -> NodeFacts:
+def facts(version: int, standbys: list[str | None], synchronized_standby_slots: str = "") -> NodeFacts:
     base = {"server_version": f"{version}.1", "server_version_num": f"{version}0001", "wal_level": "logical"}
     base |= {"track_commit_timestamp": "on", "max_replication_slots": "10", "max_wal_senders": "10"}
     own = ("pgoutput", "app", False)
-    failover = True if version >= 17 else None
-    physical = [s for s in standbys if s is not None]
-    return NodeFacts(base | settings, "postgres", True, 2, own, "app", 1, {}, standbys=standbys,
-                     physical_slots=physical, slot_failover=failover)
+    standby = StandbyFacts(version * 10000 + 1, standbys, [s for s in standbys if s is not None],
+                           slot_names(synchronized_standby_slots), True if version >= 17 else None)
+    return NodeFacts(base, "postgres", True, 2, own, "app", 1, {}, standby=standby)
+
+
+def standby(f: NodeFacts, **changes: object) -> NodeFacts:
+    return msgspec.structs.replace(f, standby=msgspec.structs.replace(f.standby, **changes))
 
 
 def failover_check(f: NodeFacts) -> Check | None:
@@ -65,7 +69,7 @@ def test_18_warns_until_the_standby_slot_is_synchronized() -> None:
 
 def test_18_warns_of_a_slot_without_failover_and_a_standby_without_a_slot() -> None:
     listed = facts(18, [None, "s1"], synchronized_standby_slots="s1")
-    check = failover_check(msgspec.structs.replace(listed, slot_failover=False))
+    check = failover_check(standby(listed, slot_failover=False))
     assert check is not None and check.ok and check.warn
     assert "not a failover slot" in check.detail and "without a replication slot" in check.detail
     assert "ALTER_REPLICATION_SLOT pgmesh_fo (FAILOVER true)" in (check.hint or "")
@@ -77,7 +81,7 @@ def test_18_a_synchronized_standby_slot_that_does_not_exist_fails_one_not_stream
     assert check is not None and not check.ok
     assert "names b_standby, no physical slot here" in check.detail
     assert "synchronized_standby_slots = ''" in (check.hint or "")
-    idle = msgspec.structs.replace(promoted, physical_slots=["b_standby"])
+    idle = standby(promoted, physical_slots=["b_standby"])
     check = failover_check(idle)
     assert check is not None and check.ok and check.warn
     assert "the standby of slot b_standby is not streaming" in check.detail
