@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+import pytest
 
 from router.cluster.checks import check_cluster
 from router.config import parse_config
@@ -37,6 +38,7 @@ from router.testing.mesh import Mesh, execute, fetch, running_router, wait_conve
 from tests.fix_mesh import MeshFactory
 
 logger = logging.getLogger(__name__)
+pytestmark = pytest.mark.versions  # pins its nodes' versions: runs once, not again under PGMESH_TEST_PG
 
 STANDBY_SLOT = "b_standby"
 STANDBY_APP = "b_standby"  # the standby's application_name (synchronous_standby_names names it)
