@@ -82,7 +82,7 @@ def make_standby(primary: Any, standby: Any, *, sync_slots: bool) -> None:
     shutil.rmtree(standby.datadir)
     conninfo = f"host=127.0.0.1 port={primary.port} user=postgres dbname={primary.dbname}"
     _server_tool(primary, "pg_basebackup", "-D", str(standby.datadir), "-d", conninfo,
-                 "-X", "stream", "-C", "-S", STANDBY_SLOT, "--no-sync")
+                 "-X", "stream", "-C", "-S", STANDBY_SLOT, "--no-sync", "--checkpoint=fast")
     standby.settings.update({
         "primary_conninfo": f"{conninfo} application_name={STANDBY_APP}",  # dbname: slot sync needs it
         "primary_slot_name": STANDBY_SLOT,
