@@ -20,6 +20,7 @@ import psycopg
 
 from protocol.lsn import parse_lsn
 from router.config import Config, NodeConfig
+from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = ["MonitorTarget", "StandbyGate"]
 
@@ -92,6 +93,8 @@ class MonitorTarget:
             [prefix],
         )
         positions = {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
+        if self.conn is None or self.conn.info.server_version < FAILOVER_SLOTS_SINCE:
+            return self.gate.release(positions, 0, None)  # no synchronized_standby_slots before 17
         flushed, listed, slots = (await self.query(_STANDBY_SQL))[0]  # read after: at or above positions
         names = [name for part in str(listed).split(",") if (name := part.strip().strip('"'))]
         if not names:
