@@ -20,7 +20,7 @@ import psycopg
 
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
-__all__ = ["Finding", "StandbyFacts", "failover_finding", "read_standbys"]
+__all__ = ["Finding", "StandbyFacts", "failover_finding", "read_standbys", "slot_names"]
 
 # Physical standbys streaming from the node: their slot's name, or null for one streaming without a slot
 # (logical walsenders, the router's own among them, hold a logical slot and are left out).

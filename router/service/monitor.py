@@ -19,6 +19,7 @@ from typing import Any, Final
 import psycopg
 
 from protocol.lsn import parse_lsn
+from router.cluster.standbys import slot_names
 from router.config import Config, NodeConfig
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
@@ -96,7 +97,7 @@ class MonitorTarget:
         if self.conn is None or self.conn.info.server_version < FAILOVER_SLOTS_SINCE:
             return self.gate.release(positions, 0, None)  # no synchronized_standby_slots before 17
         flushed, listed, slots = (await self.query(_STANDBY_SQL))[0]  # read after: at or above positions
-        names = [name for part in str(listed).split(",") if (name := part.strip().strip('"'))]
+        names = slot_names(str(listed))
         if not names:
             return self.gate.release(positions, 0, None)
         found = json.loads(slots) if isinstance(slots, str) else (slots or {})
