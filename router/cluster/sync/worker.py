@@ -3,9 +3,9 @@
 Owns: the task's two sessions (donor: REPEATABLE READ READ ONLY importing the exported snapshot, with
 the job's lock_timeout; target: `session_replication_role = replica`, `synchronous_commit = off`, one
 transaction), the SQL of both COPY statements (binary, or text for a table the planner found a type in
-that binary COPY cannot carry: `CopyTask.binary`), the byte relay between them, the tagged error a
-failed task raises (the driver turns it back into a `PgmeshError`), the per-task counters sent to the
-driver, and the test-only failure hook.
+that binary COPY cannot carry: `CopyTask.binary`, or between servers of different major versions), the
+byte relay between them, the tagged error a failed task raises (the driver turns it back into a
+`PgmeshError`), the per-task counters sent to the driver, and the test-only failure hook.
 
 Must not: decode rows into Python values, import pyspark at module level (this module is imported by the
 driver too; only `TaskContext` is imported, inside a running task), log or raise a DSN, or commit
@@ -34,6 +34,7 @@ from psycopg import pq, sql
 
 from router.cluster.sync.plan import BlockRange, CopyTask
 from router.errors import describe
+from router.stream.items import binary_formats_match
 
 __all__ = [
     "CHUNK_BYTES",
@@ -42,6 +43,7 @@ __all__ = [
     "Counters",
     "TaskFailure",
     "TaskOutcome",
+    "between",
     "copy_in_sql",
     "copy_out_sql",
     "run_partition",
@@ -164,9 +166,19 @@ def _format(task: CopyTask) -> sql.SQL:
     return sql.SQL("binary" if task.binary else "text")
 
 
+def between(task: CopyTask, donor_version: int, target_version: int) -> CopyTask:
+    """`task` as it copies between servers of these versions (server_version_num): text where the
+    majors differ (binary formats are matched only within one: router.stream.items.binary_formats_match)."""
+    if task.binary and not binary_formats_match(donor_version, [target_version]):
+        return msgspec.structs.replace(task, binary=False)
+    return task
+
+
 def copy_out_sql(task: CopyTask) -> sql.Composed:
     """`COPY (SELECT cols FROM ONLY rel WHERE ctid range) TO STDOUT (FORMAT binary)` (a TID Range Scan);
-    `FORMAT text` for a task whose table holds a type binary COPY cannot carry (`CopyTask.binary`)."""
+    `FORMAT text` for a task whose table holds a type binary COPY cannot carry (`CopyTask.binary`), or
+    between servers of different major versions (`run_task`: binary formats are matched only within one,
+    router.stream.items.binary_formats_match)."""
     return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT {})").format(
         sql.SQL(", ").join(map(sql.Identifier, task.columns)),
         sql.Identifier(task.schema, task.name),
@@ -211,6 +223,7 @@ def run_task(job: CopyJob, task: CopyTask) -> TaskOutcome:
     try:
         target = _connect(job.target_dsn, job, "target", task)
         try:
+            task = between(task, donor.info.server_version, target.info.server_version)
             _open_snapshot(donor, job, task)
             _prepare_target(target, task)
             rows, nbytes = _copy_range(donor, target, job, task)

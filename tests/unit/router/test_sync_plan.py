@@ -19,7 +19,7 @@ from router.cluster.sync.plan import (
 )
 from router.cluster.sync.progress import CopyProgress, ProgressBar
 from router.cluster.sync.spark import local_parallelism, with_retries
-from router.cluster.sync.worker import TaskFailure, copy_in_sql, copy_out_sql
+from router.cluster.sync.worker import TaskFailure, between, copy_in_sql, copy_out_sql
 
 BLOCK = 8192
 MB = 1024 * 1024
@@ -168,6 +168,20 @@ def test_task_sql_uses_tid_ranges_and_quotes_identifiers() -> None:
     )
     single = plan_tasks([Leaf(0, "public", "t", 5)], [("id",)])[0]
     assert "WHERE" not in render(copy_out_sql(single))
+
+
+def test_binary_copy_only_between_servers_of_one_major_version() -> None:
+    task = plan_tasks([Leaf(0, "public", "t", 5)], [("id",)])[0]
+    assert task.binary
+    assert between(task, 150018, 150004) is task  # minor versions differ: still binary
+    assert between(task, 180006, 180006) is task
+    for donor, target in ((150018, 180006), (180006, 150018), (160014, 170010)):
+        copied = between(task, donor, target)
+        assert not copied.binary, (donor, target)
+        assert "(FORMAT text)" in render(copy_out_sql(copied))
+        assert "(FORMAT text)" in render(copy_in_sql(copied))
+    text_only = plan_tasks([Leaf(0, "public", "t", 5, binary=False)], [("id",)])[0]
+    assert not between(text_only, 180006, 180006).binary  # a type binary COPY cannot carry: text anyway
 
 
 @pytest.mark.parametrize(
