@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import string
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
+import psycopg
 import pytest
 
 from router.testing.mesh import NODE_SETTINGS, Mesh, prepare_mesh
@@ -43,8 +44,36 @@ def spare_versions(
     return list(versions)
 
 
+# On PostgreSQL 16+, once nothing is applying: a link whose applied mark (router.applied) is not where its
+# origin is. Every set-up there sets both, so a difference means a path that set the origin up without the
+# mark (a restart would then re-apply what lies between) or a rollback that moved the origin.
+_MARKS_APART = """
+SELECT l.source, l.applied::text, p.lsn::text
+FROM pgmesh.links l JOIN pg_catalog.pg_replication_origin o ON o.roname = %s || l.source,
+  LATERAL (SELECT coalesce(pg_catalog.pg_replication_origin_progress(o.roname, false), '0/0')) p(lsn)
+WHERE pg_catalog.current_setting('server_version_num')::int >= 160000 AND l.applied IS NOT NULL
+  AND l.applied <> p.lsn
+"""
+
+
+def marks_apart(meshes: Sequence[Mesh]) -> list[str]:
+    """Each link of `meshes` whose applied mark is not its origin's progress (nodes down or without pgmesh
+    are left out)."""
+    out = []
+    for made in meshes:
+        prefix = made.config.origin_name("")
+        for node in made.nodes:
+            try:
+                with psycopg.connect(node.dsn(), autocommit=True, connect_timeout=5) as conn:
+                    rows = conn.execute(_MARKS_APART, [prefix]).fetchall()
+            except psycopg.Error:
+                continue
+            out += [f"node {node.name}, source {s}: mark {m}, origin {o}" for s, m, o in rows]
+    return out
+
+
 @pytest.fixture
-def mesh(pg_nodes: NodeFactory) -> MeshFactory:
+def mesh(pg_nodes: NodeFactory) -> Iterator[MeshFactory]:
     """Factory: `await mesh(nodes=2, schema="", ...)` -> a `Mesh` whose nodes hold `schema` and pgmesh.
 
     - `nodes`: how many (named a, b, c, ...) or their names, in config order;
@@ -78,9 +107,15 @@ def mesh(pg_nodes: NodeFactory) -> MeshFactory:
         started = pg_nodes(names=[*names, *spares], settings=settings, password=password, versions=every)
         members, spare = started[: len(names)], started[len(names) :]
         logger.info("mesh %s over %s (spares: %s)", cluster, ", ".join(names), ", ".join(spares) or "none")
-        return await prepare_mesh(
+        made = await prepare_mesh(
             members, schema, spares=spare, cluster=cluster, replication=replication, admin_port=admin_port,
             extra=extra, init=init,
         )
+        meshes.append(made)
+        return made
 
-    return make
+    meshes: list[Mesh] = []
+    yield make
+    apart = marks_apart(meshes)
+    if apart:
+        pytest.fail("applied marks apart from their origins: " + "; ".join(apart))

@@ -240,6 +240,7 @@ class Applier(LinkView):
         await link.load_tables()
         nodes, installed_at = await link.load_origins()
         self._careful.origin_nodes = nodes
+        self._careful.mark = link.mark
         if installed_at is not None:
             self._careful.installed_at = installed_at
         self.condition.move(self._running(), None)

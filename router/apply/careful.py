@@ -53,6 +53,7 @@ from router.apply.statements import (
     key_lock,
     quote_ident,
     quote_literal,
+    setup_statement,
     table_lock,
     target_table,
     tombstone_key,
@@ -119,6 +120,7 @@ class CarefulApplier:
         self.installed_at: int | None = None  # pgmesh's installation here (µs), see pgmesh.expect_origin
         # reads one row on the source (SQL -> the row, or None; router.apply.toast); set by the applier
         self.read_source: ReadSource | None = None
+        self.mark = False  # sets the applied mark with the origin (a 16+ target, router.applied)
         self._coarse = False  # the transaction being applied locks whole tables (it is big)
         self._locked: set[str] = set()  # tables locked by it
 
@@ -165,7 +167,7 @@ class CarefulApplier:
             # last before COMMIT: a rollback after it moves the origin on PostgreSQL 16+ (see scripts)
             await conn.execute(COMMIT_CHECKS)
             await conn.execute(
-                "SELECT pg_catalog.pg_replication_origin_xact_setup($1::text::pg_lsn, $2)",
+                setup_statement("$1::text::pg_lsn", "$2", None, self.mark),
                 format_lsn(txn.end_lsn),
                 pg_us_to_datetime(txn.commit_time),
             )

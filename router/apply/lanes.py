@@ -28,6 +28,7 @@ import asyncpg
 
 from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
+from router.applied import position_sql
 from router.apply.decide import Decisions
 from router.apply.link import LinkSession
 from router.apply.parallel import plan_lanes
@@ -127,7 +128,7 @@ class Lanes:
             if i and lanes_of[i - 1] != lane:
                 before.insert(0, f"SELECT pg_catalog.pg_advisory_xact_lock_shared({key}, {seqs[-1]})")
                 before.append(
-                    f"SELECT CASE WHEN pg_catalog.pg_replication_origin_progress({origin}, false)"
+                    f"SELECT CASE WHEN {position_sql(origin, quote_literal(link.source), False)}"
                     f" >= '{format_lsn(txns[-1].end_lsn)}'::pg_lsn THEN 0 ELSE ('{_NOT_COMMITTED}'"
                     " || pg_catalog.now())::int END"
                 )
@@ -137,7 +138,7 @@ class Lanes:
                 (script,) = transaction_segments(
                     link.fit(txn), link.tables, prepared=lanes[lane].prepared,
                     guard_origin=link.source_origin, prelude=preludes[lane], copy=False,
-                    at_commit=(";\n".join(before), after),
+                    at_commit=(";\n".join(before), after), setup_last=link.setup_last, mark=link.mark,
                 )
             except ApplyError:
                 break  # the one-by-one path deals with it

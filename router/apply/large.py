@@ -149,7 +149,7 @@ class LargeApply:
             final = spill.final
             assert final is not None
             whole_txn: Transaction = final
-            await conn.execute(f"{COMMIT_CHECKS};\n{xact_setup_sql(whole_txn)};\nCOMMIT;"
+            await conn.execute(f"{COMMIT_CHECKS};\n{xact_setup_sql(whole_txn, mark=link.mark)};\nCOMMIT;"
                                f"{link.applied_note([whole_txn])}")
         except asyncpg.PostgresError:
             await self._undo_ddl()
@@ -271,6 +271,7 @@ class LargeApply:
                 t, link.tables, prepared=prepared or link.prepared, guard_origin=link.source_origin,
                 prelude=prelude,
                 relations=relations, begin=begin, commit=commit, setup=setup, setup_last=link.setup_last,
+                mark=link.mark,
             )
 
         saved = dict(relations)

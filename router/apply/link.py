@@ -28,6 +28,7 @@ import asyncpg
 from protocol.lsn import datetime_to_pg_us, parse_lsn
 from protocol.messages import Insert
 from protocol.transactions import Transaction
+from router.applied import MARK_START, position_sql
 from router.apply.decide import Decisions, session_settings
 from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_script
@@ -86,7 +87,7 @@ WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_s
   AND n.nspname NOT LIKE 'pg\\_%'
 """
 
-_PROGRESS = "SELECT pg_catalog.pg_replication_origin_progress($1, false)::text"
+_PROGRESS = f"SELECT {position_sql('$1', '$2', False)}::text"
 _RESET = "SELECT pg_catalog.pg_replication_origin_session_reset()"
 
 
@@ -95,8 +96,8 @@ class LinkSession:
 
     __slots__ = (
         "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "history_at",
-        "installed_at", "name", "origin", "origin_held", "prepared", "settings", "setup_last", "source",
-        "source_conn", "source_origin", "stats", "tables", "target",
+        "installed_at", "mark", "name", "origin", "origin_held", "prepared", "settings", "setup_last",
+        "source", "source_conn", "source_origin", "stats", "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -112,6 +113,8 @@ class LinkSession:
         # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
         # after it moves the origin; on 15 it goes with the first statement (one statement fewer)
         self.setup_last = True
+        # every set-up also sets the source's applied mark (router.applied): 16+, as `setup_last`
+        self.mark = False
         self.decisions = Decisions(config)
         self.prepared = Prepared(self.decisions)
         # what the decision functions need of every session (router.apply.decide), once origins are read
@@ -134,13 +137,17 @@ class LinkSession:
 
     async def open(self) -> int:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
-        self.conn = await open_session(self.target.dsn)  # installed_at: set by load_origins
+        self.conn = await open_session(self.target.dsn, source=self.source)  # installed_at: load_origins
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
+        # all three for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
+        self.announce = self.setup_last = self.mark = (
+            self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
+        )
+        if self.mark:
+            await self.conn.execute(MARK_START, self.origin, self.source)
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
         self.origin_held = True
-        # both for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
-        self.announce = self.setup_last = self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
         return await self.origin_progress()
 
     def forget_prepared(self) -> None:
@@ -165,7 +172,8 @@ class LinkSession:
     def script(self, txn: Transaction, prelude: list[str]) -> str:
         """`txn`'s target transaction, as the main session runs it in a batch (router.apply.scripts)."""
         return transaction_script(txn, self.tables, prepared=self.prepared, guard_origin=self.source_origin,
-                                  prelude=prelude, remote=self.decisions.remote, setup_last=self.setup_last)
+                                  prelude=prelude, remote=self.decisions.remote, setup_last=self.setup_last,
+                                  mark=self.mark)
 
     def applied_note(self, batch: Sequence[Transaction]) -> str:
         """SQL to end `batch` with on a target whose own stream leaves echoes out (pgoutput's `origin
@@ -266,9 +274,10 @@ class LinkSession:
                 conn.terminate()
 
     async def origin_progress(self) -> int:
-        """How far the source's origin got on the target (committed, not necessarily flushed)."""
+        """How far the target applied the source: its origin's progress, never past the applied mark
+        (router.applied); committed, not necessarily flushed."""
         assert self.conn is not None
-        row = await self.conn.fetchval(_PROGRESS, self.origin)
+        row = await self.conn.fetchval(_PROGRESS, self.origin, self.source)
         return parse_lsn(row) if row else 0
 
     async def load_tables(self) -> None:
@@ -369,7 +378,7 @@ class LinkSession:
 
     async def open_other(self) -> asyncpg.Connection:
         """Another session on the target, set up as the main one (a lane, the side session)."""
-        conn = await open_session(self.target.dsn, self.installed_at)
+        conn = await open_session(self.target.dsn, self.installed_at, source=self.source)
         if self.settings:
             await conn.execute(self.settings)
         return conn

@@ -28,6 +28,7 @@ from router.apply.statements import (
     key_lock,
     quote_ident,
     quote_literal,
+    setup_statement,
     tombstone_key,
     typed,
 )
@@ -36,6 +37,7 @@ __all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
 
 _SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
 _BARE_SETUP_KEY: Final = (0, "SB", b"")  # the same without `pgmesh.remote`
+_MARKED_KEYS: Final = ((0, "SM", b""), (0, "SBM", b""))  # both, setting the applied mark first
 _REMOTE_KEY: Final = (0, "R", b"")  # the setting of `pgmesh.remote` alone
 
 
@@ -80,15 +82,15 @@ class Prepared:
             self._relations[id(relation)] = relation
         return name
 
-    def setup(self, args: list[str], out: list[str]) -> str:
+    def setup(self, args: list[str], out: list[str], mark: bool = False) -> str:
         """`xact_setup_sql` as an EXECUTE of a statement prepared once per session (planned once);
-        `args` from `setup_args` (without the remote version, it sets the origin up only)."""
-        key = _SETUP_KEY if len(args) > 2 else _BARE_SETUP_KEY
+        `args` from `setup_args` (without the remote version, it sets the origin up only); `mark`: see
+        `setup_statement`."""
+        bare = len(args) <= 2
+        key = _MARKED_KEYS[bare] if mark else (_BARE_SETUP_KEY if bare else _SETUP_KEY)
         name = self._names.get(key)
         if name is None:
-            body = "SELECT pg_catalog.pg_replication_origin_xact_setup($1, $2)"
-            if key is _SETUP_KEY:
-                body += ", pg_catalog.set_config('pgmesh.remote', $3, true)"
+            body = setup_statement("$1", "$2", None if bare else "$3", mark)
             name = self._new(key, body, out)
         return _execute(name, args)
 

@@ -264,6 +264,7 @@ def transaction_script(
     prelude: list[str] | None = None,
     remote: bool = True,
     setup_last: bool = True,
+    mark: bool = False,
 ) -> str:
     """The whole target transaction for `txn` as one SQL script.
 
@@ -279,7 +280,7 @@ def transaction_script(
     """
     (script,) = transaction_segments(
         txn, tables, origin_lsn=origin_lsn, prepared=prepared, guard_origin=guard_origin, prelude=prelude,
-        copy=False, remote=remote, setup_last=setup_last,
+        copy=False, remote=remote, setup_last=setup_last, mark=mark,
     )
     assert isinstance(script, str)
     return script
@@ -301,6 +302,7 @@ def transaction_segments(
     setup: bool = True,
     remote: bool = True,
     setup_last: bool = True,
+    mark: bool = False,
 ) -> list[str | CopyRun]:
     """`transaction_script` cut where a run of inserts goes in by COPY: SQL scripts and `CopyRun`s, in
     order, the first opening the transaction and the last committing it. With `copy` False (or no
@@ -319,18 +321,19 @@ def transaction_segments(
     module's docstring); `setup` False leaves it out (the caller sends it, after `COMMIT_CHECKS`, before its
     own COMMIT). `setup_last` False (a PostgreSQL 15 target, where a rollback leaves the origin alone):
     the set-up goes with the first statement instead (in it, when that is a single guarded insert: one
-    statement fewer). `remote` False leaves `pgmesh.remote` out
+    statement fewer). `mark` (a PostgreSQL 16+ target) has the set-up set the source's applied mark
+    (router.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
     (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
     args = setup_args(txn, origin_lsn, remote)  # the origin's position and commit time, once per transaction
     sink = out if prepares is None else prepares
-    late = setup_last or at_commit is not None or not setup  # the set-up just before COMMIT
+    late = setup_last or mark or at_commit is not None or not setup  # the set-up just before COMMIT
     if prepared is None:
-        setup_sql = xact_setup_sql(txn, origin_lsn)
+        setup_sql = xact_setup_sql(txn, origin_lsn, mark)
     else:
-        setup_sql = prepared.setup(args[:2] if late else args, sink)
+        setup_sql = prepared.setup(args[:2] if late else args, sink, mark)
     if begin:
         out.append("BEGIN")
     pending = begin and not late  # set up with the first statement

@@ -19,6 +19,8 @@ from typing import Any
 import asyncpg
 import psycopg.conninfo
 
+from router.applied import SOURCE_SETTING
+
 __all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
 
 SESSION_SETUP = """
@@ -65,14 +67,19 @@ def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
     return args
 
 
-async def open_session(dsn: str, installed_at: str | None = None) -> asyncpg.Connection:
+async def open_session(
+    dsn: str, installed_at: str | None = None, source: str | None = None
+) -> asyncpg.Connection:
     """A new session on the target, set up as every applier session is (`SESSION_SETUP`), with
-    `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known. Closed again if the set-up fails."""
+    `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known, and the source it applies (the
+    applied mark's, router.applied). Closed again if the set-up fails."""
     conn = await asyncpg.connect(**asyncpg_connect_args(dsn))
     try:
         await conn.execute(SESSION_SETUP)
         if installed_at:
             await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
+        if source is not None:
+            await conn.execute("SELECT set_config($1, $2, false)", SOURCE_SETTING, source)
     except BaseException:
         conn.terminate()
         raise

@@ -249,7 +249,7 @@ class SideSession:
                     f"{COMMIT_CHECKS};\n"  # what could fail at COMMIT fails before the origin is taken
                     "SELECT pg_catalog.pg_replication_origin_session_reset();\n"
                     f"SELECT pg_catalog.pg_replication_origin_session_setup({quote_literal(link.origin)});\n"
-                    f"{xact_setup_sql(txn)};\nCOMMIT;\n"
+                    f"{xact_setup_sql(txn, mark=link.mark)};\nCOMMIT;\n"
                     "SELECT pg_catalog.pg_replication_origin_session_reset()"
                     # 16+: the stream shows no echo of it; this stands for it (router.stream.seen)
                     + (f";\nSELECT {note}" if (note := link.applied_message([txn])) else "")

@@ -35,14 +35,15 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
+from router.applied import mark_cte
 from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
     "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS",
     "TargetTable", "UniqueIndex", "commit_time_literal", "delete_statement", "guard", "identity_match",
     "insert_rows", "key_lock", "quote_ident", "quote_literal", "remote_setting_sql", "setup_args",
-    "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed", "update_statement",
-    "xact_setup_sql",
+    "setup_statement", "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed",
+    "update_statement", "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -387,12 +388,21 @@ def commit_time_literal(us: int) -> str:
     return f"{_utc_second(seconds)}.{fraction:06d}+00"
 
 
-def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None) -> str:
+def xact_setup_sql(txn: Transaction, origin_lsn: int | None = None, mark: bool = False) -> str:
     """The origin's position and commit time for the target transaction applying `txn` (and
-    `pgmesh.remote`, see `setup_args`)."""
+    `pgmesh.remote`, see `setup_args`); `mark`: see `setup_statement`."""
     lsn, when, remote = setup_args(txn, origin_lsn)
-    return (f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when}),"
-            f" pg_catalog.set_config('pgmesh.remote', {remote}, true)")
+    return setup_statement(lsn, when, remote, mark)
+
+
+def setup_statement(lsn: str, when: str, remote: str | None, mark: bool) -> str:
+    """The origin's set-up for one applied transaction: `lsn` and `when` (SQL expressions) to
+    `pg_replication_origin_xact_setup`, `remote` (an expression, or None) to `pgmesh.remote`. With `mark`
+    (a PostgreSQL 16+ target, where a rollback after the set-up still moves the origin) the statement
+    first sets the source's applied mark to `lsn` (router.applied): every set-up there goes through here."""
+    setting = "" if remote is None else f", pg_catalog.set_config('pgmesh.remote', {remote}, true)"
+    setup = f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when}){setting}"
+    return f"{mark_cte(lsn)}{setup} FROM pgmesh_marked" if mark else setup
 
 
 def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTable]) -> TargetTable:

@@ -52,8 +52,11 @@ _INSTALL_LOCK: Final = 0x70676D657368  # "pgmesh"
 
 _LINKS_DDL: Final = sql.SQL(
     "CREATE TABLE IF NOT EXISTS {}.links (source text PRIMARY KEY, paused boolean NOT NULL DEFAULT false,"
-    " reason text, updated timestamptz NOT NULL DEFAULT now())"
+    " reason text, updated timestamptz NOT NULL DEFAULT now(), applied pg_lsn)"
 )
+# `applied`: the applied mark (router.applied), empty until an applier first connects on 16+ (it starts
+# it from the origin there); an installation from before the mark gains the column, empty.
+_LINKS_MARK: Final = sql.SQL("ALTER TABLE {}.links ADD COLUMN IF NOT EXISTS applied pg_lsn")
 
 
 async def _ensure_schema(conn: Conn) -> list[str]:
@@ -66,6 +69,7 @@ async def _ensure_schema(conn: Conn) -> list[str]:
     schema = sql.Identifier(PGMESH_SCHEMA)
     await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
     await conn.execute(_LINKS_DDL.format(schema))
+    await conn.execute(_LINKS_MARK.format(schema))
     done = [] if row[0] else [f"created schema {PGMESH_SCHEMA}"]
     return done + ([] if row[1] else [f"created table {PGMESH_SCHEMA}.links"])
 

@@ -53,6 +53,7 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn
+from router.applied import position_sql
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
@@ -254,6 +255,9 @@ async def join_node(
             await target.execute(
                 "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", [config.origin_name(source), lsn]
             )
+            await target.execute(  # the applied mark starts from there (router.applied: `MARK_START`)
+                "UPDATE pgmesh.links SET applied = NULL WHERE source = %s", [source]
+            )
         await target.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(MARKER_SCHEMA)))
     finally:
         for conn in conns.values():
@@ -447,7 +451,7 @@ async def _positions(
         if node.name == donor.name:
             continue
         origin = config.origin_name(node.name)
-        lsn = await _one(donor_conn, "SELECT pg_replication_origin_progress(%s, false)::text", [origin])
+        lsn = await _one(donor_conn, f"SELECT {position_sql('%s', '%s', False)}::text", [origin, node.name])
         positions[node.name] = str(lsn or "0/0")
     logger.info("join from %s: snapshot at %s; positions %s", donor.name, format_lsn(consistent_point),
                 positions)

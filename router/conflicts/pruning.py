@@ -60,6 +60,7 @@ import msgspec
 import psycopg
 
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
+from router.applied import FLUSHED_SQL
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import describe
 from router.progress import LinkProgress
@@ -92,11 +93,6 @@ SOURCE_SQL: Final = (
     " FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = %s"
 )
 PENDING_MAX: Final = 100  # a source's readings kept until its slot reaches them (the oldest go first)
-# On a target: its flushed position of each source's origin.
-_FLUSHED_SQL: Final = (
-    "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
-    " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)"
-)
 _OLD: Final = (
     "coalesce(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(xid)) < %(horizon)s::timestamptz, true)"
 )
@@ -295,7 +291,7 @@ class TombstonePruner:
 
     async def _prune(self, node: NodeConfig, links: list[LinkReport], stats: PruneStats) -> None:
         prefix = self.config.origin_name("")
-        rows = await self._query(node, _FLUSHED_SQL, [prefix])
+        rows = await self._query(node, FLUSHED_SQL, [prefix, prefix])  # router.applied
         flushed = {r[0][len(prefix):]: parse_lsn(r[1]) for r in rows if r[1]}
         at = self.tracker.horizon_for(node.name, links, flushed)
         if at is not None:

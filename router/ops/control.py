@@ -23,6 +23,7 @@ from typing import Any, Final, TextIO
 import msgspec
 import psycopg
 
+from router.applied import position_sql
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
 from router.config import Config
@@ -100,9 +101,9 @@ async def _offline_links(
         if source == target:
             continue
         cur = await conn.execute(
-            "SELECT pg_catalog.pg_replication_origin_progress(%s, true)::text,"
+            f"SELECT {position_sql('%s', '%s', True)}::text,"
             " (SELECT paused FROM pgmesh.links WHERE source = %s)",
-            [config.origin_name(source), source],
+            [config.origin_name(source), source, source],
         )
         row = await cur.fetchone()
         flushed = row[0] if row and row[0] else "0/0"

@@ -19,6 +19,7 @@ from typing import Any, Final
 import psycopg
 
 from protocol.lsn import parse_lsn
+from router.applied import FLUSHED_SQL
 from router.cluster.standbys import slot_names
 from router.config import Config, NodeConfig
 from router.stream.slots import FAILOVER_SLOTS_SINCE
@@ -89,9 +90,7 @@ class MonitorTarget:
         for: `StandbyGate`)."""
         prefix = self.config.origin_name("")
         rows = await self.query(
-            "SELECT roname, pg_catalog.pg_replication_origin_progress(roname, true)::text"
-            " FROM pg_catalog.pg_replication_origin WHERE starts_with(roname, %s)",
-            [prefix],
+            FLUSHED_SQL, [prefix, prefix],
         )
         positions = {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
         if self.conn is None or self.conn.info.server_version < FAILOVER_SLOTS_SINCE:

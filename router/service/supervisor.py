@@ -145,6 +145,11 @@ class Router:
                 recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
+            except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.applied)
+                raise ConfigError(
+                    f"node {name}: pgmesh's objects here are older than this router ({describe(exc)});"
+                    " run `pgmesh init`, which adds what is missing"
+                ) from exc
             except psycopg.OperationalError as exc:
                 logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
                                name, describe(exc))

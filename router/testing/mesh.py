@@ -186,7 +186,35 @@ async def converged(nodes: Sequence[Any], tables: Sequence[str]) -> bool:
 
 
 async def wait_converged(nodes: Sequence[Any], tables: Sequence[str], limit: float = 120.0) -> None:
-    await wait_for(lambda: converged(nodes, tables), "all nodes to hold identical rows", limit)
+    try:
+        await wait_for(lambda: converged(nodes, tables), "all nodes to hold identical rows", limit)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{await positions(nodes, tables)}") from None
+
+
+async def positions(nodes: Sequence[Any], tables: Sequence[str]) -> str:
+    """What a convergence timeout reports: each node's row counts, origin progress and slot positions."""
+    lines = []
+    for node in nodes:
+        try:
+            prints = await fingerprints(node.dsn(), tables)
+            async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+                cur = await conn.execute(
+                    "SELECT external_id, remote_lsn::text, local_lsn::text FROM pg_replication_origin_status"
+                )
+                origins = await cur.fetchall()
+                cur = await conn.execute(
+                    "SELECT slot_name, active, confirmed_flush_lsn::text FROM pg_replication_slots"
+                )
+                slots = await cur.fetchall()
+                cur = await conn.execute("SELECT pg_current_wal_lsn()::text")
+                wal = await cur.fetchone()
+        except (OSError, psycopg.Error) as exc:
+            lines.append(f"node {node.name}: unreadable: {exc}")
+            continue
+        counts = {t: n for t, (n, _) in prints.items()}
+        lines.append(f"node {node.name}: wal {wal}, rows {counts}, origins {origins}, slots {slots}")
+    return "\n".join(lines)
 
 
 def free_port() -> int:

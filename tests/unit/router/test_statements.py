@@ -272,3 +272,27 @@ def test_on_postgresql_15_the_origin_setup_goes_first_fused_with_a_single_insert
     later = transaction_script(txn(update, one), tables, prepared=prepared, guard_origin=3, prelude=prelude,
                                setup_last=False)
     assert later.split(";\n")[1].startswith("EXECUTE pgmesh_1('1/200'")  # the set-up, then the update
+
+
+def test_with_the_mark_the_setup_statement_sets_the_applied_mark_first() -> None:
+    """On 16+ (`mark`) the set-up statement updates the source's `pgmesh.links.applied` to the same LSN, in
+    a CTE the set-up reads from (so the UPDATE runs first), keyed by the session's `pgmesh.source`; on 15
+    the statement is the set-up alone. The prepared form is a statement of its own, planned once."""
+    from router.apply.prepared import Prepared
+
+    script = transaction_script(txn(Insert(7, TupleData(b"tnt", (b"1", None, b"{}")))), TABLES, mark=True)
+    setup = script.split(";\n")[-2]
+    assert setup.startswith(
+        "WITH pgmesh_mark AS (UPDATE \"pgmesh\".\"links\" SET applied = '1/200'"
+        " WHERE source = pg_catalog.current_setting('pgmesh.source') RETURNING 1),"
+    )
+    assert "SELECT pg_catalog.pg_replication_origin_xact_setup('1/200'," in setup
+    assert setup.endswith(" FROM pgmesh_marked")
+    plain = transaction_script(txn(Insert(7, TupleData(b"tnt", (b"1", None, b"{}")))), TABLES)
+    assert "pgmesh_mark" not in plain
+    prepared, prelude = Prepared(), []
+    marked = prepared.setup(["'1/200'", "'t'"], prelude, mark=True)
+    bare = prepared.setup(["'1/200'", "'t'"], prelude)
+    assert marked != bare and len(prelude) == 2
+    assert "UPDATE \"pgmesh\".\"links\" SET applied = $1" in prelude[0]
+    assert "pgmesh_mark" not in prelude[1]
