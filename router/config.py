@@ -38,6 +38,8 @@ __all__ = [
 
 NAME_RE: Final = re.compile(r"^[a-z][a-z0-9_]{0,29}$")
 PGMESH_SCHEMA: Final = "pgmesh"
+# replication.apply_synchronous_commit: PostgreSQL's values (its aliases true/false/yes/no/1/0 are left out)
+SYNCHRONOUS_COMMIT: Final = ("off", "local", "remote_write", "on", "remote_apply")
 # the marker of a join in progress on the new node (router.cluster.membership)
 JOIN_SCHEMA: Final = "pgmesh_join"
 SYSTEM_SCHEMAS: Final = frozenset(
@@ -70,6 +72,11 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     queue_max_transactions: int = 10_000
     # Sessions per link applying independent transactions at once, committed in source order.
     apply_lanes: int = 1
+    # The appliers' sessions' synchronous_commit. "off" (as the native apply worker) loses nothing: a
+    # source's slot is confirmed only up to what the target has flushed. "on", "remote_write",
+    # "remote_apply" make each applied transaction wait for its flush (and for the target's synchronous
+    # standbys, when it has some) before the next one; "local" ignores the standbys.
+    apply_synchronous_commit: str = "off"
     status_interval_ms: int = 1_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     # a table without a key: "full" (REPLICA IDENTITY FULL, replicated), "warn" (a new one left local,
@@ -343,6 +350,8 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 0", "replication.apply_delay_ms")
     if not 1 <= rep.apply_lanes <= 16:
         raise bad("must be between 1 and 16", "replication.apply_lanes")
+    if rep.apply_synchronous_commit not in SYNCHRONOUS_COMMIT:
+        raise bad(f"must be one of {', '.join(SYNCHRONOUS_COMMIT)}", "replication.apply_synchronous_commit")
     if rep.queue_max_transactions < 1:
         raise bad("must be >= 1", "replication.queue_max_transactions")
     if rep.status_interval_ms < 10:

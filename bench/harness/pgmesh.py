@@ -157,3 +157,18 @@ class Pgmesh3(Pgmesh2):
 
     name = "pgmesh3"
     node_names = ("a", "b", "c")
+
+
+class Pgmesh5(Pgmesh2):
+    """Five nodes a..e (20 links): a's changes to each of the four others, each link reported on its own
+    (per-link throughput against the number of nodes, issue 20)."""
+
+    name = "pgmesh5"
+    node_names = ("a", "b", "c", "d", "e")
+
+
+class Pgmesh8(Pgmesh2):
+    """Eight nodes a..h (56 links), as `Pgmesh5`."""
+
+    name = "pgmesh8"
+    node_names = ("a", "b", "c", "d", "e", "f", "g", "h")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.harness.bucardo import Bucardo
 from bench.harness.nodes import SETTINGS, pglogical_installed, run_async
-from bench.harness.pgmesh import Pgmesh2, Pgmesh3
+from bench.harness.pgmesh import Pgmesh2, Pgmesh3, Pgmesh5, Pgmesh8
 from bench.harness.subscriptions import Native, Pglogical
 from bench.harness.system import System
 from bench.harness.watcher import Watcher
@@ -37,6 +37,8 @@ SYSTEMS: dict[str, type[System]] = {
     "bucardo": Bucardo,
     "pgmesh2": Pgmesh2,
     "pgmesh3": Pgmesh3,
+    "pgmesh5": Pgmesh5,
+    "pgmesh8": Pgmesh8,
 }
 
 

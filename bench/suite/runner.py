@@ -55,7 +55,9 @@ from bench.suite.report import (
 )
 from router.testing.localnodes import DEFAULT_SETTINGS, find_pg_bindir
 
-SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3")
+SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3", "pgmesh5", "pgmesh8")
+# without --only-system: the larger meshes (per-link throughput against N, issue 20) only when asked
+DEFAULT_SYSTEMS = SYSTEM_ORDER[:5]
 BENCH_DIR = Path(__file__).resolve().parents[1]
 
 __all__ = ["SYSTEM_ORDER", "WORKLOADS", "Failure", "Sizes", "build_doc", "link_check", "main", "parse_args",
@@ -185,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(raw)
     command = shlex.join([".venv/bin/python", "-m", "bench", "--all", *[a for a in raw if a != "--all"]])
     sizes = Sizes.for_scale(args.scale)
-    systems = [s for s in SYSTEM_ORDER if args.only_system is None or s in args.only_system]
+    chosen = args.only_system if args.only_system is not None else DEFAULT_SYSTEMS
+    systems = [s for s in SYSTEM_ORDER if s in chosen]
     workloads = [w for w in WORKLOADS if args.only_workload is None or w in args.only_workload]
     if (missing := pgbench_ready()) is not None:
         print(missing, file=sys.stderr)

@@ -137,7 +137,10 @@ class LinkSession:
 
     async def open(self) -> int:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
-        self.conn = await open_session(self.target.dsn, source=self.source)  # installed_at: load_origins
+        self.conn = await open_session(  # installed_at: set by load_origins
+            self.target.dsn, source=self.source,
+            synchronous_commit=self.config.replication.apply_synchronous_commit,
+        )
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
         # all three for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
@@ -378,7 +381,8 @@ class LinkSession:
 
     async def open_other(self) -> asyncpg.Connection:
         """Another session on the target, set up as the main one (a lane, the side session)."""
-        conn = await open_session(self.target.dsn, self.installed_at, source=self.source)
+        conn = await open_session(self.target.dsn, self.installed_at, source=self.source,
+                                  synchronous_commit=self.config.replication.apply_synchronous_commit)
         if self.settings:
             await conn.execute(self.settings)
         return conn

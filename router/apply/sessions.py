@@ -2,10 +2,10 @@
 
 Every session an applier opens on the target (the main one, the parallel lanes of `router.apply.lanes`, the
 side session of `router.apply.side`) is opened by `open_session`: `asyncpg_connect_args`, then
-`SESSION_SETUP`: `session_replication_role = replica` (user and FK triggers do not fire), `synchronous_commit
-= off` (as the native apply worker), UTC and ISO dates, and a lock timeout. A replication origin is held by
-one session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just let it go, and
-`LET_ORIGIN_GO` lets it go after a failure.
+`SESSION_SETUP`: `session_replication_role = replica` (user and FK triggers do not fire), UTC and ISO dates,
+a lock timeout; then `synchronous_commit` (`replication.apply_synchronous_commit`, default off as the native
+apply worker). A replication origin is held by one session at a time (PostgreSQL 15): `take_origin` waits a
+moment for a session that just let it go, and `LET_ORIGIN_GO` lets it go after a failure.
 
 Must not: build or run a transaction's SQL (router.apply.scripts, router.apply.applier), decide what an error
 means (router.errors), or keep a connection of its own.
@@ -20,12 +20,12 @@ import asyncpg
 import psycopg.conninfo
 
 from router.applied import SOURCE_SETTING
+from router.config import SYNCHRONOUS_COMMIT
 
 __all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
 
 SESSION_SETUP = """
 SET session_replication_role = replica;
-SET synchronous_commit = off;
 SET standard_conforming_strings = on;
 SET lock_timeout = '10s';
 SET TimeZone = 'UTC';
@@ -68,14 +68,17 @@ def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
 
 
 async def open_session(
-    dsn: str, installed_at: str | None = None, source: str | None = None
+    dsn: str, installed_at: str | None = None, source: str | None = None, synchronous_commit: str = "off"
 ) -> asyncpg.Connection:
-    """A new session on the target, set up as every applier session is (`SESSION_SETUP`), with
+    """A new session on the target, set up as every applier session is (`SESSION_SETUP`, and
+    `synchronous_commit`: `replication.apply_synchronous_commit`, checked by the config), with
     `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known, and the source it applies (the
     applied mark's, router.applied). Closed again if the set-up fails."""
+    if synchronous_commit not in SYNCHRONOUS_COMMIT:
+        raise ValueError(f"synchronous_commit {synchronous_commit!r}")
     conn = await asyncpg.connect(**asyncpg_connect_args(dsn))
     try:
-        await conn.execute(SESSION_SETUP)
+        await conn.execute(f"{SESSION_SETUP}SET synchronous_commit = {synchronous_commit};")
         if installed_at:
             await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
         if source is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from router.apply.statements import setup_statement
 from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster, install, uninstall
 from router.config import Config, parse_config
@@ -303,9 +304,10 @@ async def test_tombstone_trigger_records_local_and_replicated_deletes(mesh: Mesh
         await conn.execute("INSERT INTO items VALUES (1, 'again'), (2, 'two')")
         await conn.execute("SET session_replication_role = replica")
         await conn.execute("SELECT pg_replication_origin_session_setup(%s)", [origin])
+        await conn.execute("SET pgmesh.source = 'b'")  # the set-up sets the applied mark too, as the router's
         async with conn.transaction():
-            await conn.execute("SELECT pg_replication_origin_xact_setup('0/1234', %s)", [source_time])
             await conn.execute("DELETE FROM items")
+            await conn.execute(setup_statement("'0/1234'", "%s", None, True), [source_time])
     replicated = await rows(
         a,
         "SELECT t.key, c.timestamp, o.roname FROM pgmesh.tombstones t,"

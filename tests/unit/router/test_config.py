@@ -134,6 +134,12 @@ BAD = [
     ("negative delay", MINIMAL + "\n[replication]\napply_delay_ms = -1\n", "replication.apply_delay_ms", 13),
     ("zero queue", MINIMAL + "\n[replication]\nqueue_max_transactions = 0\n", "queue_max_transactions", 13),
     ("tiny status", MINIMAL + "\n[replication]\nstatus_interval_ms = 1\n", "status_interval_ms", 13),
+    (
+        "unknown synchronous_commit",
+        MINIMAL + '\n[replication]\napply_synchronous_commit = "yes"\n',
+        "replication.apply_synchronous_commit: must be one of off, local, remote_write, on, remote_apply",
+        13,
+    ),
     ("negative spill", MINIMAL + "\n[replication]\nspill_mb = -1\n", "replication.spill_mb", 13),
     ("no tables", MINIMAL + "\n[replication]\ntables = []\n", "replication.tables", 13),
     ("bad listen", MINIMAL + '\n[admin]\nlisten = "8787"\n', "admin.listen", 13),
