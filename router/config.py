@@ -193,6 +193,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         its writes are then echoes in the node's stream. Not under `origin_name("")`'s prefix."""
         return f"pgmeshrec_{self.cluster.name}"
 
+    def pgmesh_origins(self) -> list[str]:
+        """Every replication origin pgmesh may keep progress for on a node (each node's, its own
+        unused; their early twins with early_apply; the tombstone recorder's)."""
+        early = [self.early_origin_name(n) for n in self.node_names] if self.replication.early_apply else []
+        return [self.origin_name(n) for n in self.node_names] + early + [self.recorder_origin_name()]
+
+    def origins_per_node(self) -> int:
+        """How many of `pgmesh_origins` one node may hold progress for (not its own names)."""
+        return len(self.pgmesh_origins()) - (2 if self.replication.early_apply else 1)
+
     def node(self, name: str) -> NodeConfig:
         for node in self.nodes:
             if node.name == name:

@@ -30,6 +30,7 @@ from psycopg import sql
 
 from router.cluster.clocks import ClockLevel, Sample, connection_query, decides_by_time, level_of, measure
 from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
+from router.cluster.origins import origins_of_others
 from router.cluster.standbys import StandbyFacts, failover_finding, read_standbys
 from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
@@ -59,13 +60,8 @@ OK_MARK: Final = "✓"
 FAIL_MARK: Final = "✗"
 WARN_MARK: Final = "!"
 _SETTINGS: Final = (
-    "server_version",
-    "server_version_num",
-    "wal_level",
-    "track_commit_timestamp",
-    "max_replication_slots",
-    "max_wal_senders",
-    "output_plugin_libraries",
+    "server_version", "server_version_num", "wal_level", "track_commit_timestamp", "max_replication_slots",
+    "max_active_replication_origins", "max_wal_senders", "output_plugin_libraries",
 )
 _RESTART: Final = "in postgresql.conf (or ALTER SYSTEM SET) and restart the server"
 # Types a delta column may have (format_type names, without a typmod).
@@ -161,6 +157,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
     standby: StandbyFacts = StandbyFacts()  # its physical standbys (router.cluster.standbys)
     clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
+    origins_used: int = 0  # replication origins with progress here that are not pgmesh's
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,6 +234,7 @@ async def _read_node(conn: Conn, config: Config) -> NodeFacts:
         user=user,
         superuser=bool(superuser),
         slots_used=int(slots_used),
+        origins_used=await origins_of_others(conn, config.pgmesh_origins()),
         own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
         publication_all_tables=bool(publication and publication[0]),
         standby=standby,
@@ -322,8 +320,7 @@ def _check_clock(f: NodeFacts, config: Config) -> Check | None:
 
 def _check_slots(f: NodeFacts, config: Config) -> Check:
     total = int(f.settings.get("max_replication_slots", "0"))
-    needed = 0 if f.own_slot else 1
-    free = total - f.slots_used
+    needed, free = (0 if f.own_slot else 1), total - f.slots_used
     if f.own_slot and (f.own_slot[0] != "pgoutput" or f.own_slot[1] != f.database):
         plugin, db, _ = f.own_slot
         detail = f"slot {config.slot_name} exists for plugin {plugin!r} in database {db!r}"
@@ -333,6 +330,17 @@ def _check_slots(f: NodeFacts, config: Config) -> Check:
     detail = f"{f.slots_used} of {total} in use, pgmesh needs {needed} more"
     hint = None if ok else f"raise max_replication_slots to at least {f.slots_used + needed} {_RESTART}"
     return Check("", "replication_slots", ok, detail, hint=hint)
+
+
+def _check_origins(f: NodeFacts, config: Config) -> Check:
+    """Room for pgmesh's origins: an origin with progress holds one of the node's states until dropped."""
+    new = "max_active_replication_origins"  # 18+; `max_replication_slots` sizes them before
+    name = new if new in f.settings else "max_replication_slots"
+    total, needed = int(f.settings.get(name, "0")), config.origins_per_node()
+    ok = total - f.origins_used >= needed
+    detail = f"{f.origins_used} of {total} held by other origins, pgmesh needs {needed}"
+    hint = None if ok else f"raise {name} to at least {f.origins_used + needed} {_RESTART}"
+    return Check("", "replication_origins", ok, detail, hint=hint)
 
 
 def _check_walsenders(f: NodeFacts, config: Config) -> Check:
@@ -383,17 +391,8 @@ def _check_failover(f: NodeFacts, config: Config) -> Check | None:
 
 
 _NODE_CHECKS: Final[Sequence[Callable[[NodeFacts, Config], Check | None]]] = (
-    _check_connect,
-    _check_version,
-    _check_wal_level,
-    _check_commit_ts,
-    _check_clock,
-    _check_slots,
-    _check_walsenders,
-    _check_superuser,
-    _check_plugin,
-    _check_publication,
-    _check_failover,
+    _check_connect, _check_version, _check_wal_level, _check_commit_ts, _check_clock, _check_slots,
+    _check_origins, _check_walsenders, _check_superuser, _check_plugin, _check_publication, _check_failover,
 )
 
 

@@ -40,7 +40,7 @@ DEFAULT_SETTINGS: Mapping[str, str] = {
     "listen_addresses": "127.0.0.1",
     "wal_level": "logical",
     "track_commit_timestamp": "on",
-    "max_replication_slots": "32",
+    "max_replication_slots": "64",  # on 15-17 also the replication origins' states (2N-1 a node, N <= 19)
     "max_wal_senders": "32",
     "max_worker_processes": "16",
     "max_connections": "200",
@@ -266,6 +266,8 @@ class LocalNode:
     def write_config(self) -> None:
         """(Re)write the pgmesh include file with the current port and settings, and pg_hba.conf."""
         conf = dict(DEFAULT_SETTINGS)
+        if (pgbin.tool_major(self.bindir, ("postgres",)) or 0) >= 18:
+            conf["max_active_replication_origins"] = "64"  # 18+: origins' states apart from the slots
         conf["port"] = str(self.port)
         conf["unix_socket_directories"] = str(self.base_dir)
         if self.password is not None:

@@ -4,6 +4,8 @@ a node with every replication slot taken. The checks against real nodes: tests/i
 
 from __future__ import annotations
 
+import msgspec
+
 from router.cluster.checks import NodeFacts, _node_checks
 from router.config import parse_config
 
@@ -45,3 +47,19 @@ def test_output_plugin_libraries_and_slot_counts_without_a_server() -> None:
     }
     assert checks["output_plugin_libraries"].ok
     assert "output_plugin_libraries" not in {c.check for c in _node_checks("a", facts(), config)}
+
+
+def test_room_for_the_replication_origins_is_checked_per_version() -> None:
+    """pgmesh may hold progress for an origin per other node, its early apply twin, and the recorder's:
+    2 * (N - 1) + 1 here. 18+ sizes them with max_active_replication_origins (default 10), 15-17 with
+    max_replication_slots; origins of other tools count against it."""
+    config = parse_config(CONFIG)  # two nodes: 3 origins each
+    assert config.origins_per_node() == 3
+    checks = {c.check: c for c in _node_checks("a", facts(max_replication_slots="3"), config)}
+    assert checks["replication_origins"].ok
+    eighteen = {"server_version": "18.1", "server_version_num": "180001"}
+    eighteen["max_active_replication_origins"] = "3"
+    busy = msgspec.structs.replace(facts(**eighteen), origins_used=1)
+    check = {c.check: c for c in _node_checks("a", busy, config)}["replication_origins"]
+    assert not check.ok
+    assert "raise max_active_replication_origins to at least 4" in (check.hint or "")
