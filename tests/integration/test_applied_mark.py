@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
+import pytest
 
 from protocol.lsn import parse_lsn
 from router.applied import MARK_START
 from router.apply.sessions import open_session, take_origin
 from router.apply.statements import setup_statement
+from router.cluster.install import init_cluster
+from router.errors import ConfigError
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -86,3 +89,19 @@ async def test_an_unset_source_fails_before_the_origin_moves(mesh: MeshFactory) 
     async with await psycopg.AsyncConnection.connect(b.dsn(), autocommit=True) as conn:
         cur = await conn.execute("SELECT applied::text FROM pgmesh.links WHERE source = 'a'")
         assert await cur.fetchall() == [(None,)]  # nor the mark
+
+
+async def test_a_node_without_the_mark_column_asks_for_init_which_adds_it(mesh: MeshFactory) -> None:
+    """An installation from before the mark: the router refuses to start, naming the node and `pgmesh
+    init`; init adds the column (empty) and the router then runs."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    await execute(b.dsn(), "ALTER TABLE pgmesh.links DROP COLUMN applied")
+    with pytest.raises(ConfigError, match=r"node b: .*run `pgmesh init`"):
+        async with running_router(m.config):
+            pass
+    await init_cluster(m.config)
+    assert await fetch(b.dsn(), "SELECT applied FROM pgmesh.links") == [(None,)]
+    async with running_router(m.config):
+        await execute(a.dsn(), "INSERT INTO kv VALUES (7, 'after init')")
+        await wait_converged(m.nodes, ["kv"], 60)
