@@ -30,7 +30,7 @@ DOCKER_MAJOR = 15  # the image of a node asking for no version
 DOCKER_SETTINGS: Mapping[str, str] = {
     "wal_level": "logical",
     "track_commit_timestamp": "on",
-    "max_replication_slots": "32",
+    "max_replication_slots": "64",  # as router.testing.localnodes (origins' states on 15-17)
     "max_wal_senders": "32",
 }
 

@@ -44,7 +44,7 @@ def test_two_nodes_start_with_replication_settings(pg_nodes: Callable[..., list[
         with psycopg.connect(node.dsn(), autocommit=True) as conn:
             assert conn.execute("SHOW wal_level").fetchone() == ("logical",)
             assert conn.execute("SHOW track_commit_timestamp").fetchone() == ("on",)
-            assert conn.execute("SHOW max_replication_slots").fetchone() == ("32",)
+            assert conn.execute("SHOW max_replication_slots").fetchone() == ("64",)
             assert conn.execute("SELECT current_database()").fetchone() == ("app",)
         assert node.sql("SELECT 1, 'x'") == "1|x"
 
