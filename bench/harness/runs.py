@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.harness.bucardo import Bucardo
 from bench.harness.nodes import SETTINGS, pglogical_installed, run_async
 from bench.harness.pgmesh import Pgmesh2, Pgmesh3, Pgmesh5, Pgmesh8
-from bench.harness.subscriptions import Native, Pglogical
+from bench.harness.subscriptions import Native, Native3, Pglogical
 from bench.harness.system import System
 from bench.harness.watcher import Watcher
 from bench.harness.workloads import RUNNERS, Context, Measurement, Sizes, Windows, prepare, write_scripts
@@ -33,6 +33,7 @@ from router.testing.localnodes import LocalNode, create_nodes
 
 SYSTEMS: dict[str, type[System]] = {
     "native": Native,
+    "native3": Native3,
     "pglogical": Pglogical,
     "bucardo": Bucardo,
     "pgmesh2": Pgmesh2,

@@ -22,52 +22,88 @@ STOP_TIMEOUT_S = 60.0
 
 
 class Native(System):
-    """CREATE PUBLICATION FOR ALL TABLES on a, CREATE SUBSCRIPTION on b (copy_data = false); started and
-    stopped with ALTER SUBSCRIPTION ENABLE / DISABLE."""
+    """CREATE PUBLICATION FOR ALL TABLES on a, a SUBSCRIPTION on each target (copy_data = false); started
+    and stopped with ALTER SUBSCRIPTION ENABLE / DISABLE."""
 
     name = "native"
 
+    def __init__(self, nodes: Sequence[LocalNode]) -> None:
+        super().__init__(nodes)
+        self._origins: dict[str, str] = {}
+
+    def _subscription(self, target: LocalNode) -> str:
+        """The subscription on `target` (its slot on a has the same name, so each target's is its own)."""
+        return f"s_{target.name}"
+
+    @property
+    def origins(self) -> dict[str, str]:
+        return dict(self._origins)
+
     async def setup(self) -> None:
-        await execute(self.a.dsn(), EXTRA_SCHEMA)
-        await execute(self.b.dsn(), EXTRA_SCHEMA)
+        for node in self.data_nodes:
+            await execute(node.dsn(), EXTRA_SCHEMA)
         await execute(self.a.dsn(), "CREATE PUBLICATION p FOR ALL TABLES")
         connection = self.a.dsn().replace("'", "''")
-        await execute(
-            self.b.dsn(),
-            f"CREATE SUBSCRIPTION s CONNECTION '{connection}' PUBLICATION p"
-            " WITH (copy_data = false, enabled = false)",
-        )
-        rows = await fetch(self.b.dsn(), "SELECT 'pg_' || oid FROM pg_subscription WHERE subname = 's'")
-        self.origin = rows[0][0]
+        for target in self.targets:
+            name = self._subscription(target)
+            await execute(
+                target.dsn(),
+                f"CREATE SUBSCRIPTION {name} CONNECTION '{connection}' PUBLICATION p"
+                " WITH (copy_data = false, enabled = false)",
+            )
+            rows = await fetch(
+                target.dsn(), f"SELECT 'pg_' || oid FROM pg_subscription WHERE subname = '{name}'"
+            )
+            self._origins[target.name] = rows[0][0]
+        self.origin = self._origins[self.b.name]
 
     async def start(self) -> None:
-        await execute(self.b.dsn(), "ALTER SUBSCRIPTION s ENABLE")
+        for target in self.targets:
+            await execute(target.dsn(), f"ALTER SUBSCRIPTION {self._subscription(target)} ENABLE")
         self.running = True
 
     async def stop(self) -> None:
-        """Disable the subscription and wait until its worker has exited and a's slot is free."""
+        """Disable the subscriptions and wait until their workers have exited and a's slots are free."""
         if not self.running:
             return
         self.running = False
-        await execute(self.b.dsn(), "ALTER SUBSCRIPTION s DISABLE")
+        for target in self.targets:
+            await execute(target.dsn(), f"ALTER SUBSCRIPTION {self._subscription(target)} DISABLE")
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while time.monotonic() < deadline:
-            workers = await fetch(
-                self.b.dsn(),
-                "SELECT count(*) FROM pg_stat_subscription WHERE subname = 's' AND pid IS NOT NULL",
-            )
+            workers = 0
+            for target in self.targets:
+                rows = await fetch(
+                    target.dsn(),
+                    "SELECT count(*) FROM pg_stat_subscription"
+                    " WHERE subname LIKE 's\\_%' AND pid IS NOT NULL",
+                )
+                workers += rows[0][0]
             active = await fetch(self.a.dsn(), "SELECT count(*) FROM pg_replication_slots WHERE active")
-            if workers[0][0] == 0 and active[0][0] == 0:
+            if workers == 0 and active[0][0] == 0:
                 return
             await asyncio.sleep(0.05)
-        raise RuntimeError("native: the subscription's worker did not stop within 60 s")
+        raise RuntimeError(f"{self.name}: a subscription's worker did not stop within 60 s")
 
     async def check(self) -> None:
-        rows = await fetch(
-            self.b.dsn(), "SELECT apply_error_count FROM pg_stat_subscription_stats WHERE subname = 's'"
-        )
-        if rows and rows[0][0]:
-            raise RuntimeError(f"native: the apply worker failed; see {self.b.logfile}")
+        for target in self.targets:
+            rows = await fetch(
+                target.dsn(),
+                "SELECT apply_error_count FROM pg_stat_subscription_stats WHERE subname ="
+                f" '{self._subscription(target)}'",
+            )
+            if rows and rows[0][0]:
+                raise RuntimeError(
+                    f"{self.name}: the apply worker on {target.name} failed; see {target.logfile}"
+                )
+
+
+class Native3(Native):
+    """Native logical replication from a to two subscribers, b and c: the control for pgmesh3's per-link
+    figures (what a second target costs PostgreSQL's own apply on the same cores)."""
+
+    name = "native3"
+    node_names = ("a", "b", "c")
 
 
 class Pglogical(System):

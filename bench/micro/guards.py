@@ -55,7 +55,7 @@ from router.testing.localnodes import LocalNode, create_nodes
 PER_BATCH = 250
 FILLER = " " * 84
 WHEN = "2026-01-01 00:00:00"
-_WHEN_US = 820_540_800_000_000  # WHEN as a commit time: µs since 2000-01-01 UTC
+WHEN_US = 820_540_800_000_000  # WHEN as a commit time: µs since 2000-01-01 UTC
 
 _UPDATES = (
     ("pgbench_accounts", "aid = $1, bid = $2, abalance = $3, filler = $4", "aid = $5", 6),
@@ -131,11 +131,11 @@ _TABLES: dict[str, tuple[tuple[str, int, str, bool], ...]] = {
                         ("mtime", 1114, "timestamp without time zone", False),
                         ("filler", 1042, "character(22)", False), ("hid", 20, "bigint", True)),
 }
-_RELATIONS = {
+RELATIONS = {
     name: Relation(16384 + i, "public", name, "d", tuple(Column(c, oid, -1, key) for c, oid, _, key in cols))
     for i, (name, cols) in enumerate(_TABLES.items())
 }
-_TARGET = {
+TARGET = {
     ("public", name): TargetTable(
         "public", name, frozenset(c for c, *_ in cols), {c: t for c, _, t, _ in cols},
         pk=tuple(c for c, _, _, key in cols if key),
@@ -153,7 +153,7 @@ def _emitted_batch(first_hid: int, origin: int, rng: random.Random, prepared: Pr
     """The PREPAREs not sent yet, and the batch, as `router.apply.statements` writes them for the applier."""
     prelude: list[str] = []
     scripts = []
-    rel = _RELATIONS
+    rel = RELATIONS
     for hid in range(first_hid, first_hid + PER_BATCH):
         aid, tid, delta = rng.randint(1, 100_000), rng.randint(1, 10), rng.randint(-5000, 5000)
         changes: list[Change] = [
@@ -163,9 +163,9 @@ def _emitted_batch(first_hid: int, origin: int, rng: random.Random, prepared: Pr
             Insert(rel["pgbench_history"].relid, _row((tid, 1, aid, delta, WHEN, None, hid))),
         ]
         relations = {r.relid: r for r in rel.values()}
-        txn = Transaction(hid, hid << 8, (hid << 8) + 1, _WHEN_US + hid, changes, relations)
+        txn = Transaction(hid, hid << 8, (hid << 8) + 1, WHEN_US + hid, changes, relations)
         scripts.append(
-            transaction_script(txn, _TARGET, prepared=prepared, guard_origin=origin, prelude=prelude)
+            transaction_script(txn, TARGET, prepared=prepared, guard_origin=origin, prelude=prelude)
         )
     return "".join(f"{p};\n" for p in prelude), "\n".join(scripts)
 

@@ -24,6 +24,7 @@ from router.apply.statements import (
     TOMBSTONE_ALIAS,
     TargetTable,
     _literals,
+    bounded_key,
     guard,
     key_lock,
     quote_ident,
@@ -152,9 +153,11 @@ def _deciding(statement: str, origin: str, function: str, arguments: int) -> str
         f" WHEN ({version}).roident = 0 THEN ({version}).\"timestamp\" < {_INSTALLED_AT}"
         " ELSE false END"
     )
+    # the function only when no row was written (a one-time filter, tested before the call): cheaper for
+    # the target than counting the CTE's rows (about 3 µs an UPDATE)
     return (
-        f"WITH pgmesh_w AS ({statement} AND {check} RETURNING 1) SELECT CASE WHEN pg_catalog.count(*) = 1"
-        f" THEN NULL ELSE {function}(VARIADIC ARRAY[{args}]::text[]) END FROM pgmesh_w"
+        f"WITH pgmesh_w AS ({statement} AND {check} RETURNING 1)"
+        f" SELECT {function}(VARIADIC ARRAY[{args}]::text[]) WHERE NOT EXISTS (SELECT FROM pgmesh_w)"
     )
 
 
@@ -271,10 +274,12 @@ def prepared_insert(
 def _insert_locks(table: TargetTable, key_types: list[str]) -> str:
     """The locks of a single guarded insert, its key as parameters $1...: the table's, shared (as
     `table_lock`), then the key's (`key_lock`)."""
-    key = ", ".join(f"${n}::{t}::text" for n, t in enumerate(key_types, 1))
+    texts = [f"${n}::{t}::text" for n, t in enumerate(key_types, 1)]
+    single = texts[0] if len(texts) == 1 else None
+    key = ", ".join(texts)
     return (
         f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({quote_literal(table.name)}), 0),"
-        f" {key_lock(table, f'ARRAY[{key}]::text[]')}"
+        f" {key_lock(table, f'ARRAY[{key}]::text[]', single)}"
     )
 
 
@@ -286,6 +291,7 @@ def _plan_insert(
     position = {c.name: i for i, c in enumerate(cols)}
     key = [k for k in table.tombstone_key if k in position]
     key_types = [table.compare[k] for k in key]
+    bounded = bounded_key(key_types)
 
     def build_insert() -> str:
         names = ", ".join(quote_ident(c.name) for c in cols)
@@ -294,7 +300,7 @@ def _plan_insert(
         exists = (
             f"EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
             f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
-            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]')})"
+            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]', bounded)})"
         )
         decisions = prepared.decisions
         written = [c.name for c in cols if c.name not in table.always]

@@ -39,11 +39,11 @@ from router.applied import mark_cte
 from router.errors import ApplyError, SchemaMismatch
 
 __all__ = [
-    "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS", "TOMBSTONE_ALIAS",
-    "TargetTable", "UniqueIndex", "commit_time_literal", "delete_statement", "guard", "identity_match",
-    "insert_rows", "key_lock", "quote_ident", "quote_literal", "remote_setting_sql", "setup_args",
-    "setup_statement", "table_lock", "target_table", "tombstone_key", "truncate_statement", "typed",
-    "update_statement", "xact_setup_sql",
+    "BOUNDED_KEY_COLUMNS", "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS",
+    "TOMBSTONE_ALIAS", "TargetTable", "UniqueIndex", "bounded_key", "commit_time_literal", "delete_statement",
+    "guard", "identity_match", "insert_rows", "key_lock", "quote_ident", "quote_literal",
+    "remote_setting_sql", "setup_args", "setup_statement", "table_lock", "target_table", "tombstone_key",
+    "truncate_statement", "typed", "update_statement", "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -305,19 +305,36 @@ def remote_setting_sql(args: list[str]) -> str:
 KEY_LOCKS_MAX: Final = 64
 
 
-def key_lock(table: TargetTable, key_array: str) -> str:
+def key_lock(table: TargetTable, key_array: str, single: str | None = None) -> str:
     """The advisory lock on one key of `table` (`key_array`: SQL for its key as text[]). Every path
-    that decides a key takes exactly this lock (router.apply.careful, the guarded inserts here)."""
+    that decides a key takes exactly this lock (router.apply.careful, the guarded inserts here).
+    `single`: SQL for the text of a one-column key, the same string as the array's (cheaper to build)."""
     name = quote_literal(table.name + ":")
-    return (
-        f"pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
-        f"{name} || pg_catalog.array_to_string({key_array}, ','), 0))"
-    )
+    text = single if single is not None else f"pg_catalog.array_to_string({key_array}, ',')"
+    return f"pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended({name} || {text}, 0))"
 
 
-def tombstone_key(key_array: str) -> str:
+# Key types whose text is at most 64 bytes (format_type's names): a key of up to BOUNDED_KEY_COLUMNS of
+# them never reaches the 2000 bytes past which pgmesh.tombstones holds a key by its md5.
+_BOUNDED_TYPES: Final = frozenset((
+    "smallint", "integer", "bigint", "oid", "boolean", "real", "double precision", "uuid", "date",
+    "time without time zone", "timestamp without time zone", "timestamp with time zone",
+))
+BOUNDED_KEY_COLUMNS: Final = 16
+
+
+def bounded_key(types: Sequence[str]) -> bool:
+    """Whether a key of columns compared as `types` is always short enough to be held as it is (its
+    `tombstone_key` needs no size test: the test costs a single insert's target about a fifth more)."""
+    return len(types) <= BOUNDED_KEY_COLUMNS and all(t in _BOUNDED_TYPES for t in types)
+
+
+def tombstone_key(key_array: str, bounded: bool = False) -> str:
     """A key (`key_array`: SQL for it as text[]) as pgmesh.tombstones holds it: a key too long for the
-    table's index (a keyless table's whole row) by its md5, as the tombstone trigger stores it."""
+    table's index (a keyless table's whole row) by its md5, as the tombstone trigger stores it.
+    `bounded` (`bounded_key`): the key is never that long, and is held as it is."""
+    if bounded:
+        return key_array
     size = f"pg_catalog.octet_length(({key_array})::text) + 8 * pg_catalog.cardinality({key_array})"
     digest = f"ARRAY['pgmesh:md5:' || pg_catalog.md5(({key_array})::text)]"
     return f"(CASE WHEN {size} > 2000 THEN {digest} ELSE {key_array} END)"
@@ -349,13 +366,13 @@ def insert_rows(
     picks = ", ".join(
         f'{v}."pgmesh_c{i}"::{table.types.get(c.name, "text")}' for i, c in enumerate(relation.columns)
     )
-    key = ", ".join(
-        f'{v}."pgmesh_c{position[k]}"::{table.compare[k]}::text' for k in table.tombstone_key if k in position
-    )
+    key_columns = [k for k in table.tombstone_key if k in position]
+    key = ", ".join(f'{v}."pgmesh_c{position[k]}"::{table.compare[k]}::text' for k in key_columns)
+    bounded = bounded_key([table.compare[k] for k in key_columns])
     where = (
         f"NOT EXISTS (SELECT 1 FROM pgmesh.tombstones AS {ts}"
         f" WHERE {ts}.table_name = {quote_literal(table.name)}"
-        f" AND {ts}.key = {tombstone_key(f'ARRAY[{key}]::text[]')})"
+        f" AND {ts}.key = {tombstone_key(f'ARRAY[{key}]::text[]', bounded)})"
     )
     # The careful path's lock per (table, key), taken in a statement of its own so that the insert's
     # tombstone check runs on a snapshot taken after the lock: an applier of another source deciding

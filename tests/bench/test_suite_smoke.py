@@ -20,6 +20,7 @@ def _made_up() -> list[Measurement]:
         Measurement("native", "tpcb", 0, {"tx/s": 1000.0}),
         Measurement("pgmesh2", "tpcb", 0, {"tx/s": 500.0}),
         Measurement("pgmesh3", "tpcb", 0, {"tx/s": 350.0, "tx/s a->b": 450.0, "tx/s a->c": 350.0}),
+        Measurement("native3", "tpcb", 0, {"tx/s": 700.0, "tx/s a->b": 700.0, "tx/s a->c": 710.0}),
         Measurement("native", "lag", 0, {"p50 ms": 1.0, "p99 ms": 4.0},
                     {"targets": ["b"], "series": [[0.0, [1.0]], [0.05, [2.0]]]}),
         Measurement("pgmesh2", "lag", 0, {"p50 ms": 2.0, "p99 ms": 8.0},
@@ -38,7 +39,12 @@ def test_summary_ratios_are_higher_is_better_and_per_link() -> None:
     assert rows[("bucardo", "multimaster", "tx/s")]["ratio"] == pytest.approx(0.5)  # against pgmesh2
     assert rows[("pgmesh2", "multimaster", "conflicts")]["ratio"] is None
     links = suite.link_check(list(rows.values()))
-    assert [(r["metric"], r["within_20pct"]) for r in links] == [("tx/s a->b", True), ("tx/s a->c", False)]
+    links.sort(key=lambda r: (r["system"] != "pgmesh3", r["metric"]))
+    assert [(r["system"], r["metric"], r["within_20pct"]) for r in links] == [
+        ("pgmesh3", "tx/s a->b", True), ("pgmesh3", "tx/s a->c", False),  # against pgmesh2's 500
+        ("native3", "tx/s a->b", False), ("native3", "tx/s a->c", False),  # against native's 1000
+    ]
+    assert [round(r["vs_two_nodes"], 2) for r in links] == [0.9, 0.7, 0.7, 0.71]
 
 
 def test_report_lists_not_run_and_errors(tmp_path: Path) -> None:
