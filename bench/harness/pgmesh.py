@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
+import msgspec
+
 from bench.harness.nodes import CLUSTER, EXTRA_SCHEMA
 from bench.harness.system import System
 from router.config import Config
@@ -39,6 +41,7 @@ class Pgmesh2(System):
     name = "pgmesh2"
     multimaster = True
     unsupported: ClassVar[dict[str, str]] = {}
+    lanes: ClassVar[int] = 1  # replication.apply_lanes
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
         super().__init__(nodes)
@@ -50,7 +53,12 @@ class Pgmesh2(System):
         self.stuck_shutdowns = 0
 
     async def setup(self) -> None:
-        self.config = await setup_mesh(self.data_nodes, EXTRA_SCHEMA, cluster=CLUSTER)
+        config = await setup_mesh(self.data_nodes, EXTRA_SCHEMA, cluster=CLUSTER)
+        links = {n.name: self.link_dsn(n) for n in self.data_nodes}  # the router's connections
+        self.config = msgspec.structs.replace(
+            config, nodes=[msgspec.structs.replace(n, dsn=links[n.name]) for n in config.nodes],
+            replication=msgspec.structs.replace(config.replication, apply_lanes=self.lanes),
+        )
         self.origin = self.config.origin_name(self.a.name)
 
     async def start(self) -> None:
@@ -157,6 +165,13 @@ class Pgmesh3(Pgmesh2):
 
     name = "pgmesh3"
     node_names = ("a", "b", "c")
+
+
+class Pgmesh2Lanes(Pgmesh2):
+    """`Pgmesh2` with two apply lanes a link (`replication.apply_lanes = 2`): where parallel apply wins."""
+
+    name = "pgmesh2lanes"
+    lanes = 2
 
 
 class Pgmesh5(Pgmesh2):

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness.bucardo import Bucardo
+from bench.harness.delay import DelayLinks
 from bench.harness.nodes import SETTINGS, pglogical_installed, run_async
-from bench.harness.pgmesh import Pgmesh2, Pgmesh3, Pgmesh5, Pgmesh8
+from bench.harness.pgmesh import Pgmesh2, Pgmesh2Lanes, Pgmesh3, Pgmesh5, Pgmesh8
 from bench.harness.subscriptions import Native, Native3, Pglogical
 from bench.harness.system import System
 from bench.harness.watcher import Watcher
@@ -37,6 +38,7 @@ SYSTEMS: dict[str, type[System]] = {
     "pglogical": Pglogical,
     "bucardo": Bucardo,
     "pgmesh2": Pgmesh2,
+    "pgmesh2lanes": Pgmesh2Lanes,
     "pgmesh3": Pgmesh3,
     "pgmesh5": Pgmesh5,
     "pgmesh8": Pgmesh8,
@@ -98,10 +100,13 @@ async def _recover(system: System, watcher: Watcher) -> tuple[Watcher, str | Non
 
 
 async def run_system(name: str, nodes: list[LocalNode], sizes: Sizes, run: int, workloads: Sequence[str],
-                     scripts: Path, limit: float, windows: Windows | None = None
-                     ) -> tuple[list[Measurement], list[Failure]]:
-    """Set the system up on `nodes`, run each workload (settled first), close the system."""
+                     scripts: Path, limit: float, windows: Windows | None = None,
+                     links: DelayLinks | None = None) -> tuple[list[Measurement], list[Failure]]:
+    """Set the system up on `nodes`, run each workload (settled first), close the system. `links`: its
+    replication connections go through these delaying proxies."""
     system = SYSTEMS[name](nodes)
+    if links is not None:
+        system.link_dsn = links.dsn
     try:
         await prepare(system)
     except Exception as exc:
@@ -144,24 +149,42 @@ async def run_system(name: str, nodes: list[LocalNode], sizes: Sizes, run: int, 
     return results, failures
 
 
+def measure_rtt(rtt_ms: float) -> tuple[float, float]:
+    """The round trip to a fresh node directly and through a proxy adding `rtt_ms`, in ms."""
+    (node,) = create_nodes(["rtt"], settings=SETTINGS)
+    try:
+        links = DelayLinks([node], rtt_ms)
+        try:
+            return links.round_trip_ms(node)
+        finally:
+            links.close()
+    finally:
+        node.destroy()
+
+
 def run_once(name: str, sizes: Sizes, run: int, workloads: Sequence[str], timeout: float,
-             windows: Windows | None = None) -> tuple[list[Measurement], list[Failure]]:
+             windows: Windows | None = None, rtt_ms: float = 0.0) -> tuple[list[Measurement], list[Failure]]:
     """One system, one run: fresh nodes, every workload in order, then the nodes are destroyed.
-    `windows(system, workload)`, when given, makes each workload's timed window (Context.window)."""
+    `windows(system, workload)`, when given, makes each workload's timed window (Context.window).
+    `rtt_ms`: the system's replication connections get that round-trip time (bench.harness.delay)."""
     try:
         nodes = create_nodes(list(SYSTEMS[name].node_names), settings=SETTINGS)
     except Exception as exc:
         error = f"creating nodes: {type(exc).__name__}: {exc}"[:1500]
         return [], [Failure(name, w, run, error) for w in workloads]
+    links: DelayLinks | None = None
     try:
+        links = DelayLinks(nodes, rtt_ms) if rtt_ms > 0 else None
         with tempfile.TemporaryDirectory(prefix="pgmesh-bench-scripts-") as tmp:
             scripts = write_scripts(Path(tmp))
             return run_async(
-                lambda: run_system(name, nodes, sizes, run, workloads, scripts, timeout, windows)
+                lambda: run_system(name, nodes, sizes, run, workloads, scripts, timeout, windows, links)
             )
     except Exception as exc:  # a bug in the runner itself: keep the other systems going
         traceback.print_exc()
         return [], [Failure(name, w, run, f"runner: {type(exc).__name__}: {exc}"[:1500]) for w in workloads]
     finally:
+        if links is not None:
+            links.close()
         for node in nodes:
             node.destroy()

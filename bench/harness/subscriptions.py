@@ -43,7 +43,7 @@ class Native(System):
         for node in self.data_nodes:
             await execute(node.dsn(), EXTRA_SCHEMA)
         await execute(self.a.dsn(), "CREATE PUBLICATION p FOR ALL TABLES")
-        connection = self.a.dsn().replace("'", "''")
+        connection = self.link_dsn(self.a).replace("'", "''")
         for target in self.targets:
             name = self._subscription(target)
             await execute(

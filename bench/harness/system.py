@@ -14,7 +14,7 @@ Must not: time or report anything (`workloads`, `bench.suite`), or touch nodes i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from bench.harness.nodes import checkpoint, origin_position
@@ -38,6 +38,9 @@ class System:
         self.a, self.b = self.nodes[0], self.nodes[1]
         self.origin = ""  # the replication origin that tracks a's changes on a target
         self.running = False
+        # the DSN a replication connection uses for a node (a subscriber's CONNECTION, the router's node
+        # DSNs): the node's own, or through a delaying proxy (bench.harness.delay); never the workloads'
+        self.link_dsn: Callable[[LocalNode], str] = LocalNode.dsn
 
     async def setup(self) -> None:
         raise NotImplementedError

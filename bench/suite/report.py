@@ -73,6 +73,13 @@ def results_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _measured(doc: dict[str, Any]) -> str:
+    measured = doc.get("rtt_measured_ms")
+    if not measured:
+        return "not measured"
+    return f"{measured[0]:.3f} ms direct, {measured[1]:.3f} ms through the proxy"
+
+
 def render_markdown(doc: dict[str, Any], results_link: str) -> str:
     m = doc["machine"]
     lines = [
@@ -110,6 +117,11 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         " also runs its router until every slot is confirmed to the nodes' WAL position (the echoes of"
         " the last workload decoded), Bucardo purges and vacuums its delta tables.",
         "",
+        *([f"Every system's replication connections had {doc['rtt_ms']:g} ms added to their round trip"
+           " (a delaying proxy on loopback, bench.harness.delay): a subscriber's to its publisher, pgmesh's"
+           " router's to every node. The workloads' clients connected directly. Round trip of `SELECT 1`"
+           f" measured before the runs: {_measured(doc)}.", ""]
+          if doc.get("rtt_ms") else []),
         "## Results",
         "",
         *results_table(doc),

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.harness.nodes import SETTINGS, pgbench_ready
-from bench.harness.runs import Failure, plan_workloads, run_once
+from bench.harness.runs import Failure, measure_rtt, plan_workloads, run_once
 from bench.harness.workloads import WORKLOAD_TIMEOUT_S, WORKLOADS, Measurement, Sizes
 from bench.suite.report import (
     INFO_ONLY,
@@ -55,9 +55,11 @@ from bench.suite.report import (
 )
 from router.testing.localnodes import DEFAULT_SETTINGS, find_pg_bindir
 
-SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3", "native3", "pgmesh5", "pgmesh8")
-# without --only-system: the larger meshes (per-link throughput against N, issue 20) and native3 (the
-# control for pgmesh3's links: PostgreSQL's own apply to two subscribers) only when asked
+SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3", "native3", "pgmesh2lanes", "pgmesh5",
+                "pgmesh8")
+# without --only-system: native3 (the control for pgmesh3's links: PostgreSQL's own apply to two
+# subscribers), pgmesh2 with two apply lanes and the larger meshes (per-link throughput against N, issue
+# 20) only when asked
 DEFAULT_SYSTEMS = SYSTEM_ORDER[:5]
 BENCH_DIR = Path(__file__).resolve().parents[1]
 
@@ -158,7 +160,9 @@ def build_doc(args: argparse.Namespace, command: str, sizes: Sizes, systems: Seq
     rows = summary(results, systems)
     return {**extra,
         "bench": "suite", "command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "wall_s": wall_s, "runs": args.runs, "sizes": asdict(sizes), "workload_sizes": sizes.describe(),
+        "wall_s": wall_s, "runs": args.runs, "rtt_ms": getattr(args, "rtt_ms", 0.0),
+        "rtt_measured_ms": getattr(args, "rtt_measured_ms", None), "sizes": asdict(sizes),
+        "workload_sizes": sizes.describe(),
         "systems": list(systems), "workloads": list(workloads), "machine": machine_facts(),
         "server_settings": {**DEFAULT_SETTINGS, **SETTINGS},
         "measurements": [asdict(m) for m in results], "failures": [asdict(f) for f in failures],
@@ -183,10 +187,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the report; suite.json and the plots go to results/ beside it")
     parser.add_argument("--include-slow", action="store_true",
                         help="also run what a system skips by default for cost (bucardo: bulk, visibility)")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="round-trip time added to every system's replication connections (a delaying"
+                             " proxy on loopback, bench.harness.delay): a subscriber's to its publisher,"
+                             " pgmesh's router's to every node; the workloads' clients stay direct")
     parser.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # from `python -m bench --all`
     args = parser.parse_args(argv)
-    if args.scale <= 0 or args.runs < 1:
-        parser.error("--scale must be > 0 and --runs at least 1")
+    if args.scale <= 0 or args.runs < 1 or args.rtt_ms < 0:
+        parser.error("--scale must be > 0, --runs at least 1 and --rtt-ms at least 0")
     return args
 
 
@@ -202,6 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 2
     planned, not_run = plan_workloads(systems, workloads, args.include_slow)
+    if args.rtt_ms > 0:
+        direct, delayed = measure_rtt(args.rtt_ms)
+        args.rtt_measured_ms = [round(direct, 3), round(delayed, 3)]
+        print(f"round trip of SELECT 1: {direct:.3f} ms direct, {delayed:.3f} ms through the proxy",
+              file=sys.stderr)
     timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
     began = time.perf_counter()
     commit = git_commit()  # what is measured: the code as the run starts
@@ -212,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in systems if run % 2 == 0 else systems[::-1]:
             print(f"run {run}: {name} ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr)
             took = time.perf_counter()
-            done, failed = run_once(name, sizes, run, planned[name], timeout)
+            done, failed = run_once(name, sizes, run, planned[name], timeout, rtt_ms=args.rtt_ms)
             spent.append({"system": name, "run": run, "seconds": round(time.perf_counter() - took, 1)})
             results.extend(done)
             failures.extend(failed)

@@ -80,3 +80,19 @@ def test_tiny_real_run(tmp_path: Path) -> None:
     assert doc["failures"] == []
     assert {m["workload"] for m in doc["measurements"]} == {"tpcb", "visibility"}
     assert "| native | tpcb | tx/s |" in out.read_text()
+
+
+@pytest.mark.skipif(not _have_postgres(), reason="needs PostgreSQL 15+ binaries with pgbench")
+def test_tiny_run_over_delayed_links(tmp_path: Path) -> None:
+    """native3 (two subscribers) and pgmesh2 with their replication connections through the delaying
+    proxies: both replicate through them, and native3's links get the 3-against-2 table."""
+    out = tmp_path / "RESULTS.md"
+    argv = ["--scale", "0.01", "--runs", "1", "--rtt-ms", "1", "--only-system", "native", "--only-system",
+            "native3", "--only-system", "pgmesh2", "--only-workload", "tpcb", "--out", str(out)]
+    assert suite.main(argv) == 0
+    doc = json.loads((tmp_path / "results" / "suite.json").read_text())
+    assert doc["failures"] == [] and doc["rtt_ms"] == 1.0
+    assert {m["system"] for m in doc["measurements"]} == {"native", "native3", "pgmesh2"}
+    links = {(r["system"], r["metric"]) for r in doc["links"]}
+    assert links == {("native3", "tx/s a->b"), ("native3", "tx/s a->c")}
+    assert "1 ms added to their round trip" in out.read_text()
