@@ -1,9 +1,11 @@
 """Every system on every workload, same nodes and settings, one report: `python -m bench --all`.
 
 Systems (bench/harness/): native, pglogical, bucardo, pgmesh2 and pgmesh3 (a's changes measured on
-a -> b and a -> c). Each gets fresh nodes per run with the same server settings
-(bench.harness.nodes.SETTINGS), `pgbench -i -s 1` and the same bench tables on every node; the system
-order alternates between runs. Workloads, in this order (bench/harness/workloads.py, sizes at --scale S):
+a -> b and a -> c); only with --only-system: native3 (native to two subscribers, the control for
+pgmesh3's links), pgmesh2lanes (two apply lanes a link), pgmesh5 and pgmesh8. Each gets fresh nodes
+per run with the same server settings (bench.harness.nodes.SETTINGS), `pgbench -i -s 1` and the same
+bench tables on every node; the system order alternates between runs. Workloads, in this order
+(bench/harness/workloads.py, sizes at --scale S):
 tpcb, bulk, inserts, visibility, lag, multimaster. Multimaster runs only on pgmesh2, pgmesh3 and bucardo
 (the others are one-way: n/a); its ratio column compares to pgmesh2. Bucardo skips bulk and visibility
 unless --include-slow (a 1M-row transaction takes it minutes).
@@ -16,11 +18,15 @@ bench.suite.report).
     .venv/bin/python -m bench --all                                    # scale 1, 2 runs (~30 min)
     .venv/bin/python -m bench --all --scale 0.05 --runs 1 --out /tmp/suite/RESULTS.md   # quick
     .venv/bin/python -m bench.suite --only-system pgmesh3 --only-workload tpcb
+    .venv/bin/python -m bench --all --rtt-ms 0.65 --only-system native --only-system pgmesh2   # ~1 ms RTT
     .venv/bin/python -m bench.suite.profile    # where the CPU goes in each workload
 
+`--rtt-ms` puts a delaying proxy (bench.harness.delay) on every system's replication connections; its
+threads add about 0.35 ms to what is asked, so the round trip is measured before the runs and reported.
+
 Owns: the command line, the runs across systems, the summary (min, median, ratio to the anchor), the
-pgmesh3-vs-pgmesh2 link check, and suite.json. Must not: define a system or a workload (bench.harness)
-or format the markdown and plots (bench.suite.report).
+three-node link check (pgmesh3 against pgmesh2, native3 against native), and suite.json. Must not:
+define a system or a workload (bench.harness) or format the markdown and plots (bench.suite.report).
 """
 
 from __future__ import annotations
