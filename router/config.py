@@ -78,6 +78,9 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # standbys, when it has some) before the next one; "local" ignores the standbys.
     apply_synchronous_commit: str = "off"
     status_interval_ms: int = 1_000
+    # A node that does not answer the router's progress query within this long is taken for cut off:
+    # its links show "down" and the router drops its sessions to it (router.service.supervisor)
+    node_timeout_ms: int = 10_000
     replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
     # a table without a key: "full" (REPLICA IDENTITY FULL, replicated), "warn" (a new one left local,
     # with a warning) or "refuse" (an error)
@@ -366,6 +369,8 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 1", "replication.queue_max_transactions")
     if rep.status_interval_ms < 10:
         raise bad("must be >= 10", "replication.status_interval_ms")
+    if rep.node_timeout_ms < 100:
+        raise bad("must be >= 100", "replication.node_timeout_ms")
     if rep.spill_mb < 0:
         raise bad("must be >= 0 (0: never spill to disk)", "replication.spill_mb")
     if not rep.tables:

@@ -264,6 +264,12 @@ class LinkSession:
             raise
         return row
 
+    def drop(self) -> None:
+        """End the main session at once, without a goodbye (the target stopped answering): a statement in
+        flight fails and the applier opens the link again, as after any lost connection."""
+        if self.conn is not None and not self.conn.is_closed():
+            self.conn.terminate()
+
     async def close(self) -> None:
         """Close the main session (terminated when it does not close in 5 s), and the one on the source."""
         for other in (self.source_conn, self.ddl_conn):

@@ -75,6 +75,7 @@ class MonitorTarget:
         self.node = node
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.error: str | None = None
+        self.down_since: float | None = None  # since when the node has not answered (router's clock)
         self.gate = StandbyGate()
 
     async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
@@ -114,6 +115,13 @@ class MonitorTarget:
             " updated = now()",
             [source, paused, reason],
         )
+
+    def drop(self) -> None:
+        """Forget the connection without a goodbye (the node may not be reading: a close could hang)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.pgconn.finish()
 
     async def close(self) -> None:
         if self.conn is not None:

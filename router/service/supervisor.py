@@ -366,18 +366,11 @@ class Router:
                 logger.exception("progress tick failed")
 
     async def tick(self, *, rewind: bool = True) -> None:
-        """Read flushed positions, confirm sources, re-attach detached links."""
-        for name, target in self.targets.items():
-            if name in self.not_members:
-                continue
-            try:
-                positions = await target.origin_progress()
-                target.error = None
-            except (psycopg.Error, OSError) as exc:
-                target.error = describe(exc)
-                await target.close()
-                target.conn = None
-                continue
+        """Read flushed positions (every node at once, each within `node_timeout_ms`), confirm sources,
+        re-attach detached links."""
+        names = [name for name in self.targets if name not in self.not_members]
+        answers = await asyncio.gather(*(self._progress_of(name) for name in names))
+        for name, positions in zip(names, answers, strict=True):
             for source, lsn in positions.items():
                 applier = self.appliers.get((source, name))
                 if applier is not None:
@@ -399,6 +392,40 @@ class Router:
                 if ready:
                     pump.rewind_for(ready)
         self._export_metrics()
+
+    async def _progress_of(self, name: str) -> dict[str, int]:
+        """`name`'s flushed origin positions; {} when it fails or does not answer in time. A node that does
+        not answer is taken for cut off from the router: its links show "down" (`_link_status`) and its
+        sessions are dropped (`_cut_off`), so that they reconnect once it answers, instead of waiting on a
+        link that may never carry anything again (TCP alone can take many minutes to give up)."""
+        target = self.targets[name]
+        timeout = self.config.replication.node_timeout_ms / 1000
+        try:
+            async with asyncio.timeout(timeout):
+                positions = await target.origin_progress()
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            silent = isinstance(exc, TimeoutError)
+            target.error = f"no answer to the router within {timeout:g} s" if silent else describe(exc)
+            target.drop()
+            if silent and target.down_since is None:
+                target.down_since = self.clock()
+                self._cut_off(name, target.error)
+            return {}
+        target.error = None
+        if target.down_since is not None:
+            logger.info("node %s answers the router again", name)
+            target.down_since = None
+        return positions
+
+    def _cut_off(self, name: str, why: str) -> None:
+        """Drop every session the router has with node `name`: the appliers' into it and its source."""
+        logger.warning("node %s: %s; its links are down until it answers", name, why)
+        for (_, target), applier in self.appliers.items():
+            if target == name:
+                applier.link.drop()
+        pump = self.pumps.get(name)
+        if pump is not None:
+            pump.source.connection.abort()
 
     def _export_metrics(self) -> None:
         """Bring the metrics up to date with the appliers' and sources' own counters."""
@@ -446,6 +473,7 @@ class Router:
                if p.source.state is SourceState.ERROR]
         bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
                 if a.state is LinkState.ERROR]
+        bad += [f"node {name}: {t.error}" for name, t in self.targets.items() if t.down_since is not None]
         bad += [f"schema drift: {d.describe()}" for d in self.drift.drifted.values()]
         bad += self.clocks.problems()
         return (not bad, "; ".join(bad) if bad else "ok")
@@ -520,9 +548,12 @@ class Router:
         link = applier.progress
         pending = applier.oldest_pending_commit_time()
         lag_seconds = max(0.0, now - pg_us_to_datetime(pending).timestamp()) if pending is not None else 0.0
-        state = applier.state
+        state, last_error = applier.state, applier.last_error
         if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
             state = LinkState.CATCHING_UP
+        cut = [n for n in key if self.targets[n].down_since is not None]
+        if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP):  # nothing can move over it
+            state, last_error = LinkState.DOWN, f"node {cut[0]}: {self.targets[cut[0]].error}"
         stats = applier.stats
         last = stats.last_commit_time
         return LinkStatus(
@@ -532,7 +563,7 @@ class Router:
             lag_bytes=self._lag_bytes(source, link),
             lag_seconds=round(lag_seconds, 3), queued=applier.pending,
             applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
-            retries=stats.retries, last_error=applier.last_error,
+            retries=stats.retries, last_error=last_error,
         )
 
 

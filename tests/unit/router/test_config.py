@@ -50,6 +50,7 @@ def test_minimal_file_decodes_with_defaults() -> None:
     assert config.replication.apply_delay_ms == 0
     assert config.replication.queue_max_transactions == 10_000
     assert config.replication.status_interval_ms == 1_000
+    assert config.replication.node_timeout_ms == 10_000
     assert config.replication.spill_mb == 8 and config.replication.spool_dir == ""
     assert config.admin.listen == "127.0.0.1:8787"
     assert config.admin_host_port == ("127.0.0.1", 8787)
@@ -134,6 +135,7 @@ BAD = [
     ("negative delay", MINIMAL + "\n[replication]\napply_delay_ms = -1\n", "replication.apply_delay_ms", 13),
     ("zero queue", MINIMAL + "\n[replication]\nqueue_max_transactions = 0\n", "queue_max_transactions", 13),
     ("tiny status", MINIMAL + "\n[replication]\nstatus_interval_ms = 1\n", "status_interval_ms", 13),
+    ("tiny node timeout", MINIMAL + "\n[replication]\nnode_timeout_ms = 10\n", "replication.node_timeout_ms", 13),
     (
         "unknown synchronous_commit",
         MINIMAL + '\n[replication]\napply_synchronous_commit = "yes"\n',
