@@ -135,7 +135,7 @@ BAD = [
     ("negative delay", MINIMAL + "\n[replication]\napply_delay_ms = -1\n", "replication.apply_delay_ms", 13),
     ("zero queue", MINIMAL + "\n[replication]\nqueue_max_transactions = 0\n", "queue_max_transactions", 13),
     ("tiny status", MINIMAL + "\n[replication]\nstatus_interval_ms = 1\n", "status_interval_ms", 13),
-    ("tiny node timeout", MINIMAL + "\n[replication]\nnode_timeout_ms = 10\n", "replication.node_timeout_ms", 13),
+    ("tiny node timeout", MINIMAL + "\n[replication]\nnode_timeout_ms = 10\n", "node_timeout_ms", 13),
     (
         "unknown synchronous_commit",
         MINIMAL + '\n[replication]\napply_synchronous_commit = "yes"\n',
