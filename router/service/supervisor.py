@@ -233,6 +233,7 @@ class Router:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set; then shut down in order. A hold stops streaming until release."""
+        self.spool.remove_stale()
         try:
             while True:
                 flushed, paused, down = await self._load_state()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import itertools
 import logging
 import os
@@ -355,6 +356,20 @@ class SpillFile:
 # ------------------------------------------------------------------------------------------ the spool
 
 
+_SPOOL_TAIL: Final = re.compile(r"(\d+)-[A-Za-z0-9_]+")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one owned by another user counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Spool:
     """A private directory of spill files (created at the first spill), removed by `close()`.
 
@@ -379,6 +394,20 @@ class Spool:
         self.files_written = 0
         self.changes_written = 0
         self.bytes_written = 0
+
+    def remove_stale(self) -> list[Path]:
+        """Remove the spool directories of this cluster's routers that are gone (killed before they could
+        clean up: their process no longer exists) from the spool's parent; returns what was removed."""
+        removed = []
+        cluster_prefix = self._prefix.rsplit("-", 2)[0] + "-"  # pgmesh-spool-<cluster>-
+        for path in self._parent.glob(f"{glob.escape(cluster_prefix)}*"):
+            found = _SPOOL_TAIL.fullmatch(path.name[len(cluster_prefix):])  # <pid>-<mkdtemp's random>
+            if not path.is_dir() or found is None or _alive(int(found[1])):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            logger.info("removed the spool directory %s of a router that is gone", path)
+        return removed
 
     @property
     def path(self) -> Path:

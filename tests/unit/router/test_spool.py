@@ -8,7 +8,10 @@ values, every cell kind). Files live in pytest's tmp_path.
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -326,3 +329,23 @@ def test_ddl_in_the_spilled_part_is_seen(tmp_path: Path) -> None:
     rows = Transaction(6, 1, 2, 3, [insert(2)], {REL.relid: REL}, row_count=2, spilled=2,
                        spill=spool.finish("n1", 6))
     assert not has_ddl(rows)
+
+
+def test_a_killed_routers_spool_directories_are_removed_at_start(tmp_path: Path) -> None:
+    """Only this cluster's directories whose router process is gone; never a live router's, another
+    cluster's, or anything else in the directory."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)  # a process that has exited (its pid not reused this quickly)
+    names = {
+        "stale": f"pgmesh-spool-main-{dead}-ab_c1",
+        "live": f"pgmesh-spool-main-{os.getpid()}-x9y",
+        "other cluster": f"pgmesh-spool-main-2-{dead}-q1",
+        "not ours": f"pgmesh-spool-main-{dead}",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "0.spill").write_bytes(b"x")
+    spool = Spool(tmp_path, cluster="main")
+    assert spool.remove_stale() == [tmp_path / names["stale"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "stale")
