@@ -96,6 +96,8 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactor
         assert held == (True,)  # survives a router restart
         resumed = pgmesh("resume", "--config", str(config), "--target", "b")
         assert resumed.returncode == 0
+        # the very next status shows the link running again (not "paused" until its next batch)
+        assert links_by_name(await status_json(config))["a->b"]["state"] in ("streaming", "catching up")
         await wait_for(lambda: _has(b, 2), "row 2 on b after resume")
 
         router.send_signal(signal.SIGTERM)
