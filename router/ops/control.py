@@ -31,6 +31,7 @@ from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
 from router.service.admin import ask_router
+from router.service.status import RetainedWal
 from router.service.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
 __all__ = [
@@ -115,8 +116,9 @@ async def _offline_links(
 
 async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, node: str) -> SourceStatus:
     cur = await conn.execute(
-        "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text FROM pg_catalog.pg_replication_slots"
-        " WHERE slot_name = %s",
+        "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text,"
+        " (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, safe_wal_size"
+        " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
         [config.slot_name],
     )
     row = await cur.fetchone()
@@ -124,7 +126,8 @@ async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, no
         return SourceStatus(
             node, "no slot", "?", "?", 0, 0, 0, 0, "pgmesh is not installed; run `pgmesh init`"
         )
-    return SourceStatus(node, "down", row[1], row[0] or "0/0", 0, 0, 0, 0, "router not running")
+    retained = RetainedWal(int(row[2] or 0), row[3], row[4])  # what the slot keeps while nothing reads it
+    return SourceStatus(node, "down", row[1], row[0] or "0/0", 0, 0, 0, 0, "router not running", retained)
 
 
 async def fetch_status(config: Config) -> StatusReport:
@@ -150,7 +153,7 @@ def render_status(report: StatusReport) -> str:
     for source in report.sources:
         lines.append(
             f"source {source.node}: {source.state}, received {source.received_lsn}, confirmed "
-            f"{source.confirmed_lsn}, reconnects {source.reconnects}"
+            f"{source.confirmed_lsn}, reconnects {source.reconnects}" + _retained_text(source.retained)
             + (f", last error: {source.last_error}" if source.last_error else "")
         )
     for rec in report.recorders:  # router.conflicts.recorder: the node's own deletes as tombstones
@@ -404,3 +407,15 @@ async def cmd_sequences(
     for line in await convert_sequences(config, mode, tables):
         print(line, file=out)
     return 0
+
+
+def _retained_text(retained: RetainedWal | None) -> str:
+    """', slot keeps 12.3 MB of WAL (reserved, 1.0 GB to the limit)' for a source's status line."""
+    if retained is None:
+        return ""
+    limit = "no limit" if retained.safe_wal_size is None else f"{_mb(retained.safe_wal_size)} to the limit"
+    return f", slot keeps {_mb(retained.bytes)} of WAL ({retained.wal_status or '?'}, {limit})"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if abs(size) >= 1e9 else f"{size / 1e6:.1f} MB"

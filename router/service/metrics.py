@@ -278,6 +278,7 @@ class Metrics:
         "link_state",
         "queue_transactions",
         "registry",
+        "retained_wal_bytes",
         "schema_drift",
         "skipped_transactions_total",
         "source_received_bytes_total",
@@ -388,6 +389,12 @@ class Metrics:
         )
         self.source_reconnects_total = counter(
             PREFIX + "source_reconnects_total", "Replication connections to the node opened again.", ("node",)
+        )
+        self.retained_wal_bytes = self.registry.gauge(
+            PREFIX + "retained_wal_bytes",
+            "WAL the node keeps for pgmesh's slot (from its restart_lsn to the node's WAL end), read every"
+            " status tick; it grows while a link from the node is down or behind (docs/limits.md).",
+            ("node",),
         )
         self.tombstones = self.registry.gauge(
             PREFIX + "tombstones",

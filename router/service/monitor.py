@@ -1,4 +1,4 @@
-"""The router's monitoring connection to each node: flushed origin progress, paused links.
+"""The router's monitoring connection to each node: flushed origin progress, paused links, retained WAL.
 
 A node with physical standbys named in `synchronized_standby_slots` (17+; docs/failover.md) counts an
 origin position as flushed only once those standbys have flushed the node's WAL up to it (`StandbyGate`):
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections import deque
 from typing import Any, Final
 
@@ -22,9 +23,12 @@ from protocol.lsn import parse_lsn
 from router.applied import FLUSHED_SQL
 from router.cluster.standbys import slot_names
 from router.config import Config, NodeConfig
+from router.service.status import RetainedWal
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = ["MonitorTarget", "StandbyGate"]
+
+logger = logging.getLogger(__name__)
 
 # The node's WAL flushed now, the standbys it waits for (17+; '' before), each physical slot's restart_lsn
 # (for a physical slot: what its standby has flushed).
@@ -67,6 +71,14 @@ class StandbyGate:
             self._released[source] = max(lsn, self._released.get(source, 0))
 
 
+# pgmesh's slot on a node: WAL it keeps (from its restart_lsn to the node's WAL end), and PostgreSQL's own
+# view of it: wal_status (reserved, extended, unreserved, lost) and safe_wal_size (NULL: no limit)
+_RETAINED_SQL: Final = (
+    "SELECT (pg_catalog.pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, safe_wal_size"
+    " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
+)
+
+
 class MonitorTarget:
     """The router's monitoring connection to one node as a target (flushed origin progress)."""
 
@@ -76,6 +88,7 @@ class MonitorTarget:
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.error: str | None = None
         self.down_since: float | None = None  # since when the node has not answered (router's clock)
+        self.retained: RetainedWal | None = None  # the node's slot, as last read (`read_retained`)
         self.gate = StandbyGate()
 
     async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
@@ -103,6 +116,23 @@ class MonitorTarget:
         found = json.loads(slots) if isinstance(slots, str) else (slots or {})
         standby = min((parse_lsn(found[n]) if found.get(n) else 0 for n in names), default=0)
         return self.gate.release(positions, parse_lsn(flushed), standby)
+
+    async def read_retained(self, slot: str) -> RetainedWal | None:
+        """What pgmesh's slot `slot` keeps of the node's WAL (None: no such slot, e.g. a node being
+        joined); kept in `retained`. A warning when PostgreSQL is about to remove WAL the slot needs."""
+        rows = await self.query(_RETAINED_SQL, [slot])
+        retained = RetainedWal(int(rows[0][0] or 0), rows[0][1], rows[0][2]) if rows else None
+        was = self.retained.wal_status if self.retained is not None else None
+        status = retained.wal_status if retained is not None else None
+        if retained is not None and status in ("unreserved", "lost") and was != status:
+            logger.warning(
+                "node %s: slot %s keeps %d bytes of WAL and is %s: past max_slot_wal_keep_size, PostgreSQL"
+                " %s the WAL it still needs to send; see docs/limits.md (retained WAL)",
+                self.node.name, slot, retained.bytes, retained.wal_status,
+                "removes at its next checkpoint" if retained.wal_status == "unreserved" else "has removed",
+            )
+        self.retained = retained
+        return retained
 
     async def paused_sources(self) -> dict[str, str | None]:
         rows = await self.query("SELECT source, reason FROM pgmesh.links WHERE paused")

@@ -10,7 +10,7 @@ import msgspec
 
 from router.cluster.clocks import NodeClock
 
-__all__ = ["LinkStatus", "RecorderStatus", "SourceStatus", "StatusReport"]
+__all__ = ["LinkStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport"]
 
 
 class LinkStatus(msgspec.Struct, frozen=True):
@@ -29,6 +29,14 @@ class LinkStatus(msgspec.Struct, frozen=True):
     last_error: str | None
 
 
+class RetainedWal(msgspec.Struct, frozen=True):
+    """What a node's pgmesh slot keeps of its WAL (router.service.monitor reads it every status tick)."""
+
+    bytes: int  # from the slot's restart_lsn to the node's WAL end
+    wal_status: str | None  # PostgreSQL's: reserved, extended, unreserved (about to lose WAL), lost
+    safe_wal_size: int | None  # bytes that can still be written before the slot loses WAL; None: no limit
+
+
 class SourceStatus(msgspec.Struct, frozen=True):
     node: str
     state: str
@@ -39,6 +47,7 @@ class SourceStatus(msgspec.Struct, frozen=True):
     applied_notes: int  # 16+: pgmesh.applied messages in their place (echoes are never sent)
     reconnects: int
     last_error: str | None
+    retained: RetainedWal | None = None  # what pgmesh's slot on the node keeps of its WAL, as last read
 
 
 class RecorderStatus(msgspec.Struct, frozen=True):

@@ -404,6 +404,7 @@ class Router:
         try:
             async with asyncio.timeout(timeout):
                 positions = await target.origin_progress()
+                await target.read_retained(self.config.slot_name)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             silent = isinstance(exc, TimeoutError)
             target.error = f"no answer to the router within {timeout:g} s" if silent else describe(exc)
@@ -447,6 +448,9 @@ class Router:
                 raise_to(child, count)
         for node, pump in self.pumps.items():
             m.observe_source(node, pump.stats)
+            retained = self.targets[node].retained if node in self.targets else None
+            if retained is not None:
+                m.retained_wal_bytes.labels(node=node).set(retained.bytes)
         for node, recorder in self.recorders.items():
             m.observe_recorder(node, recorder.recorded, recorder.late)
         for setting in self.config.divergent_resolvers():
@@ -527,6 +531,7 @@ class Router:
                 confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.stats.transactions,
                 echoes=pump.stats.echoes, applied_notes=pump.stats.applied_notes,
                 reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
+                retained=self.targets[node].retained if node in self.targets else None,
             )
             for node, pump in self.pumps.items()
         ]

@@ -110,6 +110,8 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactor
     assert after["running"] is False
     human = pgmesh("status", "--config", str(config))
     assert "NOT running" in human.stdout and "a -> b" in human.stdout
+    assert "slot keeps" in human.stdout and "of WAL (reserved, no limit)" in human.stdout
+    assert all(s["retained"]["wal_status"] == "reserved" for s in after["sources"])
 
 
 async def _has(node: Any, key: int) -> bool:

@@ -48,6 +48,12 @@ async def test_a_node_cut_off_shows_down_within_seconds_and_catches_up(
             return {f"{lk.source}->{lk.target}": (lk.state, lk.last_error) for lk in router.status().links}
 
         assert {s for s, _ in states().values()} == {"streaming"}
+        # what each node's slot keeps of its WAL, read every tick, in status and /metrics
+        sources = {s.node: s.retained for s in router.status().sources}
+        assert all(r is not None and r.bytes >= 0 and r.wal_status == "reserved" for r in sources.values())
+        assert sorted(sources) == ["a", "b"]
+        await wait_for(lambda: all(f'pgmesh_retained_wal_bytes{{node="{n}"}}' in router.metrics.render()
+                                   for n in "ab"), "/metrics to show each node's retained WAL")
         proxy.blackhole()
         await wait_for(lambda: all(s == "down" for s, _ in states().values()), "b's links to show down", 60)
         assert all(e is not None and "node b" in e and "no answer" in e for _, e in states().values())

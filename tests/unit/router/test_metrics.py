@@ -185,6 +185,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_link_state": ("gauge", ("source", "target", "state")),
     "pgmesh_source_received_bytes_total": ("counter", ("node",)),
     "pgmesh_source_reconnects_total": ("counter", ("node",)),
+    "pgmesh_retained_wal_bytes": ("gauge", ("node",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
     "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }
