@@ -121,15 +121,17 @@ class Router:
         paused: dict[tuple[str, str], str | None] = {}
         down: set[str] = set()
         self.not_members = set()
+        timeout = self.config.replication.node_timeout_ms / 1000  # a node cut off counts as down
         for name, target in self.targets.items():
             try:
-                await target.origin_progress()
+                async with asyncio.timeout(timeout):
+                    await target.origin_progress()
             except psycopg.errors.UndefinedTable:
                 self.not_members.add(name)  # listed, not installed: a node still to be joined
                 await target.close()
                 target.conn = None
-            except psycopg.Error:
-                pass  # reported below
+            except (psycopg.Error, TimeoutError):
+                target.drop()  # reported below
         if self.not_members:
             if len(self.not_members) == len(self.targets) or len(self.targets) - len(self.not_members) < 2:
                 missing = ", ".join(sorted(self.not_members))
@@ -140,9 +142,10 @@ class Router:
             if name in self.not_members:
                 continue
             try:
-                progress = await target.origin_progress()
-                held = await target.paused_sources()
-                recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
+                async with asyncio.timeout(timeout):
+                    progress = await target.origin_progress()
+                    held = await target.paused_sources()
+                    recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
             except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.applied)
@@ -150,10 +153,14 @@ class Router:
                     f"node {name}: pgmesh's objects here are older than this router ({describe(exc)});"
                     " run `pgmesh init`, which adds what is missing"
                 ) from exc
-            except psycopg.OperationalError as exc:
+            except (psycopg.OperationalError, TimeoutError) as exc:
+                why = f"no answer within {timeout:g} s" if isinstance(exc, TimeoutError) else describe(exc)
                 logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
-                               name, describe(exc))
-                target.error = describe(exc)
+                               name, why)
+                target.drop()
+                target.error = why
+                if isinstance(exc, TimeoutError):  # cut off: shown as such until it answers (`_progress_of`)
+                    target.down_since = self.clock()
                 down.add(name)
                 continue
             except psycopg.Error as exc:

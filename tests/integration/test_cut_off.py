@@ -64,3 +64,26 @@ async def test_a_node_cut_off_shows_down_within_seconds_and_catches_up(
         await wait_for(lambda: router.health()[0], "the router to be healthy again", 90)
         await wait_converged(m.nodes, TABLES, limit=120)
         await wait_for(lambda: {s for s, _ in states().values()} == {"streaming"}, "b's links to stream", 60)
+
+
+async def test_a_router_starts_while_a_node_is_cut_off(mesh: MeshFactory, tcp_proxy: Any) -> None:
+    """Started while b accepts connections but answers nothing, the router does not wait for b: its
+    links start down and catch up once b answers."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    proxy = tcp_proxy("127.0.0.1", b.port)
+    through = b.dsn().replace(f"port={b.port}", f"port={proxy.port}")
+    config = msgspec.structs.replace(
+        m.config,
+        nodes=[msgspec.structs.replace(n, dsn=through) if n.name == b.name else n for n in m.config.nodes],
+        replication=msgspec.structs.replace(
+            m.config.replication, status_interval_ms=200, node_timeout_ms=1500
+        ),
+    )
+    proxy.blackhole()
+    await insert(a, 1, 10)
+    async with running_router(config) as router:
+        assert not router.health()[0]
+        proxy.restore()
+        await wait_converged(m.nodes, TABLES, limit=120)
+        await wait_for(lambda: router.health()[0], "the router to be healthy", 90)
