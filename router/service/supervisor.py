@@ -411,7 +411,6 @@ class Router:
         try:
             async with asyncio.timeout(timeout):
                 positions = await target.origin_progress()
-                await target.read_retained(self.config.slot_name)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             silent = isinstance(exc, TimeoutError)
             target.error = f"no answer to the router within {timeout:g} s" if silent else describe(exc)
@@ -424,6 +423,12 @@ class Router:
         if target.down_since is not None:
             logger.info("node %s answers the router again", name)
             target.down_since = None
+        try:  # what its slot keeps: shown, never a reason to take the node for down
+            async with asyncio.timeout(timeout):
+                await target.read_retained(self.config.slot_name)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            logger.debug("node %s: retained WAL not read: %s", name, describe(exc))
+            target.drop()
         return positions
 
     def _cut_off(self, name: str, why: str) -> None:
