@@ -270,8 +270,7 @@ class LargeApply:
             return transaction_segments(
                 t, link.tables, prepared=prepared or link.prepared, guard_origin=link.source_origin,
                 prelude=prelude,
-                relations=relations, begin=begin, commit=commit, setup=setup,
-                setup_last=link.setup_last or link.mark,  # on 16+ the mark's row held only at the end
+                relations=relations, begin=begin, commit=commit, setup=setup, setup_last=link.setup_last,
                 mark=link.mark,
             )
 

@@ -110,14 +110,10 @@ class LinkSession:
         self.conn: asyncpg.Connection | None = None
         self.origin_held = False
         self.announce = False  # ends each batch with an APPLIED_PREFIX message (`applied_note`)
-        # the origin's set-up just before COMMIT (router.apply.scripts), else with the first statement (one
-        # statement fewer for a single insert). First on every version since the applied mark: on 16+ a
-        # rollback after the set-up moves the origin, and the mark, rolled back, keeps the position true;
-        # the set-up then holds this source's row of pgmesh.links to the COMMIT, which only this session
-        # writes (the lanes and the side session set up just before their COMMIT; so do large
-        # transactions, router.apply.large, not to hold the row for long)
-        self.setup_last = False
-        # every set-up also sets the source's applied mark (router.applied): 16+
+        # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
+        # after it moves the origin; on 15 it goes with the first statement (one statement fewer)
+        self.setup_last = True
+        # every set-up also sets the source's applied mark (router.applied): 16+, as `setup_last`
         self.mark = False
         self.decisions = Decisions(config)
         self.prepared = Prepared(self.decisions)
@@ -147,8 +143,10 @@ class LinkSession:
         )
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
-        # both for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
-        self.announce = self.mark = self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
+        # all three for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
+        self.announce = self.setup_last = self.mark = (
+            self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
+        )
         if self.mark:
             await self.conn.execute(MARK_START, self.origin, self.source)
         await self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup($1)", self.origin)
