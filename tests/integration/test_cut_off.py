@@ -13,11 +13,22 @@ from typing import Any
 
 import msgspec
 
+from router.config import Config
 from router.testing.mesh import execute, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE kv (id bigint PRIMARY KEY, v int NOT NULL);"
 TABLES = ["kv"]
+
+
+def through_proxy(config: Config, node: Any, proxy: Any) -> Config:
+    """`config` with the router reaching `node` through `proxy`, and a quick tick and node timeout."""
+    dsn = node.dsn().replace(f"port={node.port}", f"port={proxy.port}")
+    return msgspec.structs.replace(
+        config,
+        nodes=[msgspec.structs.replace(n, dsn=dsn) if n.name == node.name else n for n in config.nodes],
+        replication=msgspec.structs.replace(config.replication, status_interval_ms=200, node_timeout_ms=1500),
+    )
 
 
 async def insert(node: Any, first: int, count: int) -> None:
@@ -31,14 +42,7 @@ async def test_a_node_cut_off_shows_down_within_seconds_and_catches_up(
     m = await mesh(nodes=2, schema=SCHEMA)
     a, b = m.nodes
     proxy = tcp_proxy("127.0.0.1", b.port)
-    through = b.dsn().replace(f"port={b.port}", f"port={proxy.port}")
-    config = msgspec.structs.replace(
-        m.config,
-        nodes=[msgspec.structs.replace(n, dsn=through) if n.name == b.name else n for n in m.config.nodes],
-        replication=msgspec.structs.replace(
-            m.config.replication, status_interval_ms=200, node_timeout_ms=1500
-        ),
-    )
+    config = through_proxy(m.config, b, proxy)
     async with running_router(config) as router:
         await insert(a, 1, 20)
         await insert(b, 1001, 20)
@@ -49,8 +53,12 @@ async def test_a_node_cut_off_shows_down_within_seconds_and_catches_up(
 
         assert {s for s, _ in states().values()} == {"streaming"}
         # what each node's slot keeps of its WAL, read every tick, in status and /metrics
-        sources = {s.node: s.retained for s in router.status().sources}
-        assert all(r is not None and r.bytes >= 0 and r.wal_status == "reserved" for r in sources.values())
+        def retained() -> dict[str, Any]:
+            return {s.node: s.retained for s in router.status().sources}
+
+        await wait_for(lambda: None not in retained().values(), "a status tick to read the slots")
+        sources = retained()
+        assert all(r.bytes >= 0 and r.wal_status == "reserved" for r in sources.values()), sources
         assert sorted(sources) == ["a", "b"]
         await wait_for(lambda: all(f'pgmesh_retained_wal_bytes{{node="{n}"}}' in router.metrics.render()
                                    for n in "ab"), "/metrics to show each node's retained WAL")
@@ -72,14 +80,7 @@ async def test_a_router_starts_while_a_node_is_cut_off(mesh: MeshFactory, tcp_pr
     m = await mesh(nodes=2, schema=SCHEMA)
     a, b = m.nodes
     proxy = tcp_proxy("127.0.0.1", b.port)
-    through = b.dsn().replace(f"port={b.port}", f"port={proxy.port}")
-    config = msgspec.structs.replace(
-        m.config,
-        nodes=[msgspec.structs.replace(n, dsn=through) if n.name == b.name else n for n in m.config.nodes],
-        replication=msgspec.structs.replace(
-            m.config.replication, status_interval_ms=200, node_timeout_ms=1500
-        ),
-    )
+    config = through_proxy(m.config, b, proxy)
     proxy.blackhole()
     await insert(a, 1, 10)
     async with running_router(config) as router:
