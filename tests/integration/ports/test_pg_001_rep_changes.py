@@ -117,6 +117,8 @@ async def test_001_rep_changes(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "INSERT INTO tab_notrep VALUES (11)")
         await execute(a.dsn(), "INSERT INTO tab_rep VALUES (1000)")
         await wait_for(lambda: has(b.dsn(), "SELECT count(*) FROM tab_rep WHERE a = 1000", [(1,)]), "marker")
+        # the row is visible once the batch commits, the count a moment later (when its round trip returns)
+        await wait_for(lambda: link.stats.applied_transactions > before, "the marker's transaction counted")
         assert link.stats.applied_transactions == before + 1
         assert await fetch(b.dsn(), "SELECT count(*) FROM tab_notrep") == [(10,)]
         await converge(router, m.nodes, TABLES)
