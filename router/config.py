@@ -10,6 +10,7 @@ only named here, never imported (the applier loads it).
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -160,6 +161,20 @@ class SyncSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spark_conf: dict[str, str] = msgspec.field(default_factory=dict)  # e.g. "spark.driver.memory" = "2g"
 
 
+class LogSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[log]`: the router's log of each source (router.stream.log, docs/scale.md)."""
+
+    enabled: bool = True
+    # "": $PGMESH_STATE_DIR, else $XDG_STATE_HOME/pgmesh, else ~/.local/state/pgmesh; then /<cluster>/<node>
+    directory: str = ""
+    cap_mb: int = 10_240  # per source; when reached, links that fall behind re-read the source (WAL kept)
+    segment_mb: int = 64
+    fsync_ms: int = 10  # group fsync: appends wait at most this long to be made durable together
+    # with every link of a source behind (no other link to keep moving for), a link whose queue is full
+    # goes to the log once it holds this much of its source's WAL back
+    hold_wal_mb: int = 1_024
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterSection
     nodes: list[NodeConfig]
@@ -171,6 +186,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     clocks: ClocksSection = msgspec.field(default_factory=ClocksSection)
     ddl: DdlSection = msgspec.field(default_factory=DdlSection)
     sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
+    log: LogSection = msgspec.field(default_factory=LogSection)
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property
@@ -226,6 +242,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not any(_match(p, qualified) for p in rep.tables):
             return False
         return not any(_match(p, qualified) for p in rep.exclude)
+
+    def log_directory(self, node: str) -> Path:
+        """Where the router keeps `node`'s log."""
+        base = self.log.directory or os.environ.get("PGMESH_STATE_DIR") or os.path.join(
+            os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "pgmesh"
+        )
+        return Path(base) / self.cluster.name / node
 
     @property
     def admin_host_port(self) -> tuple[str, int]:
@@ -371,6 +394,13 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 10", "replication.status_interval_ms")
     if rep.node_timeout_ms < 100:
         raise bad("must be >= 100", "replication.node_timeout_ms")
+    log = config.log
+    for field, value, low in (("cap_mb", log.cap_mb, 2), ("segment_mb", log.segment_mb, 1),
+                              ("hold_wal_mb", log.hold_wal_mb, 1), ("fsync_ms", log.fsync_ms, 0)):
+        if value < low:
+            raise bad(f"must be >= {low}", f"log.{field}")
+    if log.segment_mb * 2 > log.cap_mb:
+        raise bad("must be at least two segments (log.segment_mb)", "log.cap_mb")
     if rep.spill_mb < 0:
         raise bad("must be >= 0 (0: never spill to disk)", "replication.spill_mb")
     if not rep.tables:

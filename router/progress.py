@@ -6,7 +6,10 @@ included); the target's replication origin tells what is flushed there (`flushed
 position is `flushed` while anything handed to it is not yet flushed (or while it is detached and must
 re-read), and the source's whole passed position once everything handed to it is flushed. A source's
 slot is confirmed to the minimum durable position over its links: never past what some target has not
-durably applied. Pure bookkeeping: no I/O, no clock.
+durably applied, unless the router's log of the source (router.stream.log) holds it durably: a link whose
+flushed position is past the log's `since` lacks nothing the log does not hold, so it counts as durable up
+to the log's durable position. A link reading from the log (`log_from` set) takes nothing from memory
+until it catches up. Pure bookkeeping: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ __all__ = ["LinkProgress", "SourceProgress"]
 class LinkProgress:
     """What one link has been given and what its target has made durable."""
 
-    __slots__ = ("applied", "enqueued", "flushed", "missed_until", "receiving", "source", "target")
+    __slots__ = ("applied", "enqueued", "flushed", "has_until", "log_from", "missed_until", "receiving",
+                 "source", "target")
 
     def __init__(self, source: str, target: str, flushed: int = 0) -> None:
         self.source = source
@@ -29,6 +33,12 @@ class LinkProgress:
         # the source position it must get back to by re-reading. None when it has everything.
         self.missed_until: int | None = None
         self.receiving = True  # whether the fan-out hands it transactions
+        # Set while it reads the source's log (router.stream.log) instead of the fan-out's hand-outs: the
+        # position after which the log gives it transactions. None: it takes them from memory.
+        self.log_from: int | None = None
+        # What it was given from a log that stopped growing, before it was detached to re-read the rest
+        # from the source: a re-read starts after this (0: nothing)
+        self.has_until = 0
 
     @property
     def detached(self) -> bool:
@@ -53,13 +63,15 @@ class LinkProgress:
             return False
         self.applied = lsn
         self.flushed = min(self.flushed, lsn)
+        self.log_from = None
+        self.has_until = 0
         self.receiving = False
         self.missed_until = max(self.missed_until or 0, self.enqueued)
         return True
 
     def wants(self, end_lsn: int) -> bool:
         """Whether a transaction ending at `end_lsn` still has to be handed to this link."""
-        return self.receiving and end_lsn > self.enqueued
+        return self.receiving and self.log_from is None and end_lsn > self.enqueued
 
     def detach(self, seen: int) -> None:
         """Stop handing it transactions: it will re-read everything after `applied`."""
@@ -73,9 +85,10 @@ class LinkProgress:
         re-read reaches `seen`, the source's position now.
         """
         self.receiving = True
-        self.enqueued = self.applied
+        self.enqueued = max(self.applied, self.has_until)
+        self.has_until = 0
         self.missed_until = max(self.missed_until or 0, seen)
-        if self.applied >= self.missed_until:
+        if self.enqueued >= self.missed_until:
             self.missed_until = None
 
     def passed(self, end_lsn: int) -> None:
@@ -83,11 +96,40 @@ class LinkProgress:
         if self.receiving and self.missed_until is not None and end_lsn >= self.missed_until:
             self.missed_until = None
 
-    def durable(self, seen: int) -> int:
-        """Position the source may be confirmed to on this link's account."""
-        if self.missed_until is not None or self.enqueued > self.flushed:
-            return self.flushed
-        return max(self.flushed, seen)
+    def read_log(self, after: int) -> None:
+        """Take transactions from the source's log after `after` (it has everything up to there)."""
+        self.receiving = True
+        self.missed_until = None
+        self.has_until = 0
+        self.log_from = after
+        self.enqueued = after
+
+    def caught_up(self, end: int) -> None:
+        """It read the log to its end (`end`): from now on the fan-out hands it transactions."""
+        self.log_from = None
+        self.enqueued = max(self.enqueued, end)
+
+    def log_ended(self, end: int, seen: int) -> None:
+        """It read to the end (`end`) of a log that no longer grows: the rest comes from re-reading the
+        source (detached until then)."""
+        self.log_from = None
+        self.has_until = end
+        self.detach(seen)
+
+    def resume_position(self) -> int:
+        """Where a re-read for it must start: after what it applied or was given from the log."""
+        return max(self.applied, self.has_until)
+
+    def durable(self, seen: int, log_since: int | None = None, log_durable: int = 0) -> int:
+        """Position the source may be confirmed to on this link's account (with the source's log, if
+        it has one: continuous after `log_since`, on disk up to `log_durable`)."""
+        if self.missed_until is not None or self.log_from is not None or self.enqueued > self.flushed:
+            own = self.flushed
+        else:
+            own = max(self.flushed, seen)
+        if log_since is not None and self.flushed >= log_since and log_durable > own:
+            return log_durable
+        return own
 
 
 class SourceProgress:
@@ -95,7 +137,7 @@ class SourceProgress:
     the source to itself that takes only the source's own transactions with deletes. The source is
     confirmed only past what the recorder has durably recorded, as past what every link has applied."""
 
-    __slots__ = ("_all", "links", "recorder", "seen", "source")
+    __slots__ = ("_all", "links", "log_durable", "log_since", "recorder", "seen", "source")
 
     def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None) -> None:
         self.source = source
@@ -104,13 +146,28 @@ class SourceProgress:
         # what the source's confirmation waits for (made once: on_seen runs for every transaction)
         self._all = links if recorder is None else [*links, recorder]
         self.seen = min((link.flushed for link in self._all), default=0)
+        self.log_since: int | None = None  # the source's log (router.stream.log): set by its fan-out
+        self.log_durable = 0
 
-    def start_position(self) -> int:
-        """Where to (re)start reading the source: the least durable link (or the recorder)."""
-        return min((link.flushed for link in self._all), default=0)
+    def start_position(self, log_end: int | None = None) -> int:
+        """Where to (re)start reading the source: the least durable link (or the recorder). A link that
+        reads the log (`log_from` set) needs the source only after the log's end `log_end`."""
+        return min(
+            (max(link.flushed, log_end) if link.log_from is not None and log_end is not None else link.flushed
+             for link in self._all),
+            default=0,
+        )
 
     def confirmable(self) -> int:
-        return min((link.durable(self.seen) for link in self._all), default=self.seen)
+        since, durable = self.log_since, self.log_durable
+        out = min((link.durable(self.seen, since, durable) for link in self.links), default=self.seen)
+        if self.recorder is not None:  # the recorder never reads the log: its own position only
+            out = min(out, self.recorder.durable(self.seen))
+        return out
+
+    def logging(self) -> list[LinkProgress]:
+        """The links reading the source's log now."""
+        return [link for link in self.links if link.log_from is not None]
 
     def on_seen(self, end_lsn: int) -> None:
         if end_lsn > self.seen:

@@ -81,11 +81,12 @@ def _free_port() -> int:
         return port
 
 
-def _config_text(nodes: list[LocalNode], admin_port: int) -> str:
+def _config_text(nodes: list[LocalNode], admin_port: int, workdir: Path) -> str:
     parts = ['[cluster]\nname = "demo"\n']
     for node in nodes:
         parts.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
     parts.append(f'[replication]\nstatus_interval_ms = 200\n\n[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
+    parts.append(f'[log]\ndirectory = "{workdir / "log"}"\n')  # the router's log, gone with the demo
     return "\n".join(parts)
 
 
@@ -133,7 +134,7 @@ async def run_demo(*, seconds: float = 10.0, keep: bool = False, out: TextIO = s
             async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
                 await conn.execute(SCHEMA)
         config_path = workdir / "config.toml"
-        config_path.write_text(_config_text(nodes, _free_port()))
+        config_path.write_text(_config_text(nodes, _free_port(), workdir))
         config = parse_config(config_path.read_text(), source=str(config_path))
         print(f"\n$ pgmesh init --config {config_path}", file=out)
         report, actions = await init_cluster(config)

@@ -279,6 +279,9 @@ class Metrics:
         "queue_transactions",
         "registry",
         "retained_wal_bytes",
+        "router_log_bytes",
+        "router_log_full",
+        "router_log_readers",
         "schema_drift",
         "skipped_transactions_total",
         "source_received_bytes_total",
@@ -394,6 +397,22 @@ class Metrics:
             PREFIX + "retained_wal_bytes",
             "WAL the node keeps for pgmesh's slot (from its restart_lsn to the node's WAL end), read every"
             " status tick; it grows while a link from the node is down or behind (docs/limits.md).",
+            ("node",),
+        )
+        self.router_log_bytes = self.registry.gauge(
+            PREFIX + "router_log_bytes",
+            "Bytes of the router's log of the node on disk: transactions kept for links that fell behind"
+            " (docs/scale.md); at its cap ([log] cap_mb) it stops growing and the node's slot keeps WAL.",
+            ("node",),
+        )
+        self.router_log_full = self.registry.gauge(
+            PREFIX + "router_log_full",
+            "1 while the router's log of the node is at its cap ([log] cap_mb): links that fall behind"
+            " re-read the node and its slot keeps the WAL (the policy, docs/scale.md).",
+            ("node",),
+        )
+        self.router_log_readers = self.registry.gauge(
+            PREFIX + "router_log_readers", "Links out of the node reading the router's log (fell behind).",
             ("node",),
         )
         self.tombstones = self.registry.gauge(

@@ -10,7 +10,7 @@ import msgspec
 
 from router.cluster.clocks import NodeClock
 
-__all__ = ["LinkStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport"]
+__all__ = ["LinkStatus", "LogStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport"]
 
 
 class LinkStatus(msgspec.Struct, frozen=True):
@@ -37,6 +37,18 @@ class RetainedWal(msgspec.Struct, frozen=True):
     safe_wal_size: int | None  # bytes that can still be written before the slot loses WAL; None: no limit
 
 
+class LogStatus(msgspec.Struct, frozen=True):
+    """The router's log of a source (router.stream.log, docs/scale.md)."""
+
+    bytes: int  # on disk
+    cap_bytes: int
+    state: str  # "appending"; "full" (at its cap: links that fall behind re-read the source, WAL held)
+    first_lsn: str  # its oldest transaction's end ("0/0": empty)
+    end_lsn: str
+    durable_lsn: str  # the source position it holds on disk: the slot may be confirmed that far
+    readers: list[str]  # the targets reading it now (they fell behind)
+
+
 class SourceStatus(msgspec.Struct, frozen=True):
     node: str
     state: str
@@ -48,6 +60,7 @@ class SourceStatus(msgspec.Struct, frozen=True):
     reconnects: int
     last_error: str | None
     retained: RetainedWal | None = None  # what pgmesh's slot on the node keeps of its WAL, as last read
+    log: LogStatus | None = None  # the router's log of this source (None: [log] enabled = false)
 
 
 class RecorderStatus(msgspec.Struct, frozen=True):

@@ -18,13 +18,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-import msgspec
 import psycopg
 
-from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
+from protocol.lsn import parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
-from router.apply.state import LinkState, LinkStats
+from router.apply.state import LinkState
 from router.cluster.clocks import ClockWatch
 from router.config import Config
 from router.conflicts.pruning import TombstonePruner
@@ -33,9 +32,11 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
-from router.service.metrics import Metrics, raise_to
+from router.service.logs import RouterLogs
+from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
-from router.service.status import LinkStatus, RecorderStatus, SourceStatus, StatusReport
+from router.service.report import Reporter
+from router.service.status import LinkStatus, SourceStatus, StatusReport
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
@@ -75,7 +76,7 @@ class Router:
         self.metrics = metrics or Metrics()
         self.admin: AdminServer | None = None
         self._admin_enabled = admin
-        self._exported: dict[tuple[str, str], LinkStats] = {}  # each link's counters when last exported
+        self.reporter = Reporter()  # status and /metrics (router.service.report)
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
             application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True, origin_none=True,
@@ -83,6 +84,7 @@ class Router:
             early_streamed=config.replication.early_apply,
         )
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
+        self.logs = RouterLogs(config, self.spool)  # each source's router log (router.service.logs)
         self._on_applied_hook = on_applied
         self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
@@ -196,11 +198,14 @@ class Router:
         for source_node in members:
             links: list[LinkProgress] = []
             queues: dict[str, LinkQueue] = {}
+            log = self.logs.open(source_node.name, self._seen_of(source_node.name))
+            stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
             for target_node in members:
                 if target_node is source_node:
                     continue
                 key = (source_node.name, target_node.name)
-                link = LinkProgress(source_node.name, target_node.name, flushed.get(key, 0))
+                link = LinkProgress(source_node.name, target_node.name,
+                                    flushed.get(key, stored.get(target_node.name, 0)))
                 if target_node.name in down:
                     link.detach(0)  # its position is unknown until the node answers
                 queue = LinkQueue(queue_max)
@@ -222,19 +227,24 @@ class Router:
             self.recorders[source_node.name] = TombstoneRecorder(self.config, source_node, recording,
                                                                  recorder_queue)
             progress = SourceProgress(source_node.name, links, recording)
+            self.logs.place(source_node.name, progress, down)
             self._drift_targets.append(MonitorTarget(self.config, source_node))
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
-                options=self.source_options, start_lsn=progress.start_position(), clock=self.clock,
-                spool=self.spool,
+                options=self.source_options, clock=self.clock, spool=self.spool,
+                start_lsn=progress.start_position(None if log is None else log.end),
             )
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
-                                                      recorder=recorder_queue)
+                                                      recorder=recorder_queue, log=log,
+                                                      log_hold_bytes=self.config.log.hold_wal_mb << 20)
         self.drift = DriftWatch(
             {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
             slot=self.config.slot_name, on_change=self._drift_changed,
         )
+
+    def _seen_of(self, node: str) -> Callable[[], int]:
+        return lambda: self.progress[node].seen
 
     # ------------------------------------------------------------ running
 
@@ -279,6 +289,7 @@ class Router:
                 for p in self.pumps.values()
             ]
             ticker = group.create_task(self._tick_forever(), name="progress")
+            logs = self.logs.run(group)
             drift = group.create_task(self.drift.run(), name="schema drift")
             clocks = group.create_task(self.clocks.run(), name="clocks")
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
@@ -292,7 +303,7 @@ class Router:
                 for waiter in waits:
                     waiter.cancel()
             await _cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
-            await self._shutdown(pump_tasks, applier_tasks, ticker)
+            await self._shutdown(pump_tasks, [*applier_tasks, *logs], ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
         """Held: slots released, admin still up. On release, re-read the config and rebuild."""
@@ -316,7 +327,7 @@ class Router:
         if self._reload is not None:
             self.config = self._reload()
         self.targets = {n.name: MonitorTarget(self.config, n) for n in self.config.nodes}
-        self.appliers, self.pumps, self.progress, self._exported = {}, {}, {}, {}
+        self.appliers, self.pumps, self.progress, self.reporter = {}, {}, {}, Reporter()
         logger.info("cluster %s: released; starting again", self.config.cluster.name)
         return True
 
@@ -345,6 +356,7 @@ class Router:
     async def _final_tick(self) -> None:
         with contextlib.suppress(Exception):
             await self.tick(rewind=False)
+        await self.logs.close()
         for pump in self.pumps.values():
             with contextlib.suppress(Exception):
                 await pump.source.send_status()
@@ -389,6 +401,7 @@ class Router:
             self.drift.poke()
         for node, progress in self.progress.items():
             pump = self.pumps[node]
+            self.logs.upkeep(node, progress)
             pump.source.confirm(progress.confirmable())
             if rewind:
                 ready = [
@@ -399,11 +412,11 @@ class Router:
                 ]
                 if ready:
                     pump.rewind_for(ready)
-        self._export_metrics()
+        self.reporter.export(self)
 
     async def _progress_of(self, name: str) -> dict[str, int]:
         """`name`'s flushed origin positions; {} when it fails or does not answer in time. A node that does
-        not answer is taken for cut off from the router: its links show "down" (`_link_status`) and its
+        not answer is taken for cut off from the router: its links show "down" (router.service.report) and its
         sessions are dropped (`_cut_off`), so that they reconnect once it answers, instead of waiting on a
         link that may never carry anything again (TCP alone can take many minutes to give up)."""
         target = self.targets[name]
@@ -440,38 +453,6 @@ class Router:
         pump = self.pumps.get(name)
         if pump is not None:
             pump.source.connection.abort()
-
-    def _export_metrics(self) -> None:
-        """Bring the metrics up to date with the appliers' and sources' own counters."""
-        m = self.metrics
-        status = {(link.source, link.target): link for link in self.status().links}
-        for key, applier in self.appliers.items():
-            labels = {"source": key[0], "target": key[1]}
-            m.observe_link(key[0], key[1], applier.stats, self._exported.get(key))
-            self._exported[key] = msgspec.structs.replace(applier.stats)  # a copy, as they are now
-            link = status[key]
-            m.lag_bytes.labels(**labels).set(link.lag_bytes)
-            m.lag_seconds.labels(**labels).set(link.lag_seconds)
-            m.queue_transactions.labels(**labels).set(link.queued)
-            m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
-        for (source, target), applier in self.appliers.items():
-            for (table, kind), count in applier.conflict_counts().items():
-                child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
-                raise_to(child, count)
-        for node, pump in self.pumps.items():
-            m.observe_source(node, pump.stats)
-            retained = self.targets[node].retained if node in self.targets else None
-            if retained is not None:
-                m.retained_wal_bytes.labels(node=node).set(retained.bytes)
-        for node, recorder in self.recorders.items():
-            m.observe_recorder(node, recorder.recorded, recorder.late)
-        for setting in self.config.divergent_resolvers():
-            m.divergence_allowed.labels(setting=setting).set(1)
-        self.clocks.export(m.clock_offset_seconds)
-        m.schema_drift.clear()
-        for node, tables in drifted_nodes(self.drift.drifted).items():
-            for item in tables:
-                m.schema_drift.labels(node=node, table=item.table).set(1)
 
     def _drift_changed(self, drift: Mapping[str, TableDrift]) -> None:
         """Hold the links into and out of every node a replicated table differs on; run the others."""
@@ -535,54 +516,7 @@ class Router:
                 + sum(recorder.late for recorder in self.recorders.values()))
 
     def status(self) -> StatusReport:
-        now = self.clock()
-        links = [self._link_status(key, applier, now) for key, applier in self.appliers.items()]
-        sources = [
-            SourceStatus(
-                node=node, state=pump.source.state.value, received_lsn=format_lsn(pump.source.received_lsn),
-                confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.stats.transactions,
-                echoes=pump.stats.echoes, applied_notes=pump.stats.applied_notes,
-                reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
-                retained=self.targets[node].retained if node in self.targets else None,
-            )
-            for node, pump in self.pumps.items()
-        ]
-        return StatusReport(
-            self.config.cluster.name, self.running, links, sources, self.config.divergent_resolvers(),
-            [d.describe() for d in self.drift.drifted.values()], self.clocks.report(),
-            [RecorderStatus(node, format_lsn(r.progress.flushed), r.recorded, r.late, r.error)
-             for node, r in self.recorders.items()],
-        )
-
-    @staticmethod
-    def _lag_bytes(source: ReplicationSource, link: LinkProgress) -> int:
-        """WAL between what the source sent and what this link applied, when it has work pending."""
-        if not link.detached and link.enqueued <= link.applied:
-            return 0
-        return max(0, source.received_lsn - link.applied)
-
-    def _link_status(self, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:
-        source = self.pumps[key[0]].source
-        link = applier.progress
-        pending = applier.oldest_pending_commit_time()
-        lag_seconds = max(0.0, now - pg_us_to_datetime(pending).timestamp()) if pending is not None else 0.0
-        state, last_error = applier.state, applier.last_error
-        if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
-            state = LinkState.CATCHING_UP
-        cut = [n for n in key if self.targets[n].down_since is not None]
-        if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP):  # nothing can move over it
-            state, last_error = LinkState.DOWN, f"node {cut[0]}: {self.targets[cut[0]].error}"
-        stats = applier.stats
-        last = stats.last_commit_time
-        return LinkStatus(
-            source=key[0], target=key[1], state=state.value,
-            applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
-            last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
-            lag_bytes=self._lag_bytes(source, link),
-            lag_seconds=round(lag_seconds, 3), queued=applier.pending,
-            applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
-            retries=stats.retries, last_error=last_error,
-        )
+        return self.reporter.status(self)
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]], what: str, limit: float = 10.0) -> None:

@@ -21,6 +21,7 @@ Owns no database connection and no clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -34,6 +35,7 @@ from router.progress import LinkProgress, SourceProgress
 from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
+from router.stream.log import SourceLog
 from router.stream.seen import APPLIED_PREFIX, SeenVersions
 from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
@@ -60,9 +62,14 @@ class SourcePump:
         on_echo: Callable[[Transaction], None] | None = None,
         origins: Mapping[str, str] | None = None,
         recorder: LinkQueue | None = None,
+        log: SourceLog | None = None,
+        log_hold_bytes: int = 1 << 30,
     ) -> None:
         """`origins`: replication origin name -> node name (router.stream.seen.origin_nodes), for
-        the vector of what this source had applied from each node; without it, every `seen` stays ()."""
+        the vector of what this source had applied from each node; without it, every `seen` stays ().
+        `log`: the source's log (router.stream.log); every transaction a target needs is appended to it
+        while it grows, and a link whose queue is full reads from it instead of detaching (when another
+        link needs the stream to move on, or when it holds `log_hold_bytes` of the source's WAL)."""
         self.source = source
         self.stats = source.stats
         self.progress = progress
@@ -77,12 +84,17 @@ class SourcePump:
         # link's `enqueued` stood before it. If the source loses it before the commit, the link must
         # take it again when it is resent.
         self._early: dict[str, tuple[SpillFile, int]] = {}
+        self.log = log
+        self.log_hold_bytes = log_hold_bytes
+        self._feeders: dict[str, asyncio.Task[None]] = {}  # target -> the task feeding it from the log
 
     @property
     def node(self) -> str:
         return self.source.node
 
     async def run(self) -> None:
+        for link in self.progress.logging():  # (from an earlier run's log: router.service.supervisor)
+            self._feed(link)
         items = self.source.stream()
         try:
             async for item in items:
@@ -104,6 +116,8 @@ class SourcePump:
                 await self._dispatch(item)
                 await asyncio.sleep(0)  # let the appliers start while a backlog is still being read
         finally:
+            for task in list(self._feeders.values()):
+                task.cancel()
             await items.aclose()
 
     def _announce(self, item: EarlyStream) -> None:
@@ -139,6 +153,7 @@ class SourcePump:
                     link.enqueued = max(link.enqueued, txn.end_lsn)
                     if self._early.get(link.target, (None, 0))[0] is spill:
                         del self._early[link.target]
+            self._append(txn)
             self.progress.on_seen(txn.end_lsn)
             return
         if spill is not None:
@@ -150,6 +165,8 @@ class SourcePump:
                 spill.release()  # the last one when no link took it: the file goes
         if spill is not None and spill.early:
             return  # handed out before its commit: seen when the commit comes (above)
+        if txn.origin is None:
+            self._append(txn)
         self.progress.on_seen(txn.end_lsn)
 
     async def _to_recorder(self, txn: Transaction) -> None:
@@ -203,10 +220,20 @@ class SourcePump:
                             self._early[link.target] = (txn.spill, before)
 
     async def _hand(self, link: LinkProgress, txn: Transaction) -> bool:
-        """Queue `txn` for `link`; False when it was not queued (the link detached or no longer wants it)."""
+        """Queue `txn` for `link`; False when it was not queued (the link detached, reads the log now, or
+        no longer wants it)."""
         queue = self.queues[link.target]
         while not queue.offer(txn):
-            if self._others_want_and_can_take(link, txn):
+            others = self._others_want_and_can_take(link, txn)
+            if self._log_can_take(link) and (
+                others or self.source.received_lsn - link.applied >= self.log_hold_bytes
+            ):
+                link.read_log(link.enqueued)
+                self._feed(link)
+                logger.info("link %s -> %s: queue full at %s; it reads the router log from there",
+                            link.source, link.target, format_lsn(link.enqueued))
+                return False
+            if others:
                 link.detach(self.progress.seen)
                 queue.clear()  # releases the spill files of what it held
                 logger.warning(
@@ -214,7 +241,11 @@ class SourcePump:
                     link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),
                 )
                 return False
-            await queue.wait_room()  # every link is behind: let backpressure reach the source
+            # every link is behind: let backpressure reach the source (and look again now and then: a
+            # link that holds too much WAL goes to the log)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await queue.wait_room()
             if not link.wants(txn.end_lsn):
                 return False
         link.enqueued = txn.end_lsn
@@ -235,13 +266,87 @@ class SourcePump:
         )
 
     def rewind_for(self, links: list[LinkProgress]) -> int | None:
-        """Re-read the source so these detached links get what they missed; returns the position."""
+        """Give these detached links what they missed: from the log when it holds it, else by re-reading
+        the source; returns the position re-read from (None: no re-read)."""
+        log = self.log
+        rest = []
+        for link in links:
+            after = link.resume_position()
+            if log is not None and log.covers(after) and (log.appending or after < log.end):
+                link.read_log(after)
+                self._feed(link)
+                logger.info("link %s -> %s: reads the router log from %s", link.source, link.target,
+                            format_lsn(after))
+            else:
+                rest.append(link)
+        links = rest
         if not links:
             return None
-        position = max(min(link.applied for link in links), self.source.confirmed_lsn)
+        position = max(min(link.resume_position() for link in links), self.source.confirmed_lsn)
         self.source.rewind(position)
         self.seen.rewind(position)
         self._reattach.extend(links)
         logger.info("node %s: re-reading from %s for %s", self.node, format_lsn(position),
                     ", ".join(link.target for link in links))
         return position
+
+    # ------------------------------------------------------------ the log
+
+    def _append(self, txn: Transaction) -> None:
+        """Append a committed transaction a target may need to the log, while it grows."""
+        log = self.log
+        if log is None or not log.appending or txn.end_lsn <= log.end:
+            return
+        if not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
+            return
+        if log.full:
+            log.stop_appending(self.progress.seen)
+            logger.warning(
+                "node %s: the router log reached its cap (%d MB); from %s on, links that fall behind"
+                " re-read the source and its slot keeps the WAL", self.node, log.cap_bytes >> 20,
+                format_lsn(log.end),
+            )
+            return
+        log.append(txn)
+
+    def _log_can_take(self, link: LinkProgress) -> bool:
+        log = self.log
+        return (log is not None and log.appending and not log.full and link.missed_until is None
+                and log.covers(link.enqueued))
+
+    def _feed(self, link: LinkProgress) -> None:
+        """Start (or restart) the task that hands `link` what the log holds after `link.log_from`."""
+        old = self._feeders.pop(link.target, None)
+        if old is not None:
+            old.cancel()
+        self._feeders[link.target] = asyncio.create_task(
+            self._feed_link(link), name=f"log feeder {link.source} -> {link.target}"
+        )
+
+    async def _feed_link(self, link: LinkProgress) -> None:
+        log = self.log
+        after = link.log_from
+        if log is None or after is None:
+            return
+        reader = log.reader(after)
+        queue = self.queues[link.target]
+        try:
+            while link.log_from is not None:
+                txn = reader.next()
+                if txn is None:  # read to the end: nothing awaited since, so nothing appended since
+                    if log.appending:
+                        link.caught_up(reader.after)
+                        logger.info("link %s -> %s: caught up with the router log at %s", link.source,
+                                    link.target, format_lsn(reader.after))
+                    else:
+                        link.log_ended(max(reader.after, log.end), self.progress.seen)
+                    return
+                while not queue.offer(txn):
+                    await queue.wait_room()
+                    if link.log_from is None:  # the link restarted meanwhile (router.progress.restart_at)
+                        release(txn)
+                        return
+                await asyncio.sleep(0)
+        finally:
+            if self._feeders.get(link.target) is asyncio.current_task():
+                del self._feeders[link.target]

@@ -10,9 +10,12 @@ fixed time to let something happen, or be imported by shipped code other than th
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import resource
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -28,14 +31,31 @@ from router.testing.compare import fingerprints, same_everywhere
 NODE_SETTINGS = {"deadlock_timeout": "100ms", "wal_sender_timeout": "10s"}
 
 
+def log_directory() -> str:
+    """A directory of its own for one cluster's router logs (router.stream.log), under one parent that
+    goes when the process ends: clusters of one name in several tests must not share their logs."""
+    global _LOGS
+    if _LOGS is None:
+        _LOGS = tempfile.mkdtemp(prefix="pgmesh-test-logs-")
+        atexit.register(shutil.rmtree, _LOGS, True)
+    return tempfile.mkdtemp(dir=_LOGS)
+
+
+_LOGS: str | None = None
+
+
 def config_text(
-    nodes: Sequence[Any], cluster: str = "t", replication: str = "", admin_port: int = 0, extra: str = ""
+    nodes: Sequence[Any], cluster: str = "t", replication: str = "", admin_port: int = 0, extra: str = "",
+    log_dir: str | None = None,
 ) -> str:
+    """A config's text; the router's logs in `log_dir` (default: a new directory of their own)."""
     lines = [f'[cluster]\nname = "{cluster}"\n']
     for node in nodes:
         lines.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
     lines.append(f"[replication]\nstatus_interval_ms = 100\n{replication}\n")
     lines.append(f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
+    if "[log]" not in extra:
+        lines.append(f'[log]\ndirectory = "{log_dir or log_directory()}"\n')
     lines.append(extra)
     return "\n".join(lines)
 
@@ -64,7 +84,7 @@ class Mesh:
     config for other nodes (`config_for`) or a config file (`write_config`) says the same of the cluster.
     """
 
-    __slots__ = ("admin_port", "cluster", "config", "extra", "nodes", "replication", "spares")
+    __slots__ = ("admin_port", "cluster", "config", "extra", "log_dir", "nodes", "replication", "spares")
 
     def __init__(
         self,
@@ -82,6 +102,7 @@ class Mesh:
         self.replication = replication
         self.admin_port = admin_port
         self.extra = extra
+        self.log_dir = log_directory()  # one for the mesh: every config of it names the same
         self.config = self.config_for(self.nodes)
 
     @property
@@ -107,6 +128,7 @@ class Mesh:
             replication=self.replication,
             admin_port=self.admin_port,
             extra=self.extra,
+            log_dir=self.log_dir,
         )
 
     def config_for(self, nodes: Sequence[Any]) -> Config:

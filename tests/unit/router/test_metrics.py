@@ -186,6 +186,9 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_source_received_bytes_total": ("counter", ("node",)),
     "pgmesh_source_reconnects_total": ("counter", ("node",)),
     "pgmesh_retained_wal_bytes": ("gauge", ("node",)),
+    "pgmesh_router_log_bytes": ("gauge", ("node",)),
+    "pgmesh_router_log_full": ("gauge", ("node",)),
+    "pgmesh_router_log_readers": ("gauge", ("node",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
     "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }

@@ -1,0 +1,154 @@
+"""What a running router reports: its status (`pgmesh status`, /status) and its /metrics.
+
+`Reporter.status` builds the `StatusReport` from the router's links, sources, logs and watches;
+`Reporter.export` brings the Prometheus metrics up to date with the same (counters as increments since
+the last export). Reads the router's public state; changes nothing in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+
+from protocol.lsn import format_lsn, pg_us_to_datetime
+from router.apply.applier import Applier
+from router.apply.state import LinkState, LinkStats
+from router.cluster.clocks import ClockWatch
+from router.config import Config
+from router.conflicts.recorder import TombstoneRecorder
+from router.ddl.drift import DriftWatch, drifted_nodes
+from router.progress import LinkProgress, SourceProgress
+from router.service.logs import RouterLogs
+from router.service.metrics import Metrics, raise_to
+from router.service.monitor import MonitorTarget
+from router.service.status import LinkStatus, LogStatus, RecorderStatus, SourceStatus, StatusReport
+from router.stream.fanout import SourcePump
+from router.stream.log import SourceLog
+from router.stream.source import ReplicationSource
+
+__all__ = ["Reporter"]
+
+
+class Router(Protocol):
+    """What the report reads of the router (router.service.supervisor.Router)."""
+
+    clock: Callable[[], float]
+    running: bool
+    config: Config
+    metrics: Metrics
+    appliers: dict[tuple[str, str], Applier]
+    pumps: dict[str, SourcePump]
+    progress: dict[str, SourceProgress]
+    targets: dict[str, MonitorTarget]
+    recorders: dict[str, TombstoneRecorder]
+    clocks: ClockWatch
+    drift: DriftWatch
+    logs: RouterLogs
+
+
+class Reporter:
+    """Status and metrics of one router run; keeps each link's counters as last exported."""
+
+    def __init__(self) -> None:
+        self.exported: dict[tuple[str, str], LinkStats] = {}
+
+    def export(self, router: Router) -> None:
+        """Bring the metrics up to date with the appliers' and sources' own counters."""
+        m = router.metrics
+        status = {(link.source, link.target): link for link in self.status(router).links}
+        for key, applier in router.appliers.items():
+            labels = {"source": key[0], "target": key[1]}
+            m.observe_link(key[0], key[1], applier.stats, self.exported.get(key))
+            self.exported[key] = msgspec.structs.replace(applier.stats)  # a copy, as they are now
+            link = status[key]
+            m.lag_bytes.labels(**labels).set(link.lag_bytes)
+            m.lag_seconds.labels(**labels).set(link.lag_seconds)
+            m.queue_transactions.labels(**labels).set(link.queued)
+            m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
+        for (source, target), applier in router.appliers.items():
+            for (table, kind), count in applier.conflict_counts().items():
+                child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
+                raise_to(child, count)
+        for node, pump in router.pumps.items():
+            m.observe_source(node, pump.stats)
+            retained = router.targets[node].retained if node in router.targets else None
+            if retained is not None:
+                m.retained_wal_bytes.labels(node=node).set(retained.bytes)
+            log = router.logs.logs.get(node)
+            if log is not None:
+                m.router_log_bytes.labels(node=node).set(log.size)
+                m.router_log_full.labels(node=node).set(int(not log.appending))
+                m.router_log_readers.labels(node=node).set(len(router.progress[node].logging()))
+        for node, recorder in router.recorders.items():
+            m.observe_recorder(node, recorder.recorded, recorder.late)
+        for setting in router.config.divergent_resolvers():
+            m.divergence_allowed.labels(setting=setting).set(1)
+        router.clocks.export(m.clock_offset_seconds)
+        m.schema_drift.clear()
+        for node, tables in drifted_nodes(router.drift.drifted).items():
+            for item in tables:
+                m.schema_drift.labels(node=node, table=item.table).set(1)
+
+
+    def status(self, router: Router) -> StatusReport:
+        now = router.clock()
+        links = [self._link_status(router, key, applier, now) for key, applier in router.appliers.items()]
+        sources = [
+            SourceStatus(
+                node=node, state=pump.source.state.value, received_lsn=format_lsn(pump.source.received_lsn),
+                confirmed_lsn=format_lsn(pump.source.confirmed_lsn), transactions=pump.stats.transactions,
+                echoes=pump.stats.echoes, applied_notes=pump.stats.applied_notes,
+                reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
+                retained=router.targets[node].retained if node in router.targets else None,
+                log=_log_status(router.logs.logs.get(node), router.progress[node]),
+            )
+            for node, pump in router.pumps.items()
+        ]
+        return StatusReport(
+            router.config.cluster.name, router.running, links, sources, router.config.divergent_resolvers(),
+            [d.describe() for d in router.drift.drifted.values()], router.clocks.report(),
+            [RecorderStatus(node, format_lsn(r.progress.flushed), r.recorded, r.late, r.error)
+             for node, r in router.recorders.items()],
+        )
+
+    def _link_status(self, router: Router, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:
+        source = router.pumps[key[0]].source
+        link = applier.progress
+        pending = applier.oldest_pending_commit_time()
+        lag_seconds = max(0.0, now - pg_us_to_datetime(pending).timestamp()) if pending is not None else 0.0
+        state, last_error = applier.state, applier.last_error
+        if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
+            state = LinkState.CATCHING_UP
+        cut = [n for n in key if router.targets[n].down_since is not None]
+        if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP):  # nothing can move over it
+            state, last_error = LinkState.DOWN, f"node {cut[0]}: {router.targets[cut[0]].error}"
+        stats = applier.stats
+        last = stats.last_commit_time
+        return LinkStatus(
+            source=key[0], target=key[1], state=state.value,
+            applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
+            last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
+            lag_bytes=_lag_bytes(source, link),
+            lag_seconds=round(lag_seconds, 3), queued=applier.pending,
+            applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
+            retries=stats.retries, last_error=last_error,
+        )
+
+
+def _lag_bytes(source: ReplicationSource, link: LinkProgress) -> int:
+    """WAL between what the source sent and what this link applied, when it has work pending."""
+    if not link.detached and link.enqueued <= link.applied:
+        return 0
+    return max(0, source.received_lsn - link.applied)
+
+
+def _log_status(log: SourceLog | None, progress: SourceProgress) -> LogStatus | None:
+    if log is None:
+        return None
+    return LogStatus(
+        bytes=log.size, cap_bytes=log.cap_bytes, state="appending" if log.appending else "full",
+        first_lsn=format_lsn(log.first), end_lsn=format_lsn(log.end), durable_lsn=format_lsn(log.durable),
+        readers=[link.target for link in progress.logging()],
+    )

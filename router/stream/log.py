@@ -1,0 +1,540 @@
+"""The router's log of one source: committed transactions on disk, for links that fell behind.
+
+A link reads its source's transactions from memory (its `LinkQueue`) while it keeps up. When its queue is
+full, the fan-out (router.stream.fanout) opens this log (`activate(since)`): from then on every committed
+transaction of the source that a target may need is appended once (`append`), and a link that fell behind
+reads it back from the log (`reader(after)`) instead of holding the source's WAL. Appends are buffered and
+made durable by one group fsync (`run`: every `fsync_ms`, in a thread); `durable` is the source position
+before which everything the log must hold is on disk, so the source's slot can be confirmed that far on
+the account of every link whose own position is past `since` (router.progress).
+
+The log is continuous from `since`: it holds every transaction a target may need that ends after it. It is
+appended to until it is no longer needed, then deleted whole (`reset`); a new one starts at a later
+`since`. Segments of `segment_bytes` are deleted once every link is past them (`truncate_before`). When
+`size` reaches `cap_bytes` the log stops growing (`full`): the fan-out then stops logging and lets the
+source's slot hold the WAL instead (the stated policy, docs/scale.md).
+
+On disk, one directory per source: `identity` (the source node's system identifier: a log is never read
+against another server) and segments `NNNNNNNNNN.seg`, each a 20-byte header (magic, `since`, CRC) then
+records: 4-byte length, 4-byte CRC-32 of the rest, a kind byte, the payload. A transaction is one `T`
+record (its description and its changes) or, when it spilled, a `B` record, `F` records of change frames
+and an `E` record. `open()` reads every segment back: a record cut short or failing its CRC (a crash in
+the middle of a write), and a transaction without its `E`, end the log there; the rest is truncated.
+
+Must not: decide which link reads what (router.stream.fanout), talk to a database, or hold more than
+one transaction's frames in memory while reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final, cast
+
+import msgspec
+
+from protocol.lsn import format_lsn
+from protocol.messages import Relation
+from protocol.transactions import Change, Spill, SpilledChange, Transaction
+from router.errors import PgmeshError
+from router.stream.spool import Spool, decode_frame, encode_changes, iter_raw_chunks
+
+__all__ = ["LogReader", "SourceLog", "write_durably"]
+
+logger = logging.getLogger(__name__)
+
+_MAGIC: Final = b"PGMLOG01"
+_SEGMENT_HEADER: Final = struct.Struct(">8sQI")
+_RECORD: Final = struct.Struct(">IIc")  # length of kind + payload, CRC-32 of kind + payload, kind
+_LENGTH: Final = struct.Struct(">I")
+_END: Final = struct.Struct(">Q")
+_WHOLE, _BEGIN, _FRAMES, _FINISH = b"T", b"B", b"F", b"E"
+_BIG_CHANGES: Final = 4096  # a transaction with more changes than this is logged (and read back) in pieces
+_READ_CHANGES: Final = 10_000  # changes per piece written to the spool when reading a big one back
+
+
+class _Meta(msgspec.Struct, array_like=True, frozen=True):
+    """A logged transaction's description (its changes follow)."""
+
+    xid: int
+    commit_lsn: int
+    end_lsn: int
+    commit_time: int
+    nbytes: int
+    row_count: int
+    streamed: bool
+    seen: tuple[tuple[str, int], ...]
+    relations: list[Relation]
+
+
+_META_ENCODER: Final = msgspec.msgpack.Encoder()
+_META_DECODER: Final = msgspec.msgpack.Decoder(_Meta)
+
+
+class _Segment:
+    __slots__ = ("first", "last", "path", "seq", "size")
+
+    def __init__(self, path: Path, seq: int, size: int) -> None:
+        self.path = path
+        self.seq = seq
+        self.size = size  # bytes written to the file (the buffer not included)
+        self.first = 0  # end LSN of its first transaction (0: none yet)
+        self.last = 0  # end LSN of its last transaction
+
+
+class SourceLog:
+    """The append-only log of one source node; see the module docstring."""
+
+    def __init__(
+        self, directory: Path, node: str, *, identity: str, spool: Spool, segment_bytes: int = 64 << 20,
+        cap_bytes: int = 10 << 30, fsync_ms: int = 10, position: Callable[[], int] | None = None,
+    ) -> None:
+        """`position`: the source position the fan-out has passed (everything before it that a target
+        needs was appended); read at each fsync to move `durable`."""
+        self.directory = directory
+        self.node = node
+        self.identity = identity
+        self.spool = spool
+        self.segment_bytes = segment_bytes
+        self.cap_bytes = cap_bytes
+        self.fsync_s = fsync_ms / 1000
+        self.since: int | None = None  # the log holds every needed transaction after this; None: no log
+        self.end = 0  # end LSN of the last transaction appended
+        self._position: Callable[[], int] = position or (lambda: self.end)
+        self.durable = 0  # source position: everything needed before it is on disk
+        self.appending = False  # False once it stopped growing (closing, or full)
+        self._segments: list[_Segment] = []
+        self._fd: int | None = None
+        self._buf = bytearray()
+        self._frames = bytearray()
+        self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
+        self._dirty = asyncio.Event()
+        self._limit: int | None = None  # where `durable` stops once nothing more is appended
+        self.appended = 0  # transactions appended (stats)
+        self.bytes_appended = 0
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk (and buffered)."""
+        return sum(s.size for s in self._segments) + len(self._buf)
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.cap_bytes
+
+    @property
+    def first(self) -> int:
+        """End LSN of the oldest transaction still in the log (0: none)."""
+        return next((s.first for s in self._segments if s.first), 0)
+
+    def covers(self, after: int) -> bool:
+        """Whether every needed transaction ending after `after` is in the log, up to `end`."""
+        return self.since is not None and self.since <= after
+
+    # ------------------------------------------------------------ opening and recovery
+
+    def open(self) -> None:
+        """Read back what an earlier run left (torn tail truncated); the log is active if anything is left."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        ident = self.directory / "identity"
+        if ident.exists():
+            found = ident.read_text().strip()
+            if found != self.identity:
+                raise PgmeshError(
+                    f"the router log in {self.directory} belongs to another server ({found}, this one is"
+                    f" {self.identity}); move it away if the node was rebuilt, then run `pgmesh repair`",
+                    node=self.node,
+                )
+        else:
+            write_durably(ident, self.identity.encode())
+        for path in sorted(self.directory.glob("*.seg")):
+            if not self._recover(path):
+                break
+        for later in sorted(self.directory.glob("*.seg"))[len(self._segments):]:
+            logger.warning("node %s: router log segment %s follows a torn record: deleted", self.node, later)
+            later.unlink()
+        if self._segments and self.end:
+            self.appending = True
+            self.durable = self.end
+            self._fd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND)
+            logger.info("node %s: router log holds %s after %s up to %s", self.node, _human(self.size),
+                        format_lsn(self.since or 0), format_lsn(self.end))
+        else:
+            self._delete_all()
+
+    def _recover(self, path: Path) -> bool:
+        """Read one segment; False when it ends torn (it is truncated there; later ones are dropped)."""
+        data = path.read_bytes()
+        seg = _Segment(path, int(path.stem), 0)
+        if len(data) < _SEGMENT_HEADER.size:
+            path.unlink()
+            return False
+        magic, since, crc = _SEGMENT_HEADER.unpack_from(data)
+        if magic != _MAGIC or crc != zlib.crc32(data[:16]):
+            path.unlink()
+            return False
+        if self.since is None:
+            self.since = since
+        elif since != self.since:  # another log's segment: an earlier one was not deleted whole
+            path.unlink()
+            return False
+        pos = good = _SEGMENT_HEADER.size
+        first = last = 0
+        open_txn = False
+        while pos + _RECORD.size <= len(data):
+            length, crc, kind = _RECORD.unpack_from(data, pos)
+            body = data[pos + 8 : pos + 8 + length]
+            if len(body) < length or zlib.crc32(body) != crc:
+                break
+            pos += 8 + length
+            if kind in (_WHOLE, _FINISH):
+                end = (_END.unpack_from(body, 1)[0] if kind == _FINISH
+                       else _META_DECODER.decode(_meta_bytes(body)).end_lsn)
+                first = first or end
+                last = end
+                good = pos
+                open_txn = False
+            elif kind in (_BEGIN, _FRAMES):
+                open_txn = True
+            else:
+                break
+        torn = good < len(data)
+        if torn:
+            logger.warning("node %s: router log %s: %d bytes after %s cut off (a torn write or an unfinished"
+                           " transaction)", self.node, path.name, len(data) - good, format_lsn(last))
+            with open(path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        del open_txn
+        seg.size, seg.first, seg.last = good, first, last
+        self._segments.append(seg)
+        self.end = max(self.end, last)
+        return not torn
+
+    # ------------------------------------------------------------ writing
+
+    def activate(self, since: int) -> None:
+        """Start a log continuous after `since` (the caller appends every needed transaction after it)."""
+        if self.since is not None:
+            raise PgmeshError("the router log is already active", node=self.node)
+        self.since = since
+        self.end = max(self.end, since)
+        self.durable = since
+        self.appending = True
+        self._limit = None
+        self._roll()
+        logger.info("node %s: router log started after %s in %s", self.node, format_lsn(since),
+                    self.directory)
+
+    def stop_appending(self, position: int) -> None:
+        """Nothing more is appended (it reached its cap, or nobody needs it): `durable` stops at
+        `position`, the source position passed when it stopped."""
+        self.appending = False
+        self._limit = position
+
+    def append(self, txn: Transaction) -> None:
+        """Append a committed transaction (its whole changes, spilled part included)."""
+        meta = _META_ENCODER.encode(_Meta(
+            txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count, txn.streamed,
+            txn.seen, list(txn.relations.values()),
+        ))
+        frames = self._frames
+        frames.clear()
+        if not txn.spilled and len(txn.changes) <= _BIG_CHANGES:
+            encode_changes(txn.changes, frames)
+            self._record(_WHOLE, _LENGTH.pack(len(meta)) + meta, frames)
+        else:
+            self._record(_BEGIN, meta, b"")
+            for chunk in iter_raw_chunks(txn, _BIG_CHANGES):
+                frames.clear()
+                encode_changes(chunk, frames)
+                self._record(_FRAMES, b"", frames)
+                if len(self._buf) >= 1 << 20:
+                    self._write()  # (no reader runs before the whole transaction is written)
+            self._record(_FINISH, b"", _END.pack(txn.end_lsn))
+        seg = self._segments[-1]
+        seg.first = seg.first or txn.end_lsn
+        seg.last = txn.end_lsn
+        self.end = txn.end_lsn
+        self.appended += 1
+        if len(self._buf) >= 1 << 20:
+            self._write()
+        if seg.size + len(self._buf) >= self.segment_bytes:
+            self._roll()
+        self._dirty.set()
+
+    def _record(self, kind: bytes, head: bytes, body: bytes | bytearray) -> None:
+        crc = zlib.crc32(body, zlib.crc32(head, zlib.crc32(kind)))
+        self._buf += _RECORD.pack(1 + len(head) + len(body), crc, kind)
+        self._buf += head
+        self._buf += body
+        self.bytes_appended += 9 + len(head) + len(body)
+
+    def _write(self) -> None:
+        """Hand the buffer to the OS (no fsync): readers and the next fsync see it."""
+        if self._buf and self._fd is not None:
+            with memoryview(self._buf) as view:
+                done = 0
+                while done < len(view):
+                    done += os.write(self._fd, view[done:])
+            self._segments[-1].size += len(self._buf)
+            self._buf.clear()
+
+    def _roll(self) -> None:
+        """Start a new segment (the current one is fsynced and closed by the next group fsync)."""
+        self._write()
+        if self._fd is not None:
+            self._pending_sync.append(self._fd)
+        seq = self._segments[-1].seq + 1 if self._segments else 1
+        path = self.directory / f"{seq:010d}.seg"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        header = bytearray(_SEGMENT_HEADER.pack(_MAGIC, self.since or 0, 0))
+        struct.pack_into(">I", header, 16, zlib.crc32(header[:16]))
+        os.write(fd, header)
+        self._fd = fd
+        self._segments.append(_Segment(path, seq, len(header)))
+        self._pending_sync.append(-1)  # the directory: the new file's name must be durable too
+
+    async def run(self) -> None:
+        """Group fsync: after each batch of appends (at most every `fsync_ms`), make them durable."""
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.fsync_s)
+            self._dirty.clear()
+            await self.sync()
+
+    async def sync(self) -> None:
+        """Make everything appended so far durable; then `durable` moves to the position passed."""
+        mark = self._position()
+        self._write()
+        pending, self._pending_sync = self._pending_sync, []
+        fd = self._fd
+        await asyncio.to_thread(_fsync_all, pending, fd, self.directory)
+        if self._limit is not None:
+            mark = min(mark, self._limit)
+        if self.since is not None:
+            self.durable = max(self.durable, mark)
+
+    # ------------------------------------------------------------ reading and truncation
+
+    def reader(self, after: int) -> LogReader:
+        """Read back every logged transaction ending after `after`, in order."""
+        return LogReader(self, after)
+
+    def truncate_before(self, lsn: int) -> int:
+        """Delete every segment (not the one being written) whose transactions all end at or before
+        `lsn`; returns the bytes freed."""
+        freed = 0
+        while len(self._segments) > 1 and self._segments[0].last <= lsn:
+            seg = self._segments.pop(0)
+            freed += seg.size
+            seg.path.unlink(missing_ok=True)
+        return freed
+
+    def reset(self) -> None:
+        """The log is no longer needed by anyone: delete it whole."""
+        logger.info("node %s: router log up to %s no longer needed: deleted (%s)", self.node,
+                    format_lsn(self.end), _human(self.size))
+        self._delete_all()
+
+    def _delete_all(self) -> None:
+        self._close_fd()
+        for seg in self._segments:
+            seg.path.unlink(missing_ok=True)
+        for path in self.directory.glob("*.seg"):
+            path.unlink(missing_ok=True)
+        self._segments = []
+        self._buf.clear()
+        self.since = None
+        self.appending = False
+
+    def _close_fd(self) -> None:
+        for fd in [*self._pending_sync, self._fd]:
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._pending_sync = []
+        self._fd = None
+
+    def close(self) -> None:
+        """Write what is buffered and close (no fsync: what was not synced was not confirmed either)."""
+        self._write()
+        self._close_fd()
+
+    def segments(self) -> list[_Segment]:
+        return list(self._segments)
+
+
+class LogReader:
+    """A cursor over the log: `next()` gives the next transaction ending after its position, or None
+    when it has read everything appended so far."""
+
+    def __init__(self, log: SourceLog, after: int) -> None:
+        self.log = log
+        self.after = after
+        self._seq = 0
+        self._pos = 0
+
+    def next(self) -> Transaction | None:
+        log = self.log
+        while True:
+            seg = self._segment()
+            if seg is None:
+                return None
+            if self._pos >= seg.size + (len(log._buf) if seg is log._segments[-1] else 0):
+                if seg is log._segments[-1]:
+                    return None
+                self._seq, self._pos = seg.seq + 1, _SEGMENT_HEADER.size
+                continue
+            if seg is log._segments[-1] and log._buf:
+                log._write()  # what is buffered is read from the file
+            txn = self._read_txn(seg)
+            if txn is not None and txn.end_lsn > self.after:
+                self.after = txn.end_lsn
+                return txn
+            if txn is not None:
+                _drop(txn)
+
+    def _segment(self) -> _Segment | None:
+        segments = self.log._segments
+        if not segments:
+            return None
+        if self._seq < segments[0].seq:  # truncated under it (it was past them) or first use
+            self._seq, self._pos = segments[0].seq, _SEGMENT_HEADER.size
+        for seg in segments:
+            if seg.seq == self._seq:
+                return seg
+        return None
+
+    def _read_txn(self, seg: _Segment) -> Transaction | None:
+        with open(seg.path, "rb") as f:
+            f.seek(self._pos)
+            kind, body = _read_record(f, seg)
+            if kind == _WHOLE:
+                self._pos = f.tell()
+                meta_len = _LENGTH.unpack_from(body)[0]
+                meta = _META_DECODER.decode(body[4 : 4 + meta_len])
+                if meta.end_lsn <= self.after:
+                    return None
+                changes = decode_frames(memoryview(body)[4 + meta_len :])
+                return _transaction(meta, changes, 0, None)
+            if kind != _BEGIN:
+                raise PgmeshError(f"router log {seg.path}: a transaction's record at byte {self._pos} is"
+                                  f" out of place ({kind!r})", node=self.log.node)
+            meta = _META_DECODER.decode(body)
+            skip = meta.end_lsn <= self.after
+            spool, key = self.log.spool, f"{self.log.node}.log"
+            count = 0
+            handle = None
+            while True:
+                kind, body = _read_record(f, seg)
+                if kind == _FINISH:
+                    break
+                if skip:
+                    continue
+                piece = cast("list[SpilledChange]", decode_frames(body))
+                count += len(piece)
+                handle = spool.write(key, Spill(meta.xid, piece))
+            self._pos = f.tell()
+            if skip:
+                return None
+            handle = spool.finish(key, meta.xid)
+            if handle is not None:
+                handle.acquire()  # the reader's: the one who takes the transaction releases it
+            return _transaction(meta, [], count, handle)
+
+
+def _read_record(f: object, seg: _Segment) -> tuple[bytes, bytes]:
+    read = f.read  # type: ignore[attr-defined]
+    head = read(_RECORD.size)
+    if len(head) < _RECORD.size:
+        raise PgmeshError(f"router log {seg.path} ends inside a record")
+    length, crc, kind = _RECORD.unpack(head)
+    body: bytes = read(length - 1)
+    if len(body) != length - 1 or zlib.crc32(body, zlib.crc32(kind)) != crc:
+        raise PgmeshError(f"router log {seg.path}: a record fails its checksum")
+    return kind, body
+
+
+def decode_frames(data: bytes | memoryview) -> list[Change]:
+    """Every frame (length + msgpack) in `data`, decoded, in order."""
+    out: list[Change] = []
+    view = memoryview(data)
+    pos = 0
+    while pos < len(view):
+        size = _LENGTH.unpack_from(view, pos)[0]
+        out += decode_frame(view[pos + 4 : pos + 4 + size])
+        pos += 4 + size
+    return out
+
+
+def _meta_bytes(body: bytes) -> bytes:
+    """The description inside a record's body (a `T` body starts with its length, a `B` body is one)."""
+    if body[:1] == _WHOLE:
+        size = _LENGTH.unpack_from(body, 1)[0]
+        return body[5 : 5 + size]
+    return body[1:]
+
+
+def _transaction(meta: _Meta, changes: list[Change], spilled: int, handle: object) -> Transaction:
+    return Transaction(
+        meta.xid, meta.commit_lsn, meta.end_lsn, meta.commit_time, changes,
+        {r.relid: r for r in meta.relations}, None, None, meta.streamed, meta.nbytes, meta.row_count,
+        spilled, (), handle, meta.seen,
+    )
+
+
+def _drop(txn: Transaction) -> None:
+    handle = txn.spill
+    if handle is not None:
+        handle.release()
+
+
+def _fsync_all(pending: list[int], fd: int | None, directory: Path) -> None:
+    for old in pending:
+        if old < 0:
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        else:
+            os.fsync(old)
+            os.close(old)
+    if fd is not None:
+        with contextlib.suppress(OSError):  # closed by a reset meanwhile
+            os.fsync(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"

@@ -1,0 +1,206 @@
+"""The router's log of a source (router.stream.log): append, read back, group fsync, truncation, recovery.
+
+Files live in pytest's tmp_path; transactions are built by hand (one-row ones, and one big enough to be
+logged in pieces and read back through the spool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from protocol.messages import Column, Insert, Relation, TupleData, Update
+from protocol.transactions import Change, Transaction
+from router.errors import PgmeshError
+from router.stream.log import SourceLog
+from router.stream.spool import Spool, iter_chunks, release
+
+REL = Relation(16384, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25, -1, False)), 77)
+
+
+def row(i: int, v: str = "x") -> TupleData:
+    return TupleData(b"tt", (str(i).encode(), v.encode()))
+
+
+def txn(end: int, rows: int = 1, *, seen: tuple[tuple[str, int], ...] = ()) -> Transaction:
+    changes: list[Change] = [Insert(REL.relid, row(end * 100_000 + i)) for i in range(rows)]
+    if rows:
+        changes.append(Update(REL.relid, row(end, "y"), None, None))
+    return Transaction(end, end - 1, end, 1_000 + end, changes, {REL.relid: REL}, seen=seen)
+
+
+def make(tmp_path: Path, **kw: object) -> SourceLog:
+    log = SourceLog(tmp_path / "log", "a", identity="t/a", spool=Spool(tmp_path / "spool"), **kw)  # type: ignore[arg-type]
+    log.open()
+    return log
+
+
+def read_all(log: SourceLog, after: int) -> list[Transaction]:
+    reader = log.reader(after)
+    out = []
+    while (t := reader.next()) is not None:
+        out.append(t)
+    return out
+
+
+def changes_of(t: Transaction) -> list[Change]:
+    return [c for chunk in iter_chunks(t) for c in chunk]
+
+
+def test_transactions_come_back_as_appended_after_a_position(tmp_path: Path) -> None:
+    log = make(tmp_path)
+    assert not log.active
+    log.activate(100)
+    sent = [txn(end, seen=(("b", end),)) for end in range(101, 111)]
+    for t in sent:
+        log.append(t)
+    got = read_all(log, 104)
+    assert [t.end_lsn for t in got] == list(range(105, 111))
+    for t, want in zip(got, sent[4:], strict=True):
+        assert t.changes == want.changes and t.relations == want.relations and t.seen == want.seen
+        assert (t.xid, t.commit_lsn, t.commit_time, t.row_count) == (want.xid, want.commit_lsn,
+                                                                      want.commit_time, want.row_count)
+        assert t.origin is None
+
+
+def test_a_big_transaction_is_logged_in_pieces_and_read_back_through_the_spool(tmp_path: Path) -> None:
+    log = make(tmp_path)
+    log.activate(0)
+    big = txn(5, rows=20_000)
+    log.append(txn(4))
+    log.append(big)
+    log.append(txn(6))
+    got = read_all(log, 4)
+    assert [t.end_lsn for t in got] == [5, 6]
+    assert got[0].spilled == len(big.changes) and got[0].changes == []
+    assert changes_of(got[0]) == big.changes
+    release(got[0])
+    assert not list((tmp_path / "spool").rglob("*.spill"))  # its file went with the last reference
+
+
+def test_a_reader_that_caught_up_sees_what_is_appended_later(tmp_path: Path) -> None:
+    log = make(tmp_path, segment_bytes=4096)
+    log.activate(0)
+    reader = log.reader(0)
+    assert reader.next() is None
+    for end in range(1, 200):  # several segments
+        log.append(txn(end))
+        got = reader.next()
+        assert got is not None and got.end_lsn == end
+        assert reader.next() is None
+    assert len(log.segments()) > 3
+
+
+def test_segments_every_link_passed_are_deleted_not_the_one_being_written(tmp_path: Path) -> None:
+    log = make(tmp_path, segment_bytes=4096)
+    log.activate(0)
+    for end in range(1, 300):
+        log.append(txn(end))
+    segments = log.segments()
+    before = log.size
+    freed = log.truncate_before(segments[2].last)
+    assert freed > 0 and log.size == before - freed
+    assert log.segments()[0].seq == segments[3].seq
+    assert log.first == segments[3].first
+    assert read_all(log, 0)[0].end_lsn == segments[3].first  # a reader starts at what is left
+    log.truncate_before(10**9)
+    assert len(log.segments()) == 1  # the one being written stays
+
+
+def test_durable_moves_only_after_the_group_fsync_and_stops_where_appending_stopped(tmp_path: Path) -> None:
+    passed = [0]
+    log = make(tmp_path, position=lambda: passed[0])
+    log.activate(10)
+    log.append(txn(11))
+    passed[0] = 12
+    assert log.durable == 10
+    asyncio.run(log.sync())
+    assert log.durable == 12
+    log.stop_appending(15)
+    passed[0] = 20
+    asyncio.run(log.sync())
+    assert log.durable == 15 and not log.appending
+
+
+def test_reopened_it_goes_on_from_where_it_was(tmp_path: Path) -> None:
+    log = make(tmp_path, segment_bytes=4096)
+    log.activate(50)
+    for end in range(51, 151):
+        log.append(txn(end))
+    asyncio.run(log.sync())
+    log.close()
+    again = make(tmp_path, segment_bytes=4096)
+    assert again.active and again.appending
+    assert (again.since, again.end, again.first) == (50, 150, 51)
+    again.append(txn(151))
+    assert [t.end_lsn for t in read_all(again, 148)] == [149, 150, 151]
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 30])
+def test_a_torn_tail_is_cut_off_at_the_last_whole_transaction(tmp_path: Path, cut: int) -> None:
+    log = make(tmp_path)
+    log.activate(0)
+    for end in range(1, 11):
+        log.append(txn(end))
+    log.close()
+    path = log.segments()[-1].path
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - cut)  # the last record written in part (a crash mid-write)
+    again = make(tmp_path)
+    assert again.end == 9
+    assert [t.end_lsn for t in read_all(again, 0)] == list(range(1, 10))
+    assert path.stat().st_size < size - cut
+
+
+def test_a_record_that_fails_its_checksum_ends_the_log_there(tmp_path: Path) -> None:
+    log = make(tmp_path, segment_bytes=4096)
+    log.activate(0)
+    for end in range(1, 200):
+        log.append(txn(end))
+    log.close()
+    segments = log.segments()
+    victim = segments[1]
+    data = bytearray(victim.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.path.write_bytes(bytes(data))
+    again = make(tmp_path, segment_bytes=4096)
+    assert again.end < victim.last
+    assert len(again.segments()) == 2  # the later segments follow a hole: gone
+    assert [t.end_lsn for t in read_all(again, 0)] == list(range(1, again.end + 1))
+
+
+def test_an_unfinished_big_transaction_at_the_tail_is_cut_off(tmp_path: Path) -> None:
+    log = make(tmp_path)
+    log.activate(0)
+    log.append(txn(1))
+    log.append(txn(2, rows=10_000))
+    log.close()
+    path = log.segments()[-1].path
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 13)  # its end record lost
+    again = make(tmp_path)
+    assert again.end == 1
+    assert [t.end_lsn for t in read_all(again, 0)] == [1]
+
+
+def test_a_log_of_another_server_is_refused(tmp_path: Path) -> None:
+    make(tmp_path).activate(0)
+    other = SourceLog(tmp_path / "log", "a", identity="t/other", spool=Spool(tmp_path / "spool"))
+    with pytest.raises(PgmeshError, match="belongs to another server"):
+        other.open()
+
+
+def test_reset_deletes_it_whole(tmp_path: Path) -> None:
+    log = make(tmp_path, segment_bytes=4096)
+    log.activate(0)
+    for end in range(1, 100):
+        log.append(txn(end))
+    log.reset()
+    assert not log.active and log.size == 0
+    assert not list((tmp_path / "log").glob("*.seg"))
+    log.activate(500)
+    log.append(txn(501))
+    assert [t.end_lsn for t in read_all(log, 0)] == [501]
