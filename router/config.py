@@ -171,8 +171,8 @@ class LogSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     segment_mb: int = 64
     fsync_ms: int = 10  # group fsync: appends wait at most this long to be made durable together
     # with every link of a source behind (no other link to keep moving for), a link whose queue is full
-    # goes to the log once it holds this much of its source's WAL back
-    hold_wal_mb: int = 1_024
+    # and that applies nothing for this long goes to the log (its source moves on, its slot is confirmed)
+    hold_s: int = 10
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -396,7 +396,7 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 100", "replication.node_timeout_ms")
     log = config.log
     for field, value, low in (("cap_mb", log.cap_mb, 2), ("segment_mb", log.segment_mb, 1),
-                              ("hold_wal_mb", log.hold_wal_mb, 1), ("fsync_ms", log.fsync_ms, 0)):
+                              ("hold_s", log.hold_s, 0), ("fsync_ms", log.fsync_ms, 0)):
         if value < low:
             raise bad(f"must be >= {low}", f"log.{field}")
     if log.segment_mb * 2 > log.cap_mb:

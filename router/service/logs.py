@@ -46,8 +46,9 @@ class RouterLogs:
     def enabled(self) -> bool:
         return self.config.log.enabled
 
-    def open(self, node: str, position: Callable[[], int]) -> SourceLog | None:
-        """`node`'s log, read back from disk; `position`: where its fan-out has got to."""
+    def open(self, node: str, position: Callable[[], int], system_id: str | None) -> SourceLog | None:
+        """`node`'s log, read back from disk; `position`: where its fan-out has got to; `system_id`: the
+        node's system identifier (None: unknown now, the node is down)."""
         if not self.enabled:
             return None
         section = self.config.log
@@ -55,7 +56,7 @@ class RouterLogs:
         if old is not None:
             old.close()
         log = SourceLog(
-            self.config.log_directory(node), node, identity=f"{self.config.cluster.name}/{node}",
+            self.config.log_directory(node), node, identity=system_id,
             spool=self.spool, segment_bytes=section.segment_mb << 20, cap_bytes=section.cap_mb << 20,
             fsync_ms=section.fsync_ms, position=position,
         )
@@ -96,6 +97,7 @@ class RouterLogs:
         log = self.logs.get(node)
         if log is None:
             return
+        log.idle()
         if log.active and progress.links:
             low = min(link.flushed for link in progress.links)
             log.truncate_before(low)
@@ -103,7 +105,7 @@ class RouterLogs:
             if not log.appending and idle and low >= log.end:
                 log.reset()  # it reached its cap and nobody needs it any more: a new one starts here
                 log.activate(progress.seen)
-            self._save(node, log, {link.target: link.flushed for link in progress.links})
+            self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
         progress.log_since, progress.log_durable = log.since, log.durable
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:

@@ -49,6 +49,8 @@ __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
 logger = logging.getLogger(__name__)
 
+_SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_system()"
+
 
 def _freeze_startup_objects() -> None:
     """Leave what exists now (modules, configuration, the process's start-up state) out of every later
@@ -108,6 +110,7 @@ class Router:
         # Each node's tombstone recorder (router.conflicts.recorder) and where it had got to at start
         self.recorders: dict[str, TombstoneRecorder] = {}
         self._recorded: dict[str, int | None] = {}
+        self._sysids: dict[str, str] = {}
 
     # ------------------------------------------------------------ building
 
@@ -148,6 +151,7 @@ class Router:
                     progress = await target.origin_progress()
                     held = await target.paused_sources()
                     recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
+                    ident = await target.query(_SYSTEM_ID_SQL)
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
             except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.applied)
@@ -168,6 +172,7 @@ class Router:
             except psycopg.Error as exc:
                 raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
             self._recorded[name] = parse_lsn(recorded[0][0]) if recorded else None
+            self._sysids[name] = str(ident[0][0])  # the router's log of it is for this server only
             for source in self.config.node_names:
                 if source == name or source in self.not_members:
                     continue
@@ -198,7 +203,8 @@ class Router:
         for source_node in members:
             links: list[LinkProgress] = []
             queues: dict[str, LinkQueue] = {}
-            log = self.logs.open(source_node.name, self._seen_of(source_node.name))
+            log = self.logs.open(source_node.name, self._seen_of(source_node.name),
+                                 self._sysids.get(source_node.name))
             stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
             for target_node in members:
                 if target_node is source_node:
@@ -237,7 +243,7 @@ class Router:
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
                                                       recorder=recorder_queue, log=log,
-                                                      log_hold_bytes=self.config.log.hold_wal_mb << 20)
+                                                      log_hold_s=self.config.log.hold_s)
         self.drift = DriftWatch(
             {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
             slot=self.config.slot_name, on_change=self._drift_changed,

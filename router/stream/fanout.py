@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from msgspec.structs import force_setattr
@@ -63,13 +64,13 @@ class SourcePump:
         origins: Mapping[str, str] | None = None,
         recorder: LinkQueue | None = None,
         log: SourceLog | None = None,
-        log_hold_bytes: int = 1 << 30,
+        log_hold_s: float = 10.0,
     ) -> None:
         """`origins`: replication origin name -> node name (router.stream.seen.origin_nodes), for
         the vector of what this source had applied from each node; without it, every `seen` stays ().
         `log`: the source's log (router.stream.log); every transaction a target needs is appended to it
         while it grows, and a link whose queue is full reads from it instead of detaching (when another
-        link needs the stream to move on, or when it holds `log_hold_bytes` of the source's WAL)."""
+        link needs the stream to move on, or when it applied nothing for `log_hold_s` seconds)."""
         self.source = source
         self.stats = source.stats
         self.progress = progress
@@ -85,7 +86,7 @@ class SourcePump:
         # take it again when it is resent.
         self._early: dict[str, tuple[SpillFile, int]] = {}
         self.log = log
-        self.log_hold_bytes = log_hold_bytes
+        self.log_hold_s = log_hold_s
         self._feeders: dict[str, asyncio.Task[None]] = {}  # target -> the task feeding it from the log
 
     @property
@@ -223,11 +224,10 @@ class SourcePump:
         """Queue `txn` for `link`; False when it was not queued (the link detached, reads the log now, or
         no longer wants it)."""
         queue = self.queues[link.target]
+        stalled, applied = 0.0, link.applied  # how long it has applied nothing while this waited
         while not queue.offer(txn):
             others = self._others_want_and_can_take(link, txn)
-            if self._log_can_take(link) and (
-                others or self.source.received_lsn - link.applied >= self.log_hold_bytes
-            ):
+            if self._log_can_take(link) and (others or stalled >= self.log_hold_s):
                 link.read_log(link.enqueued)
                 self._feed(link)
                 logger.info("link %s -> %s: queue full at %s; it reads the router log from there",
@@ -242,10 +242,13 @@ class SourcePump:
                 )
                 return False
             # every link is behind: let backpressure reach the source (and look again now and then: a
-            # link that holds too much WAL goes to the log)
+            # link that applies nothing for log_hold_s goes to the log; its source moves on)
+            began = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await queue.wait_room()
+            stalled = stalled + time.monotonic() - began if link.applied == applied else 0.0
+            applied = link.applied
             if not link.wants(txn.end_lsn):
                 return False
         link.enqueued = txn.end_lsn

@@ -92,8 +92,9 @@ class SourceLog:
     """The append-only log of one source node; see the module docstring."""
 
     def __init__(
-        self, directory: Path, node: str, *, identity: str, spool: Spool, segment_bytes: int = 64 << 20,
-        cap_bytes: int = 10 << 30, fsync_ms: int = 10, position: Callable[[], int] | None = None,
+        self, directory: Path, node: str, *, identity: str | None, spool: Spool,
+        segment_bytes: int = 64 << 20, cap_bytes: int = 10 << 30, fsync_ms: int = 10,
+        position: Callable[[], int] | None = None,
     ) -> None:
         """`position`: the source position the fan-out has passed (everything before it that a target
         needs was appended); read at each fsync to move `durable`."""
@@ -116,6 +117,7 @@ class SourceLog:
         self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
         self._dirty = asyncio.Event()
         self._limit: int | None = None  # where `durable` stops once nothing more is appended
+        self._syncing = False
         self.appended = 0  # transactions appended (stats)
         self.bytes_appended = 0
 
@@ -148,16 +150,17 @@ class SourceLog:
     def open(self) -> None:
         """Read back what an earlier run left (torn tail truncated); the log is active if anything is left."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        ident = self.directory / "identity"
-        if ident.exists():
+        ident = self.directory / "identity"  # the source's system identifier
+        if ident.exists() and self.identity is not None:
             found = ident.read_text().strip()
             if found != self.identity:
                 raise PgmeshError(
-                    f"the router log in {self.directory} belongs to another server ({found}, this one is"
-                    f" {self.identity}); move it away if the node was rebuilt, then run `pgmesh repair`",
-                    node=self.node,
+                    f"the router log in {self.directory} belongs to another server (system identifier"
+                    f" {found}, this node's is {self.identity}): the node was rebuilt, or two clusters share"
+                    " the directory; move it away (or set [log] directory), then check the nodes with"
+                    " `pgmesh compare`", node=self.node,
                 )
-        else:
+        elif self.identity is not None:
             write_durably(ident, self.identity.encode())
         for path in sorted(self.directory.glob("*.seg")):
             if not self._recover(path):
@@ -321,7 +324,20 @@ class SourceLog:
         self._write()
         pending, self._pending_sync = self._pending_sync, []
         fd = self._fd
-        await asyncio.to_thread(_fsync_all, pending, fd, self.directory)
+        self._syncing = True
+        try:
+            await asyncio.to_thread(_fsync_all, pending, fd, self.directory)
+        finally:
+            self._syncing = False
+        self._advance(mark)
+
+    def idle(self) -> None:
+        """Nothing waits to be made durable: `durable` follows the position passed (transactions nobody
+        needs, echoes), else a source that stops writing data would never be confirmed past its last."""
+        if not self._dirty.is_set() and not self._syncing and not self._buf and not self._pending_sync:
+            self._advance(self._position())
+
+    def _advance(self, mark: int) -> None:
         if self._limit is not None:
             mark = min(mark, self._limit)
         if self.since is not None:

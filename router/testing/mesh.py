@@ -54,8 +54,11 @@ def config_text(
         lines.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
     lines.append(f"[replication]\nstatus_interval_ms = 100\n{replication}\n")
     lines.append(f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
+    directory = f'directory = "{log_dir or log_directory()}"\n'
     if "[log]" not in extra:
-        lines.append(f'[log]\ndirectory = "{log_dir or log_directory()}"\n')
+        lines.append("[log]\n" + directory)
+    elif "directory" not in extra:
+        extra = extra.replace("[log]\n", "[log]\n" + directory, 1)
     lines.append(extra)
     return "\n".join(lines)
 

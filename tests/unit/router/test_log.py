@@ -32,7 +32,7 @@ def txn(end: int, rows: int = 1, *, seen: tuple[tuple[str, int], ...] = ()) -> T
 
 
 def make(tmp_path: Path, **kw: object) -> SourceLog:
-    log = SourceLog(tmp_path / "log", "a", identity="t/a", spool=Spool(tmp_path / "spool"), **kw)  # type: ignore[arg-type]
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=Spool(tmp_path / "spool"), **kw)  # type: ignore[arg-type]
     log.open()
     return log
 
@@ -188,7 +188,7 @@ def test_an_unfinished_big_transaction_at_the_tail_is_cut_off(tmp_path: Path) ->
 
 def test_a_log_of_another_server_is_refused(tmp_path: Path) -> None:
     make(tmp_path).activate(0)
-    other = SourceLog(tmp_path / "log", "a", identity="t/other", spool=Spool(tmp_path / "spool"))
+    other = SourceLog(tmp_path / "log", "a", identity="7002", spool=Spool(tmp_path / "spool"))
     with pytest.raises(PgmeshError, match="belongs to another server"):
         other.open()
 
