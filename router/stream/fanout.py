@@ -149,12 +149,19 @@ class SourcePump:
             # came between its first spill and its commit: its vector is the one it was handed out with.
             if self.seen.snapshot:
                 force_setattr(txn, "seen", self.seen.snapshot)
+            self._append(txn)
+            late = []
             for link in self.progress.links:
                 if link.target in spill.handed:
                     link.enqueued = max(link.enqueued, txn.end_lsn)
                     if self._early.get(link.target, (None, 0))[0] is spill:
                         del self._early[link.target]
-            self._append(txn)
+                elif link.wants(txn.end_lsn):
+                    late.append(link)  # it read the log when this was handed out, and caught up since
+            for link in late:
+                spill.acquire()  # this link's applier releases it
+                if not await self._hand(link, txn):
+                    spill.release()
             self.progress.on_seen(txn.end_lsn)
             return
         if spill is not None:
@@ -166,8 +173,6 @@ class SourcePump:
                 spill.release()  # the last one when no link took it: the file goes
         if spill is not None and spill.early:
             return  # handed out before its commit: seen when the commit comes (above)
-        if txn.origin is None:
-            self._append(txn)
         self.progress.on_seen(txn.end_lsn)
 
     async def _to_recorder(self, txn: Transaction) -> None:
@@ -203,6 +208,10 @@ class SourcePump:
             seen = self.seen.snapshot
             if seen:
                 force_setattr(txn, "seen", seen)  # fresh from the source (or its spill file's `final`)
+            if not (txn.spill is not None and txn.spill.early):  # (one handed out early: at its commit)
+                # In the log before any link may wait for room: a link reading the log that catches up
+                # meanwhile must find it there (it is handed to no queue while it reads the log)
+                self._append(txn)
             for link in self.progress.links:
                 early = self._early.get(link.target)
                 if early is not None and early[0].abandoned:
