@@ -418,7 +418,8 @@ async def _far(cluster: Cluster, size: Size, delay: DelayLinks) -> str:
     async def fault() -> None:
         await asyncio.sleep(size.fault_s)
     await _load_around(cluster, size, fault)
-    return f"c 50 ms away each way (round trip measured {delay.round_trip_ms(cluster.nodes[2], 20)[1]:.0f} ms)"
+    rtt = delay.round_trip_ms(cluster.nodes[2], 20)[1]
+    return f"c 50 ms away each way (round trip measured {rtt:.0f} ms)"
 
 
 SCENARIOS: dict[str, tuple[Callable[[Cluster, Size, Any], Awaitable[str]], str]] = {

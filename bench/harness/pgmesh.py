@@ -42,6 +42,7 @@ class Pgmesh2(System):
     multimaster = True
     unsupported: ClassVar[dict[str, str]] = {}
     lanes: ClassVar[int] = 1  # replication.apply_lanes
+    log: ClassVar[bool] = True  # [log] enabled: the router's log of each source (router.stream.log)
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
         super().__init__(nodes)
@@ -58,6 +59,7 @@ class Pgmesh2(System):
         self.config = msgspec.structs.replace(
             config, nodes=[msgspec.structs.replace(n, dsn=links[n.name]) for n in config.nodes],
             replication=msgspec.structs.replace(config.replication, apply_lanes=self.lanes),
+            log=msgspec.structs.replace(config.log, enabled=self.log),
         )
         self.origin = self.config.origin_name(self.a.name)
 
@@ -172,6 +174,13 @@ class Pgmesh2Lanes(Pgmesh2):
 
     name = "pgmesh2lanes"
     lanes = 2
+
+
+class Pgmesh2NoLog(Pgmesh2):
+    """`Pgmesh2` without the router's log (`[log] enabled = false`): what the log costs (issue 21)."""
+
+    name = "pgmesh2nolog"
+    log = False
 
 
 class Pgmesh5(Pgmesh2):

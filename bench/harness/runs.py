@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.harness.bucardo import Bucardo
 from bench.harness.delay import DelayLinks
 from bench.harness.nodes import SETTINGS, pglogical_installed, run_async
-from bench.harness.pgmesh import Pgmesh2, Pgmesh2Lanes, Pgmesh3, Pgmesh5, Pgmesh8
+from bench.harness.pgmesh import Pgmesh2, Pgmesh2Lanes, Pgmesh2NoLog, Pgmesh3, Pgmesh5, Pgmesh8
 from bench.harness.subscriptions import Native, Native3, Pglogical
 from bench.harness.system import System
 from bench.harness.watcher import Watcher
@@ -39,6 +39,7 @@ SYSTEMS: dict[str, type[System]] = {
     "bucardo": Bucardo,
     "pgmesh2": Pgmesh2,
     "pgmesh2lanes": Pgmesh2Lanes,
+    "pgmesh2nolog": Pgmesh2NoLog,
     "pgmesh3": Pgmesh3,
     "pgmesh5": Pgmesh5,
     "pgmesh8": Pgmesh8,
