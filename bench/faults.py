@@ -49,7 +49,7 @@ from router.cluster.install import init_cluster
 from router.config import parse_config
 from router.testing.localnodes import LocalNode, LocalNodeSet
 from router.testing.mesh import converged, execute, fetch, wait_for
-from tests.proxy import TcpProxy
+from router.testing.proxy import TcpProxy
 
 SCHEMA = """
 CREATE TABLE entries (id bigint PRIMARY KEY, transfer bigint NOT NULL, acct int NOT NULL,

@@ -214,9 +214,9 @@ class Applier(LinkView):
                     await asyncio.sleep(backoff * (0.5 + random.random() / 2))
                     backoff = min(backoff * 2, 10.0)
                 else:
-                    self._hold(exc)
+                    self.hold(exc)
 
-    def _hold(self, exc: Exception) -> None:
+    def hold(self, exc: Exception) -> None:
         """Pause this link with the error; `resume()` retries the same transaction."""
         self.stats.errors += 1
         lsn = self._held[0].end_lsn if self._held else None

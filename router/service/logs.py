@@ -8,6 +8,14 @@ before the source is confirmed) it gives the source's progress the log's `since`
 deletes the segments every link has flushed past, saves the links' positions, and, once a log that
 stopped growing at its cap is no longer needed, deletes it and starts a new one.
 
+A source's slot is confirmed past what its links' targets hold only on the log's account, so the log's
+name (`log-id`) is recorded on the source node (`pgmesh.node_info`, key `router_log`) before that first
+happens (`mark`): the source's log durable position counts only once the node holds the log's name. If
+the node names a log that is not in the directory (lost or replaced), the slot may have been confirmed
+past transactions that only that log held: every link out of the node whose target is behind the slot's
+confirmed position is stopped with an error naming the node, the position and what to run (`lost`),
+never silently skipped.
+
 Must not: decide what a link reads (router.stream.fanout), or confirm a slot (router.service.supervisor).
 """
 
@@ -19,10 +27,13 @@ import logging
 from collections.abc import Callable
 
 import msgspec
+import psycopg
 
+from protocol.lsn import format_lsn
 from router.config import Config
 from router.errors import PgmeshError
 from router.progress import SourceProgress
+from router.service.monitor import MonitorTarget
 from router.stream.log import SourceLog, write_durably
 from router.stream.spool import Spool
 
@@ -31,6 +42,7 @@ __all__ = ["RouterLogs"]
 logger = logging.getLogger(__name__)
 
 _POSITIONS = "links"
+MARK_KEY = "router_log"  # pgmesh.node_info on each source node: the name of the log its slot counts on
 
 
 class RouterLogs:
@@ -41,6 +53,10 @@ class RouterLogs:
         self.spool = spool
         self.logs: dict[str, SourceLog] = {}
         self._saved: dict[str, dict[str, int]] = {}
+        # per source: the log name the node holds, and its slot's confirmed position (read at start)
+        self.marks: dict[str, str | None] = {}
+        self.confirmed: dict[str, int] = {}
+        self._unsure: set[str] = set()  # sources with a lost log and a target whose position is unknown
 
     @property
     def enabled(self) -> bool:
@@ -90,7 +106,48 @@ class RouterLogs:
         for link in progress.links:
             if log.covers(link.flushed) and (link.flushed < log.end or link.target in down):
                 link.read_log(link.flushed)
-        progress.log_since, progress.log_durable = log.since, log.durable
+
+    def lost(self, node: str, progress: SourceProgress, down: set[str]) -> list[tuple[str, int, str]]:
+        """The links out of `node` that may lack transactions only a lost log held: (target, its position,
+        what to say)."""
+        log = self.logs.get(node)
+        named = self.marks.get(node)
+        if log is None or named is None or named == log.log_id:
+            return []
+        confirmed = self.confirmed.get(node, 0)
+        out = []
+        for link in progress.links:
+            if link.target in down:
+                self._unsure.add(node)
+                why = "its position is unknown (the node is down)"
+            elif link.flushed < confirmed:
+                why = f"it has everything up to {format_lsn(link.flushed)} only"
+            else:
+                continue
+            out.append((link.target, link.flushed, (
+                f"link {node} -> {link.target}: {node}'s slot is confirmed to {format_lsn(confirmed)} on the"
+                f" account of the router log {named}, which is not in {log.directory} (lost or replaced), and"
+                f" {why}: transactions of {node} may be missing on {link.target}. Compare the nodes"
+                f" (`pgmesh compare`) and repair what differs, then `pgmesh resume {link.target}`"
+            )))
+        return out
+
+    async def mark(self, node: str, target: MonitorTarget, limit_s: float) -> None:
+        """Record the log's name on `node` if it does not hold it yet (before its slot counts on it)."""
+        log = self.logs.get(node)
+        if log is None or self.marks.get(node) == log.log_id or node in self._unsure:
+            return
+        try:
+            async with asyncio.timeout(limit_s):
+                await target.query(
+                    "INSERT INTO pgmesh.node_info VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value ="
+                    " excluded.value", [MARK_KEY, log.log_id],
+                )
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            logger.debug("node %s: router log name not recorded yet: %s", node, exc)
+            target.drop()
+            return
+        self.marks[node] = log.log_id
 
     def upkeep(self, node: str, progress: SourceProgress) -> None:
         """At each tick, before the source is confirmed."""
@@ -106,7 +163,8 @@ class RouterLogs:
                 log.reset()  # it reached its cap and nobody needs it any more: a new one starts here
                 log.activate(progress.seen)
             self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
-        progress.log_since, progress.log_durable = log.since, log.durable
+        counts = self.marks.get(node) == log.log_id  # (the node holds its name: see `mark`)
+        progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
         if self._saved.get(node) == positions:

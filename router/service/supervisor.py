@@ -29,10 +29,10 @@ from router.config import Config
 from router.conflicts.pruning import TombstonePruner
 from router.conflicts.recorder import RECORDED_SQL, TombstoneRecorder
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
-from router.errors import ConfigError, describe
+from router.errors import ConfigError, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
-from router.service.logs import RouterLogs
+from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
 from router.service.report import Reporter
@@ -50,6 +50,9 @@ __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 logger = logging.getLogger(__name__)
 
 _SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_system()"
+# the router log this node's slot counted on (router.service.logs), and how far the slot is confirmed
+_LOG_MARK_SQL = (f"SELECT (SELECT value FROM pgmesh.node_info WHERE key = '{MARK_KEY}'), (SELECT"
+                 " confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s)")
 
 
 def _freeze_startup_objects() -> None:
@@ -111,6 +114,7 @@ class Router:
         self.recorders: dict[str, TombstoneRecorder] = {}
         self._recorded: dict[str, int | None] = {}
         self._sysids: dict[str, str] = {}
+        self._lost: list[tuple[str, str, int, str]] = []  # links a lost router log may have left short
 
     # ------------------------------------------------------------ building
 
@@ -152,6 +156,7 @@ class Router:
                     held = await target.paused_sources()
                     recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
                     ident = await target.query(_SYSTEM_ID_SQL)
+                    mark, confirmed = (await target.query(_LOG_MARK_SQL, [self.config.slot_name]))[0]
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
             except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.applied)
@@ -173,6 +178,8 @@ class Router:
                 raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
             self._recorded[name] = parse_lsn(recorded[0][0]) if recorded else None
             self._sysids[name] = str(ident[0][0])  # the router's log of it is for this server only
+            self.logs.marks[name] = mark
+            self.logs.confirmed[name] = parse_lsn(confirmed) if confirmed else 0
             for source in self.config.node_names:
                 if source == name or source in self.not_members:
                     continue
@@ -234,6 +241,7 @@ class Router:
                                                                  recorder_queue)
             progress = SourceProgress(source_node.name, links, recording)
             self.logs.place(source_node.name, progress, down)
+            self._lost += [(source_node.name, *x) for x in self.logs.lost(source_node.name, progress, down)]
             self._drift_targets.append(MonitorTarget(self.config, source_node))
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
@@ -249,6 +257,17 @@ class Router:
             slot=self.config.slot_name, on_change=self._drift_changed,
         )
 
+    async def _stop_lost(self) -> None:
+        """Stop every link a lost router log may have left short (router.service.logs), and record it as
+        paused with the reason on its target (when it answers), so that a restart does not forget it."""
+        timeout = self.config.replication.node_timeout_ms / 1000
+        for source, target, position, why in self._lost:
+            logger.error("%s", why)
+            self.appliers[(source, target)].hold(PgmeshError(why, node=target, lsn=position))
+            with contextlib.suppress(psycopg.Error, OSError, TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.targets[target].set_paused(source, True, why)
+
     def _seen_of(self, node: str) -> Callable[[], int]:
         return lambda: self.progress[node].seen
 
@@ -260,7 +279,9 @@ class Router:
         try:
             while True:
                 flushed, paused, down = await self._load_state()
+                self._lost = []
                 self._build(flushed, paused, down)
+                await self._stop_lost()
                 self.running = True
                 if self._admin_enabled and self.admin is None:
                     host, port = self.config.admin_host_port
@@ -407,7 +428,9 @@ class Router:
             self.drift.poke()
         for node, progress in self.progress.items():
             pump = self.pumps[node]
+            await self.logs.mark(node, self.targets[node], self.config.replication.node_timeout_ms / 1000)
             self.logs.upkeep(node, progress)
+            pump.check_stalled()
             pump.source.confirm(progress.confirmable())
             if rewind:
                 ready = [
@@ -495,24 +518,34 @@ class Router:
             raise LookupError(str(exc)) from exc
 
     async def pause(self, target: str | None) -> list[str]:
-        self._check_target(target)
-        done = []
-        for (source, tgt), applier in self.appliers.items():
-            if target in (None, tgt):
-                applier.pause()
-                await self.targets[tgt].set_paused(source, True, None)
-                done.append(applier.name)
-        return done
+        return await self._set_paused(target, True)
 
     async def resume(self, target: str | None) -> list[str]:
+        done = await self._set_paused(target, False)
+        self.drift.poke()  # a link stopped on DDL may have been fixed by hand: do the tables agree?
+        return done
+
+    async def _set_paused(self, target: str | None, paused: bool) -> list[str]:
+        """Pause or resume the links into `target` (all: None) now, and record it on the target (within
+        `node_timeout_ms`: a node cut off is told at the next pause or resume, the links move at once)."""
         self._check_target(target)
         done = []
+        timeout = self.config.replication.node_timeout_ms / 1000
         for (source, tgt), applier in self.appliers.items():
             if target in (None, tgt):
-                await self.targets[tgt].set_paused(source, False, None)
-                applier.resume()
+                if paused:
+                    applier.pause()
+                else:
+                    applier.resume()
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self.targets[tgt].set_paused(source, paused, None)
+                except (psycopg.Error, OSError, TimeoutError) as exc:
+                    self.targets[tgt].drop()
+                    done.append(f"{applier.name} (not recorded on node {tgt}: {describe(exc) or 'no answer'};"
+                                " a router restart would not remember it)")
+                    continue
                 done.append(applier.name)
-        self.drift.poke()  # a link stopped on DDL may have been fixed by hand: do the tables agree?
         return done
 
     def conflicts_decided(self) -> int:

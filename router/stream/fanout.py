@@ -21,7 +21,6 @@ Owns no database connection and no clock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -88,6 +87,9 @@ class SourcePump:
         self.log = log
         self.log_hold_s = log_hold_s
         self._feeders: dict[str, asyncio.Task[None]] = {}  # target -> the task feeding it from the log
+        # The link `_hand` waits on now (its applied position then, since when), and one found stalled
+        self._waiting: tuple[LinkProgress, int, float] | None = None
+        self._stalled: LinkProgress | None = None
 
     @property
     def node(self) -> str:
@@ -233,10 +235,10 @@ class SourcePump:
         """Queue `txn` for `link`; False when it was not queued (the link detached, reads the log now, or
         no longer wants it)."""
         queue = self.queues[link.target]
-        stalled, applied = 0.0, link.applied  # how long it has applied nothing while this waited
         while not queue.offer(txn):
             others = self._others_want_and_can_take(link, txn)
-            if self._log_can_take(link) and (others or stalled >= self.log_hold_s):
+            if self._log_can_take(link) and (others or self._stalled is link):
+                self._stalled = self._waiting = None
                 link.read_log(link.enqueued)
                 self._feed(link)
                 logger.info("link %s -> %s: queue full at %s; it reads the router log from there",
@@ -250,18 +252,31 @@ class SourcePump:
                     link.source, link.target, format_lsn(txn.end_lsn), format_lsn(link.applied),
                 )
                 return False
-            # every link is behind: let backpressure reach the source (and look again now and then: a
-            # link that applies nothing for log_hold_s goes to the log; its source moves on)
-            began = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await queue.wait_room()
-            stalled = stalled + time.monotonic() - began if link.applied == applied else 0.0
-            applied = link.applied
+            # every link is behind: let backpressure reach the source (`check_stalled`, at every progress
+            # tick, wakes this when the link applied nothing for log_hold_s: it goes to the log)
+            if self._waiting is None or self._waiting[0] is not link:
+                self._waiting = (link, link.applied, time.monotonic())
+            await queue.wait_room()
             if not link.wants(txn.end_lsn):
+                self._waiting = None
                 return False
+        self._waiting = self._stalled = None
         link.enqueued = txn.end_lsn
         return True
+
+    def check_stalled(self) -> None:
+        """Called at every progress tick: a link this pump has been waiting on that applied nothing for
+        `log_hold_s` goes to the log (the waiter is woken to look again)."""
+        waiting = self._waiting
+        if waiting is None:
+            return
+        link, applied, since = waiting
+        now = time.monotonic()
+        if link.applied != applied:
+            self._waiting = (link, link.applied, now)
+        elif now - since >= self.log_hold_s and self._log_can_take(link):
+            self._stalled = link
+            self.queues[link.target].wake()
 
     def _others_want_and_can_take(self, link: LinkProgress, txn: Transaction) -> bool:
         """Would waiting for this link hold back another link that needs this transaction now?
@@ -358,7 +373,9 @@ class SourcePump:
                     if link.log_from is None:  # the link restarted meanwhile (router.progress.restart_at)
                         release(txn)
                         return
+                link.log_from = txn.end_lsn  # a feeder started again (the pump restarts) goes on from here
                 await asyncio.sleep(0)
         finally:
+            reader.close()
             if self._feeders.get(link.target) is asyncio.current_task():
                 del self._feeders[link.target]

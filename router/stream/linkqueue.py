@@ -88,6 +88,10 @@ class LinkQueue:
     async def wait_room(self) -> None:
         await self._room.wait()
 
+    def wake(self) -> None:
+        """Wake whoever waits for room (to look at the link again: router.stream.fanout's stall check)."""
+        self._room.set()
+
     @property
     def full(self) -> bool:
         return len(self._items) >= self.maxlen

@@ -15,7 +15,8 @@ appended to until it is no longer needed, then deleted whole (`reset`); a new on
 source's slot hold the WAL instead (the stated policy, docs/scale.md).
 
 On disk, one directory per source: `identity` (the source node's system identifier: a log is never read
-against another server) and segments `NNNNNNNNNN.seg`, each a 20-byte header (magic, `since`, CRC) then
+against another server), `log-id` (a name for this log, recorded on the node) and segments
+`NNNNNNNNNN.seg`, each a 20-byte header (magic, `since`, CRC) then
 records: 4-byte length, 4-byte CRC-32 of the rest, a kind byte, the payload. A transaction is one `T`
 record (its description and its changes) or, when it spilled, a `B` record, `F` records of change frames
 and an `E` record. `open()` reads every segment back: a record cut short or failing its CRC (a crash in
@@ -32,61 +33,42 @@ import contextlib
 import logging
 import os
 import struct
+import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, cast
-
-import msgspec
 
 from protocol.lsn import format_lsn
 from protocol.messages import Relation
-from protocol.transactions import Change, Spill, SpilledChange, Transaction
+from protocol.transactions import Transaction
 from router.errors import PgmeshError
-from router.stream.spool import Spool, decode_frame, encode_changes, iter_raw_chunks
+from router.stream.logformat import (
+    BEGIN,
+    BIG_CHANGES,
+    ENCODER,
+    END,
+    FINISH,
+    FRAMES,
+    LENGTH,
+    LINKED,
+    LINKED_DECODER,
+    MAGIC,
+    META_DECODER,
+    RECORD,
+    RELATION,
+    SEGMENT_HEADER,
+    WHOLE,
+    Linked,
+    Meta,
+    Segment,
+    meta_bytes,
+)
+from router.stream.logreader import LogReader
+from router.stream.spool import SpillFile, Spool, encode_changes, iter_raw_chunks
 
 __all__ = ["LogReader", "SourceLog", "write_durably"]
 
 logger = logging.getLogger(__name__)
-
-_MAGIC: Final = b"PGMLOG01"
-_SEGMENT_HEADER: Final = struct.Struct(">8sQI")
-_RECORD: Final = struct.Struct(">IIc")  # length of kind + payload, CRC-32 of kind + payload, kind
-_LENGTH: Final = struct.Struct(">I")
-_END: Final = struct.Struct(">Q")
-_WHOLE, _BEGIN, _FRAMES, _FINISH = b"T", b"B", b"F", b"E"
-_BIG_CHANGES: Final = 4096  # a transaction with more changes than this is logged (and read back) in pieces
-_READ_CHANGES: Final = 10_000  # changes per piece written to the spool when reading a big one back
-
-
-class _Meta(msgspec.Struct, array_like=True, frozen=True):
-    """A logged transaction's description (its changes follow)."""
-
-    xid: int
-    commit_lsn: int
-    end_lsn: int
-    commit_time: int
-    nbytes: int
-    row_count: int
-    streamed: bool
-    seen: tuple[tuple[str, int], ...]
-    relations: list[Relation]
-
-
-_META_ENCODER: Final = msgspec.msgpack.Encoder()
-_META_DECODER: Final = msgspec.msgpack.Decoder(_Meta)
-
-
-class _Segment:
-    __slots__ = ("first", "last", "path", "seq", "size")
-
-    def __init__(self, path: Path, seq: int, size: int) -> None:
-        self.path = path
-        self.seq = seq
-        self.size = size  # bytes written to the file (the buffer not included)
-        self.first = 0  # end LSN of its first transaction (0: none yet)
-        self.last = 0  # end LSN of its last transaction
-
 
 class SourceLog:
     """The append-only log of one source node; see the module docstring."""
@@ -110,14 +92,17 @@ class SourceLog:
         self._position: Callable[[], int] = position or (lambda: self.end)
         self.durable = 0  # source position: everything needed before it is on disk
         self.appending = False  # False once it stopped growing (closing, or full)
-        self._segments: list[_Segment] = []
+        self._segments: list[Segment] = []
         self._fd: int | None = None
         self._buf = bytearray()
         self._frames = bytearray()
+        self._described: dict[int, Relation] = {}  # relations described in the current segment
         self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
+        self._pending_files: list[Path] = []  # spill files linked in since the last fsync
         self._dirty = asyncio.Event()
         self._limit: int | None = None  # where `durable` stops once nothing more is appended
         self._syncing = False
+        self.log_id = ""  # read or made by open()
         self.appended = 0  # transactions appended (stats)
         self.bytes_appended = 0
 
@@ -130,7 +115,7 @@ class SourceLog:
     @property
     def size(self) -> int:
         """Bytes on disk (and buffered)."""
-        return sum(s.size for s in self._segments) + len(self._buf)
+        return sum(s.size + s.linked for s in self._segments) + len(self._buf)
 
     @property
     def full(self) -> bool:
@@ -176,16 +161,20 @@ class SourceLog:
                         format_lsn(self.since or 0), format_lsn(self.end))
         else:
             self._delete_all()
+        id_file = self.directory / "log-id"  # names this directory's log on the node (router.service.logs)
+        if not id_file.exists():
+            write_durably(id_file, uuid.uuid4().hex.encode())
+        self.log_id = id_file.read_text().strip()
 
     def _recover(self, path: Path) -> bool:
         """Read one segment; False when it ends torn (it is truncated there; later ones are dropped)."""
         data = path.read_bytes()
-        seg = _Segment(path, int(path.stem), 0)
-        if len(data) < _SEGMENT_HEADER.size:
+        seg = Segment(path, int(path.stem), 0)
+        if len(data) < SEGMENT_HEADER.size:
             path.unlink()
             return False
-        magic, since, crc = _SEGMENT_HEADER.unpack_from(data)
-        if magic != _MAGIC or crc != zlib.crc32(data[:16]):
+        magic, since, crc = SEGMENT_HEADER.unpack_from(data)
+        if magic != MAGIC or crc != zlib.crc32(data[:16]):
             path.unlink()
             return False
         if self.since is None:
@@ -193,24 +182,36 @@ class SourceLog:
         elif since != self.since:  # another log's segment: an earlier one was not deleted whole
             path.unlink()
             return False
-        pos = good = _SEGMENT_HEADER.size
+        pos = good = SEGMENT_HEADER.size
         first = last = 0
         open_txn = False
-        while pos + _RECORD.size <= len(data):
-            length, crc, kind = _RECORD.unpack_from(data, pos)
+        while pos + RECORD.size <= len(data):
+            length, crc, kind = RECORD.unpack_from(data, pos)
             body = data[pos + 8 : pos + 8 + length]
             if len(body) < length or zlib.crc32(body) != crc:
                 break
             pos += 8 + length
-            if kind in (_WHOLE, _FINISH):
-                end = (_END.unpack_from(body, 1)[0] if kind == _FINISH
-                       else _META_DECODER.decode(_meta_bytes(body)).end_lsn)
+            if kind == LINKED and not open_txn:
+                linked = LINKED_DECODER.decode(meta_bytes(body))
+                try:
+                    seg.linked += (self.directory / linked.file).stat().st_size
+                except FileNotFoundError:
+                    pos -= 8 + length  # its file is gone: the log ends before it
+                    break
+                first = first or linked.meta.end_lsn
+                last = linked.meta.end_lsn
+                good = pos
+            elif kind in (WHOLE, FINISH):
+                end = (END.unpack_from(body, 1)[0] if kind == FINISH
+                       else META_DECODER.decode(meta_bytes(body)).end_lsn)
                 first = first or end
                 last = end
                 good = pos
                 open_txn = False
-            elif kind in (_BEGIN, _FRAMES):
+            elif kind in (BEGIN, FRAMES):
                 open_txn = True
+            elif kind == RELATION and not open_txn:
+                pass
             else:
                 break
         torn = good < len(data)
@@ -249,24 +250,31 @@ class SourceLog:
 
     def append(self, txn: Transaction) -> None:
         """Append a committed transaction (its whole changes, spilled part included)."""
-        meta = _META_ENCODER.encode(_Meta(
+        described = self._described
+        for relid, relation in txn.relations.items():
+            if described.get(relid) is not relation:  # (the source hands out one object until it changes)
+                described[relid] = relation
+                self._record(RELATION, b"", ENCODER.encode(relation))
+        meta = ENCODER.encode(Meta(
             txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count, txn.streamed,
-            txn.seen, list(txn.relations.values()),
+            txn.seen, list(txn.relations),
         ))
         frames = self._frames
         frames.clear()
-        if not txn.spilled and len(txn.changes) <= _BIG_CHANGES:
+        if not txn.spilled and len(txn.changes) <= BIG_CHANGES:
             encode_changes(txn.changes, frames)
-            self._record(_WHOLE, _LENGTH.pack(len(meta)) + meta, frames)
+            self._record(WHOLE, LENGTH.pack(len(meta)) + meta, frames)
+        elif txn.spilled and self._link(txn, frames):
+            pass  # its spill file is in the log's directory now: no copy
         else:
-            self._record(_BEGIN, meta, b"")
-            for chunk in iter_raw_chunks(txn, _BIG_CHANGES):
+            self._record(BEGIN, meta, b"")
+            for chunk in iter_raw_chunks(txn, BIG_CHANGES):
                 frames.clear()
                 encode_changes(chunk, frames)
-                self._record(_FRAMES, b"", frames)
+                self._record(FRAMES, b"", frames)
                 if len(self._buf) >= 1 << 20:
                     self._write()  # (no reader runs before the whole transaction is written)
-            self._record(_FINISH, b"", _END.pack(txn.end_lsn))
+            self._record(FINISH, b"", END.pack(txn.end_lsn))
         seg = self._segments[-1]
         seg.first = seg.first or txn.end_lsn
         seg.last = txn.end_lsn
@@ -278,9 +286,30 @@ class SourceLog:
             self._roll()
         self._dirty.set()
 
+    def _link(self, txn: Transaction, frames: bytearray) -> bool:
+        """Link a spilled transaction's file into the log's directory and append an `S` record naming it
+        (its in-memory tail with it); False when the file cannot be linked (another file system)."""
+        spill = txn.spill
+        if not isinstance(spill, SpillFile) or spill.deleted:
+            return False
+        seg = self._segments[-1]
+        name = f"{seg.seq:010d}-{txn.xid}-{self.appended}.spill"
+        try:
+            os.link(spill.path, self.directory / name)
+        except OSError:
+            return False
+        self._pending_files.append(self.directory / name)
+        seg.linked += spill.size
+        meta = Meta(txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count,
+                     txn.streamed, txn.seen, list(txn.relations))
+        head = ENCODER.encode(Linked(meta, name, txn.spilled, spill.nbytes, txn.aborted_subxids))
+        encode_changes(txn.changes, frames)
+        self._record(LINKED, LENGTH.pack(len(head)) + head, frames)
+        return True
+
     def _record(self, kind: bytes, head: bytes, body: bytes | bytearray) -> None:
         crc = zlib.crc32(body, zlib.crc32(head, zlib.crc32(kind)))
-        self._buf += _RECORD.pack(1 + len(head) + len(body), crc, kind)
+        self._buf += RECORD.pack(1 + len(head) + len(body), crc, kind)
         self._buf += head
         self._buf += body
         self.bytes_appended += 9 + len(head) + len(body)
@@ -303,11 +332,12 @@ class SourceLog:
         seq = self._segments[-1].seq + 1 if self._segments else 1
         path = self.directory / f"{seq:010d}.seg"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        header = bytearray(_SEGMENT_HEADER.pack(_MAGIC, self.since or 0, 0))
+        header = bytearray(SEGMENT_HEADER.pack(MAGIC, self.since or 0, 0))
         struct.pack_into(">I", header, 16, zlib.crc32(header[:16]))
         os.write(fd, header)
         self._fd = fd
-        self._segments.append(_Segment(path, seq, len(header)))
+        self._described = {}  # every segment describes the relations it uses: a reader starts at one
+        self._segments.append(Segment(path, seq, len(header)))
         self._pending_sync.append(-1)  # the directory: the new file's name must be durable too
 
     async def run(self) -> None:
@@ -323,10 +353,11 @@ class SourceLog:
         mark = self._position()
         self._write()
         pending, self._pending_sync = self._pending_sync, []
+        files, self._pending_files = self._pending_files, []
         fd = self._fd
         self._syncing = True
         try:
-            await asyncio.to_thread(_fsync_all, pending, fd, self.directory)
+            await asyncio.to_thread(_fsync_all, pending, fd, self.directory, files)
         finally:
             self._syncing = False
         self._advance(mark)
@@ -334,7 +365,8 @@ class SourceLog:
     def idle(self) -> None:
         """Nothing waits to be made durable: `durable` follows the position passed (transactions nobody
         needs, echoes), else a source that stops writing data would never be confirmed past its last."""
-        if not self._dirty.is_set() and not self._syncing and not self._buf and not self._pending_sync:
+        if (not self._dirty.is_set() and not self._syncing and not self._buf and not self._pending_sync
+                and not self._pending_files):
             self._advance(self._position())
 
     def _advance(self, mark: int) -> None:
@@ -355,8 +387,10 @@ class SourceLog:
         freed = 0
         while len(self._segments) > 1 and self._segments[0].last <= lsn:
             seg = self._segments.pop(0)
-            freed += seg.size
+            freed += seg.size + seg.linked
             seg.path.unlink(missing_ok=True)
+            for linked in self.directory.glob(f"{seg.seq:010d}-*.spill"):
+                linked.unlink(missing_ok=True)
         return freed
 
     def reset(self) -> None:
@@ -369,7 +403,7 @@ class SourceLog:
         self._close_fd()
         for seg in self._segments:
             seg.path.unlink(missing_ok=True)
-        for path in self.directory.glob("*.seg"):
+        for path in [*self.directory.glob("*.seg"), *self.directory.glob("*.spill")]:
             path.unlink(missing_ok=True)
         self._segments = []
         self._buf.clear()
@@ -389,136 +423,30 @@ class SourceLog:
         self._write()
         self._close_fd()
 
-    def segments(self) -> list[_Segment]:
-        return list(self._segments)
+    def segments(self) -> list[Segment]:
+        """The segments, oldest first (the list itself: a reader walks it)."""
+        return self._segments
+
+    @property
+    def buffered(self) -> int:
+        """Bytes appended and not written to the file yet."""
+        return len(self._buf)
+
+    def write_buffer(self) -> None:
+        """Write what is buffered to the file (no fsync): a reader reads it from there."""
+        self._write()
 
 
-class LogReader:
-    """A cursor over the log: `next()` gives the next transaction ending after its position, or None
-    when it has read everything appended so far."""
-
-    def __init__(self, log: SourceLog, after: int) -> None:
-        self.log = log
-        self.after = after
-        self._seq = 0
-        self._pos = 0
-
-    def next(self) -> Transaction | None:
-        log = self.log
-        while True:
-            seg = self._segment()
-            if seg is None:
-                return None
-            if self._pos >= seg.size + (len(log._buf) if seg is log._segments[-1] else 0):
-                if seg is log._segments[-1]:
-                    return None
-                self._seq, self._pos = seg.seq + 1, _SEGMENT_HEADER.size
-                continue
-            if seg is log._segments[-1] and log._buf:
-                log._write()  # what is buffered is read from the file
-            txn = self._read_txn(seg)
-            if txn is not None and txn.end_lsn > self.after:
-                self.after = txn.end_lsn
-                return txn
-            if txn is not None:
-                _drop(txn)
-
-    def _segment(self) -> _Segment | None:
-        segments = self.log._segments
-        if not segments:
-            return None
-        if self._seq < segments[0].seq:  # truncated under it (it was past them) or first use
-            self._seq, self._pos = segments[0].seq, _SEGMENT_HEADER.size
-        for seg in segments:
-            if seg.seq == self._seq:
-                return seg
-        return None
-
-    def _read_txn(self, seg: _Segment) -> Transaction | None:
-        with open(seg.path, "rb") as f:
-            f.seek(self._pos)
-            kind, body = _read_record(f, seg)
-            if kind == _WHOLE:
-                self._pos = f.tell()
-                meta_len = _LENGTH.unpack_from(body)[0]
-                meta = _META_DECODER.decode(body[4 : 4 + meta_len])
-                if meta.end_lsn <= self.after:
-                    return None
-                changes = decode_frames(memoryview(body)[4 + meta_len :])
-                return _transaction(meta, changes, 0, None)
-            if kind != _BEGIN:
-                raise PgmeshError(f"router log {seg.path}: a transaction's record at byte {self._pos} is"
-                                  f" out of place ({kind!r})", node=self.log.node)
-            meta = _META_DECODER.decode(body)
-            skip = meta.end_lsn <= self.after
-            spool, key = self.log.spool, f"{self.log.node}.log"
-            count = 0
-            handle = None
-            while True:
-                kind, body = _read_record(f, seg)
-                if kind == _FINISH:
-                    break
-                if skip:
-                    continue
-                piece = cast("list[SpilledChange]", decode_frames(body))
-                count += len(piece)
-                handle = spool.write(key, Spill(meta.xid, piece))
-            self._pos = f.tell()
-            if skip:
-                return None
-            handle = spool.finish(key, meta.xid)
-            if handle is not None:
-                handle.acquire()  # the reader's: the one who takes the transaction releases it
-            return _transaction(meta, [], count, handle)
-
-
-def _read_record(f: object, seg: _Segment) -> tuple[bytes, bytes]:
-    read = f.read  # type: ignore[attr-defined]
-    head = read(_RECORD.size)
-    if len(head) < _RECORD.size:
-        raise PgmeshError(f"router log {seg.path} ends inside a record")
-    length, crc, kind = _RECORD.unpack(head)
-    body: bytes = read(length - 1)
-    if len(body) != length - 1 or zlib.crc32(body, zlib.crc32(kind)) != crc:
-        raise PgmeshError(f"router log {seg.path}: a record fails its checksum")
-    return kind, body
-
-
-def decode_frames(data: bytes | memoryview) -> list[Change]:
-    """Every frame (length + msgpack) in `data`, decoded, in order."""
-    out: list[Change] = []
-    view = memoryview(data)
-    pos = 0
-    while pos < len(view):
-        size = _LENGTH.unpack_from(view, pos)[0]
-        out += decode_frame(view[pos + 4 : pos + 4 + size])
-        pos += 4 + size
-    return out
-
-
-def _meta_bytes(body: bytes) -> bytes:
-    """The description inside a record's body (a `T` body starts with its length, a `B` body is one)."""
-    if body[:1] == _WHOLE:
-        size = _LENGTH.unpack_from(body, 1)[0]
-        return body[5 : 5 + size]
-    return body[1:]
-
-
-def _transaction(meta: _Meta, changes: list[Change], spilled: int, handle: object) -> Transaction:
-    return Transaction(
-        meta.xid, meta.commit_lsn, meta.end_lsn, meta.commit_time, changes,
-        {r.relid: r for r in meta.relations}, None, None, meta.streamed, meta.nbytes, meta.row_count,
-        spilled, (), handle, meta.seen,
-    )
-
-
-def _drop(txn: Transaction) -> None:
-    handle = txn.spill
-    if handle is not None:
-        handle.release()
-
-
-def _fsync_all(pending: list[int], fd: int | None, directory: Path) -> None:
+def _fsync_all(pending: list[int], fd: int | None, directory: Path, files: list[Path]) -> None:
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):  # (deleted meanwhile: no longer needed)
+            linked = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(linked)
+            finally:
+                os.close(linked)
+    if files:
+        pending = [*pending, -1]  # their names too
     for old in pending:
         if old < 0:
             dfd = os.open(directory, os.O_RDONLY)

@@ -198,13 +198,16 @@ class SpillFile:
         "message_prefixes", "nbytes", "node", "path", "pinned", "refs", "size", "xid",
     )
 
-    def __init__(self, node: str, xid: int, path: Path, *, forget: Callable[[SpillFile], None]) -> None:
-        """`forget`: called once when the file is deleted (its spool stops tracking it)."""
+    def __init__(
+        self, node: str, xid: int, path: Path, *, forget: Callable[[SpillFile], None], written: bool = False
+    ) -> None:
+        """`forget`: called once when the file is deleted (its spool stops tracking it). `written`: the
+        file exists, whole (`Spool.adopt`), and is only read."""
         self._forget = forget
         self.node = node
         self.xid = xid
         self.path = path
-        self._file: IO[bytes] | None = open(path, "wb")  # noqa: SIM115  # closed by finish / discard
+        self._file: IO[bytes] | None = None if written else open(path, "wb")  # noqa: SIM115  # closed by finish / discard
         self.changes = 0  # changes written
         self.nbytes = 0  # their payload bytes as they came from the server
         self.size = 0  # bytes on disk
@@ -446,6 +449,19 @@ class Spool:
             self._buf.clear()
         self.changes_written += len(spill.changes)
         self.bytes_written += handle.size - before
+        return handle
+
+    def adopt(self, node: str, xid: int, source: Path, changes: int, nbytes: int) -> SpillFile:
+        """A finished spill file made elsewhere (the router's log keeps them: router.stream.log), as one of
+        this spool's: linked into the spool (copied when it is on another file system). Nobody holds it."""
+        path = self.path / f"{_UNSAFE.sub('_', node)}-{xid}-{next(self._seq)}.spill"
+        try:
+            os.link(source, path)
+        except OSError:
+            shutil.copyfile(source, path)
+        handle = SpillFile(node, xid, path, forget=self._forget, written=True)
+        handle.changes, handle.nbytes, handle.size = changes, nbytes, path.stat().st_size
+        self._live[path] = handle
         return handle
 
     def finish(self, node: str, xid: int) -> SpillFile | None:

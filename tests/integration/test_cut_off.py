@@ -67,6 +67,13 @@ async def test_a_node_cut_off_shows_down_within_seconds_and_catches_up(
         assert all(e is not None and "node b" in e and "no answer" in e for _, e in states().values())
         ok, why = router.health()
         assert not ok and "node b" in why
+        # pause and resume answer at once (within node_timeout_ms) and show the new state at once
+        paused = await router.pause("b")
+        assert paused and all("not recorded on node b" in p for p in paused), paused
+        assert states()["a->b"][0] == "paused"
+        await router.resume("b")
+        assert states()["a->b"][0] in ("down", "streaming", "catching up")
+        await wait_for(lambda: states()["a->b"][0] == "down", "a -> b to show down again", 30)
         await insert(a, 21, 20)  # applied to b once it is reachable again
         proxy.restore()
         await wait_for(lambda: router.health()[0], "the router to be healthy again", 90)

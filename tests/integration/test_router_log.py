@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from protocol.lsn import parse_lsn
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -159,3 +161,39 @@ async def test_a_router_killed_while_links_read_the_log_goes_on_from_it(
             os.killpg(router.pid, signal.SIGTERM)
             router.wait(60)
     await check_rows(m.nodes, {"a": 3 * 20 + 200 * 20 + 20 * 20, "b": 200 * 20})
+
+
+async def test_a_lost_router_log_stops_the_links_it_left_short(mesh: MeshFactory) -> None:
+    """The log is deleted while c is down and a's slot is confirmed past what c has: the restarted router
+    stops a -> c with an error naming the node, the position and what to run, instead of skipping."""
+    m = await mesh(nodes=3, schema=SCHEMA, replication="queue_max_transactions = 50")
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        await write(a, 1, 3)
+        await wait_converged(m.nodes, TABLES)
+        c.stop("fast")
+        await write(a, 1_000_000, 100)
+
+        async def confirmed_past_c() -> bool:
+            source = next(s for s in router.status().sources if s.node == "a")
+            link = next(lk for lk in router.status().links if lk.source == "a" and lk.target == "c")
+            return source.log is not None and source.log.readers == ["c"] and \
+                parse_lsn(source.confirmed_lsn) > parse_lsn(link.flushed_lsn)
+
+        await wait_for(confirmed_past_c, "a's slot to be confirmed past what c has, on the log's account")
+    shutil.rmtree(m.log_dir)  # the router's logs are lost
+    c.start()
+    async with running_router(m.config) as router:
+        def a_to_c() -> tuple[str, str | None]:
+            link = next(lk for lk in router.status().links if lk.source == "a" and lk.target == "c")
+            return link.state, link.last_error
+
+        await wait_for(lambda: a_to_c()[0] == "error", "a -> c to stop on the lost log")
+        error = a_to_c()[1]
+        assert error is not None and "router log" in error and "pgmesh compare" in error, error
+        assert "node c" in error and "pgmesh resume c" in error, error
+        await wait_converged([a, b], TABLES)
+        rows = await fetch(c.dsn(), "SELECT count(*) FROM doc WHERE src = 'a'")
+        assert rows == [(3 * 20,)]  # nothing of what only the lost log held was skipped past
+    paused = await fetch(c.dsn(), "SELECT paused, reason FROM pgmesh.links WHERE source = 'a'")
+    assert paused[0][0] and "router log" in paused[0][1]  # a restart remembers it

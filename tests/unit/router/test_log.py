@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from protocol.messages import Column, Insert, Relation, TupleData, Update
-from protocol.transactions import Change, Transaction
+from protocol.transactions import Change, Spill, Transaction
 from router.errors import PgmeshError
 from router.stream.log import SourceLog
 from router.stream.spool import Spool, iter_chunks, release
@@ -98,7 +98,7 @@ def test_segments_every_link_passed_are_deleted_not_the_one_being_written(tmp_pa
     log.activate(0)
     for end in range(1, 300):
         log.append(txn(end))
-    segments = log.segments()
+    segments = list(log.segments())
     before = log.size
     freed = log.truncate_before(segments[2].last)
     assert freed > 0 and log.size == before - freed
@@ -161,7 +161,7 @@ def test_a_record_that_fails_its_checksum_ends_the_log_there(tmp_path: Path) -> 
     for end in range(1, 200):
         log.append(txn(end))
     log.close()
-    segments = log.segments()
+    segments = list(log.segments())
     victim = segments[1]
     data = bytearray(victim.path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -204,3 +204,35 @@ def test_reset_deletes_it_whole(tmp_path: Path) -> None:
     log.activate(500)
     log.append(txn(501))
     assert [t.end_lsn for t in read_all(log, 0)] == [501]
+
+
+def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool)
+    log.open()
+    log.activate(0)
+    rows = [Insert(REL.relid, row(i)) for i in range(3000)]
+    spool.write("a", Spill(9, rows[:2500], nbytes=1234))
+    handle = spool.finish("a", 9)
+    assert handle is not None
+    handle.acquire()
+    big = Transaction(9, 99, 100, 5, rows[2500:], {REL.relid: REL}, spilled=2500, spill=handle)
+    log.append(txn(98))
+    log.append(big)
+    copied = log.bytes_appended
+    assert copied < 100_000  # the file's 2500 rows were not copied into a segment
+    assert len(list((tmp_path / "log").glob("*.spill"))) == 1
+    release(big)  # the source's file goes: the log's link stays
+    assert not handle.path.exists()
+    asyncio.run(log.sync())
+    log.close()
+    again = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool)
+    again.open()
+    assert again.end == 100
+    (got,) = read_all(again, 98)
+    assert got.spilled == 2500 and changes_of(got) == rows
+    release(got)
+    again._roll()  # (a new segment: the old one, its linked file with it, can go)
+    again.append(txn(101))
+    again.truncate_before(100)
+    assert not list((tmp_path / "log").glob("*.spill"))
