@@ -71,6 +71,7 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     exclude: list[str] = msgspec.field(default_factory=list)
     apply_delay_ms: int = 0
     queue_max_transactions: int = 10_000
+    queue_max_mb: int = 64  # per link: MB of transactions' payload held in memory (the rest waits in the log)
     # Sessions per link applying independent transactions at once, committed in source order.
     apply_lanes: int = 1
     # The appliers' sessions' synchronous_commit. "off" (as the native apply worker) loses nothing: a
@@ -390,6 +391,8 @@ def _validate(config: Config) -> None:
         raise bad(f"must be one of {', '.join(SYNCHRONOUS_COMMIT)}", "replication.apply_synchronous_commit")
     if rep.queue_max_transactions < 1:
         raise bad("must be >= 1", "replication.queue_max_transactions")
+    if rep.queue_max_mb < 1:
+        raise bad("must be >= 1", "replication.queue_max_mb")
     if rep.status_interval_ms < 10:
         raise bad("must be >= 10", "replication.status_interval_ms")
     if rep.node_timeout_ms < 100:

@@ -31,7 +31,7 @@ from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
 from router.service.admin import ask_router
-from router.service.status import RetainedWal
+from router.service.status import LogStatus, RetainedWal
 from router.service.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
 __all__ = [
@@ -154,7 +154,7 @@ def render_status(report: StatusReport) -> str:
         lines.append(
             f"source {source.node}: {source.state}, received {source.received_lsn}, confirmed "
             f"{source.confirmed_lsn}, reconnects {source.reconnects}" + _retained_text(source.retained)
-            + (f", last error: {source.last_error}" if source.last_error else "")
+            + _log_text(source.log) + (f", last error: {source.last_error}" if source.last_error else "")
         )
     for rec in report.recorders:  # router.conflicts.recorder: the node's own deletes as tombstones
         lines.append(
@@ -415,6 +415,14 @@ def _retained_text(retained: RetainedWal | None) -> str:
         return ""
     limit = "no limit" if retained.safe_wal_size is None else f"{_mb(retained.safe_wal_size)} to the limit"
     return f", slot keeps {_mb(retained.bytes)} of WAL ({retained.wal_status or '?'}, {limit})"
+
+
+def _log_text(log: LogStatus | None) -> str:
+    """', router log 40.2 MB of 10.7 GB (appending, read by c)' for a source's status line."""
+    if log is None:
+        return ""
+    readers = f", read by {', '.join(log.readers)}" if log.readers else ""
+    return f", router log {_mb(log.bytes)} of {_mb(log.cap_bytes)} ({log.state}{readers})"
 
 
 def _mb(size: int) -> str:

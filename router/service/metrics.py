@@ -279,7 +279,9 @@ class Metrics:
         "queue_transactions",
         "registry",
         "retained_wal_bytes",
+        "retained_wal_safe_bytes",
         "router_log_bytes",
+        "router_log_cap_bytes",
         "router_log_full",
         "router_log_readers",
         "schema_drift",
@@ -403,6 +405,16 @@ class Metrics:
             PREFIX + "router_log_bytes",
             "Bytes of the router's log of the node on disk: transactions kept for links that fell behind"
             " (docs/scale.md); at its cap ([log] cap_mb) it stops growing and the node's slot keeps WAL.",
+            ("node",),
+        )
+        self.router_log_cap_bytes = self.registry.gauge(
+            PREFIX + "router_log_cap_bytes", "The cap of the router's log of the node ([log] cap_mb).",
+            ("node",),
+        )
+        self.retained_wal_safe_bytes = self.registry.gauge(
+            PREFIX + "retained_wal_safe_bytes",
+            "WAL the node can still write before pgmesh's slot loses WAL (PostgreSQL's safe_wal_size, with"
+            " max_slot_wal_keep_size set; absent without a limit): alert well before it reaches 0.",
             ("node",),
         )
         self.router_log_full = self.registry.gauge(

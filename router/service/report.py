@@ -76,9 +76,12 @@ class Reporter:
             retained = router.targets[node].retained if node in router.targets else None
             if retained is not None:
                 m.retained_wal_bytes.labels(node=node).set(retained.bytes)
+                if retained.safe_wal_size is not None:
+                    m.retained_wal_safe_bytes.labels(node=node).set(retained.safe_wal_size)
             log = router.logs.logs.get(node)
             if log is not None:
                 m.router_log_bytes.labels(node=node).set(log.size)
+                m.router_log_cap_bytes.labels(node=node).set(log.cap_bytes)
                 m.router_log_full.labels(node=node).set(int(not log.appending))
                 m.router_log_readers.labels(node=node).set(len(router.progress[node].logging()))
         for node, recorder in router.recorders.items():

@@ -221,7 +221,7 @@ class Router:
                                     flushed.get(key, stored.get(target_node.name, 0)))
                 if target_node.name in down:
                     link.detach(0)  # its position is unknown until the node answers
-                queue = LinkQueue(queue_max)
+                queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
                 target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
                                   on_applied=self._on_applied_hook, clock=self.clock,
@@ -236,7 +236,7 @@ class Router:
             if start is None:  # never recorded (or the node is down): from where its links are
                 start = min((link.flushed for link in links), default=0)
             recording = LinkProgress(source_node.name, source_node.name, start)
-            recorder_queue = LinkQueue(queue_max)
+            recorder_queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
             self.recorders[source_node.name] = TombstoneRecorder(self.config, source_node, recording,
                                                                  recorder_queue)
             progress = SourceProgress(source_node.name, links, recording)
@@ -428,7 +428,8 @@ class Router:
             self.drift.poke()
         for node, progress in self.progress.items():
             pump = self.pumps[node]
-            await self.logs.mark(node, self.targets[node], self.config.replication.node_timeout_ms / 1000)
+            if self.targets[node].error is None:  # (it answered this tick's progress query)
+                await self.logs.mark(node, self.targets[node], self.config.replication.node_timeout_ms / 1000)
             self.logs.upkeep(node, progress)
             pump.check_stalled()
             pump.source.confirm(progress.confirmable())

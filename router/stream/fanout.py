@@ -1,12 +1,16 @@
-"""The fan-out of one source: echo filter, per-link bounded queues, detach and re-read.
+"""The fan-out of one source: echo filter, the router's log, per-link bounded queues, log readers.
 
 A `SourcePump` reads its node's `ReplicationSource` and hands every committed transaction, in commit
 order, to the queue of each link out of that node. A transaction that carries a replication origin was
-applied here by pgmesh (or another replicator): it is an echo and goes nowhere. A link whose queue is
-full is detached when other links can still take more (a slow or dead target must not stall the
-others); when every link is full, the pump waits (backpressure reaches the walsender). A detached link
-gets everything it missed later by re-reading the source from its applied position; links that already
-have those transactions skip them. A transaction that spilled to disk carries a `SpillFile`: each link
+applied here by pgmesh (or another replicator): it is an echo and goes nowhere. Every other one that a
+target needs is first appended to the source's log (router.stream.log), before any link may wait. A link
+whose queue is full reads the log instead (a feeder task fills its queue from the log, and hands it back
+to the fan-out once it read to the end) when other links can still take more (a slow or dead target must
+not stall the others) or when it applied nothing for `log_hold_s` (`check_stalled`, at every tick);
+until then, when every link is full, the pump waits (backpressure reaches the walsender). Without a log,
+or with the log at its cap, such a link is detached instead and later re-reads the source from its
+applied position; links that already have those transactions skip them.
+A transaction that spilled to disk carries a `SpillFile`: each link
 it is queued for holds one reference and its applier releases it; one nobody takes is deleted here.
 A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
 attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.

@@ -35,10 +35,15 @@ class LinkQueue:
     counts `clear()`s (the link detached or restarted: what was announced may never come here).
     """
 
-    __slots__ = ("_items", "_nonempty", "_room", "_side", "_side_ready", "cleared", "maxlen")
+    __slots__ = ("_bytes", "_items", "_nonempty", "_room", "_side", "_side_ready", "cleared", "max_bytes",
+                 "maxlen")
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, max_bytes: int = 1 << 62) -> None:
+        """At most `maxlen` transactions and `max_bytes` of their payload in memory (`Transaction.nbytes`:
+        a spilled transaction counts its in-memory tail), one transaction always fits."""
         self.maxlen = maxlen
+        self.max_bytes = max_bytes
+        self._bytes = 0
         self._items: collections.deque[Transaction] = collections.deque()
         self._nonempty = asyncio.Event()
         self._room = asyncio.Event()
@@ -51,10 +56,11 @@ class LinkQueue:
         return len(self._items)
 
     def offer(self, txn: Transaction) -> bool:
-        if len(self._items) >= self.maxlen:
+        if len(self._items) >= self.maxlen or (self._items and self._bytes + txn.nbytes > self.max_bytes):
             self._room.clear()
             return False
         self._items.append(txn)
+        self._bytes += txn.nbytes
         self._nonempty.set()
         return True
 
@@ -63,13 +69,15 @@ class LinkQueue:
             self._nonempty.clear()
             await self._nonempty.wait()
         txn = self._items.popleft()
-        if len(self._items) < self.maxlen:
+        self._bytes -= txn.nbytes
+        if not self.full:
             self._room.set()
         return txn
 
     def push_front(self, txn: Transaction) -> None:
         """Put back a transaction taken too early (may exceed maxlen briefly; the fan-out sees full)."""
         self._items.appendleft(txn)
+        self._bytes += txn.nbytes
         self._nonempty.set()
 
     def peek(self, limit: int) -> Iterator[Transaction]:
@@ -80,8 +88,10 @@ class LinkQueue:
         """Up to `limit` queued transactions, without waiting."""
         out: list[Transaction] = []
         while self._items and len(out) < limit:
-            out.append(self._items.popleft())
-        if len(self._items) < self.maxlen:
+            txn = self._items.popleft()
+            self._bytes -= txn.nbytes
+            out.append(txn)
+        if not self.full:
             self._room.set()
         return out
 
@@ -94,12 +104,13 @@ class LinkQueue:
 
     @property
     def full(self) -> bool:
-        return len(self._items) >= self.maxlen
+        return len(self._items) >= self.maxlen or self._bytes >= self.max_bytes
 
     def clear(self) -> None:
         for txn in self._items:
             release(txn)  # a transaction spilled to disk: this link no longer needs its file
         self._items.clear()
+        self._bytes = 0
         self._room.set()
         self.drop_side()
         self.cleared += 1

@@ -1,29 +1,27 @@
-"""The router's log of one source: committed transactions on disk, for links that fell behind.
+"""The router's log of one source: its committed transactions on disk, written once, read by links behind.
 
-A link reads its source's transactions from memory (its `LinkQueue`) while it keeps up. When its queue is
-full, the fan-out (router.stream.fanout) opens this log (`activate(since)`): from then on every committed
-transaction of the source that a target may need is appended once (`append`), and a link that fell behind
-reads it back from the log (`reader(after)`) instead of holding the source's WAL. Appends are buffered and
-made durable by one group fsync (`run`: every `fsync_ms`, in a thread); `durable` is the source position
-before which everything the log must hold is on disk, so the source's slot can be confirmed that far on
-the account of every link whose own position is past `since` (router.progress).
+From the router's start (`activate(since)`, or what an earlier run left: `open()`), the fan-out
+(router.stream.fanout) appends every committed transaction of the source that a target may need, once
+(`append`), before handing it to any link. Appends are buffered and made durable together by one group
+fsync (`run`: at most every `fsync_ms`, in a thread); `durable` is the source position before which
+everything the log must hold is on disk, so the source's slot can be confirmed that far on the account of
+every link whose own position is past `since` (router.progress). A link that fell behind reads the log
+from its position (`reader(after)`: router.stream.logreader) instead of holding the source's WAL.
 
-The log is continuous from `since`: it holds every transaction a target may need that ends after it. It is
-appended to until it is no longer needed, then deleted whole (`reset`); a new one starts at a later
-`since`. Segments of `segment_bytes` are deleted once every link is past them (`truncate_before`). When
-`size` reaches `cap_bytes` the log stops growing (`full`): the fan-out then stops logging and lets the
-source's slot hold the WAL instead (the stated policy, docs/scale.md).
+The log is continuous from `since`: it holds every transaction a target may need that ends after it.
+Segments of `segment_bytes` are deleted once every link is past them (`truncate_before`). When `size`
+reaches `cap_bytes` it stops growing (`stop_appending`): links that fall behind then re-read the source,
+whose slot keeps the WAL (the stated policy, docs/scale.md); once nobody needs it, it is deleted whole
+(`reset`) and a new one starts at a later `since` (router.service.logs).
 
 On disk, one directory per source: `identity` (the source node's system identifier: a log is never read
-against another server), `log-id` (a name for this log, recorded on the node) and segments
-`NNNNNNNNNN.seg`, each a 20-byte header (magic, `since`, CRC) then
-records: 4-byte length, 4-byte CRC-32 of the rest, a kind byte, the payload. A transaction is one `T`
-record (its description and its changes) or, when it spilled, a `B` record, `F` records of change frames
-and an `E` record. `open()` reads every segment back: a record cut short or failing its CRC (a crash in
-the middle of a write), and a transaction without its `E`, end the log there; the rest is truncated.
+against another server), `log-id` (a name for this log, recorded on the node: router.service.logs),
+segments `NNNNNNNNNN.seg` (the format: router.stream.logformat) and the spill files of big transactions
+linked beside them (`NNNNNNNNNN-<xid>-<n>.spill`, deleted with their segment). `open()` reads every
+segment back: a record cut short or failing its CRC (a crash in the middle of a write), a transaction
+without its end, or a linked file missing end the log there; the rest is truncated.
 
-Must not: decide which link reads what (router.stream.fanout), talk to a database, or hold more than
-one transaction's frames in memory while reading.
+Must not: decide which link reads what (router.stream.fanout), or talk to a database.
 """
 
 from __future__ import annotations

@@ -99,6 +99,8 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactor
         # the very next status shows the link running again (not "paused" until its next batch)
         assert links_by_name(await status_json(config))["a->b"]["state"] in ("streaming", "catching up")
         await wait_for(lambda: _has(b, 2), "row 2 on b after resume")
+        running = pgmesh("status", "--config", str(config))  # each source's router log, in the status
+        assert "router log" in running.stdout and "(appending" in running.stdout, running.stdout
 
         router.send_signal(signal.SIGTERM)
         assert router.wait(30) == 0

@@ -187,6 +187,8 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_source_reconnects_total": ("counter", ("node",)),
     "pgmesh_retained_wal_bytes": ("gauge", ("node",)),
     "pgmesh_router_log_bytes": ("gauge", ("node",)),
+    "pgmesh_router_log_cap_bytes": ("gauge", ("node",)),
+    "pgmesh_retained_wal_safe_bytes": ("gauge", ("node",)),
     "pgmesh_router_log_full": ("gauge", ("node",)),
     "pgmesh_router_log_readers": ("gauge", ("node",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
