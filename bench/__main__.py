@@ -27,6 +27,7 @@ def main() -> int:
         print(f"python -m bench.micro.{module.name:<10} {summary}")
     print("python -m bench --all              every system on every workload: bench/RESULTS.md (bench.suite)")
     print("python -m bench.suite.profile      where the CPU goes in each workload: bench/results/profiles/")
+    print("python -m bench.faults             the fault suite (bench/results/faults.md)")
     return 0
 
 

@@ -9,6 +9,8 @@
   way to the other node with and without tombstones in its table.
 - `spill`: one huge transaction through the source at several memory bounds.
 - `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
+- `deadnode`: a node stopped while the two others write GBs of WAL: what the live nodes' slots keep (the
+  router's log holds the rest), and the time to converge once it is back.
 
 Owns nothing itself. Must not: define a system or a workload the suite also runs (those are
 `bench.harness`'s; `apply` reports a slice of them).

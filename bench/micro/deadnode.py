@@ -38,17 +38,29 @@ FILLER = "x" * 2000
 SETTINGS = {"max_wal_size": "4GB", "wal_sender_timeout": "30s"}
 
 
+async def same_rows(nodes: list[LocalNode]) -> bool:
+    """The same ids on every node (a fingerprint of every row would not fit in 1 GB here)."""
+    query = "SELECT count(*), coalesce(sum(id), 0), coalesce(sum(length(body)), 0) FROM doc"
+    found = [await fetch(n.dsn(), query) for n in nodes]
+    return all(f == found[0] for f in found[1:])
+
+
 async def wal_lsn(node: LocalNode) -> int:
     (row,) = await fetch(node.dsn(), "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
     return int(row[0])
 
 
-async def write_until(node: LocalNode, first: int, stop_at: int) -> int:
-    """Transactions of ROWS rows until the node's WAL reaches `stop_at`; returns the rows written."""
+async def write_until(node: LocalNode, first: int, stop_at: int, rate: float) -> int:
+    """Transactions of ROWS rows until the node's WAL reaches `stop_at`, at about `rate` bytes of WAL a
+    second (a steady load the router decodes as it comes); returns the rows written."""
     rows = 0
     async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+        cur = await conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+        row = await cur.fetchone()
+        assert row is not None
+        began, start = time.monotonic(), int(row[0])
         while True:
-            for _ in range(50):
+            for _ in range(25):
                 base = first + rows
                 await conn.execute(INSERT, [node.name, FILLER, base, base + ROWS - 1])
                 rows += ROWS
@@ -57,6 +69,9 @@ async def write_until(node: LocalNode, first: int, stop_at: int) -> int:
             assert row is not None
             if int(row[0]) >= stop_at:
                 return rows
+            ahead = (int(row[0]) - start) / rate - (time.monotonic() - began)
+            if ahead > 0:
+                await asyncio.sleep(ahead)  # (the pace of the load, not a wait for a condition)
 
 
 def router_logs(port: int) -> dict[str, int]:
@@ -81,12 +96,12 @@ async def sample(nodes: list[LocalNode], port: int, peaks: dict[str, int], logs:
         await asyncio.sleep(1.0)
 
 
-async def run(gb: float) -> str:
+async def run(gb: float, rate_mb: float, log: bool) -> str:
     workdir = Path(tempfile.mkdtemp(prefix="pgmesh-deadnode-"))
     os.chmod(workdir, 0o755)
     with LocalNodeSet(["a", "b", "c"], settings=SETTINGS, base_dir=workdir) as nodes:
         a, b, c = nodes
-        cluster = Cluster(nodes, workdir)
+        cluster = Cluster(nodes, workdir, log="" if log else "enabled = false\n")
         for node in nodes:
             await execute(node.dsn(), SCHEMA)
         report, _ = await init_cluster(parse_config(cluster.config_path.read_text()))
@@ -102,8 +117,10 @@ async def run(gb: float) -> str:
             sampler = asyncio.create_task(sample([a, b], cluster.admin_port, peaks, logs))
             half = int(gb * 2**30 / 2)
             began = time.monotonic()
+            rate = rate_mb * 2**20
             written_rows = await asyncio.gather(
-                write_until(a, 10**9, start["a"] + half), write_until(b, 2 * 10**9, start["b"] + half)
+                write_until(a, 10**9, start["a"] + half, rate),
+                write_until(b, 2 * 10**9, start["b"] + half, rate),
             )
             write_s = time.monotonic() - began
             written = {n.name: await wal_lsn(n) - start[n.name] for n in (a, b)}
@@ -113,7 +130,7 @@ async def run(gb: float) -> str:
                 await sampler
             c.start()
             began = time.monotonic()
-            await wait_for(lambda: converged(nodes, ["doc"]), "the three nodes to converge", 3600)
+            await wait_for(lambda: same_rows(nodes), "the three nodes to converge", 3600)
             converge_s = time.monotonic() - began
             counts = [await fetch(n.dsn(), "SELECT count(*), count(DISTINCT id) FROM doc") for n in nodes]
         finally:
@@ -121,8 +138,9 @@ async def run(gb: float) -> str:
     total = sum(written.values())
     expected = ROWS + sum(written_rows)
     lines = [
-        f"A node stopped while the two others write {total / 2**30:.2f} GB of WAL"
-        f" (`python -m bench.micro.deadnode --gb {gb:g}`)\n",
+        f"A node stopped while the two others write {total / 2**30:.2f} GB of WAL, {rate_mb:g} MB/s each,"
+        f" router log {'on' if log else 'OFF'} (`python -m bench.micro.deadnode --gb {gb:g}"
+        f" --mb-per-s {rate_mb:g}{'' if log else ' --no-log'}`)\n",
         "| node | WAL written (MB) | peak retained by pgmesh's slot (MB) | of all WAL written | of its own |"
         " router log peak (MB) |",
         "|---|--:|--:|--:|--:|--:|",
@@ -148,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.micro.deadnode",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--gb", type=float, default=2.0, help="GB of WAL written by a and b together")
+    parser.add_argument("--mb-per-s", type=float, default=8.0, help="WAL each writing node writes a second")
+    parser.add_argument("--no-log", action="store_true", help="the control: [log] enabled = false")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    text = asyncio.run(run(args.gb))
+    text = asyncio.run(run(args.gb, args.mb_per_s, not args.no_log))
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        with args.out.open("a") as f:
+            f.write(text + "\n")
     return 0
 
 

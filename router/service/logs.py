@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -42,6 +43,7 @@ __all__ = ["RouterLogs"]
 logger = logging.getLogger(__name__)
 
 _POSITIONS = "links"
+SAVE_EVERY_S = 10.0
 MARK_KEY = "router_log"  # pgmesh.node_info on each source node: the name of the log its slot counts on
 
 
@@ -53,6 +55,7 @@ class RouterLogs:
         self.spool = spool
         self.logs: dict[str, SourceLog] = {}
         self._saved: dict[str, dict[str, int]] = {}
+        self._saved_at: dict[str, float] = {}
         # per source: the log name the node holds, and its slot's confirmed position (read at start)
         self.marks: dict[str, str | None] = {}
         self.confirmed: dict[str, int] = {}
@@ -167,8 +170,12 @@ class RouterLogs:
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
-        if self._saved.get(node) == positions:
+        """Every `SAVE_EVERY_S` at most (two fsyncs): a position saved a little low only makes a node that
+        is down at the next start read a little more of the log, and skip what it already has."""
+        now = time.monotonic()
+        if self._saved.get(node) == positions or now - self._saved_at.get(node, -SAVE_EVERY_S) < SAVE_EVERY_S:
             return
+        self._saved_at[node] = now
         try:
             write_durably(log.directory / _POSITIONS, msgspec.msgpack.encode(positions))
         except OSError as exc:

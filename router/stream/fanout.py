@@ -217,7 +217,7 @@ class SourcePump:
             if not (txn.spill is not None and txn.spill.early):  # (one handed out early: at its commit)
                 # In the log before any link may wait for room: a link reading the log that catches up
                 # meanwhile must find it there (it is handed to no queue while it reads the log)
-                self._append(txn)
+                self._append(txn, needed=True)
             for link in self.progress.links:
                 early = self._early.get(link.target)
                 if early is not None and early[0].abandoned:
@@ -286,11 +286,13 @@ class SourcePump:
         """Would waiting for this link hold back another link that needs this transaction now?
 
         While a link re-reads what it missed, nobody else wants those transactions: it is simply
-        backpressure. Only a link that stalls another detaches.
+        backpressure. Only a link that stalls another detaches (or reads the log). A link reading the log
+        takes nothing from the stream: it needs nothing of it now.
         """
         return any(
             other is not link
             and other.receiving
+            and other.log_from is None
             and other.enqueued <= txn.end_lsn  # it has (or wants) this one: it needs the stream to move
             and not self.queues[other.target].full
             for other in self.progress.links
@@ -323,12 +325,14 @@ class SourcePump:
 
     # ------------------------------------------------------------ the log
 
-    def _append(self, txn: Transaction) -> None:
-        """Append a committed transaction a target may need to the log, while it grows."""
+    def _append(self, txn: Transaction, *, needed: bool = False) -> None:
+        """Append a committed transaction a target may need to the log, while it grows (`needed`: the
+        caller knows a target needs it)."""
         log = self.log
         if log is None or not log.appending or txn.end_lsn <= log.end:
             return
-        if not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
+        if not needed and not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes)
+                               or has_ddl(txn)):
             return
         if log.full:
             log.stop_appending(self.progress.seen)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from protocol.lsn import format_lsn
 from protocol.messages import Relation
-from protocol.transactions import Transaction
+from protocol.transactions import Change, Transaction
 from router.errors import PgmeshError
 from router.stream.logformat import (
     BEGIN,
@@ -67,6 +67,9 @@ from router.stream.spool import SpillFile, Spool, encode_changes, iter_raw_chunk
 __all__ = ["LogReader", "SourceLog", "write_durably"]
 
 logger = logging.getLogger(__name__)
+
+_HEAD = struct.Struct(">II")  # a record's length and CRC (its kind follows)
+_T_PLACEHOLDER = b"\0" * 8 + WHOLE + b"\0" * 4
 
 class SourceLog:
     """The append-only log of one source node; see the module docstring."""
@@ -253,19 +256,18 @@ class SourceLog:
             if described.get(relid) is not relation:  # (the source hands out one object until it changes)
                 described[relid] = relation
                 self._record(RELATION, b"", ENCODER.encode(relation))
-        meta = ENCODER.encode(Meta(
+        described_meta = Meta(
             txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count, txn.streamed,
             txn.seen, list(txn.relations),
-        ))
+        )
         frames = self._frames
         frames.clear()
         if not txn.spilled and len(txn.changes) <= BIG_CHANGES:
-            encode_changes(txn.changes, frames)
-            self._record(WHOLE, LENGTH.pack(len(meta)) + meta, frames)
+            self._whole(described_meta, txn.changes)
         elif txn.spilled and self._link(txn, frames):
             pass  # its spill file is in the log's directory now: no copy
         else:
-            self._record(BEGIN, meta, b"")
+            self._record(BEGIN, ENCODER.encode(described_meta), b"")
             for chunk in iter_raw_chunks(txn, BIG_CHANGES):
                 frames.clear()
                 encode_changes(chunk, frames)
@@ -282,7 +284,22 @@ class SourceLog:
             self._write()
         if seg.size + len(self._buf) >= self.segment_bytes:
             self._roll()
-        self._dirty.set()
+        if not self._dirty.is_set():
+            self._dirty.set()
+
+    def _whole(self, meta: Meta, changes: list[Change]) -> None:
+        """A `T` record, encoded in place at the end of the buffer (the hot path: one-row transactions)."""
+        buf = self._buf
+        start = len(buf)
+        buf += _T_PLACEHOLDER  # length, CRC, kind, the description's length: filled in below
+        ENCODER.encode_into(meta, buf, -1)
+        LENGTH.pack_into(buf, start + 9, len(buf) - start - 13)
+        encode_changes(changes, buf)
+        end = len(buf)
+        with memoryview(buf) as view:
+            crc = zlib.crc32(view[start + 8 : end])
+        _HEAD.pack_into(buf, start, end - start - 8, crc)
+        self.bytes_appended += end - start
 
     def _link(self, txn: Transaction, frames: bytearray) -> bool:
         """Link a spilled transaction's file into the log's directory and append an `S` record naming it
