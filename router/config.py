@@ -170,7 +170,7 @@ class LogSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     directory: str = ""
     cap_mb: int = 10_240  # per source; when reached, links that fall behind re-read the source (WAL kept)
     segment_mb: int = 64
-    fsync_ms: int = 10  # group fsync: appends wait at most this long to be made durable together
+    fsync_ms: int = 20  # group fsync: appends wait at most this long to be made durable together
     # with every link of a source behind (no other link to keep moving for), a link whose queue is full
     # and that applies nothing for this long goes to the log (its source moves on, its slot is confirmed)
     hold_s: int = 10

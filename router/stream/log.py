@@ -76,7 +76,7 @@ class SourceLog:
 
     def __init__(
         self, directory: Path, node: str, *, identity: str | None, spool: Spool,
-        segment_bytes: int = 64 << 20, cap_bytes: int = 10 << 30, fsync_ms: int = 10,
+        segment_bytes: int = 64 << 20, cap_bytes: int = 10 << 30, fsync_ms: int = 20,
         position: Callable[[], int] | None = None,
     ) -> None:
         """`position`: the source position the fan-out has passed (everything before it that a target
@@ -94,6 +94,7 @@ class SourceLog:
         self.durable = 0  # source position: everything needed before it is on disk
         self.appending = False  # False once it stopped growing (closing, or full)
         self._segments: list[Segment] = []
+        self._disk = 0  # bytes of the segments and their linked files (kept up to date: `full` is hot)
         self._fd: int | None = None
         self._buf = bytearray()
         self._frames = bytearray()
@@ -116,7 +117,7 @@ class SourceLog:
     @property
     def size(self) -> int:
         """Bytes on disk (and buffered)."""
-        return sum(s.size + s.linked for s in self._segments) + len(self._buf)
+        return self._disk + len(self._buf)
 
     @property
     def full(self) -> bool:
@@ -151,6 +152,7 @@ class SourceLog:
         for path in sorted(self.directory.glob("*.seg")):
             if not self._recover(path):
                 break
+        self._disk = sum(s.size + s.linked for s in self._segments)
         for later in sorted(self.directory.glob("*.seg"))[len(self._segments):]:
             logger.warning("node %s: router log segment %s follows a torn record: deleted", self.node, later)
             later.unlink()
@@ -315,6 +317,7 @@ class SourceLog:
             return False
         self._pending_files.append(self.directory / name)
         seg.linked += spill.size
+        self._disk += spill.size
         meta = Meta(txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count,
                      txn.streamed, txn.seen, list(txn.relations))
         head = ENCODER.encode(Linked(meta, name, txn.spilled, spill.nbytes, txn.aborted_subxids))
@@ -337,6 +340,7 @@ class SourceLog:
                 while done < len(view):
                     done += os.write(self._fd, view[done:])
             self._segments[-1].size += len(self._buf)
+            self._disk += len(self._buf)
             self._buf.clear()
 
     def _roll(self) -> None:
@@ -353,6 +357,7 @@ class SourceLog:
         self._fd = fd
         self._described = {}  # every segment describes the relations it uses: a reader starts at one
         self._segments.append(Segment(path, seq, len(header)))
+        self._disk += len(header)
         self._pending_sync.append(-1)  # the directory: the new file's name must be durable too
 
     async def run(self) -> None:
@@ -403,6 +408,7 @@ class SourceLog:
         while len(self._segments) > 1 and self._segments[0].last <= lsn:
             seg = self._segments.pop(0)
             freed += seg.size + seg.linked
+            self._disk -= seg.size + seg.linked
             seg.path.unlink(missing_ok=True)
             for linked in self.directory.glob(f"{seg.seq:010d}-*.spill"):
                 linked.unlink(missing_ok=True)
@@ -421,6 +427,7 @@ class SourceLog:
         for path in [*self.directory.glob("*.seg"), *self.directory.glob("*.spill")]:
             path.unlink(missing_ok=True)
         self._segments = []
+        self._disk = 0
         self._buf.clear()
         self.since = None
         self.appending = False

@@ -34,7 +34,7 @@ BIG_CHANGES: Final = 4096  # a transaction with more changes than this is logged
 READ_CHANGES: Final = 10_000  # changes per piece written to the spool when reading a big one back
 
 
-class Meta(msgspec.Struct, array_like=True, frozen=True):
+class Meta(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A logged transaction's description (its changes follow)."""
 
     xid: int
