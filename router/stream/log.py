@@ -99,6 +99,7 @@ class SourceLog:
         self._buf = bytearray()
         self._frames = bytearray()
         self._described: dict[int, Relation] = {}  # relations described in the current segment
+        self._pending: list[Transaction] = []  # appended, not encoded yet (`append`)
         self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
         self._pending_files: list[Path] = []  # spill files linked in since the last fsync
         self._dirty = asyncio.Event()
@@ -252,7 +253,30 @@ class SourceLog:
         self._limit = position
 
     def append(self, txn: Transaction) -> None:
-        """Append a committed transaction (its whole changes, spilled part included)."""
+        """Append a committed transaction (its whole changes, spilled part included).
+
+        A small one is only listed here: it is encoded with the others at the next group fsync (or when
+        a reader reaches it), off the fan-out's path; a spilled one is written at once (its spill file
+        must be linked before its holders let go of it), after those listed before it."""
+        self.end = txn.end_lsn
+        self.appended += 1
+        if not self._dirty.is_set():
+            self._dirty.set()
+        if not txn.spilled and len(txn.changes) <= BIG_CHANGES:
+            self._pending.append(txn)
+            if len(self._pending) >= 4096:
+                self._encode_pending()
+            return
+        self._encode_pending()
+        self._encode(txn)
+
+    def _encode_pending(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []  # (taken first: encoding may write, which comes here)
+            for txn in pending:
+                self._encode(txn)
+
+    def _encode(self, txn: Transaction) -> None:
         described = self._described
         for relid, relation in txn.relations.items():
             if described.get(relid) is not relation:  # (the source hands out one object until it changes)
@@ -280,14 +304,10 @@ class SourceLog:
         seg = self._segments[-1]
         seg.first = seg.first or txn.end_lsn
         seg.last = txn.end_lsn
-        self.end = txn.end_lsn
-        self.appended += 1
         if len(self._buf) >= 1 << 20:
             self._write()
         if seg.size + len(self._buf) >= self.segment_bytes:
             self._roll()
-        if not self._dirty.is_set():
-            self._dirty.set()
 
     def _whole(self, meta: Meta, changes: list[Change]) -> None:
         """A `T` record, encoded in place at the end of the buffer (the hot path: one-row transactions)."""
@@ -334,6 +354,7 @@ class SourceLog:
 
     def _write(self) -> None:
         """Hand the buffer to the OS (no fsync): readers and the next fsync see it."""
+        self._encode_pending()
         if self._buf and self._fd is not None:
             with memoryview(self._buf) as view:
                 done = 0
@@ -386,7 +407,7 @@ class SourceLog:
         """Nothing waits to be made durable: `durable` follows the position passed (transactions nobody
         needs, echoes), else a source that stops writing data would never be confirmed past its last."""
         if (not self._dirty.is_set() and not self._syncing and not self._buf and not self._pending_sync
-                and not self._pending_files):
+                and not self._pending_files and not self._pending):
             self._advance(self._position())
 
     def _advance(self, mark: int) -> None:
@@ -429,6 +450,7 @@ class SourceLog:
         self._segments = []
         self._disk = 0
         self._buf.clear()
+        self._pending.clear()
         self.since = None
         self.appending = False
 
@@ -451,8 +473,8 @@ class SourceLog:
 
     @property
     def buffered(self) -> int:
-        """Bytes appended and not written to the file yet."""
-        return len(self._buf)
+        """Bytes (and transactions not encoded yet) appended and not written to the file: 0 when none."""
+        return len(self._buf) + len(self._pending)
 
     def write_buffer(self) -> None:
         """Write what is buffered to the file (no fsync): a reader reads it from there."""

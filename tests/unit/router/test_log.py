@@ -98,6 +98,7 @@ def test_segments_every_link_passed_are_deleted_not_the_one_being_written(tmp_pa
     log.activate(0)
     for end in range(1, 300):
         log.append(txn(end))
+    log.write_buffer()  # (small transactions are encoded at the next fsync, or when read)
     segments = list(log.segments())
     before = log.size
     freed = log.truncate_before(segments[2].last)
@@ -236,3 +237,17 @@ def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(
     again.append(txn(101))
     again.truncate_before(100)
     assert not list((tmp_path / "log").glob("*.spill"))
+
+
+def test_small_transactions_wait_to_be_encoded_in_order_with_a_big_one(tmp_path: Path) -> None:
+    log = make(tmp_path)
+    log.activate(0)
+    log.append(txn(1))
+    log.append(txn(2))
+    assert log.end == 2 and log.buffered  # listed: encoded at the next fsync or when a reader gets there
+    log.append(txn(3, rows=10_000))  # written at once, after the two before it
+    log.append(txn(4))
+    assert [t.end_lsn for t in read_all(log, 0)] == [1, 2, 3, 4]
+    passed = log.end
+    asyncio.run(log.sync())
+    assert not log.buffered and log.durable == passed
