@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 
 _POSITIONS = "links"
 SAVE_EVERY_S = 10.0
+# Durable on the node itself, never waiting for its synchronous standbys (one that is gone must not hold
+# the router's tick): the setting is local to this statement's transaction, its commit included.
+_MARK_SQL = (
+    "WITH here AS (SELECT pg_catalog.set_config('synchronous_commit', 'local', true))"
+    " INSERT INTO pgmesh.node_info SELECT %s, %s FROM here"
+    " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
 MARK_KEY = "router_log"  # pgmesh.node_info on each source node: the name of the log its slot counts on
 
 
@@ -142,10 +149,7 @@ class RouterLogs:
             return
         try:
             async with asyncio.timeout(limit_s):
-                await target.query(
-                    "INSERT INTO pgmesh.node_info VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value ="
-                    " excluded.value", [MARK_KEY, log.log_id],
-                )
+                await target.query(_MARK_SQL, [MARK_KEY, log.log_id])
         except (psycopg.Error, OSError, TimeoutError) as exc:
             logger.debug("node %s: router log name not recorded yet: %s", node, exc)
             target.drop()
