@@ -149,10 +149,9 @@ class Applier(LinkView):
         if self.drift is not None:  # the router re-checks the schemas; `release_drift` runs it again
             self.condition.move(LinkState.SCHEMA_DRIFT, self.drift)
             return
-        if self.condition.state is LinkState.PAUSED and self.link.connected:
-            self.condition.move(self._running(), None)  # a paused link is streaming again at once
-        else:
-            self.condition.move(self.condition.state, None)  # reconnecting says when it runs again
+        # a paused link runs again at once when connected, else it is down until it is (other states stay)
+        state, running = self.condition.state, self._running() if self.link.connected else LinkState.DOWN
+        self.condition.move(running if state is LinkState.PAUSED else state, None)
         self._resumed.set()
 
     def hold_for_drift(self, reason: str) -> None:
