@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -434,9 +435,19 @@ SCENARIOS: dict[str, tuple[Callable[[Cluster, Size, Any], Awaitable[str]], str]]
 
 
 async def run_scenario(name: str, size: Size, base: Path | None = None) -> Result:
-    """One scenario on fresh nodes; always tears them down."""
-    scenario, needs = SCENARIOS[name]
+    """One scenario on fresh nodes; always tears them down, and its directory (the router's output and
+    log) unless it failed."""
     workdir = Path(tempfile.mkdtemp(prefix=f"pgmesh-fault-{name}-", dir=base))
+    result = await _run_in(name, size, workdir)
+    if result.ok:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        result.notes.append(f"the router's output and log are in {workdir}")
+    return result
+
+
+async def _run_in(name: str, size: Size, workdir: Path) -> Result:
+    scenario, needs = SCENARIOS[name]
     os.chmod(workdir, 0o755)  # the nodes' directories are in it, and their servers run as postgres
     with LocalNodeSet(["a", "b", "c"], settings=SETTINGS, base_dir=workdir) as nodes:
         extra: Any = None
