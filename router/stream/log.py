@@ -161,7 +161,7 @@ class SourceLog:
             self.appending = True
             self.durable = self.end
             self._fd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND)
-            logger.info("node %s: router log holds %s after %s up to %s", self.node, _human(self.size),
+            logger.info("node %s: router log holds %.1f MB after %s up to %s", self.node, self.size / 1e6,
                         format_lsn(self.since or 0), format_lsn(self.end))
         else:
             self._delete_all()
@@ -225,7 +225,6 @@ class SourceLog:
             with open(path, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
-        del open_txn
         seg.size, seg.first, seg.last = good, first, last
         self._segments.append(seg)
         self.end = max(self.end, last)
@@ -437,8 +436,8 @@ class SourceLog:
 
     def reset(self) -> None:
         """The log is no longer needed by anyone: delete it whole."""
-        logger.info("node %s: router log up to %s no longer needed: deleted (%s)", self.node,
-                    format_lsn(self.end), _human(self.size))
+        logger.info("node %s: router log up to %s no longer needed: deleted (%.1f MB)", self.node,
+                    format_lsn(self.end), self.size / 1e6)
         self._delete_all()
 
     def _delete_all(self) -> None:
@@ -518,11 +517,3 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
