@@ -85,6 +85,7 @@ class RouterLogs:
             self.config.log_directory(node), node, identity=system_id,
             spool=self.spool, segment_bytes=section.segment_mb << 20, cap_bytes=section.cap_mb << 20,
             fsync_ms=section.fsync_ms, position=position,
+            hold_bytes=self.config.replication.queue_max_mb << 20,
         )
         try:
             log.open()
@@ -161,15 +162,18 @@ class RouterLogs:
         log = self.logs.get(node)
         if log is None:
             return
-        log.idle()
         if log.active and progress.links:
             low = min(link.flushed for link in progress.links)
+            log.release(low)
+            log.idle()
             log.truncate_before(low)
             idle = not progress.logging() and not any(link.has_until for link in progress.links)
             if not log.appending and idle and low >= log.end:
                 log.reset()  # it reached its cap and nobody needs it any more: a new one starts here
                 log.activate(progress.seen)
             self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
+        else:
+            log.idle()
         counts = self.marks.get(node) == log.log_id  # (the node holds its name: see `mark`)
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
 

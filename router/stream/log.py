@@ -2,13 +2,18 @@
 
 From the router's start (`activate(since)`, or what an earlier run left: `open()`), the fan-out
 (router.stream.fanout) appends every committed transaction of the source that a target may need, once
-(`append`), before handing it to any link. Appends are buffered and made durable together by one group
-fsync (`run`: at most every `fsync_ms`, in a thread); `durable` is the source position before which
-everything the log must hold is on disk, so the source's slot can be confirmed that far on the account of
-every link whose own position is past `since` (router.progress). A link that fell behind reads the log
-from its position (`reader(after)`: router.stream.logreader) instead of holding the source's WAL.
+(`append`), before handing it to any link. A small one is only held (`hold_bytes` of them at most) until
+the next progress tick but one (`release`): if every link's target has flushed it by then, nobody can
+need it from the log and it is never written (the common case: links that keep up cost the log a list
+append); else it is encoded then. Encoded ones are made durable together by one group fsync (`run`: at
+most every `fsync_ms`, in a thread); `durable` is the source position before which everything the log
+must hold is on disk (encoded and synced, or flushed by every target), so the source's slot can be
+confirmed that far on the account of every link whose own position is past `since` (router.progress). A
+link that fell behind reads the log from its position (`reader(after)`: router.stream.logreader, which
+has what is held encoded first) instead of holding the source's WAL.
 
-The log is continuous from `since`: it holds every transaction a target may need that ends after it.
+The log is continuous from `since`: it holds every transaction ending after it that some target had not
+flushed when the log let go of it (flushed positions never go back: no reader ever needs the others).
 Segments of `segment_bytes` are deleted once every link is past them (`truncate_before`). When `size`
 reaches `cap_bytes` it stops growing (`stop_appending`): links that fall behind then re-read the source,
 whose slot keeps the WAL (the stated policy, docs/scale.md); once nobody needs it, it is deleted whole
@@ -27,6 +32,7 @@ Must not: decide which link reads what (router.stream.fanout), or talk to a data
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -70,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct(">II")  # a record's length and CRC (its kind follows)
 _T_PLACEHOLDER = b"\0" * 8 + WHOLE + b"\0" * 4
+_HELD_OVERHEAD = 512  # bytes of Python objects a held transaction keeps beside its payload (a guess)
 
 class SourceLog:
     """The append-only log of one source node; see the module docstring."""
@@ -77,10 +84,11 @@ class SourceLog:
     def __init__(
         self, directory: Path, node: str, *, identity: str | None, spool: Spool,
         segment_bytes: int = 64 << 20, cap_bytes: int = 10 << 30, fsync_ms: int = 20,
-        position: Callable[[], int] | None = None,
+        position: Callable[[], int] | None = None, hold_bytes: int = 64 << 20,
     ) -> None:
         """`position`: the source position the fan-out has passed (everything before it that a target
-        needs was appended); read at each fsync to move `durable`."""
+        needs was appended); read at each fsync to move `durable`. `hold_bytes`: at most this much of
+        small transactions is held unencoded (`release`)."""
         self.directory = directory
         self.node = node
         self.identity = identity
@@ -88,6 +96,7 @@ class SourceLog:
         self.segment_bytes = segment_bytes
         self.cap_bytes = cap_bytes
         self.fsync_s = fsync_ms / 1000
+        self.hold_bytes = hold_bytes
         self.since: int | None = None  # the log holds every needed transaction after this; None: no log
         self.end = 0  # end LSN of the last transaction appended
         self._position: Callable[[], int] = position or (lambda: self.end)
@@ -99,7 +108,13 @@ class SourceLog:
         self._buf = bytearray()
         self._frames = bytearray()
         self._described: dict[int, Relation] = {}  # relations described in the current segment
-        self._pending: list[Transaction] = []  # appended, not encoded yet (`append`)
+        # appended small transactions not encoded yet (`append`, `release`), their bytes (with a guess at
+        # their objects' own), how many of them were held at the last release, and the end of the one
+        # appended before the first of them (everything up to there is encoded, or flushed everywhere)
+        self._pending: collections.deque[Transaction] = collections.deque()
+        self._pending_bytes = 0
+        self._aged = 0
+        self._floor = 0
         self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
         self._pending_files: list[Path] = []  # spill files linked in since the last fsync
         self._dirty = asyncio.Event()
@@ -239,6 +254,7 @@ class SourceLog:
         self.since = since
         self.end = max(self.end, since)
         self.durable = since
+        self._floor = self.end
         self.appending = True
         self._limit = None
         self._roll()
@@ -254,26 +270,50 @@ class SourceLog:
     def append(self, txn: Transaction) -> None:
         """Append a committed transaction (its whole changes, spilled part included).
 
-        A small one is only listed here: it is encoded with the others at the next group fsync (or when
-        a reader reaches it), off the fan-out's path; a spilled one is written at once (its spill file
-        must be linked before its holders let go of it), after those listed before it."""
+        A small one is only held here (see `release`); a spilled or big one is written at once (its spill
+        file must be linked before its holders let go of it), after every one held before it."""
+        if not self._pending:
+            self._floor = self.end
         self.end = txn.end_lsn
         self.appended += 1
-        if not self._dirty.is_set():
-            self._dirty.set()
         if not txn.spilled and len(txn.changes) <= BIG_CHANGES:
             self._pending.append(txn)
-            if len(self._pending) >= 4096:
-                self._encode_pending()
+            self._pending_bytes += txn.nbytes + _HELD_OVERHEAD
+            if self._pending_bytes > self.hold_bytes:
+                self._encode_pending(len(self._pending) // 2 + 1)
             return
-        self._encode_pending()
+        self._encode_pending(len(self._pending))
+        if not self._dirty.is_set():
+            self._dirty.set()
         self._encode(txn)
 
-    def _encode_pending(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, []  # (taken first: encoding may write, which comes here)
-            for txn in pending:
-                self._encode(txn)
+    def release(self, flushed: int) -> None:
+        """At each progress tick: forget the held transactions that every link's target has flushed
+        (`flushed`: the least of their positions; nobody can need them from the log), then encode those
+        held since the previous tick (their turn to be made durable)."""
+        pending = self._pending
+        while pending and pending[0].end_lsn <= flushed:
+            txn = pending.popleft()
+            self._floor = txn.end_lsn
+            self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
+            self._aged -= 1
+        self._encode_pending(max(self._aged, 0))
+        self._aged = len(pending)
+
+    def _encode_pending(self, count: int) -> None:
+        """Encode the `count` oldest held transactions."""
+        pending = self._pending
+        count = min(count, len(pending))
+        if count <= 0:
+            return
+        if not self._dirty.is_set():
+            self._dirty.set()
+        for _ in range(count):  # (taken off first: encoding may roll a segment, which writes)
+            txn = pending.popleft()
+            self._floor = txn.end_lsn
+            self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
+            self._aged -= 1
+            self._encode(txn)
 
     def _encode(self, txn: Transaction) -> None:
         described = self._described
@@ -353,7 +393,6 @@ class SourceLog:
 
     def _write(self) -> None:
         """Hand the buffer to the OS (no fsync): readers and the next fsync see it."""
-        self._encode_pending()
         if self._buf and self._fd is not None:
             with memoryview(self._buf) as view:
                 done = 0
@@ -385,12 +424,13 @@ class SourceLog:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(self.fsync_s)
-            self._dirty.clear()
             await self.sync()
 
     async def sync(self) -> None:
-        """Make everything appended so far durable; then `durable` moves to the position passed."""
-        mark = self._position()
+        """Make everything encoded so far durable; then `durable` moves to the position passed (or to
+        the first transaction still held)."""
+        self._dirty.clear()
+        mark = self._mark()
         self._write()
         pending, self._pending_sync = self._pending_sync, []
         files, self._pending_files = self._pending_files, []
@@ -402,12 +442,19 @@ class SourceLog:
             self._syncing = False
         self._advance(mark)
 
+    def _mark(self) -> int:
+        """Where `durable` may go once what is encoded now is on disk: the position passed, but not past
+        a transaction still held."""
+        position = self._position()
+        return min(position, self._floor) if self._pending else position
+
     def idle(self) -> None:
-        """Nothing waits to be made durable: `durable` follows the position passed (transactions nobody
-        needs, echoes), else a source that stops writing data would never be confirmed past its last."""
+        """Nothing encoded waits to be made durable: `durable` follows the position passed (transactions
+        nobody needs, echoes, held ones flushed everywhere), else a source that stops writing data would
+        never be confirmed past its last."""
         if (not self._dirty.is_set() and not self._syncing and not self._buf and not self._pending_sync
-                and not self._pending_files and not self._pending):
-            self._advance(self._position())
+                and not self._pending_files):
+            self._advance(self._mark())
 
     def _advance(self, mark: int) -> None:
         if self._limit is not None:
@@ -450,6 +497,7 @@ class SourceLog:
         self._disk = 0
         self._buf.clear()
         self._pending.clear()
+        self._pending_bytes = self._aged = 0
         self.since = None
         self.appending = False
 
@@ -476,7 +524,9 @@ class SourceLog:
         return len(self._buf) + len(self._pending)
 
     def write_buffer(self) -> None:
-        """Write what is buffered to the file (no fsync): a reader reads it from there."""
+        """Encode what is held and write what is buffered to the file (no fsync): a reader reads it from
+        there."""
+        self._encode_pending(len(self._pending))
         self._write()
 
 

@@ -32,6 +32,9 @@ def txn(end: int, rows: int = 1, *, seen: tuple[tuple[str, int], ...] = ()) -> T
 
 
 def make(tmp_path: Path, **kw: object) -> SourceLog:
+    """A log that holds nothing back (`hold_bytes` 0: each small transaction is encoded as appended),
+    unless the test says otherwise."""
+    kw.setdefault("hold_bytes", 0)
     log = SourceLog(tmp_path / "log", "a", identity="7001", spool=Spool(tmp_path / "spool"), **kw)  # type: ignore[arg-type]
     log.open()
     return log
@@ -240,14 +243,49 @@ def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(
 
 
 def test_small_transactions_wait_to_be_encoded_in_order_with_a_big_one(tmp_path: Path) -> None:
-    log = make(tmp_path)
+    log = make(tmp_path, hold_bytes=1 << 20)
     log.activate(0)
     log.append(txn(1))
     log.append(txn(2))
-    assert log.end == 2 and log.buffered  # listed: encoded at the next fsync or when a reader gets there
+    assert log.end == 2 and log.buffered  # held: encoded at a release or when a reader gets there
     log.append(txn(3, rows=10_000))  # written at once, after the two before it
     log.append(txn(4))
     assert [t.end_lsn for t in read_all(log, 0)] == [1, 2, 3, 4]
     passed = log.end
     asyncio.run(log.sync())
     assert not log.buffered and log.durable == passed
+
+
+def test_held_transactions_every_target_flushed_are_never_written(tmp_path: Path) -> None:
+    passed = [0]
+    log = make(tmp_path, hold_bytes=1 << 20, position=lambda: passed[0])
+    log.activate(0)
+    for end in (1, 2, 3):
+        log.append(txn(end))
+    passed[0] = 3
+    asyncio.run(log.sync())
+    assert log.durable == 0  # held, not on disk: the slot may not count on them
+    log.release(2)  # every target flushed 1 and 2: forgotten; 3 was held at no earlier release
+    log.idle()
+    assert log.durable == 2 and log.bytes_appended == 0
+    log.append(txn(4))
+    passed[0] = 4
+    log.release(2)  # 3 was held at the last release: its turn to be written (4 waits one more)
+    asyncio.run(log.sync())
+    assert log.durable == 3
+    log.release(4)  # 4 flushed everywhere meanwhile
+    log.idle()
+    assert log.durable == 4
+    assert [t.end_lsn for t in read_all(log, 0)] == [3]
+    log.close()
+    assert [t.end_lsn for t in read_all(make(tmp_path), 0)] == [3]  # and so after a restart
+
+
+def test_held_transactions_are_bounded_in_bytes(tmp_path: Path) -> None:
+    log = make(tmp_path, hold_bytes=64 << 10)
+    log.activate(0)
+    for end in range(1, 1001):
+        log.append(txn(end))
+    assert log.bytes_appended > 0  # the oldest were encoded to stay under the bound
+    assert log._pending_bytes <= 64 << 10
+    assert [t.end_lsn for t in read_all(log, 0)] == list(range(1, 1001))  # in order, none lost
