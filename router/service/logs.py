@@ -86,6 +86,7 @@ class RouterLogs:
             spool=self.spool, segment_bytes=section.segment_mb << 20, cap_bytes=section.cap_mb << 20,
             fsync_ms=section.fsync_ms, position=position,
             hold_bytes=self.config.replication.queue_max_mb << 20,
+            hold_ticks=max(2, -(-section.hold_s * 1000 // self.config.replication.status_interval_ms)),
         )
         try:
             log.open()
@@ -157,14 +158,18 @@ class RouterLogs:
             return
         self.marks[node] = log.log_id
 
-    def upkeep(self, node: str, progress: SourceProgress) -> None:
-        """At each tick, before the source is confirmed."""
+    def upkeep(self, node: str, progress: SourceProgress, stopped: set[str]) -> None:
+        """At each tick, before the source is confirmed; `stopped`: the targets that apply nothing now
+        (down, paused, held)."""
         log = self.logs.get(node)
         if log is None:
             return
         if log.active and progress.links:
             low = min(link.flushed for link in progress.links)
-            log.release(low)
+            log.release(low, behind=any(
+                link.target in stopped or link.log_from is not None or link.detached or link.has_until
+                for link in progress.links
+            ))
             log.idle()
             log.truncate_before(low)
             idle = not progress.logging() and not any(link.has_until for link in progress.links)

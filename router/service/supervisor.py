@@ -430,7 +430,11 @@ class Router:
             pump = self.pumps[node]
             if self.targets[node].error is None:  # (it answered this tick's progress query)
                 await self.logs.mark(node, self.targets[node], self.config.replication.node_timeout_ms / 1000)
-            self.logs.upkeep(node, progress)
+            self.logs.upkeep(node, progress, {
+                link.target for link in progress.links
+                if self.targets[link.target].error is not None
+                or not self.appliers[(node, link.target)].ready_for_more
+            })
             pump.check_stalled()
             pump.source.confirm(progress.confirmable())
             if rewind:

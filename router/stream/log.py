@@ -2,15 +2,16 @@
 
 From the router's start (`activate(since)`, or what an earlier run left: `open()`), the fan-out
 (router.stream.fanout) appends every committed transaction of the source that a target may need, once
-(`append`), before handing it to any link. A small one is only held (`hold_bytes` of them at most) until
-the next progress tick but one (`release`): if every link's target has flushed it by then, nobody can
-need it from the log and it is never written (the common case: links that keep up cost the log a list
-append); else it is encoded then. Encoded ones are made durable together by one group fsync (`run`: at
-most every `fsync_ms`, in a thread); `durable` is the source position before which everything the log
-must hold is on disk (encoded and synced, or flushed by every target), so the source's slot can be
-confirmed that far on the account of every link whose own position is past `since` (router.progress). A
-link that fell behind reads the log from its position (`reader(after)`: router.stream.logreader, which
-has what is held encoded first) instead of holding the source's WAL.
+(`append`), before handing it to any link. A small one is only held (`hold_bytes` of them at most, for
+`hold_ticks` progress ticks at most) while every link keeps up (`release`): once every link's target has
+flushed it, nobody can need it from the log and it is never written (the common case: links that keep up
+cost the log a list append); when a link falls behind, or the bounds are reached, it is encoded. Encoded
+ones are made durable together by one group fsync (`run`: at most every `fsync_ms`, in a thread);
+`durable` is the source position before which everything the log must hold is on disk (encoded and synced,
+or flushed by every target), so the source's slot can be confirmed that far on the account of every link
+whose own position is past `since` (router.progress). A link that fell behind reads the log from its
+position (`reader(after)`: router.stream.logreader, which has what is held encoded first) instead of
+holding the source's WAL.
 
 The log is continuous from `since`: it holds every transaction ending after it that some target had not
 flushed when the log let go of it (flushed positions never go back: no reader ever needs the others).
@@ -76,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct(">II")  # a record's length and CRC (its kind follows)
 _T_PLACEHOLDER = b"\0" * 8 + WHOLE + b"\0" * 4
-_HELD_OVERHEAD = 512  # bytes of Python objects a held transaction keeps beside its payload (a guess)
+_HELD_OVERHEAD = 256  # bytes of Python objects a held transaction keeps beside its payload (a guess)
 
 class SourceLog:
     """The append-only log of one source node; see the module docstring."""
@@ -84,11 +85,11 @@ class SourceLog:
     def __init__(
         self, directory: Path, node: str, *, identity: str | None, spool: Spool,
         segment_bytes: int = 64 << 20, cap_bytes: int = 10 << 30, fsync_ms: int = 20,
-        position: Callable[[], int] | None = None, hold_bytes: int = 64 << 20,
+        position: Callable[[], int] | None = None, hold_bytes: int = 64 << 20, hold_ticks: int = 10,
     ) -> None:
         """`position`: the source position the fan-out has passed (everything before it that a target
-        needs was appended); read at each fsync to move `durable`. `hold_bytes`: at most this much of
-        small transactions is held unencoded (`release`)."""
+        needs was appended); read at each fsync to move `durable`. `hold_bytes`, `hold_ticks`: at most
+        this much of small transactions is held unencoded, for at most this many releases (`release`)."""
         self.directory = directory
         self.node = node
         self.identity = identity
@@ -97,6 +98,7 @@ class SourceLog:
         self.cap_bytes = cap_bytes
         self.fsync_s = fsync_ms / 1000
         self.hold_bytes = hold_bytes
+        self._ticks: collections.deque[int] = collections.deque(maxlen=max(hold_ticks, 1))
         self.since: int | None = None  # the log holds every needed transaction after this; None: no log
         self.end = 0  # end LSN of the last transaction appended
         self._position: Callable[[], int] = position or (lambda: self.end)
@@ -109,11 +111,10 @@ class SourceLog:
         self._frames = bytearray()
         self._described: dict[int, Relation] = {}  # relations described in the current segment
         # appended small transactions not encoded yet (`append`, `release`), their bytes (with a guess at
-        # their objects' own), how many of them were held at the last release, and the end of the one
-        # appended before the first of them (everything up to there is encoded, or flushed everywhere)
+        # their objects' own), and the end of the one appended before the first of them (everything up to
+        # there is encoded, or flushed everywhere); `_ticks`: `appended` at each of the last releases
         self._pending: collections.deque[Transaction] = collections.deque()
         self._pending_bytes = 0
-        self._aged = 0
         self._floor = 0
         self._pending_sync: list[int] = []  # descriptors of finished segments to fsync and close
         self._pending_files: list[Path] = []  # spill files linked in since the last fsync
@@ -287,18 +288,22 @@ class SourceLog:
             self._dirty.set()
         self._encode(txn)
 
-    def release(self, flushed: int) -> None:
+    def release(self, flushed: int, *, behind: bool = False) -> None:
         """At each progress tick: forget the held transactions that every link's target has flushed
-        (`flushed`: the least of their positions; nobody can need them from the log), then encode those
-        held since the previous tick (their turn to be made durable)."""
+        (`flushed`: the least of their positions; nobody can need them from the log); then encode every
+        one still held if a link is `behind` (down, held, detached or reading the log: it needs them from
+        the log), else those held for `hold_ticks` releases."""
         pending = self._pending
         while pending and pending[0].end_lsn <= flushed:
             txn = pending.popleft()
             self._floor = txn.end_lsn
             self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
-            self._aged -= 1
-        self._encode_pending(max(self._aged, 0))
-        self._aged = len(pending)
+        ticks = self._ticks
+        ticks.append(self.appended)
+        if behind:
+            self._encode_pending(len(pending))
+        elif len(ticks) == ticks.maxlen:  # appended before the oldest release remembered: held long enough
+            self._encode_pending(ticks[0] - (self.appended - len(pending)))
 
     def _encode_pending(self, count: int) -> None:
         """Encode the `count` oldest held transactions."""
@@ -312,7 +317,6 @@ class SourceLog:
             txn = pending.popleft()
             self._floor = txn.end_lsn
             self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
-            self._aged -= 1
             self._encode(txn)
 
     def _encode(self, txn: Transaction) -> None:
@@ -497,7 +501,8 @@ class SourceLog:
         self._disk = 0
         self._buf.clear()
         self._pending.clear()
-        self._pending_bytes = self._aged = 0
+        self._pending_bytes = 0
+        self._ticks.clear()
         self.since = None
         self.appending = False
 

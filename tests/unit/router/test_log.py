@@ -258,19 +258,19 @@ def test_small_transactions_wait_to_be_encoded_in_order_with_a_big_one(tmp_path:
 
 def test_held_transactions_every_target_flushed_are_never_written(tmp_path: Path) -> None:
     passed = [0]
-    log = make(tmp_path, hold_bytes=1 << 20, position=lambda: passed[0])
+    log = make(tmp_path, hold_bytes=1 << 20, hold_ticks=2, position=lambda: passed[0])
     log.activate(0)
     for end in (1, 2, 3):
         log.append(txn(end))
     passed[0] = 3
     asyncio.run(log.sync())
     assert log.durable == 0  # held, not on disk: the slot may not count on them
-    log.release(2)  # every target flushed 1 and 2: forgotten; 3 was held at no earlier release
+    log.release(2)  # every target flushed 1 and 2: forgotten
     log.idle()
     assert log.durable == 2 and log.bytes_appended == 0
     log.append(txn(4))
     passed[0] = 4
-    log.release(2)  # 3 was held at the last release: its turn to be written (4 waits one more)
+    log.release(2)  # 3 was appended before the release two releases ago: held long enough, written
     asyncio.run(log.sync())
     assert log.durable == 3
     log.release(4)  # 4 flushed everywhere meanwhile
@@ -279,6 +279,21 @@ def test_held_transactions_every_target_flushed_are_never_written(tmp_path: Path
     assert [t.end_lsn for t in read_all(log, 0)] == [3]
     log.close()
     assert [t.end_lsn for t in read_all(make(tmp_path), 0)] == [3]  # and so after a restart
+
+
+def test_held_transactions_are_written_at_once_when_a_link_is_behind(tmp_path: Path) -> None:
+    passed = [0]
+    log = make(tmp_path, hold_bytes=1 << 20, hold_ticks=100, position=lambda: passed[0])
+    log.activate(0)
+    for end in (1, 2, 3):
+        log.append(txn(end))
+    passed[0] = 3
+    log.release(1)
+    assert log.buffered == 2  # 2 and 3 still held: every link keeps up
+    log.release(1, behind=True)  # one stopped applying: it will need them from the log
+    asyncio.run(log.sync())
+    assert log.durable == 3
+    assert [t.end_lsn for t in read_all(log, 0)] == [2, 3]
 
 
 def test_held_transactions_are_bounded_in_bytes(tmp_path: Path) -> None:
