@@ -31,6 +31,7 @@ from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
 from router.service.admin import ask_router
+from router.service.monitor import RETAINED_COLUMNS
 from router.service.status import LogStatus, RetainedWal
 from router.service.supervisor import LinkStatus, Router, SourceStatus, StatusReport
 
@@ -116,8 +117,7 @@ async def _offline_links(
 
 async def _offline_source(conn: psycopg.AsyncConnection[Any], config: Config, node: str) -> SourceStatus:
     cur = await conn.execute(
-        "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text,"
-        " (pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, safe_wal_size"
+        f"SELECT confirmed_flush_lsn::text, pg_catalog.pg_current_wal_lsn()::text, {RETAINED_COLUMNS}"
         " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
         [config.slot_name],
     )

@@ -73,10 +73,8 @@ class StandbyGate:
 
 # pgmesh's slot on a node: WAL it keeps (from its restart_lsn to the node's WAL end), and PostgreSQL's own
 # view of it: wal_status (reserved, extended, unreserved, lost) and safe_wal_size (NULL: no limit)
-_RETAINED_SQL: Final = (
-    "SELECT (pg_catalog.pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, safe_wal_size"
-    " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
-)
+RETAINED_COLUMNS: Final = "(pg_catalog.pg_current_wal_lsn() - restart_lsn)::bigint, wal_status, safe_wal_size"
+_RETAINED_SQL: Final = f"SELECT {RETAINED_COLUMNS} FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
 
 
 class MonitorTarget:
