@@ -2,16 +2,16 @@
 
 From the router's start (`activate(since)`, or what an earlier run left: `open()`), the fan-out
 (router.stream.fanout) appends every committed transaction of the source that a target may need, once
-(`append`), before handing it to any link. A small one is only held (`hold_bytes` of them at most, for
-`hold_ticks` progress ticks at most) while every link keeps up (`release`): once every link's target has
-flushed it, nobody can need it from the log and it is never written (the common case: links that keep up
-cost the log a list append); when a link falls behind, or the bounds are reached, it is encoded. Encoded
-ones are made durable together by one group fsync (`run`: at most every `fsync_ms`, in a thread);
-`durable` is the source position before which everything the log must hold is on disk (encoded and synced,
-or flushed by every target), so the source's slot can be confirmed that far on the account of every link
-whose own position is past `since` (router.progress). A link that fell behind reads the log from its
-position (`reader(after)`: router.stream.logreader, which has what is held encoded first) instead of
-holding the source's WAL.
+(`append`), before handing it to any link. It is only held (`hold_bytes` of them at most, a spilled one's
+file kept, for `hold_ticks` progress ticks at most) while every link keeps up (`release`): once every
+link's target has flushed it, nobody can need it from the log and it is never written (the common case:
+links that keep up cost the log a list append); when a link falls behind, or the bounds are reached, it is
+encoded. Encoded ones are made durable together by one group fsync (`run`: at most every `fsync_ms`, in a
+thread); `durable` is the source position before which everything the log must hold is on disk (encoded
+and synced, or flushed by every target), so the source's slot can be confirmed that far on the account of
+every link whose own position is past `since` (router.progress). A link that fell behind reads the log
+from its position (`reader(after)`: router.stream.logreader, which has what is held encoded first) instead
+of holding the source's WAL.
 
 The log is continuous from `since`: it holds every transaction ending after it that some target had not
 flushed when the log let go of it (flushed positions never go back: no reader ever needs the others).
@@ -42,6 +42,7 @@ import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from protocol.lsn import format_lsn
 from protocol.messages import Relation
@@ -271,22 +272,25 @@ class SourceLog:
     def append(self, txn: Transaction) -> None:
         """Append a committed transaction (its whole changes, spilled part included).
 
-        A small one is only held here (see `release`); a spilled or big one is written at once (its spill
-        file must be linked before its holders let go of it), after every one held before it."""
+        It is only held here (see `release`; a spilled one keeps its spill file alive meanwhile, one
+        holder more); one whose spilled part is not in a file of its own is written at once, after every
+        one held before it."""
         if not self._pending:
             self._floor = self.end
         self.end = txn.end_lsn
         self.appended += 1
-        if not txn.spilled and len(txn.changes) <= BIG_CHANGES:
-            self._pending.append(txn)
-            self._pending_bytes += txn.nbytes + _HELD_OVERHEAD
-            if self._pending_bytes > self.hold_bytes:
-                self._encode_pending(len(self._pending) // 2 + 1)
+        if txn.spilled and not isinstance(txn.spill, SpillFile):
+            self._encode_pending(len(self._pending))
+            if not self._dirty.is_set():
+                self._dirty.set()
+            self._encode(txn)
             return
-        self._encode_pending(len(self._pending))
-        if not self._dirty.is_set():
-            self._dirty.set()
-        self._encode(txn)
+        if txn.spilled:
+            cast(SpillFile, txn.spill).acquire()
+        self._pending.append(txn)
+        self._pending_bytes += _held_bytes(txn)
+        if self._pending_bytes > self.hold_bytes:
+            self._encode_pending(len(self._pending) // 2 + 1)
 
     def release(self, flushed: int, *, behind: bool = False) -> None:
         """At each progress tick: forget the held transactions that every link's target has flushed
@@ -295,15 +299,20 @@ class SourceLog:
         the log), else those held for `hold_ticks` releases."""
         pending = self._pending
         while pending and pending[0].end_lsn <= flushed:
-            txn = pending.popleft()
-            self._floor = txn.end_lsn
-            self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
+            self._let_go(pending.popleft())
         ticks = self._ticks
         ticks.append(self.appended)
         if behind:
             self._encode_pending(len(pending))
         elif len(ticks) == ticks.maxlen:  # appended before the oldest release remembered: held long enough
             self._encode_pending(ticks[0] - (self.appended - len(pending)))
+
+    def _let_go(self, txn: Transaction) -> None:
+        """A held transaction is encoded or no longer needed."""
+        self._floor = txn.end_lsn
+        self._pending_bytes -= _held_bytes(txn)
+        if txn.spilled:
+            cast(SpillFile, txn.spill).release()
 
     def _encode_pending(self, count: int) -> None:
         """Encode the `count` oldest held transactions."""
@@ -315,9 +324,10 @@ class SourceLog:
             self._dirty.set()
         for _ in range(count):  # (taken off first: encoding may roll a segment, which writes)
             txn = pending.popleft()
-            self._floor = txn.end_lsn
-            self._pending_bytes -= txn.nbytes + _HELD_OVERHEAD
-            self._encode(txn)
+            try:
+                self._encode(txn)
+            finally:
+                self._let_go(txn)
 
     def _encode(self, txn: Transaction) -> None:
         described = self._described
@@ -500,7 +510,8 @@ class SourceLog:
         self._segments = []
         self._disk = 0
         self._buf.clear()
-        self._pending.clear()
+        while self._pending:
+            self._let_go(self._pending.popleft())
         self._pending_bytes = 0
         self._ticks.clear()
         self.since = None
@@ -515,8 +526,11 @@ class SourceLog:
         self._fd = None
 
     def close(self) -> None:
-        """Write what is buffered and close (no fsync: what was not synced was not confirmed either)."""
+        """Write what is buffered and close (no fsync: what was not synced was not confirmed either; what
+        is held was not either: it is let go)."""
         self._write()
+        while self._pending:
+            self._let_go(self._pending.popleft())
         self._close_fd()
 
     def segments(self) -> list[Segment]:
@@ -533,6 +547,13 @@ class SourceLog:
         there."""
         self._encode_pending(len(self._pending))
         self._write()
+
+
+def _held_bytes(txn: Transaction) -> int:
+    """Memory a held transaction keeps (its spilled part is on disk)."""
+    if txn.spilled:
+        return _HELD_OVERHEAD + 64 * len(txn.changes)
+    return _HELD_OVERHEAD + txn.nbytes
 
 
 def _fsync_all(pending: list[int], fd: int | None, directory: Path, files: list[Path]) -> None:

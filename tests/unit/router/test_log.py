@@ -212,7 +212,7 @@ def test_reset_deletes_it_whole(tmp_path: Path) -> None:
 
 def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
-    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool)
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool, hold_bytes=0)
     log.open()
     log.activate(0)
     rows = [Insert(REL.relid, row(i)) for i in range(3000)]
@@ -304,3 +304,24 @@ def test_held_transactions_are_bounded_in_bytes(tmp_path: Path) -> None:
     assert log.bytes_appended > 0  # the oldest were encoded to stay under the bound
     assert log._pending_bytes <= 64 << 10
     assert [t.end_lsn for t in read_all(log, 0)] == list(range(1, 1001))  # in order, none lost
+
+
+def test_a_held_spilled_transaction_keeps_its_file_and_is_never_linked_once_flushed_everywhere(
+    tmp_path: Path,
+) -> None:
+    spool = Spool(tmp_path / "spool")
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool)
+    log.open()
+    log.activate(0)
+    rows = [Insert(REL.relid, row(i)) for i in range(3000)]
+    spool.write("a", Spill(9, rows[:2500], nbytes=1234))
+    handle = spool.finish("a", 9)
+    assert handle is not None
+    handle.acquire()
+    big = Transaction(9, 99, 100, 5, rows[2500:], {REL.relid: REL}, spilled=2500, spill=handle)
+    log.append(big)
+    release(big)  # its link applied it: the log's hold keeps the file
+    assert handle.path.exists() and log.bytes_appended == 0
+    log.release(100)  # flushed everywhere: let go, never written
+    assert not handle.path.exists() and log.bytes_appended == 0
+    assert not list((tmp_path / "log").glob("*.spill"))
