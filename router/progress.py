@@ -120,13 +120,17 @@ class LinkProgress:
         """Where a re-read for it must start: after what it applied or was given from the log."""
         return max(self.applied, self.has_until)
 
+    def synced(self, seen: int) -> int:
+        """The source position up to which the target has flushed everything it needs (`seen`: the
+        source's position passed): what a barrier waits for, whatever the log holds."""
+        if self.missed_until is not None or self.log_from is not None or self.enqueued > self.flushed:
+            return self.flushed
+        return max(self.flushed, seen)
+
     def durable(self, seen: int, log_since: int | None = None, log_durable: int = 0) -> int:
         """Position the source may be confirmed to on this link's account (with the source's log, if
         it has one: continuous after `log_since`, on disk up to `log_durable`)."""
-        if self.missed_until is not None or self.log_from is not None or self.enqueued > self.flushed:
-            own = self.flushed
-        else:
-            own = max(self.flushed, seen)
+        own = self.synced(seen)
         if log_since is not None and self.flushed >= log_since and log_durable > own:
             return log_durable
         return own
@@ -164,6 +168,10 @@ class SourceProgress:
         if self.recorder is not None:  # the recorder never reads the log: its own position only
             out = min(out, self.recorder.durable(self.seen))
         return out
+
+    def synced(self) -> int:
+        """The source position up to which every target has flushed everything (the log not counted)."""
+        return min((link.synced(self.seen) for link in self.links), default=self.seen)
 
     def logging(self) -> list[LinkProgress]:
         """The links reading the source's log now."""

@@ -19,12 +19,15 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
 import psycopg
 
-from protocol.lsn import format_lsn
+from protocol.lsn import format_lsn, parse_lsn
 from router.config import Config, NodeConfig
 from router.ddl.capture import ALLOWED_SETTING
 from router.errors import PgmeshError, describe
+from router.service.admin import ask_router
+from router.service.status import StatusReport
 
 __all__ = ["barrier", "cmd_ddl"]
 
@@ -41,8 +44,9 @@ async def _connect(node: NodeConfig) -> Conn:
 
 
 async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
-    """Wait until every node's slot is confirmed up to that node's WAL position when called: everything
-    committed anywhere before has been applied everywhere. Needs the router running."""
+    """Wait until every node's WAL position when called is flushed by every other node: everything
+    committed anywhere before has been applied everywhere. Asks the running router (each link's
+    `synced_lsn`: the slots' confirmed positions may run ahead of the targets on the router log's account)."""
     conns = {node.name: await _connect(node) for node in config.nodes}
     try:
         wanted: dict[str, int] = {}
@@ -51,35 +55,29 @@ async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
             row = await cur.fetchone()
             assert row is not None
             wanted[name] = int(row[0])
-        deadline = time.monotonic() + limit
-        pending = dict(wanted)
-        while pending:
-            for name in list(pending):
-                cur = await conns[name].execute(
-                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots"
-                    " WHERE slot_name = %s",
-                    [config.slot_name],
-                )
-                row = await cur.fetchone()
-                if row is None:
-                    raise PgmeshError(
-                        f"slot {config.slot_name} is missing", node=name, hint="run pgmesh init"
-                    )
-                if row[0] is not None and int(row[0]) >= pending[name]:
-                    del pending[name]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                late = ", ".join(f"{n} (wants {format_lsn(lsn)})" for n, lsn in sorted(pending.items()))
-                raise PgmeshError(
-                    f"replication barrier not reached after {limit:.0f} s: {late}",
-                    hint="is `pgmesh run` running and every link streaming? see `pgmesh status`",
-                )
-            await asyncio.sleep(0.1)
-        return wanted
     finally:
         for conn in conns.values():
             await conn.close()
+    deadline = time.monotonic() + limit
+    while True:
+        reply = await ask_router(config, "GET", "/status")
+        if reply is None or reply[0] != 200:
+            raise PgmeshError("replication barrier: the router does not answer",
+                              hint="is `pgmesh run` running? the barrier waits for its links")
+        report = msgspec.json.decode(reply[1], type=StatusReport)
+        late = {
+            f"{link.source} -> {link.target}": wanted[link.source] for link in report.links
+            if link.source in wanted and parse_lsn(link.synced_lsn) < wanted[link.source]
+        }
+        if not late:
+            return wanted
+        if time.monotonic() > deadline:
+            text = ", ".join(f"{n} (wants {format_lsn(lsn)})" for n, lsn in sorted(late.items()))
+            raise PgmeshError(
+                f"replication barrier not reached after {limit:.0f} s: {text}",
+                hint="is every link streaming? see `pgmesh status`",
+            )
+        await asyncio.sleep(0.1)
 
 
 async def cmd_ddl(

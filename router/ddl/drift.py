@@ -157,7 +157,7 @@ class DriftWatch:
     """Compares the nodes' replicated tables when asked (`poke`) and while anything differs; hands every
     decided state to `on_change` (table -> drift; empty when the schemas agree)."""
 
-    __slots__ = ("_clock", "_nodes", "_on_change", "_pending", "_publication", "_slot", "_wanted",
+    __slots__ = ("_clock", "_nodes", "_on_change", "_pending", "_publication", "_slot", "_synced", "_wanted",
                  "drifted", "recheck_s", "settle_s")
 
     def __init__(
@@ -170,8 +170,13 @@ class DriftWatch:
         recheck_s: float = RECHECK_S,
         settle_s: float = SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
+        synced: Callable[[str], int] | None = None,
     ) -> None:
+        """`synced(node)`: the position of `node` up to which every other node has flushed everything
+        (router.progress.SourceProgress.synced); without it, the node's slot's confirmed position (which
+        the router's log may move past what the targets applied)."""
         self._nodes = dict(nodes)
+        self._synced = synced
         self._publication = publication
         self._slot = slot
         self._on_change = on_change
@@ -237,8 +242,8 @@ class DriftWatch:
         return self.drifted
 
     async def _settled(self) -> bool:
-        """A barrier: every node's slot confirmed past its WAL position now (all DDL then in flight has
-        been replayed everywhere). False when not reached within `settle_s`."""
+        """A barrier: every node's WAL position now flushed by every other node (all DDL then in flight
+        has been replayed everywhere). False when not reached within `settle_s`."""
         wanted: dict[str, int] = {}
         for node, query in self._nodes.items():
             rows = await query(_WAL_SQL, None)
@@ -246,6 +251,10 @@ class DriftWatch:
         deadline = self._clock() + self.settle_s
         while wanted:
             for node in list(wanted):
+                if self._synced is not None:
+                    if self._synced(node) >= wanted[node]:
+                        del wanted[node]
+                    continue
                 rows = await self._nodes[node](_SLOT_SQL, [self._slot])
                 if rows and rows[0][0] is not None and int(rows[0][0]) >= wanted[node]:
                     del wanted[node]

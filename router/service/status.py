@@ -27,6 +27,9 @@ class LinkStatus(msgspec.Struct, frozen=True):
     applied_rows: int
     retries: int
     last_error: str | None
+    # the source position up to which the target has flushed everything it needs (a barrier's wait;
+    # the slot may be confirmed further on the router log's account)
+    synced_lsn: str = "0/0"
 
 
 class RetainedWal(msgspec.Struct, frozen=True):

@@ -255,6 +255,7 @@ class Router:
         self.drift = DriftWatch(
             {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
             slot=self.config.slot_name, on_change=self._drift_changed,
+            synced=lambda node: self.progress[node].synced() if node in self.progress else 1 << 62,
         )
 
     async def _stop_lost(self) -> None:

@@ -18,6 +18,7 @@ from router.testing.mesh import (
     config_text,
     execute,
     fetch,
+    free_port,
     running_router,
     wait_converged,
     wait_for,
@@ -231,10 +232,11 @@ async def _has(dsn: str, query: str, expected: Any) -> bool:
 
 
 async def test_pgmesh_ddl_behind_a_barrier(mesh: MeshFactory, tmp_path: Any) -> None:
-    m = await mesh(nodes=3, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    # (an admin port of its own: the barrier asks the router how far each link has flushed)
+    m = await mesh(nodes=3, schema="CREATE TABLE t (id int PRIMARY KEY, v text);", admin_port=free_port())
     nodes, config = m.nodes, m.config
     path = tmp_path / "config.toml"
-    path.write_text(config_text(nodes))
+    path.write_text(m.config_text())
     async with running_router(config):
         await execute(nodes[1].dsn(), "INSERT INTO t SELECT g, 'x' FROM generate_series(1, 1000) g")
         code = await asyncio.to_thread(

@@ -15,7 +15,7 @@ from router.config import DdlSection
 from router.ddl.command import cmd_ddl
 from router.ops.control import render_status
 from router.service.supervisor import Router
-from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE t (id bigint PRIMARY KEY, v text);"
@@ -130,7 +130,7 @@ async def test_ddl_in_flight_is_not_drift(mesh: MeshFactory) -> None:
 async def test_locked_mode_refuses_direct_ddl_and_pgmesh_ddl_reaches_every_node(
     mesh: MeshFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    m = await mesh(nodes=2, schema=SCHEMA, extra='[ddl]\nmode = "locked"\n')
+    m = await mesh(nodes=2, schema=SCHEMA, extra='[ddl]\nmode = "locked"\n', admin_port=free_port())
     a, b = m.nodes
     with pytest.raises(psycopg.errors.FeatureNotSupported, match="runs only through pgmesh ddl") as refused:
         await execute(a.dsn(), "ALTER TABLE t ADD COLUMN w int")

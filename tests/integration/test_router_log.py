@@ -18,8 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from protocol.lsn import parse_lsn
-from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from router.ddl.command import barrier
+from router.errors import PgmeshError
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = """CREATE TABLE doc (id bigint PRIMARY KEY, src text NOT NULL, body text NOT NULL);
@@ -58,7 +62,7 @@ async def check_rows(nodes: list[Any], expected: dict[str, int]) -> None:
 
 
 async def test_a_stopped_node_does_not_make_the_others_keep_their_wal(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=3, schema=SCHEMA, replication="queue_max_transactions = 50")
+    m = await mesh(nodes=3, schema=SCHEMA, replication="queue_max_transactions = 50", admin_port=free_port())
     a, b, c = m.nodes
     slot = m.config.slot_name
     async with running_router(m.config) as router:
@@ -81,6 +85,9 @@ async def test_a_stopped_node_does_not_make_the_others_keep_their_wal(mesh: Mesh
             return all(kept[name] < written[name] / 10 for name in kept)
 
         await wait_for(kept_little, "a and b to keep under 10% of the WAL they wrote", 90)
+        # the slots are confirmed on the log's account, but a barrier waits for c itself
+        with pytest.raises(PgmeshError, match=r"barrier not reached.*a -> c.*b -> c"):
+            await barrier(m.config, limit=1.0)
         sources = {s.node: s for s in router.status().sources}
         for name in "ab":
             log = sources[name].log
@@ -91,6 +98,7 @@ async def test_a_stopped_node_does_not_make_the_others_keep_their_wal(mesh: Mesh
         await wait_converged(m.nodes, TABLES, limit=240)
         await wait_for(lambda: not any(readers().values()), "the links into c to catch up with the log", 120)
         await check_rows(m.nodes, {"a": 5 * 20 + 300 * 20, "b": 300 * 20})
+        await barrier(m.config, limit=60)
 
 
 async def test_with_every_link_behind_a_dead_node_goes_to_the_log_past_its_hold(mesh: MeshFactory) -> None:
