@@ -137,7 +137,7 @@ class Reporter:
             lag_seconds=round(lag_seconds, 3), queued=applier.pending,
             applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
             retries=stats.retries, last_error=last_error,
-            synced_lsn=format_lsn(link.synced(router.progress[key[0]].seen)),
+            synced_lsn=format_lsn(source.idle_position(link.synced(router.progress[key[0]].seen))),
         )
 
 

@@ -255,8 +255,14 @@ class Router:
         self.drift = DriftWatch(
             {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
             slot=self.config.slot_name, on_change=self._drift_changed,
-            synced=lambda node: self.progress[node].synced() if node in self.progress else 1 << 62,
+            synced=self._synced,
         )
+
+    def _synced(self, node: str) -> int:
+        """The position of `node` up to which every other node has flushed everything (drift's barrier)."""
+        if node not in self.progress:
+            return 1 << 62
+        return self.pumps[node].source.idle_position(self.progress[node].synced())
 
     async def _stop_lost(self) -> None:
         """Stop every link a lost router log may have left short (router.service.logs), and record it as

@@ -180,16 +180,22 @@ class ReplicationSource:
 
     def flush_position(self) -> int:
         """The flush position to report: the caller's, or the idle position once all is confirmed."""
-        flush = self._confirmed
+        if not self.options.advance_when_idle:
+            return self._confirmed
+        return self.idle_position(self._confirmed)
+
+    def idle_position(self, lsn: int) -> int:
+        """`lsn`, a position up to which everything handed out is handled; the server's WAL end instead
+        when nothing was handed out past `lsn` and nothing is being received: what came after was not for
+        us."""
         if (
-            self.options.advance_when_idle
-            and flush >= self._delivered_high
+            lsn >= self._delivered_high
             and self._rewind_to is None
             and self._assembler.idle
-            and self._server_wal_end > flush
+            and self._server_wal_end > lsn
         ):
-            flush = self._server_wal_end
-        return flush
+            return self._server_wal_end
+        return lsn
 
     # ---------------------------------------------------------------- the connection's commands
 
