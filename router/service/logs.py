@@ -67,6 +67,8 @@ class RouterLogs:
         self.marks: dict[str, str | None] = {}
         self.confirmed: dict[str, int] = {}
         self._unsure: set[str] = set()  # sources with a lost log and a target whose position is unknown
+        # sources whose links' positions are being saved (in a thread), with the task doing it
+        self._saving: dict[str, asyncio.Task[None]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -183,18 +185,28 @@ class RouterLogs:
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
-        """Every `SAVE_EVERY_S` at most (two fsyncs): a position saved a little low only makes a node that
-        is down at the next start read a little more of the log, and skip what it already has."""
+        """Every `SAVE_EVERY_S` at most (two fsyncs, in a thread: never on the event loop, which a slow
+        disk would stall): a position saved a little low only makes a node that is down at the next start
+        read a little more of the log, and skip what it already has."""
         now = time.monotonic()
-        if self._saved.get(node) == positions or now - self._saved_at.get(node, -SAVE_EVERY_S) < SAVE_EVERY_S:
+        if (self._saved.get(node) == positions or now - self._saved_at.get(node, -SAVE_EVERY_S) < SAVE_EVERY_S
+                or node in self._saving):
             return
         self._saved_at[node] = now
-        try:
-            write_durably(log.directory / _POSITIONS, msgspec.msgpack.encode(positions))
-        except OSError as exc:
-            logger.warning("node %s: cannot save the links' positions in %s: %s", node, log.directory, exc)
-            return
-        self._saved[node] = positions
+        data = msgspec.msgpack.encode(positions)
+        path = log.directory / _POSITIONS
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(write_durably, path, data))
+        self._saving[node] = task
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._saving.pop(node, None)
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                logger.warning("node %s: cannot save the links' positions in %s: %s", node, path.parent, exc)
+            elif not task.cancelled():
+                self._saved[node] = positions
+
+        task.add_done_callback(done)
 
     def run(self, group: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
         """Start every log's group fsync in `group`."""
@@ -202,6 +214,7 @@ class RouterLogs:
 
     async def close(self) -> None:
         """Make what was appended durable, and close."""
+        await asyncio.gather(*self._saving.values(), return_exceptions=True)
         for log in self.logs.values():
             with contextlib.suppress(OSError):
                 await log.sync()
