@@ -151,6 +151,12 @@ class RouterLogs:
         log = self.logs.get(node)
         if log is None or self.marks.get(node) == log.log_id or node in self._unsure:
             return
+        if not log.settled:
+            try:
+                await log.sync()  # its identity and name durable before the node names it
+            except OSError as exc:
+                logger.warning("node %s: cannot make the router log's files durable: %s", node, exc)
+                return
         try:
             async with asyncio.timeout(limit_s):
                 await target.query(_MARK_SQL, [MARK_KEY, log.log_id])

@@ -48,6 +48,7 @@ from protocol.lsn import format_lsn
 from protocol.messages import Relation
 from protocol.transactions import Change, Transaction
 from router.errors import PgmeshError
+from router.stream.logfiles import fsync_all, write_durably
 from router.stream.logformat import (
     BEGIN,
     BIG_CHANGES,
@@ -123,6 +124,7 @@ class SourceLog:
         self._limit: int | None = None  # where `durable` stops once nothing more is appended
         self._syncing = False
         self.log_id = ""  # read or made by open()
+        self.settled = True  # whether its own files (identity, name) are durable (`_write_meta`)
         self.appended = 0  # transactions appended (stats)
         self.bytes_appended = 0
 
@@ -166,7 +168,7 @@ class SourceLog:
                     " `pgmesh compare`", node=self.node,
                 )
         elif self.identity is not None:
-            write_durably(ident, self.identity.encode())
+            self._write_meta(ident, self.identity.encode())
         for path in sorted(self.directory.glob("*.seg")):
             if not self._recover(path):
                 break
@@ -184,8 +186,18 @@ class SourceLog:
             self._delete_all()
         id_file = self.directory / "log-id"  # names this directory's log on the node (router.service.logs)
         if not id_file.exists():
-            write_durably(id_file, uuid.uuid4().hex.encode())
+            self._write_meta(id_file, uuid.uuid4().hex.encode())
         self.log_id = id_file.read_text().strip()
+
+    def _write_meta(self, path: Path, data: bytes) -> None:
+        """Write a small file whole (replaced atomically); it is made durable by the next `sync` (in a
+        thread: a start never waits on a disk busy with the nodes' writes), which the caller runs before
+        anything relies on it (router.service.logs: before the log's name is recorded on the node)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self._pending_files.append(path)
+        self.settled = False
 
     def _recover(self, path: Path) -> bool:
         """Read one segment; False when it ends torn (it is truncated there; later ones are dropped)."""
@@ -449,11 +461,17 @@ class SourceLog:
         pending, self._pending_sync = self._pending_sync, []
         files, self._pending_files = self._pending_files, []
         fd = self._fd
+        settled = self.settled
         self._syncing = True
         try:
-            await asyncio.to_thread(_fsync_all, pending, fd, self.directory, files)
+            await asyncio.to_thread(fsync_all, pending, fd, self.directory, files)
+        except OSError:
+            self._pending_files[:0] = files  # (tried again at the next sync)
+            raise
         finally:
             self._syncing = False
+        if not settled and not self._pending_files:
+            self.settled = True
         self._advance(mark)
 
     def _mark(self) -> int:
@@ -554,42 +572,3 @@ def _held_bytes(txn: Transaction) -> int:
     if txn.spilled:
         return _HELD_OVERHEAD + 64 * len(txn.changes)
     return _HELD_OVERHEAD + txn.nbytes
-
-
-def _fsync_all(pending: list[int], fd: int | None, directory: Path, files: list[Path]) -> None:
-    for path in files:
-        with contextlib.suppress(FileNotFoundError):  # (deleted meanwhile: no longer needed)
-            linked = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(linked)
-            finally:
-                os.close(linked)
-    if files:
-        pending = [*pending, -1]  # their names too
-    for old in pending:
-        if old < 0:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        else:
-            os.fsync(old)
-            os.close(old)
-    if fd is not None:
-        with contextlib.suppress(OSError):  # closed by a reset meanwhile
-            os.fsync(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
