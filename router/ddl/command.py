@@ -43,13 +43,18 @@ async def _connect(node: NodeConfig) -> Conn:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
 
-async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
-    """Wait until every node's WAL position when called is flushed by every other node: everything
-    committed anywhere before has been applied everywhere. Asks the running router (each link's
-    `synced_lsn`: the slots' confirmed positions may run ahead of the targets on the router log's account)."""
+async def barrier(
+    config: Config, limit: float = 300.0, wanted: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Wait until every node's WAL position when called (or `wanted`: node -> position) is flushed by every
+    other node: everything committed anywhere before has been applied everywhere. Asks the running router
+    (each link's `synced_lsn`: the slots' confirmed positions may run ahead of the targets on the router
+    log's account)."""
+    if wanted:
+        return await _wait_synced(config, limit, wanted)
     conns = {node.name: await _connect(node) for node in config.nodes}
     try:
-        wanted: dict[str, int] = {}
+        wanted = {}
         for name, conn in conns.items():
             cur = await conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
             row = await cur.fetchone()
@@ -58,6 +63,10 @@ async def barrier(config: Config, limit: float = 300.0) -> dict[str, int]:
     finally:
         for conn in conns.values():
             await conn.close()
+    return await _wait_synced(config, limit, wanted)
+
+
+async def _wait_synced(config: Config, limit: float, wanted: dict[str, int]) -> dict[str, int]:
     deadline = time.monotonic() + limit
     while True:
         reply = await ask_router(config, "GET", "/status")

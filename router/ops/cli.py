@@ -96,6 +96,12 @@ def _cmd_ddl(args: argparse.Namespace) -> int:
     return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from router.cluster.compare.job import cmd_compare
+
+    return _run(cmd_compare(_config(args), args.tables, as_json=args.json, limit=args.timeout))
+
+
 def _cmd_join(args: argparse.Namespace) -> int:
     from router.cluster.membership import cmd_join
 
@@ -161,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
                      " the statement reached every node (needs `pgmesh run`)")
     ddl.add_argument("--timeout", type=float, default=300.0, metavar="S", help="barrier limit (default 300)")
     ddl.set_defaults(func=_cmd_ddl)
+    compare = _with_config(sub, "compare", "every node's replicated rows against every other's (1: differ)")
+    compare.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
+    compare.add_argument("--json", action="store_true", help="machine-readable output")
+    compare.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                         help="how long a recheck waits for the links to catch up (default 300)")
+    compare.set_defaults(func=_cmd_compare)
     join = _with_config(sub, "join", "copy a donor into a new (empty) node listed in the config")
     join.add_argument("node", metavar="NODE", help="the new node, as named in the config")
     join.add_argument("--from", dest="donor", metavar="DONOR", help="the node to copy (default: first other)")

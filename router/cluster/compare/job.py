@@ -1,0 +1,311 @@
+"""`pgmesh compare`: every node against every other, as a PySpark job over exported snapshots, then a
+recheck of what differed once every link has applied past the first read.
+
+Owns: exporting a snapshot on every node (held open for the job) and each node's WAL position then, the
+compared tables (the publication's, or those named; the first node's catalog, read under its snapshot)
+and their key ranges (router.cluster.compare.plan), running the tasks (router.cluster.compare.worker) on
+Spark, and the recheck: a key that differed is read again on every node once the router reports that every
+link has flushed past the positions of the first read (`router.ddl.command.barrier`); it is a difference
+only if it still differs and its rows are the same as the read before (else it was still being written:
+read again, up to `ROUNDS` times, then reported as unsettled, not as a difference).
+
+Must not: write to a node, import pyspark at module level, or put a DSN in a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import msgspec
+import psycopg
+from psycopg import sql
+
+from router.cluster.compare.plan import (
+    INTEGER_TYPES,
+    CompareTable,
+    RangeTask,
+    bound_ranges,
+    integer_ranges,
+    partitions,
+)
+from router.cluster.compare.worker import SESSION_SQL, CompareJob, Difference, row_hashes_sql, run_partition
+from router.cluster.sync.spark import local_parallelism, spark_session
+from router.config import Config, NodeConfig
+from router.ddl.command import barrier
+from router.errors import PgmeshError, describe
+from router.service.admin import ask_router
+
+__all__ = ["CompareReport", "Divergence", "cmd_compare", "compare_cluster"]
+
+ROUNDS: Final = 3
+ROWS_PER_RANGE: Final = 50_000  # a table this small in rows gets one range
+
+_TABLES_SQL: Final = "SELECT schemaname, tablename FROM pg_catalog.pg_publication_tables WHERE pubname = %s"
+_KEY_SQL: Final = (
+    "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod) FROM"
+    " (SELECT i.indkey FROM pg_catalog.pg_index i WHERE i.indrelid = %s::regclass"
+    "  AND (i.indisprimary OR i.indisreplident) ORDER BY i.indisprimary DESC LIMIT 1) AS x,"
+    " unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord)"
+    " JOIN pg_catalog.pg_attribute a ON a.attrelid = %s::regclass AND a.attnum = k.attnum ORDER BY k.ord"
+)
+
+
+class Divergence(msgspec.Struct, frozen=True):
+    """A key whose row differs: per node, its row's hash in hex, or None where the row is missing."""
+
+    table: str
+    key: str
+    key_json: str
+    rows: dict[str, str | None]
+
+
+class CompareReport(msgspec.Struct, frozen=True):
+    nodes: list[str]
+    tables: list[str]
+    skipped: list[str]  # tables not compared, with why
+    differences: list[Divergence]
+    unsettled: list[Divergence]  # still changing at every recheck: not decided
+    rechecked: bool  # differences were read again after every link applied past the first read
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        """0: every node alike; 1: differences; 3: none, but keys still being written."""
+        return 1 if self.differences else 3 if self.unsettled else 0
+
+    def render(self) -> str:
+        lines = [
+            f"compared {len(self.tables)} table(s) on {len(self.nodes)} nodes ({', '.join(self.nodes)})"
+            f" in {self.seconds:.1f} s: {len(self.differences)} difference(s)"
+            + (
+                ""
+                if self.rechecked
+                else " (not rechecked: the router is not running, some may be changes still on their way)"
+            )
+        ]
+        lines += [f"not compared: {s}" for s in self.skipped]
+        for title, items in (("differences", self.differences), ("still being written", self.unsettled)):
+            if not items:
+                continue
+            lines.append(f"{title}:")
+            head = ["table", "key", *self.nodes]
+            rows = [[d.table, d.key, *(d.rows[n] or "missing" for n in self.nodes)] for d in items]
+            widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+            for r in [head, *rows]:
+                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        return "\n".join(lines)
+
+
+def _hex(h: int | None) -> str | None:
+    return None if h is None else f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _run_groups(job: CompareJob, groups: Iterable[list[RangeTask]]) -> Iterator[Difference]:
+    return run_partition(job, itertools.chain.from_iterable(groups))
+
+
+class _Holders:
+    """A REPEATABLE READ transaction on every node that exported its snapshot, kept open for the job."""
+
+    def __init__(self, nodes: Sequence[NodeConfig]) -> None:
+        self.conns: list[psycopg.Connection[Any]] = []
+        self.snapshots: list[str] = []
+        self.positions: dict[str, int] = {}
+        try:
+            for node in nodes:
+                try:
+                    conn = psycopg.connect(node.dsn, application_name="pgmesh compare", connect_timeout=10)
+                except psycopg.Error as exc:
+                    raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name) from None
+                self.conns.append(conn)
+                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                conn.read_only = True
+                row = conn.execute(
+                    "SELECT pg_catalog.pg_export_snapshot(),"
+                    " (pg_catalog.pg_current_wal_lsn() - '0/0')::bigint"
+                ).fetchone()
+                assert row is not None
+                self.snapshots.append(str(row[0]))
+                self.positions[node.name] = int(row[1])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+
+def _tables(
+    conn: psycopg.Connection[Any], publication: str, names: Sequence[str]
+) -> tuple[list[CompareTable], list[str]]:
+    published = [(str(s), str(t)) for s, t in conn.execute(_TABLES_SQL, [publication]).fetchall()]
+    if names:
+        wanted = {n if "." in n else f"public.{n}" for n in names}
+        unknown = wanted - {f"{s}.{t}" for s, t in published}
+        if unknown:
+            raise PgmeshError(
+                f"not replicated (not in publication {publication}): {', '.join(sorted(unknown))}"
+            )
+        published = [(s, t) for s, t in published if f"{s}.{t}" in wanted]
+    tables, skipped = [], []
+    for schema, name in sorted(published):
+        rel = sql.Identifier(schema, name).as_string(conn)
+        keys = conn.execute(_KEY_SQL, [rel, rel]).fetchall()
+        if not keys:
+            skipped.append(f"{schema}.{name} (no primary key or replica identity index)")
+            continue
+        tables.append(CompareTable(schema, name, tuple(str(k) for k, _ in keys), str(keys[0][1])))
+    return tables, skipped
+
+
+def _ranges(
+    conn: psycopg.Connection[Any], index: int, table: CompareTable, parallelism: int
+) -> list[RangeTask]:
+    rel = sql.Identifier(table.schema, table.name)
+    row = conn.execute(
+        "SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %s::regclass", [rel.as_string(conn)]
+    ).fetchone()
+    parts = max(1, min(parallelism * 4, int((row[0] if row else 0) or 0) // ROWS_PER_RANGE))
+    cuts: list[tuple[str | None, str | None]] = [(None, None)]
+    if parts > 1 and table.first_type in INTEGER_TYPES:
+        first = sql.Identifier(table.keys[0])
+        low_high = conn.execute(
+            sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=first, t=rel)
+        ).fetchone()
+        if low_high is not None:
+            cuts = integer_ranges(low_high[0], low_high[1], parts)
+    elif parts > 1:
+        bounds = conn.execute(
+            "SELECT histogram_bounds::text::text[] FROM pg_catalog.pg_stats"
+            " WHERE schemaname = %s AND tablename = %s AND attname = %s",
+            [table.schema, table.name, table.keys[0]],
+        ).fetchone()
+        if bounds is not None and bounds[0]:
+            cuts = bound_ranges(list(bounds[0]), parts)
+    return [RangeTask(index, lo, hi) for lo, hi in cuts]
+
+
+def first_pass(
+    config: Config, names: Sequence[str]
+) -> tuple[CompareJob, list[str], list[Difference], dict[str, int]]:
+    """Blocking: every node read under a snapshot of its own. Returns the job, the skipped tables, the keys
+    that differed, and each node's WAL position when its snapshot was taken."""
+    nodes = list(config.nodes)
+    holders = _Holders(nodes)
+    try:
+        tables, skipped = _tables(holders.conns[0], config.publication_name, names)
+        master = config.sync.spark_master
+        parallelism = local_parallelism(master) or 2
+        tasks = [
+            t for i, table in enumerate(tables) for t in _ranges(holders.conns[0], i, table, parallelism)
+        ]
+        job = CompareJob(
+            tuple(n.name for n in nodes), tuple(n.dsn for n in nodes), tuple(holders.snapshots), tuple(tables)
+        )
+        found: list[Difference] = []
+        if tasks:
+            groups = partitions(tasks, parallelism * 2)
+            with spark_session(
+                master, config.sync.spark_conf, worker_modules=(run_partition.__module__,)
+            ) as spark:
+                try:
+                    rdd = spark.sparkContext.parallelize(groups, len(groups))
+                    found = rdd.mapPartitions(functools.partial(_run_groups, job)).collect()
+                except Exception as exc:
+                    last = [line for line in str(exc).splitlines() if "Error" in line]
+                    raise PgmeshError(
+                        f"the comparison failed: {last[-1] if last else describe(exc)}"
+                    ) from None
+        return job, skipped, found, dict(holders.positions)
+    finally:
+        holders.close()
+
+
+async def _read_hashes(
+    config: Config, job: CompareJob, keys: Sequence[Difference]
+) -> dict[tuple[int, str], tuple[int | None, ...]]:
+    """Each key's row hash on every node, read now."""
+    by_table: dict[int, list[Difference]] = {}
+    for d in keys:
+        by_table.setdefault(d.table, []).append(d)
+    per_node: list[dict[tuple[int, str], int]] = []
+    for node in config.nodes:
+        found: dict[tuple[int, str], int] = {}
+        try:
+            async with await psycopg.AsyncConnection.connect(
+                node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh compare"
+            ) as conn:
+                await conn.execute(SESSION_SQL)
+                for index, items in by_table.items():
+                    keys_json = json.dumps([json.loads(d.key_json) for d in items])
+                    cur = await conn.execute(row_hashes_sql(job.tables[index]), [keys_json])
+                    for key, h in await cur.fetchall():
+                        found[(index, str(key))] = int(h)
+        except psycopg.Error as exc:
+            raise PgmeshError(
+                f"cannot read the keys that differed: {describe(exc)}", node=node.name
+            ) from None
+        per_node.append(found)
+    return {(d.table, d.key): tuple(n.get((d.table, d.key)) for n in per_node) for d in keys}
+
+
+async def compare_cluster(
+    config: Config, names: Sequence[str] = (), *, limit: float = 300.0, router_running: bool = True
+) -> CompareReport:
+    """Compare every node's replicated tables (or `names`); see the module docstring."""
+    started = time.monotonic()
+    job, skipped, found, wanted = await asyncio.to_thread(first_pass, config, names)
+    candidates = {(d.table, d.key): d for d in found}
+    last = {(d.table, d.key): d.hashes for d in found}
+    persistent: list[Difference] = []
+    for _ in range(ROUNDS if router_running else 1):
+        if not candidates:
+            break
+        if router_running:
+            await barrier(config, limit, wanted=wanted)
+            wanted = {}  # (the next rounds: past the positions when they start)
+        now = await _read_hashes(config, job, list(candidates.values()))
+        for ident, hashes in now.items():
+            d = candidates[ident]
+            if all(h == hashes[0] for h in hashes[1:]):
+                del candidates[ident]  # it converged: was on its way
+            elif hashes == last[ident]:
+                persistent.append(msgspec.structs.replace(d, hashes=hashes))
+                del candidates[ident]
+            last[ident] = hashes
+    unsettled = [msgspec.structs.replace(d, hashes=last[k]) for k, d in candidates.items()]
+
+    def divergence(d: Difference) -> Divergence:
+        return Divergence(
+            job.tables[d.table].label,
+            d.key,
+            d.key_json,
+            {n: _hex(h) for n, h in zip(job.nodes, d.hashes, strict=True)},
+        )
+
+    return CompareReport(
+        list(job.nodes),
+        [t.label for t in job.tables],
+        skipped,
+        [divergence(d) for d in sorted(persistent, key=lambda d: (d.table, d.key))],
+        [divergence(d) for d in sorted(unsettled, key=lambda d: (d.table, d.key))],
+        router_running,
+        round(time.monotonic() - started, 3),
+    )
+
+
+async def cmd_compare(
+    config: Config, names: Sequence[str], *, as_json: bool = False, limit: float = 300.0
+) -> int:
+    """`pgmesh compare`: print the report (a table, or JSON) and return its exit code."""
+    running = await ask_router(config, "GET", "/status") is not None
+    report = await compare_cluster(config, names, limit=limit, router_running=running)
+    print(msgspec.json.encode(report).decode() if as_json else report.render())
+    return report.exit_code

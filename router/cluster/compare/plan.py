@@ -1,0 +1,74 @@
+"""Planning a comparison: the tables compared, and key ranges (one per Spark task) over them.
+
+Owns: what a compared table is (`CompareTable`: its name, key columns and the first key column's type),
+cutting a table's first key column into ranges that every node reads alike (`integer_ranges` from the
+first node's min and max, `bound_ranges` from its planner statistics' histogram), and grouping the ranges
+into Spark partitions. The first and the last range are open-ended: keys another node has beyond the
+first node's min or max are read too, whatever the statistics say.
+
+Must not: touch a database, Spark or a clock; everything here is a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+__all__ = ["INTEGER_TYPES", "CompareTable", "RangeTask", "bound_ranges", "integer_ranges", "partitions"]
+
+INTEGER_TYPES: Final = frozenset({"smallint", "integer", "bigint"})
+Bound = str | None  # a key value as text (cast to the column's type by the reader); None: open
+
+
+class CompareTable(msgspec.Struct, frozen=True):
+    schema: str
+    name: str
+    keys: tuple[str, ...]  # the primary key's (or replica identity index's) columns, in index order
+    first_type: str  # format_type() of the first key column: ranges cut over it
+
+    @property
+    def label(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+class RangeTask(msgspec.Struct, frozen=True):
+    """Rows of table `table` (an index into the job's tables) whose first key column is >= lo and < hi."""
+
+    table: int
+    lo: Bound
+    hi: Bound
+
+
+def integer_ranges(low: int | None, high: int | None, parts: int) -> list[tuple[Bound, Bound]]:
+    """[low, high] cut into `parts` ranges of equal width, the first and the last open-ended."""
+    if low is None or high is None or parts <= 1 or high - low < parts:
+        return [(None, None)]
+    step = (high - low + 1) / parts
+    cuts = sorted({low + round(step * i) for i in range(1, parts)})
+    return _from_cuts([str(c) for c in cuts])
+
+
+def bound_ranges(bounds: Sequence[str], parts: int) -> list[tuple[Bound, Bound]]:
+    """Ranges between evenly spaced values of a sorted histogram (pg_stats.histogram_bounds)."""
+    if parts <= 1 or len(bounds) < 3:
+        return [(None, None)]
+    inner = list(bounds[1:-1])
+    take = min(parts - 1, len(inner))
+    cuts = [inner[round(i * (len(inner) - 1) / max(take - 1, 1))] for i in range(take)]
+    return _from_cuts(list(dict.fromkeys(cuts)))
+
+
+def _from_cuts(cuts: list[str]) -> list[tuple[Bound, Bound]]:
+    edges: list[Bound] = [None, *cuts, None]
+    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def partitions(tasks: Sequence[RangeTask], count: int) -> list[list[RangeTask]]:
+    """Deal the tasks round-robin into at most `count` non-empty partitions."""
+    count = max(1, min(count, len(tasks)))
+    out: list[list[RangeTask]] = [[] for _ in range(count)]
+    for i, task in enumerate(tasks):
+        out[i % count].append(task)
+    return [p for p in out if p]

@@ -1,0 +1,172 @@
+"""What one Spark task of `pgmesh compare` does: read its key ranges on every node and name the keys
+whose rows differ.
+
+Owns: the task's sessions (one per node, REPEATABLE READ READ ONLY, importing that node's exported
+snapshot, with settings that make every node print a row alike), the SQL that hashes a range on the
+server (`bucket_sql`: per bucket of the key's hash, a count and the XOR of the rows' hashes, so a range
+costs one read and sends 64 rows back) and descends into the buckets that differ (`rows_sql`: each row's
+key and hash), and the comparison of what the nodes sent (`differences`).
+
+Must not: write anything, import pyspark at module level, or put a DSN in a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import msgspec
+import psycopg
+from psycopg import sql
+
+from router.cluster.compare.plan import CompareTable, RangeTask
+
+__all__ = [
+    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "row_hashes_sql", "rows_sql",
+    "run_partition",
+]
+
+BUCKETS: Final = 64  # buckets of a range, by its keys' hash: the first read's granularity
+# Every node prints a value alike: timestamps in UTC and ISO, intervals and floats as PostgreSQL's defaults.
+SESSION_SQL: Final = (
+    "SELECT pg_catalog.set_config('timezone', 'UTC', false),"
+    " pg_catalog.set_config('datestyle', 'ISO', false),"
+    " pg_catalog.set_config('intervalstyle', 'postgres', false),"
+    " pg_catalog.set_config('extra_float_digits', '1', false),"
+    " pg_catalog.set_config('bytea_output', 'hex', false)"
+)
+
+
+class CompareJob(msgspec.Struct, frozen=True):
+    """What every task shares. Its repr never shows the DSNs."""
+
+    nodes: tuple[str, ...]
+    dsns: tuple[str, ...]
+    snapshots: tuple[str, ...]  # one per node, exported by the driver ("": read without one)
+    tables: tuple[CompareTable, ...]
+
+    def __repr__(self) -> str:
+        return f"CompareJob(nodes={self.nodes!r}, tables={len(self.tables)})"
+
+
+class Difference(msgspec.Struct, frozen=True):
+    """One key whose row is not the same on every node: each node's row hash (None: no row there)."""
+
+    table: int
+    key: str  # the key as a row's text, e.g. (42) or (7,abc)
+    key_json: str  # the key columns as a JSON object (reads the row back by its key)
+    hashes: tuple[int | None, ...]
+
+
+def _key_text(table: CompareTable) -> sql.Composable:
+    columns = sql.SQL(", ").join(sql.SQL("t.") + sql.Identifier(k) for k in table.keys)
+    return sql.SQL("ROW({})::text").format(columns)
+
+
+def _key_json(table: CompareTable) -> sql.Composable:
+    return sql.SQL("pg_catalog.jsonb_build_object({})::text").format(sql.SQL(", ").join(
+        sql.SQL("{}, t.{}").format(sql.Literal(k), sql.Identifier(k)) for k in table.keys
+    ))
+
+
+def _where(table: CompareTable, task: RangeTask) -> tuple[sql.Composable, list[str]]:
+    first = sql.SQL("t.") + sql.Identifier(table.keys[0])
+    parts: list[sql.Composable] = []
+    params: list[str] = []
+    cast = sql.SQL(table.first_type)  # (format_type's output: a type name, quoted where it needs it)
+    if task.lo is not None:
+        parts.append(sql.SQL("{} >= %s::{}").format(first, cast))
+        params.append(task.lo)
+    if task.hi is not None:
+        parts.append(sql.SQL("{} < %s::{}").format(first, cast))
+        params.append(task.hi)
+    return (sql.SQL(" AND ").join(parts) if parts else sql.SQL("true")), params
+
+
+def _row_hash() -> sql.Composable:
+    return sql.SQL("pg_catalog.hashtextextended((t.*)::text, 1)")
+
+
+def bucket_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
+    where, params = _where(table, task)
+    query = sql.SQL(
+        "SELECT pg_catalog.hashtextextended({key}, 0) & {mask} AS b, count(*), bit_xor({row})"
+        " FROM {table} AS t WHERE {where} GROUP BY 1"
+    ).format(key=_key_text(table), mask=sql.Literal(BUCKETS - 1), row=_row_hash(),
+             table=sql.Identifier(table.schema, table.name), where=where)
+    return query, params
+
+
+def rows_sql(
+    table: CompareTable, task: RangeTask, buckets: Sequence[int]
+) -> tuple[sql.Composed, list[Any]]:
+    where, params = _where(table, task)
+    query = sql.SQL(
+        "SELECT {key}, {json}, {row} FROM {table} AS t"
+        " WHERE {where} AND (pg_catalog.hashtextextended({key}, 0) & {mask}) = ANY(%s::int8[])"
+    ).format(key=_key_text(table), json=_key_json(table), row=_row_hash(), mask=sql.Literal(BUCKETS - 1),
+             table=sql.Identifier(table.schema, table.name), where=where)
+    return query, [*params, list(buckets)]
+
+
+def row_hashes_sql(table: CompareTable) -> sql.Composed:
+    """Rows by their keys (parameter: a JSON array of key objects): each found row's key and hash."""
+    match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in table.keys)
+    return sql.SQL(
+        "SELECT {key}, {row} FROM pg_catalog.jsonb_populate_recordset(NULL::{table}, %s::jsonb) AS r"
+        " JOIN {table} AS t ON {match}"
+    ).format(key=_key_text(table), row=_row_hash(), table=sql.Identifier(table.schema, table.name),
+             match=match)
+
+
+def differences(
+    table: int, per_node: Sequence[dict[str, tuple[str, int]]]
+) -> list[Difference]:
+    """`per_node`: for each node, key text -> (key JSON, row hash). Keys not alike everywhere."""
+    keys: dict[str, str] = {}
+    for rows in per_node:
+        for key, (key_json, _) in rows.items():
+            keys.setdefault(key, key_json)
+    out = []
+    for key in sorted(keys):
+        hashes = tuple(rows[key][1] if key in rows else None for rows in per_node)
+        if any(h != hashes[0] for h in hashes[1:]):
+            out.append(Difference(table, key, keys[key], hashes))
+    return out
+
+
+def _connect(job: CompareJob, i: int) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(job.dsns[i], application_name="pgmesh compare", connect_timeout=10)
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    conn.read_only = True
+    if job.snapshots[i]:
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshots[i])))
+    conn.execute(SESSION_SQL)
+    return conn
+
+
+def compare_range(
+    conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
+) -> list[Difference]:
+    table = job.tables[task.table]
+    query, params = bucket_sql(table, task)
+    sums = []
+    for conn in conns:
+        sums.append({int(b): (int(n), int(x)) for b, n, x in conn.execute(query, params).fetchall()})
+    buckets = sorted({b for s in sums for b in s if any(o.get(b) != s.get(b) for o in sums)})
+    if not buckets:
+        return []
+    query, params = rows_sql(table, task, buckets)
+    per_node = [{k: (j, int(h)) for k, j, h in conn.execute(query, params).fetchall()} for conn in conns]
+    return differences(task.table, per_node)
+
+
+def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Difference]:
+    """One Spark partition: its ranges, with one session per node for all of them."""
+    conns = [_connect(job, i) for i in range(len(job.dsns))]
+    try:
+        for task in tasks:
+            yield from compare_range(conns, job, task)
+    finally:
+        for conn in conns:
+            conn.close()
