@@ -102,6 +102,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return _run(cmd_compare(_config(args), args.tables, as_json=args.json, limit=args.timeout))
 
 
+def _cmd_repair(args: argparse.Namespace) -> int:
+    from router.cluster.compare.repair import cmd_repair
+
+    config = _config(args)
+    return _run(cmd_repair(config, args.tables, source=args.source, as_json=args.json, limit=args.timeout))
+
+
 def _cmd_join(args: argparse.Namespace) -> int:
     from router.cluster.membership import cmd_join
 
@@ -173,6 +180,14 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="how long a recheck waits for the links to catch up (default 300)")
     compare.set_defaults(func=_cmd_compare)
+    repair = _with_config(sub, "repair", "compare, then write each difference's winning row where it differs")
+    repair.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
+    repair.add_argument("--from", dest="source", metavar="NODE",
+                        help="this node's rows win (default: the cluster's conflict rules)")
+    repair.add_argument("--json", action="store_true", help="machine-readable output")
+    repair.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="how long a recheck waits for the links to catch up (default 300)")
+    repair.set_defaults(func=_cmd_repair)
     join = _with_config(sub, "join", "copy a donor into a new (empty) node listed in the config")
     join.add_argument("node", metavar="NODE", help="the new node, as named in the config")
     join.add_argument("--from", dest="donor", metavar="DONOR", help="the node to copy (default: first other)")

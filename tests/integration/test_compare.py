@@ -17,8 +17,9 @@ import psycopg
 import pytest
 
 from router.cluster.compare.job import compare_cluster
+from router.cluster.compare.repair import repair_cluster
 from router.ops.cli import main as pgmesh
-from router.testing.mesh import execute, free_port, running_router, wait_converged, wait_for
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 pytestmark = pytest.mark.slow  # Spark (a JVM)
@@ -102,3 +103,20 @@ async def test_compare_finds_every_divergence_and_only_them(mesh: MeshFactory, t
         path.write_text(m.config_text())
         code = await asyncio.to_thread(pgmesh, ["compare", "--config", str(path), "k"])
         assert code == 1
+
+        repaired = await repair_cluster(m.config)
+        assert {(f.table, f.key) for f in repaired.fixes} == expected, repaired.render()
+        by_key = {f.key: f for f in repaired.fixes}
+        assert by_key["(7)"].winner == "b" and sorted(by_key["(7)"].written) == ["a", "c"]  # b's is newest
+        assert by_key["(99999)"].written == ["c"]  # the row beats a node without it
+        assert sorted(by_key["(300000)"].written) == ["a", "c"]
+        await wait_converged(m.nodes, TABLES)
+        again = await compare_cluster(m.config)
+        assert again.differences == [] and again.exit_code == 0, again.render()
+        for node in m.nodes:  # every fix recorded where it was written, nothing echoed elsewhere
+            rows = await fetch(node.dsn(), "SELECT key FROM pgmesh.conflict_history WHERE source = 'repair'")
+            fixed = {f.key for f in repaired.fixes if node.name in f.written}
+            assert {r[0] for r in rows} == fixed, node.name
+        # a later write anywhere still replicates over the repaired rows
+        await execute(c.dsn(), "UPDATE t SET v = 'after repair' WHERE id IN (7, 300000)")
+        await wait_converged(m.nodes, ["t"])

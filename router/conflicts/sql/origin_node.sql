@@ -12,7 +12,10 @@ BEGIN
   IF origin IS NULL OR origin = 0 THEN
     RETURN current_setting('pgmesh.target');
   END IF;
-  SELECT substr(o.roname, length(current_setting('pgmesh.origin_prefix')) + 1) INTO node
+  -- (a row `pgmesh repair` wrote is the winner's: its origin is pgmeshrepair_<cluster>_<winner>)
+  SELECT CASE WHEN starts_with(o.roname, 'pgmeshrepair' || substr(current_setting('pgmesh.origin_prefix'), 7))
+              THEN substr(o.roname, length(current_setting('pgmesh.origin_prefix')) + 7)
+              ELSE substr(o.roname, length(current_setting('pgmesh.origin_prefix')) + 1) END INTO node
     FROM pg_replication_origin AS o WHERE o.roident = origin;
   RETURN coalesce(node, 'origin ' || origin);
 END

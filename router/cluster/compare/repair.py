@@ -1,0 +1,305 @@
+"""`pgmesh repair`: every persistent difference `pgmesh compare` finds, resolved and written.
+
+Owns: reading each differing row on every node with its version (commit time and origin node:
+`pg_xact_commit_timestamp_origin(xmin)`), choosing the winner with the cluster's own conflict rules
+(router.conflicts.resolve: the table's resolver for `update_origin_differs`, folded over the nodes that
+hold the row; a node without the row has no version and loses to any that has one) or `--from NODE`
+(that node's row, or its absence), and writing it on every node that differs.
+
+A fix is written so that it neither echoes nor loses a concurrent write: in a session with a replication
+origin of its own (`pgmeshrepair_<cluster>_<winner>`: the router forwards only a node's own changes, so
+the fix goes nowhere else; `origin_node` names the winner for it), with the winner's commit time as its
+own (`pg_replication_origin_xact_setup`: later conflicts weigh the repaired row as the winner's), and
+only if the row is still what the comparison read (locked first, hash checked): a row written meanwhile
+is left alone and reported. Each fix is recorded in `pgmesh.conflict_history` in the same transaction.
+
+Must not: decide what differs (router.cluster.compare.job), or put a DSN in a message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import psycopg
+from psycopg import sql
+
+from router.cluster.compare.job import CompareReport, Divergence, compare_cluster
+from router.cluster.compare.worker import SESSION_SQL
+from router.config import Config
+from router.conflicts.resolve import ConflictType, Outcome, Version, resolve
+from router.errors import PgmeshError, describe
+from router.service.admin import ask_router
+
+__all__ = ["RepairReport", "cmd_repair", "repair_cluster", "repair_origin"]
+
+_PG_EPOCH_S: Final = 946_684_800  # 2000-01-01 UTC in Unix seconds
+
+
+_RECORD_SQL: Final = (
+    "INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution, resolver,"
+    " reason, local_origin, local_commit_time, remote_origin, remote_commit_time, local_row, remote_row)"
+    " VALUES ('repair', %s, %s, 'divergence', %s, 'repair', %s, %s,"
+    " to_timestamp(%s::float8 / 1000000 + %s), %s,"
+    " coalesce(to_timestamp(%s::float8 / 1000000 + %s), clock_timestamp()), %s::jsonb, %s::jsonb)"
+)
+
+
+def repair_origin(config: Config, winner: str) -> str:
+    """The replication origin a fix is written under (not under `origin_name`'s prefix: no progress)."""
+    return f"pgmeshrepair_{config.cluster.name}_{winner}"
+
+
+class Fix(msgspec.Struct, frozen=True):
+    table: str
+    key: str
+    winner: str  # the node whose row (or absence) was written
+    written: list[str]  # nodes fixed
+    skipped: list[str]  # nodes whose row changed since the comparison: left alone
+
+
+class RepairReport(msgspec.Struct, frozen=True):
+    compared: CompareReport
+    fixes: list[Fix]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(f.skipped for f in self.fixes) or self.compared.unsettled else 0
+
+    def render(self) -> str:
+        lines = [self.compared.render(), f"repaired {sum(len(f.written) for f in self.fixes)} row(s):"]
+        for f in self.fixes:
+            note = f"; changed meanwhile, left alone on {', '.join(f.skipped)}" if f.skipped else ""
+            lines.append(
+                f"  {f.table} {f.key}: {f.winner}'s version written on {', '.join(f.written) or '-'}{note}"
+            )
+        return "\n".join(lines)
+
+
+class _Row(msgspec.Struct, frozen=True):
+    row: str  # to_jsonb of the row
+    version: Version
+
+
+def _row_sql(table: str, keys: Sequence[str]) -> sql.Composed:
+    schema, name = table.split(".", 1)
+    match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in keys)
+    return sql.SQL(
+        "SELECT pg_catalog.to_jsonb(t.*)::text,"
+        " ((extract(epoch FROM c.timestamp) - {epoch}) * 1000000)::bigint,"
+        " o.roname, pg_catalog.hashtextextended((t.*)::text, 1)"
+        " FROM pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r JOIN {rel} AS t ON {match}"
+        " LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(t.xmin) AS c ON true"
+        " LEFT JOIN pg_catalog.pg_replication_origin AS o ON o.roident = c.roident"
+    ).format(epoch=sql.Literal(_PG_EPOCH_S), rel=sql.Identifier(schema, name), match=match)
+
+
+def _origin_node(config: Config, node: str, roname: str | None) -> str:
+    if roname is None:
+        return node
+    for prefix in (config.origin_name(""), repair_origin(config, "")):
+        if roname.startswith(prefix):
+            return roname[len(prefix) :]
+    return roname
+
+
+def _winner(config: Config, table: str, rows: dict[str, _Row | None], source: str | None) -> str:
+    if source is not None:
+        return source
+    schema, name = table.split(".", 1)
+    policy = config.policy(schema, name, ConflictType.UPDATE_ORIGIN_DIFFERS.value)
+    present = [n for n in sorted(rows) if rows[n] is not None]
+    best = present[0]
+    for node in present[1:]:
+        here, there = rows[best], rows[node]
+        assert here is not None and there is not None
+        decision = resolve(
+            ConflictType.UPDATE_ORIGIN_DIFFERS,
+            here.version,
+            there.version,
+            policy,
+            local_row=json.loads(here.row),
+            remote_row=json.loads(there.row),
+        )
+        if decision.outcome is Outcome.APPLY_REMOTE:
+            best = node
+    return best
+
+
+async def _columns(conn: psycopg.AsyncConnection[Any], table: str) -> list[str]:
+    cur = await conn.execute(
+        "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
+        " AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
+        [sql.Identifier(*table.split(".", 1)).as_string(conn)],
+    )
+    return [str(r[0]) for r in await cur.fetchall()]
+
+
+async def _fix_one(
+    conn: psycopg.AsyncConnection[Any],
+    config: Config,
+    node: str,
+    d: Divergence,
+    keys: Sequence[str],
+    winner: str,
+    row: _Row | None,
+    mine: _Row | None,
+) -> bool:
+    """Write the winner's row (or its absence) on `node`; False when its row changed since compared."""
+    schema, name = d.table.split(".", 1)
+    rel = sql.Identifier(schema, name)
+    match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in keys)
+    commit_us = row.version.commit_time if row is not None else None
+    async with conn.transaction():
+        await conn.execute("SELECT pg_catalog.set_config('session_replication_role', 'replica', true)")
+        if commit_us is not None:
+            await conn.execute(
+                "SELECT pg_catalog.pg_replication_origin_xact_setup('0/0',"
+                " to_timestamp(%s::float8 / 1000000 + %s))",
+                [commit_us, _PG_EPOCH_S],
+            )
+        cur = await conn.execute(
+            sql.SQL(
+                "SELECT pg_catalog.hashtextextended((t.*)::text, 1) FROM"
+                " pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r JOIN {rel} AS t ON {match}"
+                " FOR UPDATE OF t"
+            ).format(rel=rel, match=match),
+            [d.key_json],
+        )
+        found = await cur.fetchone()
+        now = None if found is None else f"{int(found[0]) & 0xFFFFFFFFFFFFFFFF:016x}"
+        if now != d.rows[node]:
+            return False
+        if row is None:
+            await conn.execute(
+                sql.SQL(
+                    "DELETE FROM {rel} AS t"
+                    " USING pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r"
+                    " WHERE {match}"
+                ).format(rel=rel, match=match),
+                [d.key_json],
+            )
+        else:
+            columns = await _columns(conn, d.table)
+            others = [c for c in columns if c not in keys]
+            cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+            update = (
+                sql.SQL("DO UPDATE SET {}").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in others
+                    )
+                )
+                if others
+                else sql.SQL("DO NOTHING")
+            )
+            await conn.execute(
+                sql.SQL(
+                    "INSERT INTO {rel} ({cols}) SELECT {cols}"
+                    " FROM pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb)"
+                    " ON CONFLICT ({keys}) {update}"
+                ).format(
+                    rel=rel, cols=cols, keys=sql.SQL(", ").join(map(sql.Identifier, keys)), update=update
+                ),
+                [row.row],
+            )
+        await conn.execute(
+            _RECORD_SQL,
+            [
+                d.table,
+                d.key,
+                "deleted" if row is None else "written",
+                f"pgmesh repair: {winner}'s version",
+                None if mine is None else mine.version.node,
+                None if mine is None else mine.version.commit_time,
+                _PG_EPOCH_S,
+                winner,
+                commit_us,
+                _PG_EPOCH_S,
+                None if mine is None else mine.row,
+                None if row is None else row.row,
+            ],
+        )
+    return True
+
+
+async def repair_cluster(
+    config: Config, names: Sequence[str] = (), *, source: str | None = None, limit: float = 300.0
+) -> RepairReport:
+    """Compare, then write each persistent difference's winning row on every node that differs."""
+    if source is not None and source not in {n.name for n in config.nodes}:
+        raise PgmeshError(f"no node {source!r} in the config")
+    compared = await compare_cluster(config, names, limit=limit, router_running=True)
+    conns: dict[str, psycopg.AsyncConnection[Any]] = {}
+    fixes: list[Fix] = []
+    try:
+        for node in config.nodes:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh repair"
+                )
+            except psycopg.Error as exc:
+                raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name) from None
+            conns[node.name] = conn
+            await conn.execute(SESSION_SQL)
+        keys_of: dict[str, list[str]] = {}
+        for d in compared.differences:
+            keys = keys_of.setdefault(d.table, list(json.loads(d.key_json)))
+            rows: dict[str, _Row | None] = {}
+            for name, conn in conns.items():
+                cur = await conn.execute(_row_sql(d.table, keys), [d.key_json])
+                got = await cur.fetchone()
+                rows[name] = (
+                    None
+                    if got is None
+                    else _Row(
+                        str(got[0]),
+                        Version(None if got[1] is None else int(got[1]), _origin_node(config, name, got[2])),
+                    )
+                )
+            winner = _winner(config, d.table, rows, source)
+            written: list[str] = []
+            skipped: list[str] = []
+            for name, conn in conns.items():
+                if d.rows[name] == d.rows[winner]:
+                    continue
+                await conn.execute(
+                    "SELECT pg_catalog.pg_replication_origin_session_reset()"
+                    " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
+                )
+                origin = repair_origin(config, winner)
+                await conn.execute(
+                    "SELECT pg_catalog.pg_replication_origin_create(%s) WHERE NOT EXISTS"
+                    " (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %s)",
+                    [origin, origin],
+                )
+                await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])
+                ok = await _fix_one(conn, config, name, d, keys, winner, rows[winner], rows[name])
+                (written if ok else skipped).append(name)
+            fixes.append(Fix(d.table, d.key, winner, written, skipped))
+    except psycopg.Error as exc:
+        raise PgmeshError(f"repair failed: {describe(exc)}") from None
+    finally:
+        for conn in conns.values():
+            await conn.close()
+    return RepairReport(compared, fixes)
+
+
+async def cmd_repair(
+    config: Config,
+    names: Sequence[str],
+    *,
+    source: str | None = None,
+    as_json: bool = False,
+    limit: float = 300.0,
+) -> int:
+    """`pgmesh repair`: needs the router running (a difference is decided only once every link caught up)."""
+    if await ask_router(config, "GET", "/status") is None:
+        raise PgmeshError(
+            "pgmesh repair needs the router running (`pgmesh run`): a difference is repaired only"
+            " once every link has applied past the comparison"
+        )
+    report = await repair_cluster(config, names, source=source, limit=limit)
+    print(msgspec.json.encode(report).decode() if as_json else report.render())
+    return report.exit_code
