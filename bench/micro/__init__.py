@@ -11,7 +11,21 @@
 - `join`: the initial copy of a joining node against native tablesync and `pg_dump | psql`.
 - `deadnode`: a node stopped while the two others write GBs of WAL: what the live nodes' slots keep (the
   router's log holds the rest), and the time to converge once it is back.
+- `compare`: `pgmesh compare` and `pgmesh repair` against one hash pass over the table on each node.
 
-Owns nothing itself. Must not: define a system or a workload the suite also runs (those are
-`bench.harness`'s; `apply` reports a slice of them).
+Owns `emit` (a report printed, and appended to a file if asked). Must not: define a system or a workload
+the suite also runs (those are `bench.harness`'s; `apply` reports a slice of them).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def emit(text: str, out: Path | None) -> None:
+    """Print a report, and append it to `out` when given."""
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(text + "\n")

@@ -26,6 +26,7 @@ from pathlib import Path
 import psycopg
 
 from bench.faults import Cluster
+from bench.micro import emit
 from router.cluster.compare.job import compare_cluster
 from router.cluster.compare.repair import repair_cluster
 from router.cluster.install import init_cluster
@@ -116,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     text = asyncio.run(run(args.rows, args.diffs))
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
     return 0
 
 

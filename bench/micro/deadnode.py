@@ -25,6 +25,7 @@ from pathlib import Path
 import psycopg
 
 from bench.faults import Cluster
+from bench.micro import emit
 from router.cluster.install import init_cluster
 from router.config import parse_config
 from router.testing.localnodes import LocalNode, LocalNodeSet
@@ -171,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     text = asyncio.run(run(args.gb, args.mb_per_s, not args.no_log))
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
     return 0
 
 

@@ -15,7 +15,7 @@ from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Spill, Transaction
 from router.errors import PgmeshError
 from router.stream.log import SourceLog
-from router.stream.spool import Spool, iter_chunks, release
+from router.stream.spool import SpillFile, Spool, iter_chunks, release
 
 REL = Relation(16384, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25, -1, False)), 77)
 
@@ -210,9 +210,10 @@ def test_reset_deletes_it_whole(tmp_path: Path) -> None:
     assert [t.end_lsn for t in read_all(log, 0)] == [501]
 
 
-def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(tmp_path: Path) -> None:
+def spilled_setup(tmp_path: Path, **kw: int) -> tuple[SourceLog, Spool, list[Insert], SpillFile, Transaction]:
+    """An active log, and a transaction of 3000 rows whose first 2500 are in a spill file (one holder)."""
     spool = Spool(tmp_path / "spool")
-    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool, hold_bytes=0)
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool, **kw)
     log.open()
     log.activate(0)
     rows = [Insert(REL.relid, row(i)) for i in range(3000)]
@@ -221,6 +222,11 @@ def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(
     assert handle is not None
     handle.acquire()
     big = Transaction(9, 99, 100, 5, rows[2500:], {REL.relid: REL}, spilled=2500, spill=handle)
+    return log, spool, rows, handle, big
+
+
+def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(tmp_path: Path) -> None:
+    log, spool, rows, handle, big = spilled_setup(tmp_path, hold_bytes=0)
     log.append(txn(98))
     log.append(big)
     copied = log.bytes_appended
@@ -309,16 +315,7 @@ def test_held_transactions_are_bounded_in_bytes(tmp_path: Path) -> None:
 def test_a_held_spilled_transaction_keeps_its_file_and_is_never_linked_once_flushed_everywhere(
     tmp_path: Path,
 ) -> None:
-    spool = Spool(tmp_path / "spool")
-    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool)
-    log.open()
-    log.activate(0)
-    rows = [Insert(REL.relid, row(i)) for i in range(3000)]
-    spool.write("a", Spill(9, rows[:2500], nbytes=1234))
-    handle = spool.finish("a", 9)
-    assert handle is not None
-    handle.acquire()
-    big = Transaction(9, 99, 100, 5, rows[2500:], {REL.relid: REL}, spilled=2500, spill=handle)
+    log, _, _, handle, big = spilled_setup(tmp_path)
     log.append(big)
     release(big)  # its link applied it: the log's hold keeps the file
     assert handle.path.exists() and log.bytes_appended == 0
