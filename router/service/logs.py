@@ -147,9 +147,13 @@ class RouterLogs:
         return out
 
     async def mark(self, node: str, target: MonitorTarget, limit_s: float) -> None:
-        """Record the log's name on `node` if it does not hold it yet (before its slot counts on it)."""
+        """Record the log's name on `node` if it does not hold it yet (before its slot counts on it), once
+        the log holds anything: while every link keeps up nothing is written (no fsync, no write on the
+        node), and the slot counts on the links alone."""
         log = self.logs.get(node)
-        if log is None or self.marks.get(node) == log.log_id or node in self._unsure:
+        if log is None or not log.holds_anything or node in self._unsure:
+            return
+        if self.marks.get(node) == log.log_id:
             return
         if not log.settled:
             try:
@@ -184,7 +188,8 @@ class RouterLogs:
             if not log.appending and idle and low >= log.end:
                 log.reset()  # it reached its cap and nobody needs it any more: a new one starts here
                 log.activate(progress.seen)
-            self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
+            if log.holds_anything:  # (else a node down at the next start has nothing to read from it)
+                self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
         else:
             log.idle()
         counts = self.marks.get(node) == log.log_id  # (the node holds its name: see `mark`)

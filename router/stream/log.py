@@ -144,6 +144,11 @@ class SourceLog:
         return self.size >= self.cap_bytes
 
     @property
+    def holds_anything(self) -> bool:
+        """Whether any transaction was ever written to it (by this run, or left by an earlier one)."""
+        return self.bytes_appended > 0 or any(s.last for s in self._segments)
+
+    @property
     def first(self) -> int:
         """End LSN of the oldest transaction still in the log (0: none)."""
         return next((s.first for s in self._segments if s.first), 0)
