@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from router.ddl.command import cmd_ddl
-from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import has, healthy, same_rows
 
@@ -59,7 +59,7 @@ async def shape_everywhere(nodes: list[Any], router: Any, expected: tuple[Any, .
 
 
 async def test_primary_key(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=2)
+    m = await mesh(nodes=2, admin_port=free_port())  # (the barrier of `ddl --wait` asks the router)
     a, b = m.nodes
     async with running_router(m.config) as router:
         await execute(a.dsn(), PK_USERS)
