@@ -174,13 +174,13 @@ def _ranges(
     ).fetchone()
     parts = max(1, min(parallelism * 4, int((row[0] if row else 0) or 0) // ROWS_PER_RANGE))
     cuts: list[tuple[str | None, str | None]] = [(None, None)]
-    if parts > 1 and table.first_type in INTEGER_TYPES:
+    if table.first_type in INTEGER_TYPES:
         first = sql.Identifier(table.keys[0])
         low_high = conn.execute(
             sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=first, t=rel)
         ).fetchone()
-        if low_high is not None:
-            cuts = integer_ranges(low_high[0], low_high[1], parts)
+        if low_high is not None and low_high[0] is not None:
+            return integer_ranges(index, int(low_high[0]), int(low_high[1]), parts)
     elif parts > 1:
         bounds = conn.execute(
             "SELECT histogram_bounds::text::text[] FROM pg_catalog.pg_stats"

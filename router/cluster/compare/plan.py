@@ -34,20 +34,32 @@ class CompareTable(msgspec.Struct, frozen=True):
 
 
 class RangeTask(msgspec.Struct, frozen=True):
-    """Rows of table `table` (an index into the job's tables) whose first key column is >= lo and < hi."""
+    """Rows of table `table` (an index into the job's tables) whose first key column is >= lo and < hi.
+
+    `span`, for an integer first key: the range's values [start, end) cut into buckets of consecutive
+    keys (a bucket that differs is read again by the key index; keys beyond either end get a bucket of
+    their own). None: buckets by the key's hash."""
 
     table: int
     lo: Bound
     hi: Bound
+    span: tuple[int, int] | None = None
+
+    def step(self, buckets: int) -> int:
+        """Keys per bucket of an integer span."""
+        assert self.span is not None
+        return max(1, -(-(self.span[1] - self.span[0]) // buckets))
 
 
-def integer_ranges(low: int | None, high: int | None, parts: int) -> list[tuple[Bound, Bound]]:
-    """[low, high] cut into `parts` ranges of equal width, the first and the last open-ended."""
-    if low is None or high is None or parts <= 1 or high - low < parts:
-        return [(None, None)]
-    step = (high - low + 1) / parts
-    cuts = sorted({low + round(step * i) for i in range(1, parts)})
-    return _from_cuts([str(c) for c in cuts])
+def integer_ranges(table: int, low: int, high: int, parts: int) -> list[RangeTask]:
+    """[low, high] cut into `parts` ranges of equal width, the first and the last open-ended, each with
+    its span of values (the open ends' from `low` and `high`)."""
+    cuts = [] if parts <= 1 or high - low < parts else sorted(
+        {low + round((high - low + 1) / parts * i) for i in range(1, parts)}
+    )
+    edges = [low, *cuts, high + 1]
+    bounds = _from_cuts([str(c) for c in cuts])
+    return [RangeTask(table, lo, hi, (edges[i], edges[i + 1])) for i, (lo, hi) in enumerate(bounds)]
 
 
 def bound_ranges(bounds: Sequence[str], parts: int) -> list[tuple[Bound, Bound]]:

@@ -87,26 +87,60 @@ def _row_hash() -> sql.Composable:
     return sql.SQL("pg_catalog.hashtextextended((t.*)::text, 1)")
 
 
+def _bucket(table: CompareTable, task: RangeTask) -> sql.Composable:
+    """A row's bucket: consecutive keys of an integer span (-1 and BUCKETS beyond its ends), else the
+    key's hash."""
+    if task.span is None:
+        return sql.SQL("pg_catalog.hashtextextended({key}, 0) & {mask}").format(
+            key=_key_text(table), mask=sql.Literal(BUCKETS - 1))
+    first = sql.SQL("t.") + sql.Identifier(table.keys[0])
+    start, end = task.span
+    return sql.SQL(
+        "CASE WHEN {k} < {start} THEN -1 WHEN {k} >= {end} THEN {n} ELSE ({k} - {start}) / {step} END"
+    ).format(k=first, start=sql.Literal(start), end=sql.Literal(end), n=sql.Literal(BUCKETS),
+             step=sql.Literal(task.step(BUCKETS)))
+
+
 def bucket_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
     where, params = _where(table, task)
     query = sql.SQL(
-        "SELECT pg_catalog.hashtextextended({key}, 0) & {mask} AS b, count(*), bit_xor({row})"
-        " FROM {table} AS t WHERE {where} GROUP BY 1"
-    ).format(key=_key_text(table), mask=sql.Literal(BUCKETS - 1), row=_row_hash(),
-             table=sql.Identifier(table.schema, table.name), where=where)
+        "SELECT {bucket} AS b, count(*), bit_xor({row}) FROM {table} AS t WHERE {where} GROUP BY 1"
+    ).format(bucket=_bucket(table, task), row=_row_hash(), table=sql.Identifier(table.schema, table.name),
+             where=where)
     return query, params
+
+
+def _buckets_where(table: CompareTable, task: RangeTask, buckets: Sequence[int]) -> tuple[
+    sql.Composable, list[Any]
+]:
+    """Rows of those buckets: by key ranges (the index reads them) for an integer span."""
+    if task.span is None:
+        return sql.SQL("({} = ANY(%s::int8[]))").format(_bucket(table, task)), [list(buckets)]
+    first = sql.SQL("t.") + sql.Identifier(table.keys[0])
+    start, end = task.span
+    step = task.step(BUCKETS)
+    parts: list[sql.Composable] = []
+    for b in buckets:
+        if b < 0:
+            parts.append(sql.SQL("{} < {}").format(first, sql.Literal(start)))
+        elif b >= BUCKETS:
+            parts.append(sql.SQL("{} >= {}").format(first, sql.Literal(end)))
+        else:
+            parts.append(sql.SQL("({k} >= {a} AND {k} < {b})").format(
+                k=first, a=sql.Literal(start + b * step), b=sql.Literal(min(start + (b + 1) * step, end))))
+    return sql.SQL("({})").format(sql.SQL(" OR ").join(parts)), []
 
 
 def rows_sql(
     table: CompareTable, task: RangeTask, buckets: Sequence[int]
 ) -> tuple[sql.Composed, list[Any]]:
     where, params = _where(table, task)
+    which, more = _buckets_where(table, task, buckets)
     query = sql.SQL(
-        "SELECT {key}, {json}, {row} FROM {table} AS t"
-        " WHERE {where} AND (pg_catalog.hashtextextended({key}, 0) & {mask}) = ANY(%s::int8[])"
-    ).format(key=_key_text(table), json=_key_json(table), row=_row_hash(), mask=sql.Literal(BUCKETS - 1),
+        "SELECT {key}, {json}, {row} FROM {table} AS t WHERE {where} AND {which}"
+    ).format(key=_key_text(table), json=_key_json(table), row=_row_hash(), which=which,
              table=sql.Identifier(table.schema, table.name), where=where)
-    return query, [*params, list(buckets)]
+    return query, [*params, *more]
 
 
 def row_hashes_sql(table: CompareTable) -> sql.Composed:
