@@ -25,7 +25,16 @@ from pathlib import Path
 from bench.harness.bucardo import Bucardo
 from bench.harness.delay import DelayLinks
 from bench.harness.nodes import SETTINGS, pglogical_installed, run_async
-from bench.harness.pgmesh import Pgmesh2, Pgmesh2Lanes, Pgmesh2NoLog, Pgmesh3, Pgmesh5, Pgmesh8
+from bench.harness.pgmesh import (
+    Pgmesh2,
+    Pgmesh2B,
+    Pgmesh2Lanes,
+    Pgmesh2NoLog,
+    Pgmesh2NoLogB,
+    Pgmesh3,
+    Pgmesh5,
+    Pgmesh8,
+)
 from bench.harness.subscriptions import Native, Native3, Pglogical
 from bench.harness.system import System
 from bench.harness.watcher import Watcher
@@ -40,6 +49,8 @@ SYSTEMS: dict[str, type[System]] = {
     "pgmesh2": Pgmesh2,
     "pgmesh2lanes": Pgmesh2Lanes,
     "pgmesh2nolog": Pgmesh2NoLog,
+    "pgmesh2nologb": Pgmesh2NoLogB,
+    "pgmesh2b": Pgmesh2B,
     "pgmesh3": Pgmesh3,
     "pgmesh5": Pgmesh5,
     "pgmesh8": Pgmesh8,

@@ -62,7 +62,7 @@ from bench.suite.report import (
 from router.testing.localnodes import DEFAULT_SETTINGS, find_pg_bindir
 
 SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3", "native3", "pgmesh2lanes",
-                "pgmesh2nolog", "pgmesh5", "pgmesh8")
+                "pgmesh2nolog", "pgmesh5", "pgmesh8", "pgmesh2nologb", "pgmesh2b")
 # without --only-system: native3 (the control for pgmesh3's links: PostgreSQL's own apply to two
 # subscribers), pgmesh2 with two apply lanes and the larger meshes (per-link throughput against N, issue
 # 20) only when asked
