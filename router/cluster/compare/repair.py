@@ -275,7 +275,14 @@ async def repair_cluster(
                     [origin, origin],
                 )
                 await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])
-                ok = await _fix_one(conn, config, name, d, keys, winner, rows[winner], rows[name])
+                try:
+                    ok = await _fix_one(conn, config, name, d, keys, winner, rows[winner], rows[name])
+                except psycopg.Error as exc:
+                    raise PgmeshError(
+                        f"repair of {d.table} {d.key} failed: {describe(exc)}; nothing of it was written"
+                        " there (one transaction); fix the cause and run `pgmesh repair` again",
+                        node=name, sqlstate=exc.sqlstate,
+                    ) from None
                 (written if ok else skipped).append(name)
             fixes.append(Fix(d.table, d.key, winner, written, skipped))
     except psycopg.Error as exc:
