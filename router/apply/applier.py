@@ -29,26 +29,22 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import asyncpg
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
-from protocol.messages import Message
 from protocol.transactions import Transaction
 from router.apply.careful import CarefulApplier
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
-from router.apply.scripts import ORIGIN_MARK
 from router.apply.side import SideSession
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
-from router.apply.statements import TargetTable, quote_ident
 from router.cluster.clocks import LinkClock
 from router.config import Config, NodeConfig
 from router.ddl.capture import SCHEMA_CHANGES
-from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command, has_ddl
+from router.ddl.messages import has_ddl
 from router.errors import (
     SCHEMA_WAIT_S,
     UNIQUE_ATTEMPTS,
@@ -119,10 +115,12 @@ class Applier(LinkView):
         self._batch_limit = BATCH_TRANSACTIONS
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._between = asyncio.Event()  # no batch in the target's hands (`finish`)
+        self._between.set()
         self.user_paused = False
         self.drift: str | None = None  # held on schema drift (router.ddl.drift) until the schemas agree
         self._reread = False  # released from drift: the target's tables may have been fixed by hand
-        self._large = LargeApply(self.link, self._run_ddl)
+        self._large = LargeApply(self.link, self.link.run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
         self.lanes = max(1, config.replication.apply_lanes)
@@ -143,6 +141,12 @@ class Applier(LinkView):
         if self.condition.state is LinkState.ERROR:
             return  # held already: its error stays in view (TRANSITIONS)
         self.condition.move(LinkState.PAUSED, None if reason.startswith("paused by") else reason)
+
+    async def finish(self) -> None:
+        """Start no batch more; return once the one in the target's hands has committed or failed (the
+        router stopping: on 16+ a batch cut short moves the origin past what committed, router.applied)."""
+        self._resumed.clear()
+        await self._between.wait()
 
     def resume(self) -> None:
         self.user_paused = False
@@ -282,9 +286,11 @@ class Applier(LinkView):
             self._held = fresh
             if fresh:
                 await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
+                self._between.clear()
                 try:
                     await self._apply_batch(fresh)
                 finally:
+                    self._between.set()
                     self._side.main_done()
             self._held = []
             if self._resumed.is_set():  # paused while the batch ran: it stays paused
@@ -518,7 +524,7 @@ class Applier(LinkView):
         for attempt in range(1, UNIQUE_ATTEMPTS + 1):
             try:
                 await self._careful.apply(
-                    link.conn, link.fit(whole), link.tables, self._run_ddl if ddl else None
+                    link.conn, link.fit(whole), link.tables, self.link.run_ddl if ddl else None
                 )
                 break
             except asyncpg.PostgresError as exc:
@@ -536,37 +542,6 @@ class Applier(LinkView):
             self.stats.ddl_applied += 1
             await link.reload_tables()
         self._applied(txn)
-
-    async def _run_ddl(self, conn: Any, message: Message) -> dict[tuple[str, str], TargetTable] | None:
-        """One captured DDL command, inside the target transaction, as its user under its search_path."""
-        if message.prefix != DDL_PREFIX:
-            return None
-        command = ddl_command(message)
-        # first: its first change has no origin, and a target transaction that opens with it would
-        # stream without one (router.apply.scripts.ORIGIN_MARK)
-        await conn.execute(ORIGIN_MARK)
-        path = await conn.fetchval("SELECT current_setting('search_path')")
-        await conn.execute("SELECT set_config('search_path', $1, true)", command.search_path)
-        me = await conn.fetchval("SELECT current_user")
-        try:
-            if command.role != me:
-                await conn.execute(f"SET LOCAL ROLE {quote_ident(command.role)}")
-            await conn.execute(command.sql)
-            if command.role != me:
-                await conn.execute(f"SET LOCAL ROLE {quote_ident(me)}")
-        except asyncpg.PostgresError as exc:
-            raise ApplyError(
-                f"replicated DDL failed: {describe(exc)}; the command ({command.tag}):"
-                f" {describe_command(command)}",
-                lsn=message.lsn,
-                sqlstate=exc.sqlstate,
-                hint="make the command possible here (for example create the missing role or object),"
-                " then `pgmesh resume`",
-            ) from None
-        await conn.execute("SELECT set_config('search_path', $1, true)", path)
-        logger.info("link %s: applied %s from %s", self.name, command.tag, self.source)
-        await self.link.load_tables()
-        return self.link.tables
 
     async def _after_failure(self) -> None:
         """Roll back the failed transaction; learn which of the batch's transactions committed before it."""

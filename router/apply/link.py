@@ -20,28 +20,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, parse_lsn
-from protocol.messages import Insert
+from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.applied import MARK_START, position_sql
 from router.apply.decide import Decisions, session_settings
 from router.apply.prepared import Prepared
-from router.apply.scripts import transaction_script
+from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
-from router.apply.statements import TargetTable, UniqueIndex, quote_literal
+from router.apply.statements import TargetTable, UniqueIndex, quote_ident, quote_literal
 from router.config import Config, NodeConfig
+from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command
 from router.ddl.reconcile import Drift, reconcile
-from router.errors import sqlstate_of
+from router.errors import ApplyError, describe, sqlstate_of
 from router.stream.items import ORIGIN_NONE_SINCE
 from router.stream.seen import APPLIED_PREFIX, applied_content
 
 __all__ = ["LinkSession"]
+
+logger = logging.getLogger(__name__)
 
 # Tables with a deferrable constraint or constraint trigger (a DEFERRABLE foreign key, on either side, a
 # deferrable unique key): checked at COMMIT unless a transaction makes them immediate (router.apply.scripts)
@@ -408,6 +412,37 @@ class LinkSession:
             self.stats.conflicts += int(row[2])
             self.history_at = max(self.history_at, int(row[3]))
 
+    async def run_ddl(self, conn: Any, message: Message) -> dict[tuple[str, str], TargetTable] | None:
+        """One captured DDL command, inside the target transaction, as its user under its search_path (a
+        message with another prefix: nothing, None); returns the target's tables after it."""
+        if message.prefix != DDL_PREFIX:
+            return None
+        command = ddl_command(message)
+        # first: its first change has no origin, and a target transaction that opens with it would
+        # stream without one (router.apply.scripts.ORIGIN_MARK)
+        await conn.execute(ORIGIN_MARK)
+        path = await conn.fetchval("SELECT current_setting('search_path')")
+        await conn.execute("SELECT set_config('search_path', $1, true)", command.search_path)
+        me = await conn.fetchval("SELECT current_user")
+        try:
+            if command.role != me:
+                await conn.execute(f"SET LOCAL ROLE {quote_ident(command.role)}")
+            await conn.execute(command.sql)
+            if command.role != me:
+                await conn.execute(f"SET LOCAL ROLE {quote_ident(me)}")
+        except asyncpg.PostgresError as exc:
+            raise ApplyError(
+                f"replicated DDL failed: {describe(exc)}; the command ({command.tag}):"
+                f" {describe_command(command)}",
+                lsn=message.lsn,
+                sqlstate=exc.sqlstate,
+                hint="make the command possible here (for example create the missing role or object),"
+                " then `pgmesh resume`",
+            ) from None
+        await conn.execute("SELECT set_config('search_path', $1, true)", path)
+        logger.info("link %s: applied %s from %s", self.name, command.tag, self.source)
+        await self.load_tables()
+        return self.tables
 
 # Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
 # applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).

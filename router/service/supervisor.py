@@ -49,6 +49,9 @@ __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
 logger = logging.getLogger(__name__)
 
+# How long a stopping router waits for each link's batch in hand to commit before cutting it short.
+STOP_WAIT_S = 5.0
+
 _SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_system()"
 # the router log this node's slot counted on (router.service.logs), and how far the slot is confirmed
 _LOG_MARK_SQL = (f"SELECT (SELECT value FROM pgmesh.node_info WHERE key = '{MARK_KEY}'), (SELECT"
@@ -90,6 +93,7 @@ class Router:
         )
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self.logs = RouterLogs(config, self.spool)  # each source's router log (router.service.logs)
+        self.stop_wait_s = STOP_WAIT_S
         self._on_applied_hook = on_applied
         self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
@@ -380,7 +384,11 @@ class Router:
                         ticker: asyncio.Task[None]) -> None:
         logger.info("cluster %s: stopping", self.config.cluster.name)
         await _cancel_all(pumps, "sources")  # 1. stop reading the sources
-        # 2. stop applying (what is not committed is simply applied again after a restart)
+        # 2. stop applying, each batch in hand committed first if it can be within `stop_wait_s` (what is
+        # not committed is simply applied again after a restart)
+        finishing = asyncio.gather(*(a.finish() for a in self.appliers.values()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finishing, self.stop_wait_s)
         await _cancel_all([*appliers, ticker], "appliers")
         for applier in self.appliers.values():
             await applier.close()

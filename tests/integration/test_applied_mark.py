@@ -10,6 +10,8 @@ and is terminated before COMMIT. The router started afterwards must still apply 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 import psycopg
 import pytest
@@ -20,6 +22,7 @@ from router.apply.sessions import open_session, take_origin
 from router.apply.statements import setup_statement
 from router.cluster.install import init_cluster
 from router.errors import ConfigError
+from router.service.supervisor import Router
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -105,3 +108,42 @@ async def test_a_node_without_the_mark_column_asks_for_init_which_adds_it(mesh: 
     async with running_router(m.config):
         await execute(a.dsn(), "INSERT INTO kv VALUES (7, 'after init')")
         await wait_converged(m.nodes, ["kv"], 60)
+
+
+async def test_a_stopping_router_lets_the_batch_in_hand_commit(mesh: MeshFactory) -> None:
+    """A router told to stop while a batch is in the target's hands waits for it to commit (within
+    `Router.stop_wait_s`) instead of cutting it short: cut short, on 16+ it would leave the origin ahead
+    of the applied mark (the fixture's teardown checks they agree), and the change unapplied until a
+    restart."""
+    m = await mesh(nodes=2, schema=SCHEMA + "INSERT INTO kv VALUES (1, 'old');")
+    a, b = m.nodes
+    router = Router(m.config)
+    router.stop_wait_s = 120.0  # the test decides when the batch may commit
+    stop = asyncio.Event()
+    task = asyncio.create_task(router.run(stop))
+    try:
+        await asyncio.wait_for(router.started.wait(), 60)
+        applier = router.appliers[("a", "b")]
+        async with await psycopg.AsyncConnection.connect(b.dsn()) as local:
+            await local.execute("SELECT * FROM kv WHERE id = 1 FOR UPDATE")  # holds the row: the batch waits
+            await execute(a.dsn(), "UPDATE kv SET v = 'new' WHERE id = 1")
+            waiting = ("SELECT 1 FROM pg_catalog.pg_stat_activity WHERE wait_event_type = 'Lock'"
+                       " AND backend_type = 'client backend'")
+            await wait_for(lambda: _any(fetch(b.dsn(), waiting)), "a's update to wait for b's row lock", 60)
+            stop.set()
+            await wait_for(lambda: not applier.ready_for_more, "the applier to take no batch more", 60)
+            assert not task.done()  # waiting for the batch in hand
+            await local.rollback()  # lets the batch go on
+        await asyncio.wait_for(task, 60)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+    assert await fetch(b.dsn(), "SELECT v FROM kv") == [("new",)]  # applied before the router stopped
+    (row,) = await fetch(a.dsn(), "SELECT pg_catalog.pg_current_wal_lsn()::text")
+    (progress,) = await fetch(b.dsn(), PROGRESS, [m.config.origin_name("a")])
+    assert progress[0] is not None and parse_lsn(progress[0]) <= parse_lsn(str(row[0]))
+
+
+async def _any(rows: Awaitable[list[Any]]) -> bool:
+    return bool(await rows)
