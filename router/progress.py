@@ -14,7 +14,18 @@ until it catches up. Pure bookkeeping: no I/O, no clock.
 
 from __future__ import annotations
 
-__all__ = ["LinkProgress", "SourceProgress"]
+from typing import Final
+
+__all__ = ["BARRIER_POSITION_SQL", "LinkProgress", "SourceProgress"]
+
+# A node's position for a barrier: a non-transactional logical message's (its prefix is for nobody), not
+# `pg_current_wal_lsn()`. Every commit before it is before it in the node's stream, and the router counts
+# the message as seen (router.stream.fanout) as soon as the stream brings it, so a link whose source is
+# idle reaches it at once; the WAL end is known only when the server next says where its WAL ends.
+BARRIER_PREFIX: Final = "pgmesh.barrier"
+BARRIER_POSITION_SQL: Final = (
+    f"SELECT (pg_catalog.pg_logical_emit_message(false, '{BARRIER_PREFIX}', '') - '0/0')::bigint"
+)
 
 
 class LinkProgress:

@@ -26,6 +26,7 @@ from protocol.lsn import format_lsn, parse_lsn
 from router.config import Config, NodeConfig
 from router.ddl.capture import ALLOWED_SETTING
 from router.errors import PgmeshError, describe
+from router.progress import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 from router.service.status import StatusReport
 
@@ -46,17 +47,17 @@ async def _connect(node: NodeConfig) -> Conn:
 async def barrier(
     config: Config, limit: float = 300.0, wanted: dict[str, int] | None = None
 ) -> dict[str, int]:
-    """Wait until every node's WAL position when called (or `wanted`: node -> position) is flushed by every
-    other node: everything committed anywhere before has been applied everywhere. Asks the running router
-    (each link's `synced_lsn`: the slots' confirmed positions may run ahead of the targets on the router
-    log's account)."""
+    """Wait until every node's position when called (`BARRIER_POSITION_SQL`; or `wanted`: node ->
+    position) is flushed by every other node: everything committed anywhere before has been applied
+    everywhere. Asks the running router (each link's `synced_lsn`: the slots' confirmed positions may run
+    ahead of the targets on the router log's account)."""
     if wanted:
         return await _wait_synced(config, limit, wanted)
     conns = {node.name: await _connect(node) for node in config.nodes}
     try:
         wanted = {}
         for name, conn in conns.items():
-            cur = await conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+            cur = await conn.execute(BARRIER_POSITION_SQL)
             row = await cur.fetchone()
             assert row is not None
             wanted[name] = int(row[0])

@@ -34,6 +34,7 @@ from typing import Any, Final
 import msgspec
 
 from protocol.lsn import format_lsn
+from router.progress import BARRIER_POSITION_SQL
 
 __all__ = [
     "COLUMNS_SQL", "DriftWatch", "Query", "Shapes", "TableDrift", "compare", "drifted_nodes",
@@ -64,7 +65,6 @@ COLUMNS_SQL: Final = (
     " JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped"
     " WHERE t.pubname = %s"
 )
-_WAL_SQL: Final = "SELECT (pg_catalog.pg_current_wal_lsn() - '0/0')::bigint"
 _SLOT_SQL: Final = (
     "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
 )
@@ -246,7 +246,7 @@ class DriftWatch:
         has been replayed everywhere). False when not reached within `settle_s`."""
         wanted: dict[str, int] = {}
         for node, query in self._nodes.items():
-            rows = await query(_WAL_SQL, None)
+            rows = await query(BARRIER_POSITION_SQL, None)
             wanted[node] = int(rows[0][0])
         deadline = self._clock() + self.settle_s
         while wanted:

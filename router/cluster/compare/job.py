@@ -39,6 +39,7 @@ from router.cluster.sync.spark import local_parallelism, spark_session
 from router.config import Config, NodeConfig
 from router.ddl.command import barrier
 from router.errors import PgmeshError, describe
+from router.progress import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
 __all__ = ["CompareReport", "Divergence", "cmd_compare", "compare_cluster"]
@@ -126,13 +127,11 @@ class _Holders:
                 self.conns.append(conn)
                 conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
                 conn.read_only = True
-                row = conn.execute(
-                    "SELECT pg_catalog.pg_export_snapshot(),"
-                    " (pg_catalog.pg_current_wal_lsn() - '0/0')::bigint"
-                ).fetchone()
-                assert row is not None
+                row = conn.execute("SELECT pg_catalog.pg_export_snapshot()").fetchone()
+                position = conn.execute(BARRIER_POSITION_SQL).fetchone()  # after it: past what it sees
+                assert row is not None and position is not None
                 self.snapshots.append(str(row[0]))
-                self.positions[node.name] = int(row[1])
+                self.positions[node.name] = int(position[0])
         except BaseException:
             self.close()
             raise
