@@ -107,6 +107,17 @@ def _hex(h: int | None) -> str | None:
     return None if h is None else f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
+def task_error(exc: BaseException) -> str:
+    """What a failed Spark task said: its PgmeshError's line (node, table) if it raised one, else the
+    last line that names an error."""
+    lines = str(exc).splitlines()
+    ours = [line.split("PgmeshError: ", 1)[1] for line in lines if "PgmeshError: " in line]
+    if ours:
+        return ours[-1]
+    last = [line for line in lines if "Error" in line]
+    return last[-1] if last else describe(exc)
+
+
 def _run_groups(job: CompareJob, groups: Iterable[list[RangeTask]]) -> Iterator[Difference]:
     return run_partition(job, itertools.chain.from_iterable(groups))
 
@@ -218,10 +229,7 @@ def first_pass(
                     rdd = spark.sparkContext.parallelize(groups, len(groups))
                     found = rdd.mapPartitions(functools.partial(_run_groups, job)).collect()
                 except Exception as exc:
-                    last = [line for line in str(exc).splitlines() if "Error" in line]
-                    raise PgmeshError(
-                        f"the comparison failed: {last[-1] if last else describe(exc)}"
-                    ) from None
+                    raise PgmeshError(f"the comparison failed: {task_error(exc)}") from None
         return job, skipped, found, dict(holders.positions)
     finally:
         holders.close()

@@ -13,6 +13,7 @@ Must not: write anything, import pyspark at module level, or put a DSN in a mess
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Final
 
 import msgspec
@@ -20,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.compare.plan import CompareTable, RangeTask
+from router.errors import PgmeshError, describe
 
 __all__ = [
     "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "row_hashes_sql", "rows_sql",
@@ -170,37 +172,69 @@ def differences(
 
 
 def _connect(job: CompareJob, i: int) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(job.dsns[i], application_name="pgmesh compare", connect_timeout=10)
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.read_only = True
-    if job.snapshots[i]:
-        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshots[i])))
-    conn.execute(SESSION_SQL)
+    try:
+        conn = psycopg.connect(job.dsns[i], application_name="pgmesh compare", connect_timeout=10)
+    except psycopg.Error as exc:
+        raise PgmeshError(f"a compare task cannot connect: {describe(exc)}", node=job.nodes[i]) from None
+    try:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        if job.snapshots[i]:
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job.snapshots[i])))
+        conn.execute(SESSION_SQL)
+    except psycopg.Error as exc:
+        conn.close()
+        raise PgmeshError(
+            f"a compare task cannot import the snapshot: {describe(exc)}", node=job.nodes[i],
+            sqlstate=exc.sqlstate,
+        ) from None
     return conn
 
 
+def _on_every_node(
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, table: CompareTable,
+    query: sql.Composed, params: list[Any],
+) -> list[list[tuple[Any, ...]]]:
+    """`query` run on every node at once (a thread each: psycopg lets the GIL go while it waits)."""
+
+    def run(i: int) -> list[tuple[Any, ...]]:
+        try:
+            return conns[i].execute(query, params).fetchall()
+        except psycopg.Error as exc:
+            raise PgmeshError(f"reading a key range failed: {describe(exc)}", node=job.nodes[i],
+                              relation=table.label, sqlstate=exc.sqlstate) from None
+
+    return list(pool.map(run, range(len(conns))))
+
+
 def compare_range(
-    conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
     table = job.tables[task.table]
-    query, params = bucket_sql(table, task)
-    sums = []
-    for conn in conns:
-        sums.append({int(b): (int(n), int(x)) for b, n, x in conn.execute(query, params).fetchall()})
+    sums = [
+        {int(b): (int(n), int(x)) for b, n, x in rows}
+        for rows in _on_every_node(pool, conns, job, table, *bucket_sql(table, task))
+    ]
     buckets = sorted({b for s in sums for b in s if any(o.get(b) != s.get(b) for o in sums)})
     if not buckets:
         return []
-    query, params = rows_sql(table, task, buckets)
-    per_node = [{k: (j, int(h)) for k, j, h in conn.execute(query, params).fetchall()} for conn in conns]
+    rows_per_node = _on_every_node(pool, conns, job, table, *rows_sql(table, task, buckets))
+    per_node = [{k: (j, int(h)) for k, j, h in rows} for rows in rows_per_node]
     return differences(task.table, per_node)
 
 
 def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Difference]:
-    """One Spark partition: its ranges, with one session per node for all of them."""
-    conns = [_connect(job, i) for i in range(len(job.dsns))]
-    try:
-        for task in tasks:
-            yield from compare_range(conns, job, task)
-    finally:
-        for conn in conns:
-            conn.close()
+    """One Spark partition: its ranges, with one session per node for all of them, each range read on
+    every node at once."""
+    with ThreadPoolExecutor(len(job.dsns), thread_name_prefix="pgmesh-compare") as pool:
+        opening = [pool.submit(_connect, job, i) for i in range(len(job.dsns))]
+        wait(opening)
+        conns = [f.result() for f in opening if f.exception() is None]
+        try:
+            for f in opening:
+                f.result()  # the first that failed
+            for task in tasks:
+                yield from compare_range(pool, conns, job, task)
+        finally:
+            for conn in conns:
+                conn.close()

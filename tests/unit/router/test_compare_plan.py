@@ -1,9 +1,14 @@
-"""Key ranges of `pgmesh compare` (router.cluster.compare.plan): pure."""
+"""Key ranges of `pgmesh compare` (router.cluster.compare.plan): pure; and what a task's failure says."""
 
 from __future__ import annotations
 
-from router.cluster.compare.plan import RangeTask, bound_ranges, integer_ranges, partitions
-from router.cluster.compare.worker import BUCKETS, differences
+import pytest
+
+from router.cluster.compare.job import task_error
+from router.cluster.compare.plan import CompareTable, RangeTask, bound_ranges, integer_ranges, partitions
+from router.cluster.compare.worker import BUCKETS, CompareJob, differences, run_partition
+from router.errors import PgmeshError
+from router.testing.mesh import free_port
 
 
 def test_integer_ranges_cover_every_key_and_their_spans_meet() -> None:
@@ -34,3 +39,26 @@ def test_differences_name_missing_and_changed_rows_only() -> None:
     b = {"(1)": ('{"id": 1}', 10), "(2)": ('{"id": 2}', 21), "(3)": ('{"id": 3}', 30)}
     found = differences(0, [a, b])
     assert [(d.key, d.hashes) for d in found] == [("(2)", (20, 21)), ("(3)", (None, 30))]
+
+
+def test_a_task_that_cannot_reach_a_node_names_it_and_never_its_dsn() -> None:
+    port = free_port()  # nothing listens there
+    dsn = f"host=127.0.0.1 port={port} user=postgres password=secret dbname=app"
+    job = CompareJob(("a", "b"), (dsn, dsn), ("", ""), (CompareTable("public", "t", ("id",), "bigint"),))
+    with pytest.raises(PgmeshError) as caught:
+        list(run_partition(job, [RangeTask(0, None, None)]))
+    assert caught.value.node in ("a", "b") and "cannot connect" in str(caught.value)
+    assert "secret" not in str(caught.value)
+
+
+def test_the_driver_reports_the_task_error_line_with_its_node() -> None:
+    spark_said = (
+        "An error occurred while calling o42.collect.\n: org.apache.spark.SparkException: Job aborted\n"
+        "Traceback (most recent call last):\n  File \"worker.py\", line 1\n"
+        "router.errors.PgmeshError: node b, table public.t, SQLSTATE 42501: reading a key range failed: no\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException\n"
+    )
+    assert task_error(RuntimeError(spark_said)) == (
+        "node b, table public.t, SQLSTATE 42501: reading a key range failed: no"
+    )
+    assert task_error(RuntimeError("x\nValueError: bad")) == "ValueError: bad"
