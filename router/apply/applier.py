@@ -246,7 +246,8 @@ class Applier(LinkView):
         self._careful.mark = link.mark
         if installed_at is not None:
             self._careful.installed_at = installed_at
-        self.condition.move(self._running(), None)
+        if self._resumed.is_set():  # (paused while it connected: it stays paused)
+            self.condition.move(self._running(), None)
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))
 

@@ -61,13 +61,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_pause(args: argparse.Namespace) -> int:
     from router.ops.control import cmd_pause
 
-    return _run(cmd_pause(_config(args), args.target))
+    return _run(cmd_pause(_config(args), args.target, source=args.source))
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from router.ops.control import cmd_resume
 
-    return _run(cmd_resume(_config(args), args.target))
+    return _run(cmd_resume(_config(args), args.target, source=args.source))
 
 
 def _cmd_sequences(args: argparse.Namespace) -> int:
@@ -198,8 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--clean", action="store_true", help="also remove pgmesh's objects from that node")
     part.set_defaults(func=_cmd_part)
     for name, func, verb in (("pause", _cmd_pause, "stop"), ("resume", _cmd_resume, "restart")):
-        command = _with_config(sub, name, f"{verb} applying to a node (all links into it)")
+        command = _with_config(sub, name, f"{verb} applying: every link, or those into a node or from one")
         command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")
+        command.add_argument("--source", metavar="NODE", help="only links from this node (default: all)")
         command.set_defaults(func=func)
     return parser
 

@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TextIO
+from urllib.parse import urlencode
 
 import msgspec
 import psycopg
@@ -182,7 +183,7 @@ async def cmd_status(config: Config, *, as_json: bool, out: TextIO = sys.stdout)
     return 0
 
 
-async def _set_paused(config: Config, target: str | None, paused: bool) -> list[str]:
+async def _set_paused(config: Config, target: str | None, paused: bool, source: str | None) -> list[str]:
     """Without a router: record the links' state on their targets. Every target is connected first, so
     a node that is down changes nothing; the error names it (and what was done, if a write fails)."""
     verb = "paused" if paused else "resumed"
@@ -202,7 +203,7 @@ async def _set_paused(config: Config, target: str | None, paused: bool) -> list[
         done: list[str] = []
         for name, conn in conns:
             try:
-                await _record_paused(conn, config, name, paused, done)
+                await _record_paused(conn, config, name, paused, done, source)
             except psycopg.Error as exc:
                 raise PgmeshError(f"cannot record the links' state ({describe(exc)}); {verb} so far: "
                                   f"{', '.join(done) or 'nothing'}", node=name) from None
@@ -213,10 +214,11 @@ async def _set_paused(config: Config, target: str | None, paused: bool) -> list[
 
 
 async def _record_paused(
-    conn: psycopg.AsyncConnection[Any], config: Config, target: str, paused: bool, done: list[str]
+    conn: psycopg.AsyncConnection[Any], config: Config, target: str, paused: bool, done: list[str],
+    only_from: str | None,
 ) -> None:
     for source in config.node_names:
-        if source == target:
+        if source == target or only_from not in (None, source):
             continue
         await conn.execute(
             "INSERT INTO pgmesh.links (source, paused, updated) VALUES (%s, %s, now())"
@@ -227,11 +229,15 @@ async def _record_paused(
         done.append(f"{source} -> {target}")
 
 
-async def _pause_resume(config: Config, target: str | None, paused: bool, out: TextIO) -> int:
-    if target is not None:
-        config.node(target)  # a clear error for an unknown node
+async def _pause_resume(
+    config: Config, target: str | None, paused: bool, out: TextIO, source: str | None
+) -> int:
+    for name in (target, source):
+        if name is not None:
+            config.node(name)  # a clear error for an unknown node
     verb = "pause" if paused else "resume"
-    query = f"/{verb}" + (f"?target={target}" if target else "")
+    asked = {k: v for k, v in (("target", target), ("source", source)) if v}
+    query = f"/{verb}" + (f"?{urlencode(asked)}" if asked else "")
     reply = await ask_router(config, "POST", query)
     if reply is not None and reply[0] == 200:
         links = msgspec.json.decode(reply[1])
@@ -240,17 +246,22 @@ async def _pause_resume(config: Config, target: str | None, paused: bool, out: T
     if reply is not None:
         print(f"the router refused: HTTP {reply[0]} {reply[1].decode(errors='replace')}", file=out)
         return 1
-    links = await _set_paused(config, target, paused)
+    links = await _set_paused(config, target, paused, source)
     print(f"{verb}d (router not running; it will start that way): {', '.join(links)}", file=out)
     return 0
 
 
-async def cmd_pause(config: Config, target: str | None, out: TextIO = sys.stdout) -> int:
-    return await _pause_resume(config, target, True, out)
+async def cmd_pause(
+    config: Config, target: str | None, out: TextIO = sys.stdout, *, source: str | None = None
+) -> int:
+    """Pause the links into `target` from `source` (None: every node)."""
+    return await _pause_resume(config, target, True, out, source)
 
 
-async def cmd_resume(config: Config, target: str | None, out: TextIO = sys.stdout) -> int:
-    return await _pause_resume(config, target, False, out)
+async def cmd_resume(
+    config: Config, target: str | None, out: TextIO = sys.stdout, *, source: str | None = None
+) -> int:
+    return await _pause_resume(config, target, False, out, source)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The admin listener: a minimal HTTP/1.1 server owned by the router, and the client the CLI uses.
 
 Owns: the admin socket, request parsing under a size limit and a timeout, the routes
-(`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause`, `POST /resume`, and `POST /hold` /
-`POST /release` for a join while the router runs) and how callback results
-and errors become responses; `admin_request`, the matching client, and `ask_router` (None when no
-router listens where the config says).
+(`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause` and `POST /resume` (`?target=NODE`,
+`?source=NODE`: the links into / from a node), and `POST /hold` / `POST /release` for a join while the
+router runs) and how callback results and errors become responses; `admin_request`, the matching client,
+and `ask_router` (None when no router listens where the config says).
 Must not: know how the router pauses a link or what status holds (it calls the callbacks it was given),
 keep a connection open after a response (every response says `Connection: close`), let one bad
 client stop the listener, or add authentication: it listens where it is told, loopback by default,
@@ -211,18 +211,20 @@ async def _read_request(reader: asyncio.StreamReader) -> _Request:
     return _Request(method, url.path, query, headers)
 
 
-def _target_of(request: _Request) -> str | None:
-    """The `target` node of a pause / resume; None means every link. Anything else is refused, so a
-    typo such as `?node=b` cannot pause the whole cluster."""
-    unknown = sorted(set(request.query) - {"target"})
+def _links_of(request: _Request) -> tuple[str | None, str | None]:
+    """The `target` and `source` nodes of a pause / resume (the links into the one, from the other); None
+    means every one. Anything else is refused, so a typo such as `?node=b` cannot pause the whole
+    cluster."""
+    unknown = sorted(set(request.query) - {"target", "source"})
     if unknown:
-        raise _Reject(400, f"unknown query parameter {unknown[0]!r}; only 'target' is accepted")
-    values = request.query.get("target")
-    if values is None:
-        return None
-    if len(values) != 1 or not values[0]:
-        raise _Reject(400, "give one non-empty target, or none for every link")
-    return values[0]
+        raise _Reject(400, f"unknown query parameter {unknown[0]!r}; only 'target' and 'source' are accepted")
+    found: list[str | None] = []
+    for name in ("target", "source"):
+        values = request.query.get(name)
+        if values is not None and (len(values) != 1 or not values[0]):
+            raise _Reject(400, f"give one non-empty {name}, or none for every link")
+        found.append(None if values is None else values[0])
+    return found[0], found[1]
 
 
 # --- the server ------------------------------------------------------------------------------------
@@ -259,8 +261,8 @@ class AdminServer:
         *,
         metrics: Metrics,
         status: Callable[[], object],
-        pause: Callable[[str | None], Awaitable[object]],
-        resume: Callable[[str | None], Awaitable[object]],
+        pause: Callable[[str | None, str | None], Awaitable[object]],  # (target, source)
+        resume: Callable[[str | None, str | None], Awaitable[object]],
         health: Callable[[], tuple[bool, str]],
         hold: Callable[[str | None], Awaitable[object]] | None = None,
         release: Callable[[str | None], Awaitable[object]] | None = None,
@@ -419,14 +421,20 @@ class AdminServer:
         return _json(200, self._status())
 
     async def _post_pause(self, request: _Request) -> _Response:
-        target = _target_of(request)
-        logger.info("admin: pause requested for %s", target or "every link")
-        return _json(200, await self._pause(target))
+        target, source = _links_of(request)
+        logger.info("admin: pause requested for %s", _links_text(target, source))
+        return _json(200, await self._pause(target, source))
 
     async def _post_resume(self, request: _Request) -> _Response:
-        target = _target_of(request)
-        logger.info("admin: resume requested for %s", target or "every link")
-        return _json(200, await self._resume(target))
+        target, source = _links_of(request)
+        logger.info("admin: resume requested for %s", _links_text(target, source))
+        return _json(200, await self._resume(target, source))
+
+
+def _links_text(target: str | None, source: str | None) -> str:
+    if target is None and source is None:
+        return "every link"
+    return f"links from {source or 'every node'} into {target or 'every node'}"
 
 
 def _calling(callback: Callable[[str | None], Awaitable[object]], what: str) -> _Handler:

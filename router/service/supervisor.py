@@ -527,32 +527,33 @@ class Router:
 
     # ------------------------------------------------------------ control
 
-    def _check_target(self, target: str | None) -> None:
+    def _check_nodes(self, *names: str | None) -> None:
         """A pause / resume of a node the config does not name is refused in the CLI's words (the admin
         listener makes the `LookupError` a 404), never answered with an empty list of links."""
-        if target is None:
-            return
         try:
-            self.config.node(target)
+            for name in names:
+                if name is not None:
+                    self.config.node(name)
         except ConfigError as exc:
             raise LookupError(str(exc)) from exc
 
-    async def pause(self, target: str | None) -> list[str]:
-        return await self._set_paused(target, True)
+    async def pause(self, target: str | None, source: str | None = None) -> list[str]:
+        return await self._set_paused(target, True, source)
 
-    async def resume(self, target: str | None) -> list[str]:
-        done = await self._set_paused(target, False)
+    async def resume(self, target: str | None, source: str | None = None) -> list[str]:
+        done = await self._set_paused(target, False, source)
         self.drift.poke()  # a link stopped on DDL may have been fixed by hand: do the tables agree?
         return done
 
-    async def _set_paused(self, target: str | None, paused: bool) -> list[str]:
-        """Pause or resume the links into `target` (all: None) now, and record it on the target (within
-        `node_timeout_ms`: a node cut off is told at the next pause or resume, the links move at once)."""
-        self._check_target(target)
+    async def _set_paused(self, target: str | None, paused: bool, only_from: str | None) -> list[str]:
+        """Pause or resume the links into `target` (all: None) from `only_from` (all: None) now, and record
+        it on the target (within `node_timeout_ms`: a node cut off is told at the next pause or resume, the
+        links move at once)."""
+        self._check_nodes(target, only_from)
         done = []
         timeout = self.config.replication.node_timeout_ms / 1000
         for (source, tgt), applier in self.appliers.items():
-            if target in (None, tgt):
+            if target in (None, tgt) and only_from in (None, source):
                 if paused:
                     applier.pause()
                 else:

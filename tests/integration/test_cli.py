@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from router.ops.control import cmd_pause, cmd_resume
 from router.ops.demo import run_demo
 from router.service.admin import admin_request
-from router.testing.mesh import execute, fetch, free_port, wait_for
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE items (id int PRIMARY KEY, v text);"
@@ -114,6 +115,33 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactor
     assert "NOT running" in human.stdout and "a -> b" in human.stdout
     assert "slot keeps" in human.stdout and "of WAL (reserved, no limit)" in human.stdout
     assert all(s["retained"]["wal_status"] == "reserved" for s in after["sources"])
+
+
+async def test_one_link_pauses_and_resumes_alone(mesh: MeshFactory) -> None:
+    """`pgmesh pause --source a --target b` stops the link a -> b only: b still gets c's changes and c
+    gets a's; resumed, b gets a's. Without a router the same options record only the links they name."""
+    m = await mesh(nodes=3, schema=SCHEMA, admin_port=free_port())
+    a, b, c = m.nodes
+    out = io.StringIO()
+    async with running_router(m.config) as router:
+        assert await cmd_pause(m.config, "b", out, source="a") == 0
+        assert out.getvalue().strip() == "paused: a -> b"
+        await execute(a.dsn(), "INSERT INTO items VALUES (1, 'from a')")
+        await execute(c.dsn(), "INSERT INTO items VALUES (2, 'from c')")
+        await wait_for(lambda: _has(b, 2), "c's row on b")
+        await wait_for(lambda: _has(c, 1), "a's row on c")
+        await wait_for(lambda: router.appliers[("a", "b")].pending >= 1, "a -> b to hold a's transaction")
+        assert not await _has(b, 1)
+        states = {(x.source, x.target): x.state for x in router.status().links}
+        assert states.pop(("a", "b")) == "paused" and set(states.values()) <= {"streaming", "catching up"}
+        assert await cmd_resume(m.config, None, out, source="a") == 0
+        await wait_for(lambda: _has(b, 1), "a's row on b after resume")
+    out = io.StringIO()
+    assert await cmd_pause(m.config, None, out, source="c") == 0  # no router: recorded on the targets
+    assert out.getvalue().startswith("paused (router not running") and "c -> a, c -> b" in out.getvalue()
+    for node, expected in ((a, [("b", False), ("c", True)]), (b, [("a", False), ("c", True)])):
+        rows = await fetch(node.dsn(), "SELECT source, coalesce(paused, false) FROM pgmesh.links ORDER BY 1")
+        assert rows == expected, (node.name, rows)
 
 
 async def _has(node: Any, key: int) -> bool:

@@ -30,7 +30,7 @@ class Router:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.healthy: tuple[bool, str] = (True, "")
-        self.calls: list[tuple[str, str | None]] = []
+        self.calls: list[tuple[str | None, ...]] = []
         self.fail_with: Exception | None = None
         self.state: object = {
             "cluster": "demo",
@@ -45,16 +45,16 @@ class Router:
             raise self.fail_with
         return self.healthy
 
-    async def pause(self, target: str | None) -> object:
-        return self._record("pause", target)
+    async def pause(self, target: str | None, source: str | None) -> object:
+        return self._record("pause", target, source)
 
-    async def resume(self, target: str | None) -> object:
-        return self._record("resume", target)
+    async def resume(self, target: str | None, source: str | None) -> object:
+        return self._record("resume", target, source)
 
-    def _record(self, action: str, target: str | None) -> object:
+    def _record(self, action: str, target: str | None, source: str | None) -> object:
         if self.fail_with is not None:
             raise self.fail_with
-        self.calls.append((action, target))
+        self.calls.append((action, target) if source is None else (action, target, source))
         return {action: target or "all"}
 
     def server(self, port: int = 0, *, read_timeout: float = 10.0) -> AdminServer:
@@ -170,12 +170,16 @@ async def test_pause_and_resume_call_back_with_the_target(router: Router, admin:
     assert await admin_request(HOST, admin.port, "POST", "/pause") == (200, b'{"pause":"all"}\n')
     assert await admin_request(HOST, admin.port, "POST", "/resume") == (200, b'{"resume":"all"}\n')
     assert await admin_request(HOST, admin.port, "POST", "/pause?target=node%20c")
+    assert await admin_request(HOST, admin.port, "POST", "/pause?target=b&source=a")  # the link a -> b
+    assert await admin_request(HOST, admin.port, "POST", "/resume?source=a")  # every link from a
     assert router.calls == [
         ("pause", "b"),
         ("resume", "b"),
         ("pause", None),
         ("resume", None),
         ("pause", "node c"),
+        ("pause", "b", "a"),
+        ("resume", None, "a"),
     ]
 
 
@@ -185,6 +189,7 @@ async def test_pause_and_resume_call_back_with_the_target(router: Router, admin:
         ("/pause?node=b", "unknown query parameter 'node'"),
         ("/pause?target=", "give one non-empty target"),
         ("/resume?target=a&target=b", "give one non-empty target"),
+        ("/pause?source=", "give one non-empty source"),
     ],
 )
 async def test_a_doubtful_target_pauses_nothing(
@@ -475,6 +480,7 @@ async def test_the_router_refuses_a_node_not_in_its_config_with_404(verb: str) -
     async with server as admin:
         status, body = await admin_request(HOST, admin.port, "POST", f"/{verb}?target=zz")
         assert status == 404
+        assert (await admin_request(HOST, admin.port, "POST", f"/{verb}?source=zz"))[0] == 404
         with pytest.raises(ConfigError) as cli_says:
             config.node("zz")
         assert error_of(body) == str(cli_says.value)
