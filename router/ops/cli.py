@@ -102,6 +102,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return _run(cmd_compare(_config(args), args.tables, as_json=args.json, limit=args.timeout))
 
 
+def _cmd_tail(args: argparse.Namespace) -> int:
+    from router.ops.tail import cmd_tail
+
+    return _run(cmd_tail(_config(args), args.node, as_json=args.json, limit=args.limit))
+
+
 def _cmd_repair(args: argparse.Namespace) -> int:
     from router.cluster.compare.repair import cmd_repair
 
@@ -180,6 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="how long a recheck waits for the links to catch up (default 300)")
     compare.set_defaults(func=_cmd_compare)
+    tail = _with_config(sub, "tail", "print a node's transactions, decoded, as they commit (for debugging)")
+    tail.add_argument("node", metavar="NODE", help="the node to follow")
+    tail.add_argument("--json", action="store_true", help="one JSON object a line")
+    tail.add_argument("--limit", type=int, default=None, metavar="N", help="stop after N transactions")
+    tail.set_defaults(func=_cmd_tail)
     repair = _with_config(sub, "repair", "compare, then write each difference's winning row where it differs")
     repair.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
     repair.add_argument("--from", dest="source", metavar="NODE",
