@@ -510,7 +510,7 @@ class CarefulApplier:
             sets += [
                 f"{quote_ident(k)} = {_lit(v)}"
                 for k, v in new.items()
-                if k not in deltas and k in table.columns
+                if k not in deltas and k in table.columns and k not in table.always
             ]
         if sets:
             await conn.execute(f"UPDATE {table.qualified} AS {T} SET {', '.join(sets)} WHERE {where}")

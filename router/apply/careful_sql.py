@@ -21,6 +21,7 @@ from router.apply.statements import (
     TargetTable,
     quote_ident,
     quote_literal,
+    untouched,
 )
 from router.apply.uniques import literal
 
@@ -98,5 +99,6 @@ def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None)
         cols = ", ".join(quote_ident(k) for k in names)
         vals = ", ".join(literal(row[k]) for k in names)
         return f"INSERT INTO {table.qualified} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals})"
-    sets = ", ".join(f"{quote_ident(k)} = {literal(row[k])}" for k in names)
-    return f"UPDATE {table.qualified} AS {T} SET {sets} WHERE {where}"
+    # (an identity GENERATED ALWAYS: set by no UPDATE; the row matched has the key's value)
+    sets = ", ".join(f"{quote_ident(k)} = {literal(row[k])}" for k in names if k not in table.always)
+    return f"UPDATE {table.qualified} AS {T} SET {sets or untouched(table, names)} WHERE {where}"

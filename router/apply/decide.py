@@ -51,6 +51,7 @@ from router.apply.statements import (
     quote_literal,
     tombstone_key,
     typed,
+    untouched,
 )
 from router.config import Config
 
@@ -172,7 +173,9 @@ class Decisions:
         if moved:
             lines.append(f"IF {moved} THEN {_CAREFUL.format(why=quote_literal('a new primary key'))} END IF;")
         lines += self._read(table, old)
-        assignments = ", ".join(f"{quote_ident(c)} = {_cast(table, c, v)}" for c, v in new.items())
+        assignments = ", ".join(  # (an identity GENERATED ALWAYS: set by no UPDATE, its value is the row's)
+            f"{quote_ident(c)} = {_cast(table, c, v)}" for c, v in new.items() if c not in table.always
+        ) or untouched(table, [c.name for c in cols])
         # another version of the row, met by an update without its unchanged TOAST values: those values
         # may differ here, and only the source has them (router.apply.toast, on the careful path)
         other = (f"pgmesh_won := {self._decide(table, 'update_origin_differs', 'l')};" if complete else

@@ -25,6 +25,7 @@ from router.apply.statements import (
     TargetTable,
     _literals,
     bounded_key,
+    check_always,
     guard,
     key_lock,
     quote_ident,
@@ -32,6 +33,7 @@ from router.apply.statements import (
     setup_statement,
     tombstone_key,
     typed,
+    untouched,
 )
 
 __all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
@@ -173,6 +175,7 @@ def prepared_update(
     new = change.new
     row_key = change.old if change.old is not None else new
     cols = relation.columns
+    check_always(relation, table, change)
     shape = "U" if origin is None else "UG"
     plan = prepared.plans.get((id(relation), shape, new.kinds))
     if plan is not None:
@@ -185,11 +188,17 @@ def prepared_update(
     keys = [i for i, c in enumerate(cols) if c.key]
 
     def build() -> str:
-        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in enumerate(sets, 1))
-        where = " AND ".join(
+        # an identity GENERATED ALWAYS is set by no UPDATE (router.apply.statements.update_sets): its value
+        # is matched instead (the key's is anyway), so that its parameter still has a type
+        always = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name in table.always]
+        written = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name not in table.always]
+        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in written) or untouched(
+            table, [c.name for c in cols])
+        matches = [
             f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
-            for n, i in enumerate(keys, len(sets) + 1)
-        )
+            for n, i in [*enumerate(keys, len(sets) + 1), *always]
+        ]
+        where = " AND ".join(matches)
         statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
         if origin is not None and prepared.decisions is not None:
             decisions = prepared.decisions
