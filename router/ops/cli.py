@@ -102,6 +102,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return _run(cmd_compare(_config(args), args.tables, as_json=args.json, limit=args.timeout))
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from router.cluster.sync.push import cmd_push
+
+    return _run(cmd_push(_config(args), args.table, args.source, args.target, args.query))
+
+
 def _cmd_tail(args: argparse.Namespace) -> int:
     from router.ops.tail import cmd_tail
 
@@ -186,6 +192,12 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="how long a recheck waits for the links to catch up (default 300)")
     compare.set_defaults(func=_cmd_compare)
+    push = _with_config(sub, "push", "copy a table's rows (or a query's) from one node into another, live")
+    push.add_argument("table", metavar="TABLE")
+    push.add_argument("--from", dest="source", required=True, metavar="NODE", help="the node to read")
+    push.add_argument("--to", dest="target", required=True, metavar="NODE", help="the node to write")
+    push.add_argument("--query", metavar="SQL", help="push this query's rows (named as the table's columns)")
+    push.set_defaults(func=_cmd_push)
     tail = _with_config(sub, "tail", "print a node's transactions, decoded, as they commit (for debugging)")
     tail.add_argument("node", metavar="NODE", help="the node to follow")
     tail.add_argument("--json", action="store_true", help="one JSON object a line")

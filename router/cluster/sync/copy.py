@@ -51,7 +51,9 @@ __all__ = [
     "copy_snapshot",
     "plan_leaves",
     "read_leaves",
+    "report",
     "reuse_spark",
+    "run_job",
     "stop_spark",
 ]
 
@@ -245,9 +247,9 @@ def copy_snapshot(
                            parallelism=parallelism)
         logger.info("initial copy: %d tables, %d relations, %d tasks, snapshot %s",
                     len(tables), len(leaves), len(tasks), snapshot)
-        outcomes = _run_job(spark.sparkContext, job, tasks, len(tables), progress, started, max_task_failures,
+        outcomes = run_job(spark.sparkContext, job, tasks, len(tables), progress, started, max_task_failures,
                             abort)
-    return _report(tables, tasks, outcomes, time.monotonic() - started)
+    return report(tables, tasks, outcomes, time.monotonic() - started)
 
 
 def _check_arguments(snapshot: str, tables: Sequence[CopyTable], partitions_per_table: int) -> None:
@@ -344,7 +346,7 @@ def _binary_copy(conn: psycopg.Connection[Any], oid: int, table: CopyTable) -> b
     return not text_only
 
 
-def _run_job(
+def run_job(  # (also `pgmesh push`'s: router.cluster.sync.push)
     sc: Any,
     job: CopyJob,
     tasks: Sequence[CopyTask],
@@ -411,7 +413,7 @@ def _job_error(exc: BaseException, max_task_failures: int) -> PgmeshError:
                        hint="see the Spark output above; check Java (17+) and that Spark workers can run")
 
 
-def _report(
+def report(
     tables: Sequence[CopyTable], tasks: Sequence[CopyTask], outcomes: Sequence[TaskOutcome], seconds: float
 ) -> CopyReport:
     rows = [0] * len(tables)

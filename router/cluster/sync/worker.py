@@ -48,6 +48,7 @@ __all__ = [
     "copy_out_sql",
     "run_partition",
     "run_task",
+    "upsert_sql",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,13 @@ def copy_out_sql(task: CopyTask) -> sql.Composed:
     """`COPY (SELECT cols FROM ONLY rel WHERE ctid range) TO STDOUT (FORMAT binary)` (a TID Range Scan);
     `FORMAT text` for a task whose table holds a type binary COPY cannot carry (`CopyTask.binary`), or
     between servers of different major versions (`run_task`: binary formats are matched only within one,
-    router.stream.items.binary_formats_match)."""
+    router.stream.items.binary_formats_match). A task with a `query`: the columns of its rows."""
+    columns = sql.SQL(", ").join(map(sql.Identifier, task.columns))
+    if task.query is not None:  # the operator's SQL, as given (composed, never formatted: braces stay)
+        return sql.Composed([
+            sql.SQL("COPY (SELECT "), columns, sql.SQL(" FROM ("), sql.SQL(task.query),
+            sql.SQL("\n) AS pgmesh_push) TO STDOUT (FORMAT "), _format(task), sql.SQL(")"),
+        ])
     return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT {})").format(
         sql.SQL(", ").join(map(sql.Identifier, task.columns)),
         sql.Identifier(task.schema, task.name),
@@ -188,10 +195,38 @@ def copy_out_sql(task: CopyTask) -> sql.Composed:
 
 
 def copy_in_sql(task: CopyTask) -> sql.Composed:
+    """COPY into the table, or (a task with `keys`) into the session's PUSH_TABLE (`upsert_sql`)."""
+    into = sql.Identifier(PUSH_TABLE) if task.keys else sql.Identifier(task.schema, task.name)
     return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
-        sql.Identifier(task.schema, task.name), sql.SQL(", ").join(map(sql.Identifier, task.columns)),
-        _format(task),
+        into, sql.SQL(", ").join(map(sql.Identifier, task.columns)), _format(task),
     )
+
+
+PUSH_TABLE: Final = "pgmesh_push"
+
+
+def upsert_sql(task: CopyTask) -> tuple[sql.Composed, sql.Composed]:
+    """A task with `keys`: the temporary table its COPY fills (the table's columns, dropped at commit),
+    and the statement that writes its rows into the table: inserted, or updated where a row with the key
+    differs (an identical row is left alone: nothing to replicate)."""
+    table = sql.Identifier(task.schema, task.name)
+    columns = sql.SQL(", ").join(map(sql.Identifier, task.columns))
+    create = sql.SQL("CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(
+        sql.Identifier(PUSH_TABLE), columns, table)
+    others = [c for c in task.columns if c not in task.keys]
+    if others:
+        mine = sql.SQL(", ").join(sql.SQL("t.") + sql.Identifier(c) for c in others)
+        theirs = sql.SQL(", ").join(sql.SQL("excluded.") + sql.Identifier(c) for c in others)
+        action = sql.SQL("DO UPDATE SET ({}) = ROW({}) WHERE ROW({}) IS DISTINCT FROM ROW({})").format(
+            sql.SQL(", ").join(map(sql.Identifier, others)), theirs, mine, theirs)
+    else:
+        action = sql.Composed([sql.SQL("DO NOTHING")])
+    write = sql.SQL(
+        "INSERT INTO {} AS t ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} ON CONFLICT ({}) {}"
+    ).format(
+        table, columns, columns, sql.Identifier(PUSH_TABLE),
+        sql.SQL(", ").join(map(sql.Identifier, task.keys)), action)
+    return create, write
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -274,7 +309,8 @@ def _open_snapshot(donor: psycopg.Connection[Any], job: CopyJob, task: CopyTask)
 
 def _prepare_target(target: psycopg.Connection[Any], task: CopyTask) -> None:
     try:
-        target.execute("SET session_replication_role = replica")
+        if not task.keys:  # (a push writes as the target's own sessions do: its rows replicate from there)
+            target.execute("SET session_replication_role = replica")
         target.execute("SET synchronous_commit = off")
         if not task.binary:
             target.execute(_TEXT_SETTINGS_SQL)
@@ -289,8 +325,13 @@ def _copy_range(
     try:
         with target.transaction():
             cursor = target.cursor()
+            if task.keys:
+                create, write = upsert_sql(task)
+                cursor.execute(create)
             with cursor.copy(copy_in_sql(task)) as copy_in:
                 nbytes = _relay(donor, copy_out_sql(task).as_bytes(donor), copy_in.write)
+            if task.keys:
+                cursor.execute(write)
             rows = cursor.rowcount
             if job.fail_once_marker is not None and _claim_failure(job.fail_once_marker):
                 raise _InjectedFailure("test hook: this attempt fails after its COPY, before COMMIT")
