@@ -462,9 +462,15 @@ async def install(config: Config, report: InitReport) -> list[str]:
 
 
 async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
-    """Check every node, then install; raises ConfigError with the report when a check failed."""
+    """Check every node, then install; raises ConfigError with the report when a check failed. Nodes
+    recorded as parted (router.cluster.part) are left out: `pgmesh join` brings one back."""
+    from router.cluster.part import read_parted, without_parted  # (it uses `uninstall`, from here)
+
+    parted = sorted(await read_parted(config))
+    config = without_parted(config, parted)
     report = await check_cluster(config)
-    return report, await install(config, report)
+    left = [f"node {n}: parted, left out (`pgmesh join {n}` brings it back)" for n in parted]
+    return report, left + await install(config, report)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -531,6 +537,11 @@ async def uninstall(config: Config, node: str) -> list[str]:
             for name in ("pgmesh_ddl_capture", "pgmesh_ddl_refuse", "pgmesh_ddl_dropped"):
                 await conn.execute(sql.SQL("DROP EVENT TRIGGER IF EXISTS {}").format(sql.Identifier(name)))
             done += await _drop_origins(conn, config)
+            schema = await (await conn.execute("SELECT to_regnamespace(%s)", [PGMESH_SCHEMA])).fetchone()
+            if schema is not None and schema[0] is not None:
+                from router.sequences.convert import to_local  # (it reads what install puts in place)
+
+                done += await to_local(conn, config)  # before the snowflake function goes with the schema
             done += await _drop_publication_and_schema(conn, config)
     except psycopg.Error as exc:
         raise PgmeshError(f"uninstall failed: {describe(exc)}", node=node, sqlstate=exc.sqlstate) from None

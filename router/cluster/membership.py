@@ -28,9 +28,8 @@
 A join that stops midway leaves a marker (schema `pgmesh_join` on the new node): the next join
 cleans the new node first, without `--force`.
 
-`pgmesh part NODE [--clean]` drops what the others keep for the node (its replication origin and link
-row), and the node's own slot so that it holds no WAL; `--clean` removes all of pgmesh from it. Its
-node id is free once it leaves the config.
+A node parted earlier (router.cluster.part) is a member again once joined: its part record is cleared
+first; other parted nodes the config still lists are left out of the join's `pgmesh init`.
 
 Must not: run while the router streams; put a DSN or password on a command line or in a message
 (the PostgreSQL tools get them through PG* environment variables).
@@ -56,6 +55,7 @@ from protocol.lsn import format_lsn
 from router.applied import position_sql
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
+from router.cluster.part import read_parted, unmark_parted, without_parted
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import (
     JOIN_LOCK_WAIT_S,
@@ -70,7 +70,7 @@ from router.stream.items import SourceOptions
 from router.stream.slots import SlotCreated
 from router.stream.source import ReplicationSource
 
-__all__ = ["JoinReport", "cmd_join", "cmd_part", "join_node", "part_node"]
+__all__ = ["JoinReport", "cmd_join", "join_node"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,7 @@ async def join_node(
     `fail_copy` (tests only) makes the copy fail after the schema is in place, as a killed job would.
     """
     started = time.monotonic()
+    config = without_parted(config, await read_parted(config) - {name})  # (router.cluster.part)
     new = config.node(name)
     others = [n for n in config.nodes if n.name != name]
     source_node = config.node(donor) if donor else others[0]
@@ -245,6 +246,7 @@ async def join_node(
         else:
             await uninstall(config, name)  # pgmesh objects of an earlier membership, if any
         await _mark(target, source_node.name)
+        await unmark_parted(config, name)
         report = await _join_attempts(
             config, new, source_node, others, conns, progress, fail_copy, (lock_wait_s, slot_wait_s)
         )
@@ -496,64 +498,3 @@ async def cmd_join(config: Config, node: str, *, donor: str | None = None, force
 
 # ---------------------------------------------------------------------------------------------------------
 # Part
-
-
-async def part_node(config: Config, name: str, *, clean: bool = False) -> list[str]:
-    """The cluster forgets `name`: its origin and link row on every other node, its slot (no WAL held)."""
-    config.node(name)
-    conns: dict[str, Conn] = {}
-    lines: list[str] = []
-    unreachable: list[str] = []
-    for node in config.nodes:
-        try:
-            conns[node.name] = await _connect(node, "pgmesh part")
-        except PgmeshError as exc:
-            if node.name != name:
-                unreachable.append(f"{node.name} ({exc.message})")
-    try:
-        if unreachable:
-            raise PgmeshError(
-                f"every other node must be reachable to part a node; cannot reach {', '.join(unreachable)}",
-                hint="start them, then run part again (nothing was changed)",
-            )
-        busy = await _router_streaming(conns, config)
-        if busy:
-            raise PgmeshError(
-                f"the router is streaming from {', '.join(busy)}",
-                hint="stop `pgmesh run` first, part the node, remove it from the config, start `pgmesh run`",
-            )
-        for other, conn in conns.items():
-            if other == name:
-                continue
-            for origin in (config.origin_name(name), config.early_origin_name(name)):
-                found = await _one(conn, "SELECT roident FROM pg_replication_origin WHERE roname = %s",
-                                   [origin])
-                if found is not None:
-                    await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
-                    lines.append(f"node {other}: dropped replication origin {origin}")
-            if await _one(conn, "SELECT to_regclass('pgmesh.links')") is not None:
-                await conn.execute("DELETE FROM pgmesh.links WHERE source = %s", [name])
-        if name in conns:
-            if clean:
-                lines += await uninstall(config, name)
-            else:
-                conn = conns[name]
-                if await _one(conn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-                              [config.slot_name]) is not None:
-                    await conn.execute("SELECT pg_drop_replication_slot(%s)", [config.slot_name])
-                    lines.append(f"node {name}: dropped slot {config.slot_name} (it holds no WAL any more)")
-        else:
-            lines.append(f"node {name} is not reachable: its slot stays until you drop it there")
-    finally:
-        for conn in conns.values():
-            await conn.close()
-    return lines
-
-
-async def cmd_part(config: Config, node: str, *, clean: bool = False) -> int:
-    for line in await part_node(config, node, clean=clean):
-        print(line)
-    print(f"remove node {node} from the config, then start `pgmesh run`; its database stays usable on its own"
-          + ("" if clean else f" (`pgmesh part {node} --clean` removes pgmesh's objects from it)"))
-    return 0
-

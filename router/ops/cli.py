@@ -128,7 +128,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _cmd_part(args: argparse.Namespace) -> int:
-    from router.cluster.membership import cmd_part
+    from router.cluster.part import cmd_part
 
     return _run(cmd_part(_config(args), args.node, clean=args.clean))
 

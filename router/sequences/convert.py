@@ -369,3 +369,23 @@ async def convert_sequences(config: Config, mode: str | None = None, tables: Seq
             logger.info("%s", line)
         return lines
     raise AssertionError("unreachable")
+
+
+async def to_local(conn: Conn, config: Config) -> list[str]:
+    """A node leaving pgmesh (`pgmesh part --clean`): each snowflake column's default becomes its own
+    sequence again, restarted above the column's highest id (the snowflake function goes with pgmesh's
+    schema). One line per column."""
+    lines: list[str] = []
+    for column in (await read_columns(conn, config)).values():
+        if column.kind != "snowflake":
+            continue
+        table, ident = sql.Identifier(column.schema, column.table), sql.Identifier(column.column)
+        default = sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT pg_catalog.nextval({})")
+        await conn.execute(default.format(table, ident, _regclass(column)))
+        cur = await conn.execute(sql.SQL("SELECT pg_catalog.setval({}, max({})) FROM {} HAVING max({}) > 0")
+                                 .format(_regclass(column), ident, table, ident))
+        above = await cur.fetchone()
+        lines.append(f"{column.relation}.{column.column}: snowflake -> its own sequence {column.sequence}"
+                     + (f" (from {int(above[0]) + 1})" if above is not None else ""))
+    return lines
+

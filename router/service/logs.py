@@ -224,9 +224,11 @@ class RouterLogs:
         return [group.create_task(log.run(), name=f"router log {node}") for node, log in self.logs.items()]
 
     async def close(self) -> None:
-        """Make what was appended durable, and close."""
+        """Make what was appended durable, and close (and forget: the next build opens its sources' logs
+        again, and a node left out meanwhile, parted, has none)."""
         await asyncio.gather(*self._saving.values(), return_exceptions=True)
         for log in self.logs.values():
             with contextlib.suppress(OSError):
                 await log.sync()
             log.close()
+        self.logs.clear()

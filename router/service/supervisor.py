@@ -25,6 +25,7 @@ from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.state import LinkState
 from router.cluster.clocks import ClockWatch
+from router.cluster.part import members_only
 from router.config import Config
 from router.conflicts.pruning import TombstonePruner
 from router.conflicts.recorder import RECORDED_SQL, TombstoneRecorder
@@ -289,6 +290,7 @@ class Router:
         self.spool.remove_stale()
         try:
             while True:
+                self.config = await members_only(self.config, self.targets)  # (router.cluster.part)
                 flushed, paused, down = await self._load_state()
                 self._lost = []
                 self._build(flushed, paused, down)

@@ -9,7 +9,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.membership import join_node, part_node
+from router.cluster.membership import join_node
+from router.cluster.part import part_node
 from router.errors import PgmeshError
 from router.testing.mesh import (
     execute,
