@@ -62,6 +62,9 @@ class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     dsn: str
+    # receives from every other node and sends to none: the one-way links of router.cluster.receive (its
+    # local writes to replicated tables are refused: nothing would carry them anywhere)
+    receive_only: bool = False
 
 
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -373,6 +376,8 @@ def _validate(config: Config) -> None:
         raise bad("use lower-case letters, digits and _ (start with a letter, at most 30)", "cluster.name")
     if len(config.nodes) < 2:
         raise bad("a cluster needs at least two [[nodes]]", "nodes")
+    if all(node.receive_only for node in config.nodes):
+        raise bad("every node is receive_only: at least one must send", "nodes")
     seen: set[str] = set()
     for i, node in enumerate(config.nodes):
         if not NAME_RE.match(node.name):

@@ -28,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.checks import InitReport, TableName, check_cluster, connect
+from router.cluster.receive import ensure_receive_only
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
 from router.ddl.capture import install_ddl_capture
@@ -256,6 +257,7 @@ async def _stage_node(
     done += await _ensure_identities(conn, config, tables, created)  # before the tombstone triggers' key
     done += await install_conflict_catalog(conn, tables)
     done += await install_ddl_capture(conn, config, tables)
+    done += await ensure_receive_only(conn, config, node, tables)  # (router.cluster.receive)
     if created.identities:  # listed as pgmesh's doing: a primary key added later makes them DEFAULT again
         listed = "INSERT INTO {}.auto_identity SELECT unnest(%s::oid[]) ON CONFLICT DO NOTHING"
         await conn.execute(sql.SQL(listed).format(sql.Identifier(PGMESH_SCHEMA)), [created.identities])

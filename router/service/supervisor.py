@@ -219,7 +219,7 @@ class Router:
                                  self._sysids.get(source_node.name))
             stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
             for target_node in members:
-                if target_node is source_node:
+                if target_node is source_node or source_node.receive_only:  # (router.cluster.receive)
                     continue
                 key = (source_node.name, target_node.name)
                 link = LinkProgress(source_node.name, target_node.name,

@@ -83,8 +83,7 @@ class CopyTask(msgspec.Struct, frozen=True):
     binary: bool = True  # COPY format: binary, or text for a table with a type binary COPY cannot take
     # `pgmesh push` (router.cluster.sync.push): the donor's rows are this query's instead of the range's
     query: str | None = None
-    # `pgmesh push`: the target's key columns; the rows are upserted by them as the target's own writes
-    # (replicated from there like any other), not appended under `session_replication_role = replica`
+    # `pgmesh push`: the target's key columns; the rows are upserted by them, not appended
     keys: tuple[str, ...] = ()
 
     @property

@@ -8,6 +8,8 @@ or updated where the row there differs (an identical row is left alone). The tar
 sessions would (constraints checked, triggers fired, not `session_replication_role = replica`), so the
 router replicates them from there like any other write and every node converges on them. Rows only on the
 target are left alone: to make a table the same everywhere as it is on one node, `pgmesh repair --from`.
+Into a node that only receives (router.cluster.receive), whose own writes reach no one and are refused,
+the rows are written as the appliers write (`session_replication_role = replica`).
 
 A query names its columns as the table's (`SELECT id, upper(v) AS v FROM t WHERE ...`); a column of the
 table it does not return takes its default where a row is inserted and is left as it is where one is
@@ -121,7 +123,8 @@ def push(config: Config, table: str, source: str, target: str, query: str | None
         else:
             tasks = [CopyTask(0, schema, name, names, BlockRange(0, None), 0, binary=False, query=query,
                               keys=keys)]
-        job = CopyJob(donor.dsn, into.dsn, snapshot, f"pgmesh push {label}"[:63], 1)
+        job = CopyJob(donor.dsn, into.dsn, snapshot, f"pgmesh push {label}"[:63], 1,
+                      own_writes=not into.receive_only)  # (a receive-only node replicates nothing anyway)
         with spark_session(config.sync.spark_master, config.sync.spark_conf,
                            worker_modules=(run_partition.__module__,)) as spark:
             outcomes = run_job(spark.sparkContext, job, tasks, 1, None, started, 4)

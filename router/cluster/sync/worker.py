@@ -80,6 +80,9 @@ class CopyJob(msgspec.Struct, frozen=True):
     tables: int  # how many tables the copy has (the length of the per-table counters)
     lock_timeout_ms: int = 0  # > 0: the donor session's lock_timeout (a task never waits unbounded)
     fail_once_marker: str | None = None  # test-only: see `_claim_failure`
+    # `pgmesh push`: the target writes as its own sessions do (constraints, triggers; replicated from
+    # there), not under `session_replication_role = replica` (a receive-only target: replica)
+    own_writes: bool = False
 
     def __repr__(self) -> str:
         return f"CopyJob(snapshot={self.snapshot!r}, application_name={self.application_name!r})"
@@ -260,7 +263,7 @@ def run_task(job: CopyJob, task: CopyTask) -> TaskOutcome:
         try:
             task = between(task, donor.info.server_version, target.info.server_version)
             _open_snapshot(donor, job, task)
-            _prepare_target(target, task)
+            _prepare_target(target, job, task)
             rows, nbytes = _copy_range(donor, target, job, task)
         finally:
             target.close()
@@ -307,9 +310,9 @@ def _open_snapshot(donor: psycopg.Connection[Any], job: CopyJob, task: CopyTask)
         raise _fail("donor", task, exc, hint) from None
 
 
-def _prepare_target(target: psycopg.Connection[Any], task: CopyTask) -> None:
+def _prepare_target(target: psycopg.Connection[Any], job: CopyJob, task: CopyTask) -> None:
     try:
-        if not task.keys:  # (a push writes as the target's own sessions do: its rows replicate from there)
+        if not job.own_writes:
             target.execute("SET session_replication_role = replica")
         target.execute("SET synchronous_commit = off")
         if not task.binary:

@@ -306,6 +306,12 @@ BEGIN
                    WHERE i.indrelid = rel AND i.indisreplident)
                 THEN 'REPLICA' ELSE 'ALWAYS' END;
   EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone', nsp, tab, fires);
+  -- a node that only receives refuses local writes to it (router/cluster/receive.py)
+  IF EXISTS (SELECT 1 FROM {schema}.node_info AS i WHERE i.key = 'receive_only') THEN
+    EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_receive_only ON %I.%I', nsp, tab);
+    EXECUTE format('CREATE TRIGGER pgmesh_receive_only BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON %I.%I'
+                   ' FOR EACH STATEMENT EXECUTE FUNCTION {schema}.refuse_local_write()', nsp, tab);
+  END IF;
   IF kind = 'p' THEN
     PERFORM {schema}.truncate_triggers(rel);
   END IF;
