@@ -42,7 +42,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -55,6 +55,7 @@ from protocol.lsn import format_lsn
 from router.applied import position_sql
 from router.cluster.checks import check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
+from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import (
@@ -107,12 +108,6 @@ async def _connect(node: NodeConfig, purpose: str = "pgmesh join") -> Conn:
         )
     except psycopg.Error as exc:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-
-
-async def _one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | None = None) -> Any:
-    cur = await conn.execute(query, params)  # type: ignore[arg-type]
-    row = await cur.fetchone()
-    return None if row is None else row[0]
 
 
 async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]:

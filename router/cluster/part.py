@@ -42,7 +42,8 @@ from router.progress import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
 __all__ = [
-    "DRAIN_ROUNDS", "cmd_part", "members_only", "part_node", "read_parted", "unmark_parted", "without_parted",
+    "DRAIN_ROUNDS", "cmd_part", "members_only", "one", "part_node", "read_parted", "unmark_parted",
+    "without_parted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ async def _connect(node: NodeConfig, wait_s: int = 10) -> Conn:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
 
-async def _one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | None = None) -> Any:
+async def one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | None = None) -> Any:
+    """The first column of the first row `query` returns on `conn` (None: no row)."""
     cur = await conn.execute(query, params)  # type: ignore[arg-type]
     row = await cur.fetchone()
     return None if row is None else row[0]
@@ -125,7 +127,7 @@ async def unmark_parted(config: Config, name: str) -> None:
     for node in config.nodes:
         try:
             async with await _connect(node) as conn:
-                if await _one(conn, "SELECT pg_catalog.to_regclass('pgmesh.parted')") is not None:
+                if await one(conn, "SELECT pg_catalog.to_regclass('pgmesh.parted')") is not None:
                     await conn.execute("DELETE FROM pgmesh.parted WHERE node = %s", [name])
         except (PgmeshError, psycopg.Error):
             continue
@@ -163,14 +165,14 @@ async def _undrained(config: Config, name: str, conns: dict[str, Conn]) -> list[
     for other, conn in conns.items():
         if other == name:
             continue
-        if await _one(conn, "SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %s",
+        if await one(conn, "SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %s",
                       [config.origin_name(name)]) is None:
             continue  # forgotten here already (an earlier part)
-        lsn = await _one(conn, position, [config.origin_name(name), name])
+        lsn = await one(conn, position, [config.origin_name(name), name])
         applied = int(lsn or 0) if applied is None else min(applied, int(lsn or 0))
     conn = conns[name]
     try:
-        if applied is None or await _one(conn, "SELECT 1 FROM pg_catalog.pg_replication_slots"
+        if applied is None or await one(conn, "SELECT 1 FROM pg_catalog.pg_replication_slots"
                                           " WHERE slot_name = %s", [config.slot_name]) is None:
             return []  # no slot, or no one keeps its position: parted before (or never streamed)
         cur = await conn.execute(_PEEK_SQL, [config.slot_name, config.publication_name])
@@ -186,7 +188,7 @@ async def _undrained(config: Config, name: str, conns: dict[str, Conn]) -> list[
 async def _drain(config: Config, name: str, conns: dict[str, Conn], limit: float) -> bool:
     """With the router running: barrier on NODE, hold, check; True when held and drained."""
     for round_ in range(1, DRAIN_ROUNDS + 1):
-        position = int(await _one(conns[name], BARRIER_POSITION_SQL))
+        position = int(await one(conns[name], BARRIER_POSITION_SQL))
         await barrier(config, limit, wanted={name: position})
         answer = await ask_router(config, "POST", "/hold", limit=150.0)
         if answer is None or answer[0] != 200:
@@ -254,13 +256,13 @@ async def _forget(config: Config, name: str, conns: dict[str, Conn], clean: bool
     for other, conn in conns.items():
         if other == name:
             continue
-        if await _one(conn, "SELECT pg_catalog.to_regnamespace('pgmesh')") is not None:
+        if await one(conn, "SELECT pg_catalog.to_regnamespace('pgmesh')") is not None:
             await conn.execute(PARTED_DDL)
             await conn.execute("INSERT INTO pgmesh.parted (node) VALUES (%s) ON CONFLICT (node) DO NOTHING",
                                [name])
             await conn.execute("DELETE FROM pgmesh.links WHERE source = %s", [name])
         for origin in (config.origin_name(name), config.early_origin_name(name)):
-            if await _one(conn, "SELECT roident FROM pg_replication_origin WHERE roname = %s",
+            if await one(conn, "SELECT roident FROM pg_replication_origin WHERE roname = %s",
                           [origin]) is not None:
                 await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
                 lines.append(f"node {other}: dropped replication origin {origin}")
@@ -270,7 +272,7 @@ async def _forget(config: Config, name: str, conns: dict[str, Conn], clean: bool
     if clean:
         return lines + await uninstall(config, name)
     conn = conns[name]
-    if await _one(conn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", [config.slot_name]):
+    if await one(conn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", [config.slot_name]):
         await conn.execute("SELECT pg_drop_replication_slot(%s)", [config.slot_name])
         lines.append(f"node {name}: dropped slot {config.slot_name} (it holds no WAL any more)")
     return lines
