@@ -93,14 +93,16 @@ async def offline_status(config: Config) -> StatusReport:
         except psycopg.Error as exc:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, 0, describe(exc)))
     divergence = config.divergent_resolvers()
-    return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks)
+    return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks,
+                        receive_only=[n.name for n in config.nodes if n.receive_only])
 
 
 async def _offline_links(
     conn: psycopg.AsyncConnection[Any], config: Config, target: str
 ) -> list[LinkStatus]:
     out = []
-    for source in config.node_names:
+    senders = [n.name for n in config.nodes if not n.receive_only]  # (router.cluster.receive)
+    for source in senders:
         if source == target:
             continue
         cur = await conn.execute(
@@ -140,6 +142,9 @@ async def fetch_status(config: Config) -> StatusReport:
 
 def render_status(report: StatusReport) -> str:
     lines = [f"cluster {report.cluster}: router {'running' if report.running else 'NOT running'}"]
+    if report.receive_only:  # (docs/topology.md)
+        lines.append(f"topology: {', '.join(report.receive_only)} only receive(s); every other node sends"
+                     " to every node")
     lines.append(
         f"{'link':<14} {'state':<12} {'applied':>12} {'committed at source':<23} {'lag bytes':>10}"
         f" {'lag s':>7} {'queued':>7}  last error"

@@ -114,6 +114,7 @@ class Reporter:
             [d.describe() for d in router.drift.drifted.values()], router.clocks.report(),
             [RecorderStatus(node, format_lsn(r.progress.flushed), r.recorded, r.late, r.error)
              for node, r in router.recorders.items()],
+            [n.name for n in router.config.nodes if n.receive_only],
         )
 
     def _link_status(self, router: Router, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:

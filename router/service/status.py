@@ -85,3 +85,5 @@ class StatusReport(msgspec.Struct, frozen=True):
     schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
     clocks: list[NodeClock] = msgspec.field(default_factory=list)  # router.cluster.clocks: offsets
     recorders: list[RecorderStatus] = msgspec.field(default_factory=list)  # router.conflicts.recorder
+    # the topology: nodes that receive only (router.cluster.receive); the others send to every node
+    receive_only: list[str] = msgspec.field(default_factory=list)

@@ -14,6 +14,7 @@ import pytest
 from router.cluster.install import init_cluster
 from router.cluster.sync.push import push
 from router.config import Config
+from router.ops.control import offline_status, render_status
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -34,6 +35,8 @@ async def test_a_receive_only_node_gets_everything_and_sends_nothing(mesh: MeshF
     assert any(line.startswith("node c: receives only") for line in lines), lines
     async with running_router(config) as router:
         assert set(router.appliers) == {("a", "b"), ("b", "a"), ("a", "c"), ("b", "c")}
+        assert router.status().receive_only == ["c"]
+        assert "topology: c only receive(s)" in render_status(router.status())
         await execute(a.dsn(), "INSERT INTO items VALUES (1, 'from a')")
         await execute(b.dsn(), "INSERT INTO items VALUES (2, 'from b')")
         await wait_converged(m.nodes, ["items"], 60)
@@ -61,6 +64,8 @@ async def test_a_receive_only_node_gets_everything_and_sends_nothing(mesh: MeshF
         done = await asyncio.to_thread(push, config, "pushed", "a", "c")
         assert done.rows == 1 and await fetch(c.dsn(), "SELECT v FROM pushed") == [("only on a",)]
         assert await fetch(b.dsn(), "SELECT count(*) FROM pushed") == [(0,)]
+    offline = await offline_status(config)  # the router stopped: the same links, no c -> x
+    assert {(x.source, x.target) for x in offline.links} == {("a", "b"), ("b", "a"), ("a", "c"), ("b", "c")}
     # without the flag, init takes the guard away: c sends again
     _, lines = await init_cluster(m.config)
     assert any("node c: sends again" in line for line in lines), lines
