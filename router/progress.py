@@ -18,13 +18,16 @@ from typing import Final
 
 __all__ = ["BARRIER_POSITION_SQL", "LinkProgress", "SourceProgress"]
 
-# A node's position for a barrier: a non-transactional logical message's (its prefix is for nobody), not
-# `pg_current_wal_lsn()`. Every commit before it is before it in the node's stream, and the router counts
-# the message as seen (router.stream.fanout) as soon as the stream brings it, so a link whose source is
-# idle reaches it at once; the WAL end is known only when the server next says where its WAL ends.
+# A node's position for a barrier: a logical message's (its prefix is for nobody), not
+# `pg_current_wal_lsn()`. Every commit before it is before it in the node's stream, and the router passes
+# its transaction as seen (router.stream.fanout: nothing for a target) as soon as the stream brings it, so
+# a link whose source is idle reaches it at once, where the WAL end is known only when the server next
+# says where its WAL ends. Transactional: its commit flushes the WAL (a non-transactional one waits, on
+# 15 and 16, for some other commit to flush it before the walsender may send it). Run it in a session of
+# its own, autocommit: it commits at once.
 BARRIER_PREFIX: Final = "pgmesh.barrier"
 BARRIER_POSITION_SQL: Final = (
-    f"SELECT (pg_catalog.pg_logical_emit_message(false, '{BARRIER_PREFIX}', '') - '0/0')::bigint"
+    f"SELECT (pg_catalog.pg_logical_emit_message(true, '{BARRIER_PREFIX}', '') - '0/0')::bigint"
 )
 
 

@@ -45,7 +45,10 @@ from router.service.admin import ask_router
 __all__ = ["CompareReport", "Divergence", "cmd_compare", "compare_cluster"]
 
 ROUNDS: Final = 3
-ROWS_PER_RANGE: Final = 50_000  # a table this small in rows gets one range
+# Ranges of about this many rows (a table this small gets one): each is first read whole, without
+# grouping (worker.range_sql), and only a range that differs is cut into buckets; at most MAX_RANGES
+ROWS_PER_RANGE: Final = 10_000
+MAX_RANGES: Final = 4096
 
 _TABLES_SQL: Final = "SELECT schemaname, tablename FROM pg_catalog.pg_publication_tables WHERE pubname = %s"
 _KEY_SQL: Final = (
@@ -139,9 +142,11 @@ class _Holders:
                 conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
                 conn.read_only = True
                 row = conn.execute("SELECT pg_catalog.pg_export_snapshot()").fetchone()
-                position = conn.execute(BARRIER_POSITION_SQL).fetchone()  # after it: past what it sees
-                assert row is not None and position is not None
+                assert row is not None
                 self.snapshots.append(str(row[0]))
+                with psycopg.connect(node.dsn, autocommit=True, connect_timeout=10) as mark:
+                    position = mark.execute(BARRIER_POSITION_SQL).fetchone()  # after it: past all it sees
+                assert position is not None
                 self.positions[node.name] = int(position[0])
         except BaseException:
             self.close()
@@ -176,13 +181,13 @@ def _tables(
 
 
 def _ranges(
-    conn: psycopg.Connection[Any], index: int, table: CompareTable, parallelism: int
+    conn: psycopg.Connection[Any], index: int, table: CompareTable
 ) -> list[RangeTask]:
     rel = sql.Identifier(table.schema, table.name)
     row = conn.execute(
         "SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %s::regclass", [rel.as_string(conn)]
     ).fetchone()
-    parts = max(1, min(parallelism * 4, int((row[0] if row else 0) or 0) // ROWS_PER_RANGE))
+    parts = max(1, min(MAX_RANGES, int((row[0] if row else 0) or 0) // ROWS_PER_RANGE))
     cuts: list[tuple[str | None, str | None]] = [(None, None)]
     if table.first_type in INTEGER_TYPES:
         first = sql.Identifier(table.keys[0])
@@ -214,7 +219,7 @@ def first_pass(
         master = config.sync.spark_master
         parallelism = local_parallelism(master) or 2
         tasks = [
-            t for i, table in enumerate(tables) for t in _ranges(holders.conns[0], i, table, parallelism)
+            t for i, table in enumerate(tables) for t in _ranges(holders.conns[0], i, table)
         ]
         job = CompareJob(
             tuple(n.name for n in nodes), tuple(n.dsn for n in nodes), tuple(holders.snapshots), tuple(tables)

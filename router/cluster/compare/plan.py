@@ -51,6 +51,20 @@ class RangeTask(msgspec.Struct, frozen=True):
         return max(1, -(-(self.span[1] - self.span[0]) // buckets))
 
 
+def sub_task(task: RangeTask, bucket: int, buckets: int) -> RangeTask | None:
+    """Bucket `bucket` of an integer span as a range of its own, to be cut into `buckets` again (the next
+    step of the descent); None where there is nothing to cut: a hash bucket, a bucket beyond the span's
+    ends (-1, `buckets`), or one key."""
+    if task.span is None or not 0 <= bucket < buckets:
+        return None
+    start, end = task.span
+    step = task.step(buckets)
+    low, high = start + bucket * step, min(start + (bucket + 1) * step, end)
+    if high - low <= 1:
+        return None
+    return RangeTask(task.table, str(low), str(high), (low, high))
+
+
 def integer_ranges(table: int, low: int, high: int, parts: int) -> list[RangeTask]:
     """[low, high] cut into `parts` ranges of equal width, the first and the last open-ended, each with
     its span of values (the open ends' from `low` and `high`)."""

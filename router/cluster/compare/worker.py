@@ -2,10 +2,12 @@
 whose rows differ.
 
 Owns: the task's sessions (one per node, REPEATABLE READ READ ONLY, importing that node's exported
-snapshot, with settings that make every node print a row alike), the SQL that hashes a range on the
-server (`bucket_sql`: per bucket of the key's hash, a count and the XOR of the rows' hashes, so a range
-costs one read and sends 64 rows back) and descends into the buckets that differ (`rows_sql`: each row's
-key and hash), and the comparison of what the nodes sent (`differences`).
+snapshot, with settings that make every node print a row alike), and the reads, each run on every node
+at once: a range's count and XOR of its rows' hashes (`range_sql`, no grouping: per row as cheap as a hash
+pass over the table); in a range that differs, per bucket (`bucket_sql`: 64 of them, consecutive keys of an
+integer key, else by the key's hash) its count and XOR; a differing bucket of an integer key is cut into
+64 again, read through the key index, until it holds at most LEAF_ROWS rows (a Merkle-style descent);
+then `rows_sql` reads each row's key and hash, and the nodes' answers are compared (`differences`).
 
 Must not: write anything, import pyspark at module level, or put a DSN in a message.
 """
@@ -20,7 +22,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.compare.plan import CompareTable, RangeTask
+from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
 from router.errors import PgmeshError, describe
 
 __all__ = [
@@ -29,13 +31,19 @@ __all__ = [
 ]
 
 BUCKETS: Final = 64  # buckets of a range, by its keys' hash: the first read's granularity
+LEAF_ROWS: Final = 512  # a differing bucket with at most this many rows is read row by row, not cut again
 # Every node prints a value alike: timestamps in UTC and ISO, intervals and floats as PostgreSQL's defaults.
 SESSION_SQL: Final = (
     "SELECT pg_catalog.set_config('timezone', 'UTC', false),"
     " pg_catalog.set_config('datestyle', 'ISO', false),"
     " pg_catalog.set_config('intervalstyle', 'postgres', false),"
     " pg_catalog.set_config('extra_float_digits', '1', false),"
-    " pg_catalog.set_config('bytea_output', 'hex', false)"
+    " pg_catalog.set_config('bytea_output', 'hex', false),"
+    # a range's query is short and there are many: compiling each (JIT) cost more than running it
+    " pg_catalog.set_config('jit', 'off', false),"
+    # the planner cannot count a bucket expression's groups (it takes the key's: millions) and sorts the
+    # range to disk to group it; the 66 groups fit a hash table
+    " pg_catalog.set_config('enable_sort', 'off', false)"
 )
 
 
@@ -101,6 +109,15 @@ def _bucket(table: CompareTable, task: RangeTask) -> sql.Composable:
         "CASE WHEN {k} < {start} THEN -1 WHEN {k} >= {end} THEN {n} ELSE ({k} - {start}) / {step} END"
     ).format(k=first, start=sql.Literal(start), end=sql.Literal(end), n=sql.Literal(BUCKETS),
              step=sql.Literal(task.step(BUCKETS)))
+
+
+def range_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
+    """The whole range's count and XOR of its rows' hashes: the first look (no grouping: as cheap per row
+    as a hash pass over the table)."""
+    where, params = _where(table, task)
+    query = sql.SQL("SELECT count(*), bit_xor({row}) FROM {table} AS t WHERE {where}").format(
+        row=_row_hash(), table=sql.Identifier(table.schema, table.name), where=where)
+    return query, params
 
 
 def bucket_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
@@ -210,17 +227,36 @@ def _on_every_node(
 def compare_range(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
+    """The range's count and hash on every node (`range_sql`); where they differ, `descend`."""
+    table = job.tables[task.table]
+    whole = {tuple(rows[0]) for rows in _on_every_node(pool, conns, job, table, *range_sql(table, task))}
+    return descend(pool, conns, job, task) if len(whole) > 1 else []
+
+
+def descend(
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
+) -> list[Difference]:
+    """The range's buckets on every node; a differing bucket of an integer span with more than LEAF_ROWS
+    rows is cut into buckets again (`sub_task`: read by the key index), the others are read row by row."""
     table = job.tables[task.table]
     sums = [
         {int(b): (int(n), int(x)) for b, n, x in rows}
         for rows in _on_every_node(pool, conns, job, table, *bucket_sql(table, task))
     ]
     buckets = sorted({b for s in sums for b in s if any(o.get(b) != s.get(b) for o in sums)})
-    if not buckets:
-        return []
-    rows_per_node = _on_every_node(pool, conns, job, table, *rows_sql(table, task, buckets))
-    per_node = [{k: (j, int(h)) for k, j, h in rows} for rows in rows_per_node]
-    return differences(task.table, per_node)
+    found: list[Difference] = []
+    leaves: list[int] = []
+    for bucket in buckets:
+        inner = sub_task(task, bucket, BUCKETS)
+        if inner is None or max(s.get(bucket, (0, 0))[0] for s in sums) <= LEAF_ROWS:
+            leaves.append(bucket)
+        else:
+            found += descend(pool, conns, job, inner)
+    if leaves:
+        rows_per_node = _on_every_node(pool, conns, job, table, *rows_sql(table, task, leaves))
+        per_node = [{k: (j, int(h)) for k, j, h in rows} for rows in rows_per_node]
+        found += differences(task.table, per_node)
+    return found
 
 
 def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Difference]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from router.cluster.compare.job import task_error
-from router.cluster.compare.plan import CompareTable, RangeTask, bound_ranges, integer_ranges, partitions
+from router.cluster.compare.plan import (
+    CompareTable,
+    RangeTask,
+    bound_ranges,
+    integer_ranges,
+    partitions,
+    sub_task,
+)
 from router.cluster.compare.worker import BUCKETS, CompareJob, differences, run_partition
 from router.errors import PgmeshError
 from router.testing.mesh import free_port
@@ -62,3 +69,15 @@ def test_the_driver_reports_the_task_error_line_with_its_node() -> None:
         "node b, table public.t, SQLSTATE 42501: reading a key range failed: no"
     )
     assert task_error(RuntimeError("x\nValueError: bad")) == "ValueError: bad"
+
+
+def test_a_bucket_of_an_integer_span_is_cut_again_until_one_key() -> None:
+    task = integer_ranges(0, 1, 1_000_000, 1)[0]
+    inner = sub_task(task, 3, BUCKETS)
+    assert inner is not None and inner.span is not None
+    step = task.step(BUCKETS)
+    assert inner.span == (1 + 3 * step, 1 + 4 * step)
+    assert (inner.lo, inner.hi) == (str(1 + 3 * step), str(1 + 4 * step))
+    assert sub_task(task, -1, BUCKETS) is None and sub_task(task, BUCKETS, BUCKETS) is None  # beyond the ends
+    assert sub_task(RangeTask(0, None, None), 3, BUCKETS) is None  # hash buckets
+    assert sub_task(RangeTask(0, "5", "69", (5, 69)), 1, BUCKETS) is None  # one key per bucket
