@@ -103,6 +103,8 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:8787"
+    # the token POST requests need (router.service.admintoken): "" = admin.token in the state directory
+    token_file: str = ""
 
 
 class SequencesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -5,10 +5,13 @@ Owns: the admin socket, request parsing under a size limit and a timeout, the ro
 `?source=NODE`: the links into / from a node), and `POST /hold` / `POST /release` for a join while the
 router runs) and how callback results and errors become responses; `admin_request`, the matching client,
 and `ask_router` (None when no router listens where the config says).
+Every POST (what changes state) is refused when it carries an Origin header (a web page's, 403) or lacks
+the router's token as `Authorization: Bearer` (401; router.service.admintoken); GETs stay open.
+
 Must not: know how the router pauses a link or what status holds (it calls the callbacks it was given),
 keep a connection open after a response (every response says `Connection: close`), let one bad
-client stop the listener, or add authentication: it listens where it is told, loopback by default,
-and warns when that is not loopback.
+client stop the listener, or log a token: it listens where it is told, loopback by default, and warns
+when that is not loopback.
 
 Callbacks report a problem by raising: `LookupError` (an unknown node) becomes 404, `ValueError` or a
 `PgmeshError` becomes 400, anything else 500; each with a JSON body `{"error": "..."}`.
@@ -17,6 +20,7 @@ Callbacks report a problem by raising: `LookupError` (an unknown node) becomes 4
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import logging
 import re
@@ -28,6 +32,7 @@ import msgspec
 
 from router.config import Config
 from router.errors import PgmeshError
+from router.service.admintoken import client_token
 from router.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.service.metrics import Metrics
 
@@ -252,6 +257,7 @@ class AdminServer:
         "_routes",
         "_server",
         "_status",
+        "_token",
     )
 
     def __init__(
@@ -268,7 +274,10 @@ class AdminServer:
         release: Callable[[str | None], Awaitable[object]] | None = None,
         read_timeout: float = READ_TIMEOUT,
         max_clients: int = MAX_CLIENTS,
+        token: str | None = None,
     ) -> None:
+        """`token`: what every POST must carry as `Authorization: Bearer` (None: no check, tests only)."""
+        self._token = token
         self._host = _bare_host(host)
         self._port = port
         self._metrics = metrics
@@ -320,8 +329,8 @@ class AdminServer:
         logger.info("admin listener on %s:%d", self._host, self.port)
         if not _is_loopback(self._host):
             logger.warning(
-                "admin listener on %s is not a loopback address and has no authentication: "
-                "anyone who can reach it can pause replication",
+                "admin listener on %s is not a loopback address: anyone who can reach it reads status and "
+                "metrics (pausing needs the admin token)",
                 self._host,
             )
 
@@ -392,6 +401,11 @@ class AdminServer:
         method, handler = route
         if request.method != method:
             return _error(405, f"{request.path} takes {method}, not {request.method}", allow=method)
+        if method == "POST":
+            refused = self._refused(request)
+            if refused is not None:
+                logger.warning("admin listener: POST %s refused: %s", request.path, refused[1])
+                return _error(*refused)
         try:
             return await handler(request)
         except _Reject as exc:
@@ -403,6 +417,21 @@ class AdminServer:
         except Exception as exc:
             logger.exception("admin listener: %s %s failed", request.method, request.path)
             return _error(500, f"{type(exc).__name__}: {exc}")
+
+    def _refused(self, request: _Request) -> tuple[int, str] | None:
+        """Why a request that changes state is refused: sent by a web page (it has an Origin: a browser's
+        cross-site POST), or without the token (router.service.admintoken). None: it may go on."""
+        if "origin" in request.headers:
+            return 403, "requests from web pages (with an Origin header) are refused"
+        if self._token is None:
+            return None
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        matches = hmac.compare_digest(value.strip().encode(), self._token.encode())
+        if scheme.lower() != "bearer" or not matches:
+            return 401, ("this request changes state and needs the admin token (Authorization: Bearer ...;"
+                         " see router/service/admintoken.py: $PGMESH_ADMIN_TOKEN or the token file)")
+        return None
 
     async def _get_metrics(self, request: _Request) -> _Response:
         return _Response(200, self._metrics.render().encode("utf-8"), METRICS_CONTENT_TYPE)
@@ -471,6 +500,7 @@ async def admin_request(
     path: str,
     *,
     timeout: float = 5.0,  # noqa: ASYNC109 - the CLI's one knob, applied with asyncio.timeout below
+    token: str | None = None,
 ) -> tuple[int, bytes]:
     """Send one request to a running router's admin listener: (HTTP status, body).
 
@@ -483,7 +513,9 @@ async def admin_request(
         raise ValueError(f"bad admin request path {path!r}")
     bare = _bare_host(host)
     where = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
-    request = f"{method} {path} HTTP/1.1\r\nHost: {where}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    request = (f"{method} {path} HTTP/1.1\r\nHost: {where}\r\n{auth}Connection: close\r\n"
+               "Content-Length: 0\r\n\r\n")
     try:
         async with asyncio.timeout(timeout):
             raw = await _exchange(bare, port, request.encode("ascii"))
@@ -499,8 +531,9 @@ async def admin_request(
 async def ask_router(config: Config, method: str, path: str, limit: float = 5.0) -> tuple[int, bytes] | None:
     """One request to the running router's admin listener (`[admin] listen`); None when no router listens."""
     host, port = config.admin_host_port
+    token = client_token(config) if method == "POST" else None
     try:
-        return await admin_request(host, port, method, path, timeout=limit)
+        return await admin_request(host, port, method, path, timeout=limit, token=token)
     except OSError:
         return None
 

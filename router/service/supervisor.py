@@ -33,6 +33,7 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
+from router.service.admintoken import router_token
 from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
@@ -301,6 +302,7 @@ class Router:
                     self.admin = AdminServer(
                         host, port, metrics=self.metrics, status=self.status, pause=self.pause,
                         resume=self.resume, health=self.health, hold=self.hold, release=self.release,
+                        token=router_token(self.config),
                     )
                     await self.admin.start()
                 logger.info("cluster %s: router running with %d nodes and %d links",

@@ -124,6 +124,10 @@ async def test_one_link_pauses_and_resumes_alone(mesh: MeshFactory) -> None:
     a, b, c = m.nodes
     out = io.StringIO()
     async with running_router(m.config) as router:
+        # no token (router.service.admintoken): refused, nothing paused
+        port = m.config.admin_host_port[1]
+        assert (await admin_request("127.0.0.1", port, "POST", "/pause"))[0] == 401
+        assert all(x.state != "paused" for x in router.status().links)
         assert await cmd_pause(m.config, "b", out, source="a") == 0
         assert out.getvalue().strip() == "paused: a -> b"
         await execute(a.dsn(), "INSERT INTO items VALUES (1, 'from a')")
