@@ -55,7 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from router.ops.control import cmd_status
 
-    return _run(cmd_status(_config(args), as_json=args.json))
+    return _run(cmd_status(_config(args), as_json=args.json, watch=args.watch, count=args.count))
 
 
 def _cmd_pause(args: argparse.Namespace) -> int:
@@ -164,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     _with_config(sub, "run", "run the router (SIGTERM / Ctrl-C stops it cleanly)").set_defaults(func=_cmd_run)
     status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
+                        help="refresh in place every S seconds (default 2) until interrupted")
+    status.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N")
     status.set_defaults(func=_cmd_status)
     sequences = _with_config(sub, "sequences", "ids no two nodes hand out: show or convert sequences")
     actions = sequences.add_subparsers(dest="action", required=True, metavar="ACTION")

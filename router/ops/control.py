@@ -179,13 +179,23 @@ def render_status(report: StatusReport) -> str:
     return "\n".join(lines)
 
 
-async def cmd_status(config: Config, *, as_json: bool, out: TextIO = sys.stdout) -> int:
-    report = await fetch_status(config)
-    if as_json:
-        print(msgspec.json.encode(report).decode(), file=out)
-    else:
-        print(render_status(report), file=out)
-    return 0
+async def cmd_status(
+    config: Config, *, as_json: bool, out: TextIO = sys.stdout, watch: float | None = None,
+    count: int | None = None,
+) -> int:
+    """`pgmesh status`; with `watch`, again every `watch` seconds (`count` times, or until interrupted),
+    in place on a terminal (the screen cleared first), one report after another otherwise."""
+    shown = 0
+    while True:
+        report = await fetch_status(config)
+        text = msgspec.json.encode(report).decode() if as_json else render_status(report)
+        if watch is not None and not as_json and out.isatty():
+            text = "\x1b[H\x1b[2J" + f"every {watch:g} s (Ctrl-C stops)\n" + text
+        print(text, file=out, flush=True)
+        shown += 1
+        if watch is None or (count is not None and shown >= count):
+            return 0
+        await asyncio.sleep(max(0.2, watch))
 
 
 async def _set_paused(config: Config, target: str | None, paused: bool, source: str | None) -> list[str]:
