@@ -89,16 +89,17 @@ async def one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | N
 async def read_parted(config: Config, wait_s: int = 5) -> set[str]:
     """The nodes of `config` recorded as parted on any node that answers within `wait_s` (a node down
     says nothing)."""
-    parted: set[str] = set()
-    for node in config.nodes:
+    async def ask(node: NodeConfig) -> set[str]:
         try:
             async with asyncio.timeout(wait_s):
                 conn = await _connect(node, wait_s)
                 async with conn:
                     cur = await conn.execute(_PARTED_SQL)
-                    parted |= {str(r[0]) for r in await cur.fetchall()}
+                    return {str(r[0]) for r in await cur.fetchall()}
         except (PgmeshError, psycopg.Error, TimeoutError, OSError):
-            continue
+            return set()
+
+    parted: set[str] = set().union(*await asyncio.gather(*(ask(n) for n in config.nodes)))
     return parted & set(config.node_names)
 
 
@@ -185,6 +186,16 @@ async def _undrained(config: Config, name: str, conns: dict[str, Conn]) -> list[
     return _late_transactions(rows, applied)
 
 
+async def _slot_let_go(config: Config, name: str, conn: Conn, limit: float = 60.0) -> None:
+    """Wait until no walsender holds the node's slot (the router's, held: it ends a moment after)."""
+    deadline = asyncio.get_running_loop().time() + limit
+    query = "SELECT active_pid FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
+    while await one(conn, query, [config.slot_name]) is not None:
+        if asyncio.get_running_loop().time() > deadline:
+            raise PgmeshError(f"the router held, but the slot stayed active for {limit:g} s", node=name)
+        await asyncio.sleep(0.05)
+
+
 async def _drain(config: Config, name: str, conns: dict[str, Conn], limit: float) -> bool:
     """With the router running: barrier on NODE, hold, check; True when held and drained."""
     for round_ in range(1, DRAIN_ROUNDS + 1):
@@ -193,7 +204,12 @@ async def _drain(config: Config, name: str, conns: dict[str, Conn], limit: float
         answer = await ask_router(config, "POST", "/hold", limit=150.0)
         if answer is None or answer[0] != 200:
             raise PgmeshError("the router did not take a hold", hint="is `pgmesh run` still running?")
-        late = await _undrained(config, name, conns)
+        try:
+            await _slot_let_go(config, name, conns[name])
+            late = await _undrained(config, name, conns)
+        except BaseException:
+            await ask_router(config, "POST", "/release")  # (part_node releases only a drained hold)
+            raise
         if not late:
             return True
         logger.info("part %s: %d transaction(s) committed there after the drain (round %d); draining again",
