@@ -42,8 +42,8 @@ from router.progress import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
 __all__ = [
-    "DRAIN_ROUNDS", "cmd_part", "members_only", "one", "part_node", "read_parted", "unmark_parted",
-    "without_parted",
+    "DRAIN_ROUNDS", "cmd_part", "members_of", "members_only", "one", "part_node", "read_parted",
+    "unmark_parted", "without_parted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,13 @@ async def read_parted(config: Config, wait_s: int = 5) -> set[str]:
 
     parted: set[str] = set().union(*await asyncio.gather(*(ask(n) for n in config.nodes)))
     return parted & set(config.node_names)
+
+
+async def members_of(config: Config) -> Config:
+    """`config` without the nodes recorded as parted (what compare, repair, ddl, sequences and the offline
+    status work on: a parted node the config still lists is no longer compared, waited for or changed)."""
+    parted = await read_parted(config)
+    return without_parted(config, parted) if parted else config
 
 
 def without_parted(config: Config, parted: Iterable[str]) -> Config:

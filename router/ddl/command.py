@@ -53,6 +53,9 @@ async def barrier(
     ahead of the targets on the router log's account)."""
     if wanted:
         return await _wait_synced(config, limit, wanted)
+    from router.cluster.part import members_of  # (it uses this barrier)
+
+    config = await members_of(config)  # a parted node is not waited for
     conns = {node.name: await _connect(node) for node in config.nodes}
     try:
         wanted = {}

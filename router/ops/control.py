@@ -27,6 +27,7 @@ import psycopg
 from router.applied import position_sql
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
+from router.cluster.part import members_of
 from router.config import Config
 from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
@@ -79,7 +80,9 @@ async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) ->
 
 
 async def offline_status(config: Config) -> StatusReport:
-    """What the nodes say when no router is running: applied positions and slot positions."""
+    """What the nodes say when no router is running: applied positions and slot positions (parted nodes
+    left out, as the router leaves them out)."""
+    config = await members_of(config)
     links: list[LinkStatus] = []
     sources: list[SourceStatus] = []
     clocks: list[NodeClock] = []
@@ -423,6 +426,7 @@ async def cmd_sequences(
 ) -> int:
     """`pgmesh sequences status|convert`; status returns 1 when a node was not read or modes differ."""
     out = out or sys.stdout
+    config = await members_of(config)  # (a parted node's ids are its own business now)
     if action == "status":
         nodes = await sequences.read_status(config)
         if as_json:

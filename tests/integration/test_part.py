@@ -14,6 +14,7 @@ import pytest
 from router.cluster.install import init_cluster
 from router.cluster.part import part_node
 from router.errors import PgmeshError
+from router.ops.control import offline_status
 from router.sequences.convert import convert_sequences
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -62,6 +63,10 @@ async def test_part_online_under_writes_loses_nothing(mesh: MeshFactory) -> None
     assert await fetch(c.dsn(), "SELECT count(*) FROM pg_replication_slots") == [(0,)]
     count = len(ids["a"]) + len(ids["b"]) + len(ids["c"]) - 3
     assert await fetch(a.dsn(), "SELECT count(*) FROM items") == [(count,)]
+    # the offline status (as compare, repair, ddl and sequences) leaves c out too
+    offline = await offline_status(m.config)
+    assert {(x.source, x.target) for x in offline.links} == {("a", "b"), ("b", "a")}
+    assert {s.node for s in offline.sources} == {"a", "b"}
     # a restart and init with the same config leave c out
     _, lines = await init_cluster(m.config)
     assert "node c: parted, left out (`pgmesh join c` brings it back)" in lines

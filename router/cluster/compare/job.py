@@ -35,6 +35,7 @@ from router.cluster.compare.plan import (
     partitions,
 )
 from router.cluster.compare.worker import SESSION_SQL, CompareJob, Difference, row_hashes_sql, run_partition
+from router.cluster.part import members_of
 from router.cluster.sync.spark import local_parallelism, spark_session
 from router.config import Config, NodeConfig
 from router.ddl.command import barrier
@@ -271,8 +272,10 @@ async def _read_hashes(
 async def compare_cluster(
     config: Config, names: Sequence[str] = (), *, limit: float = 300.0, router_running: bool = True
 ) -> CompareReport:
-    """Compare every node's replicated tables (or `names`); see the module docstring."""
+    """Compare every node's replicated tables (or `names`); see the module docstring. Parted nodes
+    (router.cluster.part) are left out."""
     started = time.monotonic()
+    config = await members_of(config)
     job, skipped, found, wanted = await asyncio.to_thread(first_pass, config, names)
     candidates = {(d.table, d.key): d for d in found}
     last = {(d.table, d.key): d.hashes for d in found}

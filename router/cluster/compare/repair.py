@@ -28,6 +28,7 @@ from psycopg import sql
 
 from router.cluster.compare.job import CompareReport, Divergence, compare_cluster
 from router.cluster.compare.worker import SESSION_SQL
+from router.cluster.part import members_of
 from router.config import Config
 from router.conflicts.resolve import ConflictType, Outcome, Version, resolve
 from router.errors import PgmeshError, describe
@@ -227,7 +228,9 @@ async def _fix_one(
 async def repair_cluster(
     config: Config, names: Sequence[str] = (), *, source: str | None = None, limit: float = 300.0
 ) -> RepairReport:
-    """Compare, then write each persistent difference's winning row on every node that differs."""
+    """Compare, then write each persistent difference's winning row on every node that differs (parted
+    nodes left out)."""
+    config = await members_of(config)
     if source is not None and source not in {n.name for n in config.nodes}:
         raise PgmeshError(f"no node {source!r} in the config")
     compared = await compare_cluster(config, names, limit=limit, router_running=True)
