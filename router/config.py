@@ -102,9 +102,13 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    listen: str = "127.0.0.1:8787"
+    listen: str = "127.0.0.1:8787"  # beyond loopback only with TLS and the token (docs/admin.md)
     # the token POST requests need (router.service.admintoken): "" = admin.token in the state directory
     token_file: str = ""
+    socket: str = ""  # a Unix socket made 0600 for the router's user: its POSTs need no token ("": none)
+    tls_cert: str = ""  # PEM certificate and key: HTTPS on listen (both or neither; checked at start)
+    tls_key: str = ""
+    header_timeout_ms: int = 10_000  # a request must arrive whole within this after connecting
 
 
 class SequencesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,23 +1,28 @@
-"""Every metric pgmesh exports, and the tiny registry that renders them for Prometheus.
+"""Every metric pgmesh exports, the families that hold their values, and the collector that hands them
+to prometheus_client at scrape time.
 
 Owns: the name, type, help text and label names of each `pgmesh_*` metric (all of them are declared
-in `Metrics.__init__`, nowhere else), the counter and gauge families, and the Prometheus text
-exposition format, version 0.0.4 (`Registry.render`).
-Must not: do I/O, hold a global registry, import prometheus_client, start tasks or read clocks. The
-router creates one `Metrics` and passes it to whoever updates or serves it (the admin listener).
+in `Metrics.__init__`, nowhere else) and the counter and gauge families that keep their values. The
+text exposition format is prometheus_client's (`generate_latest` on a private `CollectorRegistry` that
+holds only this `Registry`, a custom collector read whole at each scrape; no `_created` series).
+Must not: do I/O, register anything in prometheus_client's global registry, start tasks or read
+clocks. The router creates one `Metrics` and passes it to whoever updates or serves it (the admin
+listener).
 
-The router runs on one event loop, so families and children take no locks. Samples render with their
-labels in the order the family declares them; families sort by name and children by label values, so
-the same state always renders the same text.
+The router runs on one event loop, so families and children take no locks. Families are collected
+sorted by name and children by label values, so the same state always renders the same text.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
 
 if TYPE_CHECKING:
     from router.apply.state import LinkStats
@@ -33,40 +38,18 @@ __all__ = [
     "GaugeChild",
     "Metrics",
     "Registry",
-    "format_value",
     "raise_to",
 ]
 
 logger = logging.getLogger(__name__)
 
-CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE: Final = CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 PREFIX: Final = "pgmesh_"
 LINK_LABELS: Final = ("source", "target")
 LINK_STATES: Final = ("streaming", "paused", "catching_up", "down", "error", "schema_drift", "clock_skew")
 
 _METRIC_NAME_RE: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME_RE: Final = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-# Integral floats up to 2**53 print without an exponent or `.0`, like Go's strconv 'g' does below 1e21.
-_EXACT_INT_LIMIT: Final = 2.0**53
-
-
-def format_value(value: float) -> str:
-    """A sample value as Prometheus prints it: `1`, `0.5`, `1e+300`, `+Inf`, `-Inf`, `NaN`."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < _EXACT_INT_LIMIT:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 class CounterChild:
@@ -129,6 +112,9 @@ class _Family(Generic[ChildT]):
     def _new_child(self) -> ChildT:
         raise NotImplementedError
 
+    def _exported(self) -> CounterMetricFamily | GaugeMetricFamily:
+        raise NotImplementedError
+
     def labels(self, **labels: object) -> ChildT:
         """The child for these label values (created at 0 on first use). Every label name is required."""
         key = self._key(labels)
@@ -169,20 +155,12 @@ class _Family(Generic[ChildT]):
         for key in sorted(self._children):
             yield key, self._children[key].get()
 
-    def render(self) -> Iterator[str]:
-        """The family's lines in the text exposition format, without line ends."""
-        yield f"# HELP {self.name} {_escape_help(self.help)}"
-        yield f"# TYPE {self.name} {self.kind}"
+    def collect(self) -> Metric:
+        """The family as prometheus_client exposes it: its children as they are now."""
+        exported = self._exported()
         for key, value in self.samples():
-            yield f"{self.name}{self._render_labels(key)} {format_value(value)}"
-
-    def _render_labels(self, key: tuple[str, ...]) -> str:
-        if not key:
-            return ""
-        pairs = ",".join(
-            f'{name}="{_escape_label_value(value)}"' for name, value in zip(self.labelnames, key, strict=True)
-        )
-        return "{" + pairs + "}"
+            exported.add_metric(list(key), value)
+        return exported
 
 
 def _check_names(name: str, labelnames: tuple[str, ...]) -> None:
@@ -196,13 +174,21 @@ def _check_names(name: str, labelnames: tuple[str, ...]) -> None:
 
 
 class Counter(_Family[CounterChild]):
-    """A family of counters."""
+    """A family of counters (its name ends with `_total`, as prometheus_client exposes counters)."""
 
     __slots__ = ()
     kind = "counter"
 
+    def __init__(self, name: str, help: str, labelnames: Iterable[str] = ()) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"invalid metric name {name!r}: a counter's name ends with _total")
+        super().__init__(name, help, labelnames)
+
     def _new_child(self) -> CounterChild:
         return CounterChild()
+
+    def _exported(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.help, labels=self.labelnames)
 
 
 class Gauge(_Family[GaugeChild]):
@@ -214,14 +200,20 @@ class Gauge(_Family[GaugeChild]):
     def _new_child(self) -> GaugeChild:
         return GaugeChild()
 
+    def _exported(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self.name, self.help, labels=self.labelnames)
+
 
 class Registry:
-    """A set of families with unique names, rendered together."""
+    """A set of families with unique names: a prometheus_client collector, read whole at each scrape
+    through a private `CollectorRegistry` (never the global one)."""
 
-    __slots__ = ("_families",)
+    __slots__ = ("_exposition", "_families")
 
     def __init__(self) -> None:
         self._families: dict[str, Counter | Gauge] = {}
+        self._exposition = CollectorRegistry(auto_describe=False)
+        self._exposition.register(self)
 
     def counter(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Counter:
         family = Counter(name, help, labelnames)
@@ -242,10 +234,14 @@ class Registry:
         """Every family, sorted by name."""
         return [self._families[name] for name in sorted(self._families)]
 
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector protocol: every family as it is now, sorted by name."""
+        for family in self.families():
+            yield family.collect()
+
     def render(self) -> str:
-        """The whole registry in the Prometheus text exposition format 0.0.4 (ends with a newline)."""
-        lines = [line for family in self.families() for line in family.render()]
-        return "\n".join(lines) + "\n" if lines else ""
+        """The whole registry in the Prometheus text exposition format 0.0.4 (prometheus_client's)."""
+        return generate_latest(self._exposition).decode("utf-8")
 
 
 def raise_to(child: CounterChild, value: float) -> None:

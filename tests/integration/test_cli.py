@@ -80,8 +80,8 @@ async def test_init_run_status_pause_resume_metrics_and_sigterm(mesh: MeshFactor
         code, body = await admin_request("127.0.0.1", port, "GET", "/metrics")
         text = body.decode()
         assert code == 200
-        assert 'pgmesh_applied_transactions_total{source="a",target="b"} 1' in text
-        assert 'pgmesh_link_state{source="a",target="b",state="streaming"} 1' in text
+        assert 'pgmesh_applied_transactions_total{source="a",target="b"} 1.0' in text
+        assert 'pgmesh_link_state{source="a",state="streaming",target="b"} 1.0' in text
 
         paused = pgmesh("pause", "--config", str(config), "--target", "b")
         assert paused.returncode == 0 and "a -> b" in paused.stdout

@@ -126,13 +126,13 @@ async def test_links_hold_beyond_the_bound_and_run_again_when_the_clock_is_back(
             assert "node b" in error and "max_offset_ms = 1000" in error and " ms from the router's" in error
         text = render_status(router.status())
         assert "clock skew" in text and "beyond [clocks] max_offset_ms = 1000" in text, text
-        held = [f'pgmesh_link_state{{source="{s}",target="{t}",state="clock_skew"}} 1'
+        held = [f'pgmesh_link_state{{source="{s}",state="clock_skew",target="{t}"}} 1.0'
                 for s, t in ("ab", "ba")]
         # /metrics is brought up to date at each status tick, a tick after the links' own state
         await wait_for(lambda: all(line in router.metrics.render() for line in held), "both in /metrics")
         metrics = router.metrics.render()
-        assert 'pgmesh_link_state{source="a",target="b",state="clock_skew"} 1' in metrics
-        assert 'pgmesh_link_state{source="b",target="a",state="clock_skew"} 1' in metrics
+        assert 'pgmesh_link_state{source="a",state="clock_skew",target="b"} 1.0' in metrics
+        assert 'pgmesh_link_state{source="b",state="clock_skew",target="a"} 1.0' in metrics
         assert not router.health()[0] and "node b" in router.health()[1]
 
         # held: a's row does not reach b, over two more refreshes

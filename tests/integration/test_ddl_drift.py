@@ -76,7 +76,7 @@ async def test_concurrent_add_column_is_drift_held_until_the_types_agree(
                        "the drift in /metrics")
         text = router.metrics.render()
         assert 'pgmesh_schema_drift{node="b",table="public.t"} 1' in text
-        assert 'pgmesh_link_state{source="a",target="b",state="schema_drift"} 1' in text
+        assert 'pgmesh_link_state{source="a",state="schema_drift",target="b"} 1.0' in text
         found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("schema drift: ")]
         assert len(found) == 1, found
         assert all(word in found[0] for word in ("public.t", "column z", "on a", "on b")), found[0]

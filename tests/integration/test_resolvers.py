@@ -81,6 +81,6 @@ async def test_a_cluster_allowing_divergence_says_so_in_status_and_metrics(mesh:
         def exported() -> bool:
             text = router.metrics.registry.render()
             return any(line.startswith("pgmesh_divergence_allowed{setting=") and "keep_local" in line
-                       and line.endswith(" 1") for line in text.splitlines())
+                       and float(line.split()[-1]) == 1 for line in text.splitlines())
 
         await wait_for(exported, "the divergence gauge in /metrics")

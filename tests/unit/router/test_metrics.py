@@ -1,10 +1,14 @@
-"""The metrics registry and the Prometheus text format it renders (pure: no server, no loop)."""
+"""The metrics registry, the families it holds and the text prometheus_client renders from them (pure: no
+server, no loop)."""
 
 from __future__ import annotations
 
 import math
+import re
 
+import prometheus_client
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.service.metrics import (
     CONTENT_TYPE,
@@ -13,7 +17,6 @@ from router.service.metrics import (
     Gauge,
     Metrics,
     Registry,
-    format_value,
 )
 
 
@@ -32,8 +35,8 @@ def test_small_registry_renders_exactly() -> None:
     assert registry.render() == (
         "# HELP demo_applied_total Transactions applied.\n"
         "# TYPE demo_applied_total counter\n"
-        'demo_applied_total{source="a",target="b"} 42\n'
-        'demo_applied_total{source="b",target="a"} 1\n'
+        'demo_applied_total{source="a",target="b"} 42.0\n'
+        'demo_applied_total{source="b",target="a"} 1.0\n'
         "# HELP demo_empty_total Nothing yet.\n"
         "# TYPE demo_empty_total counter\n"
         "# HELP demo_lag_seconds Seconds behind.\n"
@@ -41,7 +44,7 @@ def test_small_registry_renders_exactly() -> None:
         'demo_lag_seconds{source="a",target="b"} 0.25\n'
         "# HELP demo_up 1 while running.\n"
         "# TYPE demo_up gauge\n"
-        "demo_up 1\n"
+        "demo_up 1.0\n"
     )
 
 
@@ -52,14 +55,14 @@ def test_empty_registry_renders_nothing() -> None:
 def test_unlabelled_family_exposes_zero_until_touched() -> None:
     registry = Registry()
     registry.counter("demo_total", "Demo.")
-    assert registry.render().splitlines()[-1] == "demo_total 0"
+    assert registry.render().splitlines()[-1] == "demo_total 0.0"
 
 
 def test_label_values_are_escaped() -> None:
     registry = Registry()
     family = registry.gauge("demo", "Demo.", ("table",))
     family.labels(table='we\\ird "t"\nname').set(1)
-    assert registry.render().splitlines()[-1] == 'demo{table="we\\\\ird \\"t\\"\\nname"} 1'
+    assert registry.render().splitlines()[-1] == 'demo{table="we\\\\ird \\"t\\"\\nname"} 1.0'
 
 
 def test_help_text_is_escaped() -> None:
@@ -68,11 +71,11 @@ def test_help_text_is_escaped() -> None:
     assert registry.render().splitlines()[0] == '# HELP demo back\\\\slash\\nnew line, "quotes" kept'
 
 
-def test_labels_render_in_declared_order_whatever_the_keyword_order() -> None:
+def test_labels_render_sorted_by_name_whatever_the_declared_order() -> None:
     registry = Registry()
     family = registry.counter("demo_total", "Demo.", ("target", "source", "type"))
     family.labels(type="insert_exists", source="a", target="b").inc()
-    assert registry.render().splitlines()[-1] == 'demo_total{target="b",source="a",type="insert_exists"} 1'
+    assert registry.render().splitlines()[-1] == 'demo_total{source="a",target="b",type="insert_exists"} 1.0'
 
 
 def test_label_values_are_converted_to_text() -> None:
@@ -84,20 +87,22 @@ def test_label_values_are_converted_to_text() -> None:
 @pytest.mark.parametrize(
     ("value", "text"),
     [
-        (0, "0"),
-        (42, "42"),
-        (-3.0, "-3"),
+        (0, "0.0"),
+        (42, "42.0"),
+        (-3.0, "-3.0"),
         (0.5, "0.5"),
         (1e300, "1e+300"),
         (1.5e-07, "1.5e-07"),
-        (2.0**53, "9007199254740992.0"),
+        (2.0**53, "9.007199254740992e+15"),
         (math.inf, "+Inf"),
         (-math.inf, "-Inf"),
         (math.nan, "NaN"),
     ],
 )
 def test_values_format_like_prometheus(value: float, text: str) -> None:
-    assert format_value(value) == text
+    registry = Registry()
+    registry.gauge("demo", "Demo.").labels().set(value)
+    assert registry.render().splitlines()[-1] == f"demo {text}"
 
 
 def test_children_sort_stably_by_label_values() -> None:
@@ -123,6 +128,11 @@ def test_counter_and_gauge_children() -> None:
     assert gauge.get() == 7
 
 
+def test_a_counter_name_ends_with_total() -> None:
+    with pytest.raises(ValueError, match="a counter's name ends with _total"):
+        Counter("demo_applied", "Demo.")
+
+
 @pytest.mark.parametrize("labels", [{}, {"source": "a"}, {"source": "a", "target": "b", "x": "c"}])
 def test_labels_must_match_the_declared_names(labels: dict[str, str]) -> None:
     family = Counter("demo_total", "Demo.", ("source", "target"))
@@ -136,7 +146,9 @@ def test_labels_must_match_the_declared_names(labels: dict[str, str]) -> None:
 )
 def test_invalid_names_are_refused(name: str, labelnames: tuple[str, ...]) -> None:
     with pytest.raises(ValueError, match=r"invalid|duplicate"):
-        Counter(name, "Demo.", labelnames)
+        Gauge(name, "Demo.", labelnames)
+    with pytest.raises(ValueError, match=r"invalid|duplicate"):
+        Counter(name + "_total", "Demo.", labelnames)
 
 
 def test_a_name_registers_once() -> None:
@@ -220,7 +232,7 @@ def test_link_state_is_one_hot() -> None:
     assert metrics.link_state_of("a", "b") == "streaming"
     samples = [line for line in metrics.render().splitlines() if line.startswith("pgmesh_link_state{")]
     assert samples == [
-        f'pgmesh_link_state{{source="a",target="b",state="{state}"}} {int(state == "streaming")}'
+        f'pgmesh_link_state{{source="a",state="{state}",target="b"}} {float(state == "streaming")}'
         for state in sorted(LINK_STATES)
     ]
     with pytest.raises(ValueError, match="unknown link state 'stuck'"):
@@ -236,7 +248,7 @@ def test_forget_node_drops_every_series_naming_it() -> None:
     metrics.set_link_state("a", "c", "down")
     metrics.forget_node("a")
     samples = [line for line in metrics.render().splitlines() if not line.startswith("#")]
-    assert samples == ['pgmesh_applied_transactions_total{source="b",target="c"} 1']
+    assert samples == ['pgmesh_applied_transactions_total{source="b",target="c"} 1.0']
 
 
 def test_metrics_do_not_share_state() -> None:
@@ -247,3 +259,70 @@ def test_metrics_do_not_share_state() -> None:
 
 def test_content_type_is_the_text_format() -> None:
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+# Captured from the hand-written registry this one replaced (every family given one sample), before the
+# change: each series' name, type and label names, as Prometheus sees them (labels sorted by name).
+BEFORE_PROMETHEUS_CLIENT = [
+    ("pgmesh_applied_notes_total", "counter", ("node",)),
+    ("pgmesh_applied_rows_total", "counter", ("source", "target")),
+    ("pgmesh_applied_transactions_total", "counter", ("source", "target")),
+    ("pgmesh_apply_errors_total", "counter", ("source", "target")),
+    ("pgmesh_apply_retries_total", "counter", ("source", "target")),
+    ("pgmesh_clock_offset_seconds", "gauge", ("node",)),
+    ("pgmesh_conflicts_total", "counter", ("source", "table", "target", "type")),
+    ("pgmesh_divergence_allowed", "gauge", ("setting",)),
+    ("pgmesh_early_rolled_back_total", "counter", ("source", "target")),
+    ("pgmesh_early_transactions_total", "counter", ("source", "target")),
+    ("pgmesh_echo_transactions_total", "counter", ("node",)),
+    ("pgmesh_lag_bytes", "gauge", ("source", "target")),
+    ("pgmesh_lag_seconds", "gauge", ("source", "target")),
+    ("pgmesh_link_state", "gauge", ("source", "state", "target")),
+    ("pgmesh_queue_transactions", "gauge", ("source", "target")),
+    ("pgmesh_retained_wal_bytes", "gauge", ("node",)),
+    ("pgmesh_retained_wal_safe_bytes", "gauge", ("node",)),
+    ("pgmesh_router_log_bytes", "gauge", ("node",)),
+    ("pgmesh_router_log_cap_bytes", "gauge", ("node",)),
+    ("pgmesh_router_log_full", "gauge", ("node",)),
+    ("pgmesh_router_log_readers", "gauge", ("node",)),
+    ("pgmesh_schema_drift", "gauge", ("node", "table")),
+    ("pgmesh_skipped_transactions_total", "counter", ("source", "target")),
+    ("pgmesh_source_received_bytes_total", "counter", ("node",)),
+    ("pgmesh_source_reconnects_total", "counter", ("node",)),
+    ("pgmesh_tombstone_horizon_age_seconds", "gauge", ("node",)),
+    ("pgmesh_tombstone_late_decisions_total", "counter", ("node",)),
+    ("pgmesh_tombstones", "gauge", ("node",)),
+    ("pgmesh_tombstones_pruned_total", "counter", ("node",)),
+    ("pgmesh_tombstones_recorded_total", "counter", ("node",)),
+]
+
+
+def every_series(metrics: Metrics) -> str:
+    """The exposition with one sample in every family."""
+    for family in metrics.registry.families():
+        child = family.labels(**{name: "x" for name in family.labelnames})
+        child.inc()
+    return metrics.render()
+
+
+def series_of(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(sample name, its family's type, label names) of each sample line, read with the Prometheus
+    text parser of prometheus_client."""
+    found = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.append((sample.name, family.type, tuple(sorted(sample.labels))))
+    return sorted(found)
+
+
+def test_the_exposition_keeps_every_name_type_and_label_it_had() -> None:
+    text = every_series(Metrics())
+    assert series_of(text) == BEFORE_PROMETHEUS_CLIENT
+    types = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE)
+    assert types == [(name, kind) for name, kind, _ in BEFORE_PROMETHEUS_CLIENT]
+
+
+def test_no_created_series_and_nothing_in_the_global_registry() -> None:
+    text = every_series(Metrics())
+    assert "_created" not in text
+    assert b"pgmesh_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
