@@ -33,7 +33,6 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
-from router.service.admintoken import router_token
 from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
@@ -298,11 +297,9 @@ class Router:
                 await self._stop_lost()
                 self.running = True
                 if self._admin_enabled and self.admin is None:
-                    host, port = self.config.admin_host_port
-                    self.admin = AdminServer(
-                        host, port, metrics=self.metrics, status=self.status, pause=self.pause,
+                    self.admin = AdminServer.for_router(  # [admin]: listen, socket, TLS, the token
+                        self.config, metrics=self.metrics, status=self.status, pause=self.pause,
                         resume=self.resume, health=self.health, hold=self.hold, release=self.release,
-                        token=router_token(self.config),
                     )
                     await self.admin.start()
                 logger.info("cluster %s: router running with %d nodes and %d links",
