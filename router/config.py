@@ -65,6 +65,9 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # receives from every other node and sends to none: the one-way links of router.cluster.receive (its
     # local writes to replicated tables are refused: nothing would carry them anywhere)
     receive_only: bool = False
+    # a file holding the node's password alone (a mounted secret): libpq, asyncpg and the Spark copy read
+    # it through a private .pgpass copy named by the dsn's passfile (router.dsn.password_file_dsn)
+    password_file: str = ""
 
 
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -572,6 +575,12 @@ def parse_config(text: str, *, source: str = "config.toml") -> Config:
         line = _line_of(text, "$." + key)
         where = f"{source}:{line}" if line else source
         raise ConfigError(f"{where}: {exc.message}") from None
+    if any(node.password_file for node in config.nodes):
+        from router.dsn import password_file_dsn  # reads the files: a missing one is a ConfigError
+
+        nodes = [msgspec.structs.replace(n, dsn=password_file_dsn(n.dsn, n.password_file, n.name))
+                 if n.password_file else n for n in config.nodes]
+        config = msgspec.structs.replace(config, nodes=nodes)
     return config
 
 

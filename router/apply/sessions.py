@@ -17,10 +17,10 @@ import asyncio
 from typing import Any
 
 import asyncpg
-import psycopg.conninfo
 
 from router.applied import SOURCE_SETTING
 from router.config import SYNCHRONOUS_COMMIT
+from router.dsn import asyncpg_args
 
 __all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
 
@@ -40,31 +40,9 @@ LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
 
 
 def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
-    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments. Several hosts (`host=a,b port=5432,5433`,
-    with `target_session_attrs`) are passed on as lists, as libpq would try them."""
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    args: dict[str, Any] = {}
-    mapping = {
-        "user": "user", "password": "password", "dbname": "database", "passfile": "passfile",
-        "target_session_attrs": "target_session_attrs",
-    }
-    for key, target in mapping.items():
-        if params.get(key) is not None:
-            args[target] = str(params[key])
-    hosts = str(params["host"]).split(",") if params.get("host") is not None else []
-    ports = [int(p) for p in str(params["port"]).split(",")] if params.get("port") is not None else []
-    if hosts:
-        args["host"] = hosts[0] if len(hosts) == 1 else hosts
-    if ports:
-        # libpq: one port for every host, or one per host
-        args["port"] = ports[0] if len(ports) == 1 else ports
-    if params.get("sslmode") is not None:
-        args["ssl"] = params["sslmode"]
-    if params.get("connect_timeout") is not None:
-        args["timeout"] = float(str(params["connect_timeout"]))
-    if params.get("application_name") is not None:
-        args["server_settings"] = {"application_name": str(params["application_name"])}
-    return args
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments, with libpq's meaning (`router.dsn`:
+    several hosts, the PG* environment, sslmode up to verify-full, client certificates, passfile)."""
+    return asyncpg_args(dsn)
 
 
 async def open_session(

@@ -10,12 +10,12 @@ from router.apply.sessions import asyncpg_connect_args
 
 def test_libpq_keywords_and_uris_become_asyncpg_arguments() -> None:
     args = asyncpg_connect_args(
-        "host=db1 port=6432 dbname=app user=pgmesh password='s e c' sslmode=require connect_timeout=7"
+        "host=db1 port=6432 dbname=app user=pgmesh password='s e c' sslmode=disable connect_timeout=7"
         " application_name=pgmesh-b passfile=/etc/pgpass target_session_attrs=read-write"
     )
     assert args == {
         "host": "db1", "port": 6432, "database": "app", "user": "pgmesh", "password": "s e c",
-        "ssl": "require", "timeout": 7.0, "server_settings": {"application_name": "pgmesh-b"},
+        "ssl": False, "timeout": 7.0, "server_settings": {"application_name": "pgmesh-b"},
         "passfile": "/etc/pgpass", "target_session_attrs": "read-write",
     }
     several = asyncpg_connect_args("postgresql://u@db1:5432,db2:5433/app?target_session_attrs=primary")
