@@ -264,7 +264,7 @@ async def _probe(config: Config, node: NodeConfig) -> NodeFacts | Check:
         detail = f"reading the catalog waited too long: {describe(exc)}"
         return Check(node.name, "catalog", False, detail, hint=hint)
     except (psycopg.Error, OSError) as exc:
-        hint = f"check that the dsn of node {node.name} connects as a superuser to the right database"
+        hint = f"init installs: connect node {node.name} as a superuser (else see `pgmesh init --print-sql`)"
         return Check(node.name, "catalog", False, f"reading the catalog failed: {describe(exc)}", hint=hint)
 
 
@@ -355,13 +355,10 @@ def _check_walsenders(f: NodeFacts, config: Config) -> Check:
 def _check_superuser(f: NodeFacts, config: Config) -> Check:
     if f.superuser:
         return Check("", "superuser", True, f"{f.user} is a superuser")
-    detail = (
-        f"{f.user} is not a superuser; on PostgreSQL 15 the applier's session_replication_role = replica"
-        " and replication origins are superuser-only"
-    )
-    return Check(
-        "", "superuser", False, detail, hint=f"connect as a superuser, or ALTER ROLE {f.user} SUPERUSER"
-    )
+    detail = (f"{f.user} is not a superuser: installing (event triggers) needs one; `pgmesh run` does not"
+              " (docs/security.md)")
+    hint = "run init as a superuser, or have a DBA run the script of `pgmesh init --print-sql`, then --check"
+    return Check("", "superuser", False, detail, hint=hint)
 
 
 def _check_plugin(f: NodeFacts, config: Config) -> Check | None:

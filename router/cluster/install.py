@@ -35,7 +35,7 @@ from router.ddl.capture import install_ddl_capture
 from router.errors import ConfigError, PgmeshError, SlotError, describe
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
-__all__ = ["init_cluster", "install", "uninstall"]
+__all__ = ["init_cluster", "install", "script_node", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,15 @@ async def _stage_node(
     created.schema, created.publication = now[0] and not schema, now[1] and not publication
     created.event_triggers, created.origins = sorted(now[2] - triggers), sorted(now[3] - origins)
     return done
+
+
+async def script_node(conn: Conn, config: Config, node: str, tables: Sequence[TableName]) -> None:
+    """Install's steps on one node on a recording connection (`router.cluster.script`, `pgmesh init
+    --print-sql`): the staged transaction, committed in the script (rolled back here), then the slot."""
+    await _stage_node(conn, config, node, tables, _Created())
+    await conn.execute("COMMIT")  # recorded for the script
+    await conn.execute("ROLLBACK")  # what the reads' transaction did, here
+    await _ensure_slot(conn, config, node)
 
 
 def _failed(node: str, exc: BaseException) -> PgmeshError:

@@ -41,6 +41,23 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    if args.print_sql:
+        from router.cluster.script import print_sql
+
+        async def script() -> int:
+            sys.stdout.write(await print_sql(_config(args), role=args.role or ""))
+            return 0
+
+        return _run(script())
+    if args.check:
+        from router.cluster.grants import check_run_role
+
+        async def check() -> int:
+            report = await check_run_role(_config(args))
+            print(report.render())
+            return 0 if report.ok else 1
+
+        return _run(check())
     from router.ops.control import cmd_init
 
     return _run(cmd_init(_config(args)))
@@ -160,7 +177,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=10.0, help="how long to write (default 10)")
     demo.add_argument("--keep", action="store_true", help="keep the nodes' directories afterwards")
     demo.set_defaults(func=_cmd_demo)
-    _with_config(sub, "init", "check every node and install what pgmesh needs").set_defaults(func=_cmd_init)
+    init = _with_config(sub, "init", "check every node and install what pgmesh needs")
+    how = init.add_mutually_exclusive_group()
+    how.add_argument("--print-sql", action="store_true", help="print, per node, the SQL init would run and"
+                     " the GRANTs for the run role (for a DBA to run); change nothing")
+    how.add_argument("--check", action="store_true", help="as the config's role: every object of pgmesh and"
+                     " every privilege `pgmesh run` needs, on every node (docs/security.md)")
+    init.add_argument("--role", metavar="ROLE", help="with --print-sql: the role that will run the router"
+                      " (default: the one the config connects as)")
+    init.set_defaults(func=_cmd_init)
     _with_config(sub, "run", "run the router (SIGTERM / Ctrl-C stops it cleanly)").set_defaults(func=_cmd_run)
     status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
     status.add_argument("--json", action="store_true", help="machine-readable output")

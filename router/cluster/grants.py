@@ -1,0 +1,238 @@
+"""What the role that runs `pgmesh run` needs on a node when it is not a superuser: the GRANTs a DBA
+runs (`grant_statements`), and the check that each privilege and each object of pgmesh is there
+(`check_run_role`, `pgmesh init --check`). docs/security.md says why each one is needed.
+
+The role needs: LOGIN and REPLICATION (the replication connection, the slot); EXECUTE on every
+`pg_replication_origin_*` function (the appliers set their origin up in each transaction, create the
+early-apply and recorder origins, advance one at a join); SELECT on `pg_replication_origin_status` and
+EXECUTE on the function behind it (positions in status and at start); SET on `session_replication_role`
+(PostgreSQL 15+: the appliers run as `replica`, so user triggers and foreign keys do not fire twice);
+USAGE on the `pgmesh` schema and CREATE (the appliers create their decision functions there,
+`router.apply.decide`), SELECT, INSERT, UPDATE, DELETE on its tables, USAGE and UPDATE on its sequences,
+EXECUTE on its functions; SELECT, INSERT, UPDATE, DELETE, TRUNCATE on every replicated table.
+
+Must not: install or alter pgmesh's objects (`router.cluster.install`), change a role itself (it
+only writes the SQL a DBA runs), or put a DSN or a password into a message. Identifiers are quoted
+with `psycopg.sql.Identifier`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Final
+
+import psycopg
+from psycopg import sql
+
+from router.cluster.checks import Check, InitReport, TableName, connect, replicated_tables
+from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.errors import PgmeshError, describe
+
+__all__ = ["TABLE_PRIVILEGES", "check_run_role", "grant_statements", "run_role_of"]
+
+Conn = psycopg.AsyncConnection[Any]
+
+TABLE_PRIVILEGES: Final = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")
+PGMESH_TABLE_PRIVILEGES: Final = ("SELECT", "INSERT", "UPDATE", "DELETE")
+ORIGIN_FUNCTIONS: Final = r"pg\_replication\_origin\_%"
+# behind the view pg_replication_origin_status: a SELECT of the view calls it as the caller
+ORIGIN_STATUS_FUNCTION: Final = "pg_show_replication_origin_status"
+SET_PARAMETER_SINCE: Final = 150000  # GRANT SET ON PARAMETER
+_ROLE_SQL: Final = "SELECT rolsuper, rolreplication, rolcanlogin FROM pg_catalog.pg_roles WHERE rolname = %s"
+_ORIGIN_FUNCTIONS_SQL: Final = (
+    "SELECT p.oid::regprocedure::text, pg_catalog.has_function_privilege(%s, p.oid, 'EXECUTE')"
+    " FROM pg_catalog.pg_proc p WHERE p.pronamespace = 'pg_catalog'::regnamespace"
+    " AND (p.proname LIKE %s OR p.proname = %s)"
+    " ORDER BY 1"
+)
+# Every table, sequence and function of the pgmesh schema, and what the role may do with each.
+_PGMESH_OBJECTS_SQL: Final = """
+SELECT 'table', c.relname, p.priv, pg_catalog.has_table_privilege(%(role)s, c.oid, p.priv)
+FROM pg_catalog.pg_class c, unnest(%(table_privs)s::text[]) p(priv)
+WHERE c.relnamespace = pg_catalog.to_regnamespace(%(schema)s) AND c.relkind IN ('r', 'p')
+UNION ALL
+SELECT 'sequence', c.relname, p.priv, pg_catalog.has_sequence_privilege(%(role)s, c.oid, p.priv)
+FROM pg_catalog.pg_class c, unnest(ARRAY['USAGE', 'UPDATE']) p(priv)
+WHERE c.relnamespace = pg_catalog.to_regnamespace(%(schema)s) AND c.relkind = 'S'
+UNION ALL
+SELECT 'function', f.oid::regprocedure::text, 'EXECUTE',
+       pg_catalog.has_function_privilege(%(role)s, f.oid, 'EXECUTE')
+FROM pg_catalog.pg_proc f WHERE f.pronamespace = pg_catalog.to_regnamespace(%(schema)s)
+ORDER BY 1, 2, 3
+"""
+
+
+def run_role_of(node: NodeConfig) -> str:
+    """The role the node's DSN connects as (libpq's meaning: the DSN, else PGUSER, else the OS user)."""
+    from router.dsn import libpq_params
+
+    return libpq_params(node.dsn).get("user", "")
+
+
+def grant_statements(role: str, database: str, tables: Sequence[TableName], server_version: int) -> list[str]:
+    """The SQL a superuser runs on one node so that `role` can run the router there (after init)."""
+    who = sql.Identifier(role)
+    schema = sql.Identifier(PGMESH_SCHEMA)
+    out = [
+        sql.SQL("ALTER ROLE {} WITH LOGIN REPLICATION").format(who),
+        sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(sql.Identifier(database), who),
+        sql.SQL(  # every origin function of this server's version (their arguments differ across versions)
+            "DO $grant$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid::regprocedure"
+            " FROM pg_catalog.pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace"
+            " AND (proname LIKE {pattern} OR proname = {status}) LOOP"
+            " EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %I', f, {role}); END LOOP;"
+            " END $grant$"
+        ).format(pattern=sql.Literal(ORIGIN_FUNCTIONS), status=sql.Literal(ORIGIN_STATUS_FUNCTION),
+                 role=sql.Literal(role)),
+        sql.SQL("GRANT SELECT ON pg_catalog.pg_replication_origin_status TO {}").format(who),
+    ]
+    if server_version >= SET_PARAMETER_SINCE:
+        out.append(sql.SQL("GRANT SET ON PARAMETER session_replication_role TO {}").format(who))
+    out += [
+        sql.SQL("GRANT USAGE, CREATE ON SCHEMA {} TO {}").format(schema, who),
+        sql.SQL("GRANT {} ON ALL TABLES IN SCHEMA {} TO {}").format(
+            sql.SQL(", ").join(sql.SQL(p) for p in PGMESH_TABLE_PRIVILEGES), schema, who),
+        sql.SQL("GRANT USAGE, UPDATE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(schema, who),
+        sql.SQL("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {} TO {}").format(schema, who),
+    ]
+    schemas = sorted({s for s, _ in tables})
+    if schemas:
+        out.append(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+            sql.SQL(", ").join(sql.Identifier(s) for s in schemas), who))
+    if tables:
+        out.append(sql.SQL("GRANT {} ON TABLE {} TO {}").format(
+            sql.SQL(", ").join(sql.SQL(p) for p in TABLE_PRIVILEGES),
+            sql.SQL(", ").join(sql.Identifier(*t) for t in tables), who))
+    # pgmesh's DDL capture (once installed) leaves these on this node
+    body = [statement.as_string(None) + ";" for statement in out]
+    return ["BEGIN;", "SET LOCAL pgmesh.ddl_local = on;", *body, "COMMIT;"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checking a node as the run role
+
+
+def _missing(node: str, what: str, privilege: str, fix: str, relation: str | None = None) -> Check:
+    return Check(node, "privilege", False, f"{what}: role lacks {privilege}", relation, fix)
+
+
+async def _role_checks(conn: Conn, node: str, role: str) -> list[Check]:
+    row = await (await conn.execute(_ROLE_SQL, [role])).fetchone()
+    assert row is not None
+    superuser, replication, login = (bool(v) for v in row)
+    if superuser:
+        return [Check(node, "role", True, f"{role} is a superuser: every privilege")]
+    checks = [Check(node, "role", True, f"{role} is not a superuser; checking each privilege it needs")]
+    for ok, attribute in ((replication, "REPLICATION"), (login, "LOGIN")):
+        if not ok:
+            fix = f"ALTER ROLE {sql.Identifier(role).as_string(None)} WITH {attribute}"
+            checks.append(_missing(node, f"role {role}", f"the {attribute} attribute", fix))
+    who = sql.Identifier(role).as_string(None)
+    params = [role, ORIGIN_FUNCTIONS, ORIGIN_STATUS_FUNCTION]
+    functions = await (await conn.execute(_ORIGIN_FUNCTIONS_SQL, params)).fetchall()
+    for function, ok in functions:
+        if not ok:
+            fix = f"GRANT EXECUTE ON FUNCTION pg_catalog.{function} TO {who}"
+            checks.append(_missing(node, f"function {function}", "EXECUTE", fix))
+    status = "SELECT pg_catalog.has_table_privilege(%s, 'pg_catalog.pg_replication_origin_status', 'SELECT')"
+    if not (await (await conn.execute(status, [role])).fetchone() or (False,))[0]:
+        fix = f"GRANT SELECT ON pg_catalog.pg_replication_origin_status TO {who}"
+        checks.append(_missing(node, "view pg_replication_origin_status", "SELECT", fix))
+    if conn.info.server_version >= SET_PARAMETER_SINCE:
+        query = "SELECT pg_catalog.has_parameter_privilege(%s, 'session_replication_role', 'SET')"
+        if not (await (await conn.execute(query, [role])).fetchone() or (False,))[0]:
+            fix = f"GRANT SET ON PARAMETER session_replication_role TO {who}"
+            checks.append(_missing(node, "parameter session_replication_role", "SET", fix))
+    return checks
+
+
+async def _object_checks(conn: Conn, node: str, role: str, config: Config) -> list[Check]:
+    """pgmesh's objects on the node (schema, slot, origins) and the role's rights on the schema's."""
+    who = sql.Identifier(role).as_string(None)
+    checks: list[Check] = []
+    cur = await conn.execute(
+        "SELECT pg_catalog.to_regnamespace(%s) IS NOT NULL,"
+        " EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = %s"
+        "         AND database = pg_catalog.current_database()),"
+        " EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = %s),"
+        " ARRAY(SELECT roname FROM pg_catalog.pg_replication_origin WHERE roname = ANY(%s))",
+        [PGMESH_SCHEMA, config.slot_name, config.publication_name,
+         [config.origin_name(n) for n in config.node_names if n != node]],
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    wanted = [config.origin_name(n) for n in config.node_names if n != node]
+    found = {
+        f"schema {PGMESH_SCHEMA}": row[0], f"slot {config.slot_name}": row[1],
+        f"publication {config.publication_name}": row[2],
+        **{f"replication origin {o}": o in row[3] for o in wanted},
+    }
+    for what, present in found.items():
+        if not present:
+            checks.append(Check(node, "object", False, f"{what} is missing", hint="run `pgmesh init` as a"
+                                " superuser, or the script of `pgmesh init --print-sql`, on this node"))
+    if not row[0]:
+        return checks
+    for privilege in ("USAGE", "CREATE"):  # CREATE: the appliers' decision functions (router.apply.decide)
+        query = "SELECT pg_catalog.has_schema_privilege(%s, %s, %s)"
+        row = await (await conn.execute(query, [role, PGMESH_SCHEMA, privilege])).fetchone()
+        if not (row and row[0]):
+            fix = f"GRANT {privilege} ON SCHEMA {PGMESH_SCHEMA} TO {who}"
+            checks.append(_missing(node, f"schema {PGMESH_SCHEMA}", privilege, fix))
+    params = {"role": role, "schema": PGMESH_SCHEMA, "table_privs": list(PGMESH_TABLE_PRIVILEGES)}
+    for kind, name, privilege, ok in await (await conn.execute(_PGMESH_OBJECTS_SQL, params)).fetchall():
+        if not ok:
+            target = name if kind == "function" else f"{PGMESH_SCHEMA}.{name}"
+            fix = f"GRANT {privilege} ON {kind.upper()} {target} TO {who}"
+            checks.append(_missing(node, f"{kind} {target}", privilege, fix))
+    return checks
+
+
+async def _table_checks(conn: Conn, node: str, role: str, tables: Sequence[TableName]) -> list[Check]:
+    checks: list[Check] = []
+    query = ("SELECT t.s, t.n, p.priv FROM unnest(%s::text[], %s::text[]) t(s, n), unnest(%s::text[]) p(priv)"
+             " WHERE NOT pg_catalog.has_table_privilege(%s, pg_catalog.format('%%I.%%I', t.s, t.n), p.priv)"
+             " ORDER BY 1, 2, 3")
+    params = [[s for s, _ in tables], [t for _, t in tables], list(TABLE_PRIVILEGES), role]
+    lacking: dict[TableName, list[str]] = {}
+    for schema, table, privilege in await (await conn.execute(query, params)).fetchall():
+        lacking.setdefault((schema, table), []).append(privilege)
+    for table, privileges in lacking.items():
+        name = sql.Identifier(*table).as_string(None)
+        fix = f"GRANT {', '.join(privileges)} ON TABLE {name} TO {sql.Identifier(role).as_string(None)}"
+        checks.append(_missing(node, f"table {table[0]}.{table[1]}", ", ".join(privileges), fix,
+                               relation=f"{table[0]}.{table[1]}"))
+    return checks
+
+
+async def _check_node(config: Config, node: NodeConfig) -> list[Check]:
+    try:
+        conn = await connect(node)
+    except PgmeshError as exc:
+        return [Check(node.name, "connect", False, exc.message, hint=exc.hint)]
+    except (psycopg.Error, OSError) as exc:
+        return [Check(node.name, "connect", False, describe(exc),
+                      hint=f"check the dsn of node {node.name}, its password and the server's pg_hba.conf")]
+    try:
+        async with conn:
+            role = str((await (await conn.execute("SELECT current_user")).fetchone() or ("",))[0])
+            tables = await replicated_tables(conn, config)
+            checks = await _role_checks(conn, node.name, role)
+            if checks[0].detail.endswith("every privilege"):
+                return checks + await _object_checks(conn, node.name, role, config)
+            checks += await _object_checks(conn, node.name, role, config)
+            checks += await _table_checks(conn, node.name, role, tables)
+    except psycopg.Error as exc:
+        return [Check(node.name, "privilege", False, f"reading the catalog failed: {describe(exc)}")]
+    if all(c.ok for c in checks):
+        checks.append(Check(node.name, "privilege", True, f"{role} holds every privilege pgmesh run needs"
+                            f" on {len(tables)} replicated tables and pgmesh's objects"))
+    return checks
+
+
+async def check_run_role(config: Config) -> InitReport:
+    """`pgmesh init --check`: on every node, as the config's role, every object of pgmesh and every
+    privilege the router needs there; one failed check per missing thing, naming node and privilege."""
+    results = await asyncio.gather(*(_check_node(config, node) for node in config.nodes))
+    return InitReport([c for checks in results for c in checks], [], config.cluster.name)
