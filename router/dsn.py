@@ -194,6 +194,47 @@ def _server_settings(params: Mapping[str, str]) -> dict[str, str]:
     return settings
 
 
+def _pgpass_fields(line: str) -> list[str]:
+    """One line of a .pgpass file split at unescaped colons, `\\:` and `\\\\` unescaped (as libpq reads it;
+    asyncpg keeps the backslashes)."""
+    fields: list[str] = []
+    current: list[str] = []
+    chars = iter(line)
+    for char in chars:
+        if char == "\\":
+            current.append(next(chars, ""))
+        elif char == ":" and len(fields) < 4:
+            fields.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    return [*fields, "".join(current)]
+
+
+def _pgpass_password(params: Mapping[str, str], hosts: list[str], ports: list[str]) -> str | None:
+    """The password libpq would take from the password file for the first host (PGPASSFILE, passfile or
+    ~/.pgpass; a file that group or others may read is ignored, as libpq does)."""
+    path = Path(params.get("passfile") or os.path.expanduser("~/.pgpass"))
+    try:
+        if path.stat().st_mode & 0o077 or not path.is_file():
+            return None
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    host = hosts[0] if hosts else "localhost"
+    host = "localhost" if host.startswith(("/", "@")) else host
+    port = ports[0] if ports else "5432"
+    user = params.get("user", "")
+    wanted = (host, port, params.get("dbname") or user, user)
+    for line in lines:
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = _pgpass_fields(line)
+        if len(fields) == 5 and all(f in ("*", w) for f, w in zip(fields, wanted, strict=False)):
+            return fields[4]
+    return None
+
+
 def asyncpg_args(dsn: str) -> dict[str, Any]:
     """`asyncpg.connect(**asyncpg_args(dsn))` connects as `psycopg.connect(dsn)` would: same hosts and
     ports (several are tried in turn), user, database, password source, TLS mode and certificates."""
@@ -217,6 +258,10 @@ def asyncpg_args(dsn: str) -> dict[str, Any]:
         args["port"] = ports[0] if len(ports) == 1 else ports
     if params.get("connect_timeout") and int(params["connect_timeout"]) > 0:
         args["timeout"] = float(max(2, int(params["connect_timeout"])))  # libpq's least is 2 s
+    if not params.get("password"):  # libpq's order: the DSN, PGPASSWORD, then the password file
+        password = _pgpass_password(params, hosts, params.get("port", "5432").split(","))
+        if password is not None:
+            args["password"] = password
     settings = _server_settings(params)
     if settings:
         args["server_settings"] = settings

@@ -20,6 +20,7 @@ it is loaded).
 from __future__ import annotations
 
 import enum
+import ssl
 import sys
 from typing import TYPE_CHECKING, Final, Self
 
@@ -168,6 +169,9 @@ _FATAL_CONNECT_TEXT: Final = (
     "no password supplied",
     "must be superuser or replication role",
     "is not permitted to log in",
+    "certificate verify failed",  # TLS: a wrong sslrootcert, or a server certificate for another name
+    "server does not support SSL",
+    "certificate file",  # sslrootcert / sslcert that cannot be read
 )
 
 
@@ -199,6 +203,8 @@ def decide(exc: BaseException) -> Action:
     if state is not None:
         return decide_sqlstate(state)
     if isinstance(exc, psycopg.OperationalError) and any(t in str(exc) for t in _FATAL_CONNECT_TEXT):
+        return Action.FAIL
+    if isinstance(exc, ssl.SSLCertVerificationError):  # asyncpg's: retrying will not make it trusted
         return Action.FAIL
     if isinstance(exc, (psycopg.OperationalError, OSError, TimeoutError, EOFError)):
         return Action.RETRY

@@ -120,6 +120,14 @@ def test_password_file_becomes_a_private_pgpass(tmp_path: Path) -> None:
     assert passfile.read_text() == "*:*:*:*:p\\:a\\\\ss word\n"  # .pgpass escapes
     assert password_file_dsn("host=h user=u", str(secret), "a") == dsn  # the same copy again
     assert asyncpg_args(dsn)["passfile"] == str(passfile)
+    assert asyncpg_args(dsn)["password"] == "p:a\\ss word"  # unescaped as libpq does (asyncpg does not)
+    pgpass = tmp_path / "pgpass"
+    pgpass.write_text("# comment\nother:5432:*:u:no\nh:6000:app:u:wrong-db\nh:6000:*:u:se\\:cret\n")
+    pgpass.chmod(0o600)
+    assert asyncpg_args(f"host=h port=6000 user=u passfile={pgpass}")["password"] == "se:cret"
+    assert asyncpg_args(f"host=h port=6000 user=u dbname=app passfile={pgpass}")["password"] == "wrong-db"
+    pgpass.chmod(0o644)  # libpq ignores a file others may read
+    assert "password" not in asyncpg_args(f"host=h port=6000 user=u passfile={pgpass}")
     with pytest.raises(ConfigError, match=r"node b: password_file .*nope cannot be read"):
         password_file_dsn("host=h", str(tmp_path / "nope"), "b")
     config = parse_config(
