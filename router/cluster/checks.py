@@ -355,8 +355,8 @@ def _check_walsenders(f: NodeFacts, config: Config) -> Check:
 def _check_superuser(f: NodeFacts, config: Config) -> Check:
     if f.superuser:
         return Check("", "superuser", True, f"{f.user} is a superuser")
-    detail = (f"{f.user} is not a superuser: installing (event triggers) needs one; `pgmesh run` does not"
-              " (docs/security.md)")
+    detail = (f"{f.user} is not a superuser: installing (event triggers) needs one; `pgmesh run` needs only"
+              " grants (REPLICATION, origin functions, SET on session_replication_role: docs/security.md)")
     hint = "run init as a superuser, or have a DBA run the script of `pgmesh init --print-sql`, then --check"
     return Check("", "superuser", False, detail, hint=hint)
 
