@@ -327,6 +327,7 @@ async def test_image_filesystem_runs_like_the_container(mesh: MeshFactory, image
         )
         try:
             await wait_for(lambda: _healthy(healthcheck, env, router, log_path), "the HEALTHCHECK", 90)
+            assert await run_quiet([*healthcheck, "--listening"], env) == 0  # the sidecar's liveness probe
             await execute(a.dsn(), "INSERT INTO items VALUES (1, 'through the image')")
             await wait_for(lambda: _has(b, 1), "row 1 on b")
             router.send_signal(signal.SIGTERM)
