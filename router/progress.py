@@ -7,9 +7,10 @@ position is `flushed` while anything handed to it is not yet flushed (or while i
 re-read), and the source's whole passed position once everything handed to it is flushed. A source's
 slot is confirmed to the minimum durable position over its links: never past what some target has not
 durably applied, unless the router's log of the source (router.stream.log) holds it durably: a link whose
-flushed position is past the log's `since` lacks nothing the log does not hold, so it counts as durable up
-to the log's durable position. A link reading from the log (`log_from` set) takes nothing from memory
-until it catches up. Pure bookkeeping: no I/O, no clock.
+flushed position is past the log's `since`, into a target the log was started for (not a node that joined
+since), lacks nothing the log does not hold, so it counts as durable up to the log's durable position. A
+link reading from the log (`log_from` set) takes nothing from memory until it catches up. Pure
+bookkeeping: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class SourceProgress:
     the source to itself that takes only the source's own transactions with deletes. The source is
     confirmed only past what the recorder has durably recorded, as past what every link has applied."""
 
-    __slots__ = ("_all", "links", "log_durable", "log_since", "recorder", "seen", "source")
+    __slots__ = ("_all", "links", "log_durable", "log_since", "log_targets", "recorder", "seen", "source")
 
     def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None) -> None:
         self.source = source
@@ -166,6 +167,7 @@ class SourceProgress:
         self.seen = min((link.flushed for link in self._all), default=0)
         self.log_since: int | None = None  # the source's log (router.stream.log): set by its fan-out
         self.log_durable = 0
+        self.log_targets: frozenset[str] | None = None  # whom the log holds them for (None: everyone)
 
     def start_position(self, log_end: int | None = None) -> int:
         """Where to (re)start reading the source: the least durable link (or the recorder). A link that
@@ -177,8 +179,9 @@ class SourceProgress:
         )
 
     def confirmable(self) -> int:
-        since, durable = self.log_since, self.log_durable
-        out = min((link.durable(self.seen, since, durable) for link in self.links), default=self.seen)
+        since, durable, targets = self.log_since, self.log_durable, self.log_targets
+        out = min((link.durable(self.seen, since if targets is None or link.target in targets else None,
+                                durable) for link in self.links), default=self.seen)
         if self.recorder is not None:  # the recorder never reads the log: its own position only
             out = min(out, self.recorder.durable(self.seen))
         return out

@@ -2,10 +2,12 @@
 
 `pgmesh join NODE [--from DONOR]` (the node already listed in config.toml, its database empty):
 
-1. Every node must answer, and the router must be stopped: writes go on everywhere, only replication
-   waits. With no applier running, what the donor has applied from each other node X stays fixed at
-   its origin's progress P_X, and X's slot is confirmed no further than P_X (the router confirms a
-   slot only to what every target flushed), so X still has everything after P_X.
+1. Every node must answer. The router (if it runs) holds only while the join takes its snapshot: every
+   member's slot is then pinned at its confirmed position (router.cluster.joining: the router confirms
+   none further until the new node is a member), and the donor must have applied every other node X up
+   to X's pin. With no applier running, what the donor has applied from X stays fixed at its origin's
+   progress P_X, and X's slot (pinned, at or below P_X) still has everything after P_X. The router is
+   released as soon as the snapshot and P_X are taken: the existing links stream during the copy.
 2. A temporary slot on the donor exports a snapshot S with its consistent point L: S holds exactly
    the donor's own transactions that committed before L, and every X's transaction up to P_X. A
    holder transaction keeps S importable; a lock holder (router.cluster.sync.locks) takes ACCESS
@@ -19,20 +21,22 @@
 4. The rows are copied by the PySpark batch of `router.cluster.sync.copy`: tasks that each import S and
    stream one ctid range of one table from `COPY ... TO STDOUT (FORMAT binary)` into `COPY ... FROM
    STDIN (FORMAT binary)` on the new node.
-5. `pgmesh init` with the new config installs pgmesh on the new node (its slot is created now, after
-   the copy, so the copied rows are never sent anywhere) and its origin on the others. The new node's
-   origin for the donor is then advanced to L, and its origin for every other X to P_X: when the
-   router starts, each source is read from the lowest position any link needs, and the new node gets
-   the donor's transactions after L and X's after P_X: each exactly once (docs/join.md).
+5. The router holds again; `pgmesh init` with the new config installs pgmesh on the new node (its slot is
+   created now, after the copy, so the copied rows are never sent anywhere) and its origin on the others.
+   The new node's origin for the donor is then advanced to L, and its origin for every other X to P_X;
+   the pins go, and the router is released: it starts each source from the lowest position any link
+   needs, and the new node gets the donor's transactions after L and X's after P_X: each exactly once
+   (docs/join.md).
 
 A join that stops midway leaves a marker (schema `pgmesh_join` on the new node): the next join
 cleans the new node first, without `--force`.
 
 A node parted earlier (router.cluster.part) is a member again once joined: its part record is cleared
-first; other parted nodes the config still lists are left out of the join's `pgmesh init`.
+in the last hold; other parted nodes the config still lists are left out of the join's `pgmesh init`.
 
-Must not: run while the router streams; put a DSN or password on a command line or in a message
-(the PostgreSQL tools get them through PG* environment variables).
+Must not: take the snapshot or make the new node a member while the router streams; put a DSN or
+password on a command line or in a message (the PostgreSQL tools get them through PG* environment
+variables).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,10 +55,11 @@ import psycopg
 import psycopg.conninfo
 from psycopg import sql
 
-from protocol.lsn import format_lsn
+from protocol.lsn import format_lsn, parse_lsn
 from router.applied import position_sql
-from router.cluster.checks import check_cluster, replicated_tables
+from router.cluster.checks import InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
+from router.cluster.joining import pin_sources, unpin
 from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
@@ -78,6 +83,8 @@ logger = logging.getLogger(__name__)
 Conn = psycopg.AsyncConnection[Any]
 
 MARKER_SCHEMA: Final = "pgmesh_join"
+QUIET_ROUNDS: Final = 3  # holds to find the donor caught up with the pinned slots
+QUIET_WAIT_S: Final = 120.0  # between two: how long the donor may take to catch up
 _SKIP_SCHEMAS: Final = ("pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, MARKER_SCHEMA)
 
 
@@ -219,9 +226,6 @@ async def join_node(
                 hint="start the node (or fix its dsn), then run join again",
             )
         members = {n.name: conns[n.name] for n in others}
-        busy = await _router_streaming(members, config)
-        if busy:
-            held = await _hold_router(config, members, busy)
         for node in others:
             if await _one(conns[node.name], "SELECT to_regclass('pgmesh.links')") is None:
                 raise PgmeshError(
@@ -241,12 +245,16 @@ async def join_node(
         else:
             await uninstall(config, name)  # pgmesh objects of an earlier membership, if any
         await _mark(target, source_node.name)
-        await unmark_parted(config, name)
         report = await _join_attempts(
             config, new, source_node, others, conns, progress, fail_copy, (lock_wait_s, slot_wait_s)
         )
-        lines = await _install_with_drift(config)
-        for line in lines:
+        checked = await _checked(config)  # (the router streams meanwhile)
+        busy = await _router_streaming(members, config)
+        if busy:  # the router takes the new node in when it starts again
+            held = await _hold_router(config, members, busy)
+        await _check_pins(members, config, report[0])
+        await unmark_parted(config, name)
+        for line in await install(config, checked):
             logger.info("%s", line)
         for source, lsn in report[0].items():
             await target.execute(
@@ -255,6 +263,7 @@ async def join_node(
             await target.execute(  # the applied mark starts from there (router.applied: `MARK_START`)
                 "UPDATE pgmesh.links SET applied = NULL WHERE source = %s", [source]
             )
+        await unpin(members, name)  # a member now: its own positions hold the sources' slots
         await target.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(MARKER_SCHEMA)))
     finally:
         for conn in conns.values():
@@ -269,10 +278,10 @@ async def join_node(
     )
 
 
-async def _install_with_drift(config: Config) -> list[str]:
-    """`pgmesh init` for the grown cluster. Columns and keys may differ between nodes while DDL issued
-    during the join is still on its way (the router applies it in order once it runs): that is reported,
-    not refused. Any other problem is."""
+async def _checked(config: Config) -> InitReport:
+    """`pgmesh init`'s checks for the grown cluster. Columns and keys may differ between nodes while DDL
+    issued during the join is still on its way (the router applies it in order once it runs): that is
+    reported, not refused. Any other problem is."""
     report = await check_cluster(config)
     drift = [c for c in report.problems
              if (c.check == "table" and c.detail.startswith("column ")) or c.check == "keys"]
@@ -282,7 +291,67 @@ async def _install_with_drift(config: Config) -> list[str]:
         logger.warning("node %s, table %s: %s (DDL in flight; the router applies it in order)",
                        check.node, check.relation, check.detail)
     checks = [msgspec.structs.replace(c, ok=True) if c in drift else c for c in report.checks]
-    return await install(config, msgspec.structs.replace(report, checks=checks))
+    return msgspec.structs.replace(report, checks=checks)
+
+
+@contextlib.asynccontextmanager
+async def _quiet(config: Config, members: dict[str, Conn], donor: str, new: str) -> AsyncIterator[bool]:
+    """While the join takes its snapshot: the router holds (if it runs), every member's slot is pinned
+    at its confirmed position (router.cluster.joining), and the donor has applied every other source up
+    to its pin. The donor's origins are then fixed and no slot lacks what the new node will read from
+    them. The router is released at the end: it streams while the join copies, and keeps the pins."""
+    for round_ in range(1, QUIET_ROUNDS + 1):
+        busy = await _router_streaming(members, config)
+        held = await _hold_router(config, members, busy) if busy else False
+        try:
+            pins = await pin_sources(members, config, new)
+            short = await _donor_short(config, members[donor], pins, donor)
+            if not short:
+                yield held
+                return
+        finally:
+            if held:
+                await ask_router(config, "POST", "/release")
+        if not busy or round_ == QUIET_ROUNDS:
+            what = ", ".join(f"{x} (applied {format_lsn(p)}, its slot at {format_lsn(pins[x])})"
+                             for x, p in short.items())
+            raise PgmeshError(
+                f"the donor has not applied what the router's log took over from {what}", node=donor,
+                hint="start `pgmesh run` (or let it catch up), or join from another donor",
+            )
+        logger.info("join: the donor is behind %s; waiting for it to catch up", ", ".join(short))
+        deadline = time.monotonic() + QUIET_WAIT_S  # the router streams, pinned: the donor catches up
+        while time.monotonic() < deadline:
+            if not await _donor_short(config, members[donor], pins, donor):
+                break
+            await asyncio.sleep(0.2)
+
+
+async def _donor_short(config: Config, donor_conn: Conn, pins: dict[str, int], donor: str) -> dict[str, int]:
+    """The sources the donor has applied less of than their slot's pin: source -> what it applied."""
+    short = {}
+    for source, pin in pins.items():
+        if source == donor:
+            continue
+        origin = config.origin_name(source)
+        lsn = await _one(donor_conn, f"SELECT {position_sql('%s', '%s', False)}::text", [origin, source])
+        if (applied := parse_lsn(str(lsn)) if lsn else 0) < pin:
+            short[source] = applied
+    return short
+
+
+async def _check_pins(members: dict[str, Conn], config: Config, positions: dict[str, str]) -> None:
+    """Before the new node becomes a member: no slot went past where the new node reads it (the pins held
+    through router restarts; a pgmesh without them would not)."""
+    for name, conn in members.items():
+        confirmed = await _one(conn, "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+                               " WHERE slot_name = %s", [config.slot_name])
+        if confirmed is None or parse_lsn(str(confirmed)) > parse_lsn(positions[name]):
+            raise PgmeshError(
+                f"the slot was confirmed to {confirmed}, past {positions[name]} where the new node reads it"
+                " from: what is between would be missing", node=name,
+                hint="run the join again (every router of this cluster must be this version)",
+            )
 
 
 async def _join_attempts(
@@ -343,7 +412,10 @@ async def _copy_from_donor(
 
     tag = _join_tag(config)
     lock_wait_s, slot_wait_s = waits
-    created, slot = await _join_slot(donor, tag, slot_wait_s, conns[donor.name])
+    members = {n.name: conns[n.name] for n in others}
+    async with _quiet(config, members, donor.name, new.name):
+        created, slot = await _join_slot(donor, tag, slot_wait_s, conns[donor.name])
+        positions = await _positions(config, donor, others, conns[donor.name], created.consistent_point)
     snapshot = created.snapshot
     assert snapshot is not None
     abort = CopyAbort()
@@ -358,7 +430,6 @@ async def _copy_from_donor(
                 SnapshotLocks.open, donor.dsn, snapshot.name, tables, lock_wait_s=lock_wait_s,
                 application_name=f"{tag}-locks", node=donor.name,
             )
-            positions = await _positions(config, donor, others, conns[donor.name], created.consistent_point)
             restore = await dump_and_restore_pre_data(new, donor, snapshot.name, Path(tmp), tag, lock_wait_s)
             abort.check()
             if fail_copy:

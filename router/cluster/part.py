@@ -35,6 +35,7 @@ from psycopg import sql
 from protocol.lsn import format_lsn
 from router.applied import position_sql
 from router.cluster.install import uninstall
+from router.cluster.joining import unpin
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.ddl.command import barrier
 from router.errors import PgmeshError, describe
@@ -116,13 +117,16 @@ def without_parted(config: Config, parted: Iterable[str]) -> Config:
     return msgspec.structs.replace(config, nodes=[n for n in config.nodes if n.name not in gone])
 
 
-async def members_only(config: Config, targets: dict[str, Any]) -> Config:
-    """The router's config without the parted nodes (at its start, and after a hold: a part just ran);
-    their entries in `targets` (name -> something with `async close()`) are closed and removed."""
+async def members_only(config: Config, targets: dict[str, Any], joining: Iterable[str] = ()) -> Config:
+    """The router's config without the parted nodes (at its start, and after a hold: a part just ran) and
+    the `joining` ones (router.cluster.joining); their entries in `targets` (name -> something with
+    `async close()`) are closed and removed."""
     parted = await read_parted(config)
+    if parted:
+        logger.info("nodes parted, left out: %s (`pgmesh join` brings one back)", ", ".join(sorted(parted)))
+    parted |= set(joining) & set(config.node_names)
     if not parted:
         return config
-    logger.info("nodes parted, left out: %s (`pgmesh join` brings one back)", ", ".join(sorted(parted)))
     for name in parted:
         target = targets.pop(name, None)
         if target is not None:
@@ -289,6 +293,7 @@ async def _forget(config: Config, name: str, conns: dict[str, Conn], clean: bool
                           [origin]) is not None:
                 await conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
                 lines.append(f"node {other}: dropped replication origin {origin}")
+    await unpin({other: conn for other, conn in conns.items() if other != name}, name)  # a join's pins
     lines.append(f"recorded on {', '.join(n for n in conns if n != name)}: {name} is parted")
     if name not in conns:
         return [*lines, f"node {name} is not reachable: its slot stays until you drop it there"]

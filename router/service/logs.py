@@ -116,9 +116,9 @@ class RouterLogs:
         if log is None:
             return
         if not log.active:
-            log.activate(progress.start_position())
+            log.activate(progress.start_position(), [link.target for link in progress.links])
         for link in progress.links:
-            if log.covers(link.flushed) and (link.flushed < log.end or link.target in down):
+            if log.covers(link.flushed, link.target) and (link.flushed < log.end or link.target in down):
                 link.read_log(link.flushed)
 
     def lost(self, node: str, progress: SourceProgress, down: set[str]) -> list[tuple[str, int, str]]:
@@ -187,13 +187,14 @@ class RouterLogs:
             idle = not progress.logging() and not any(link.has_until for link in progress.links)
             if not log.appending and idle and low >= log.end:
                 log.reset()  # it reached its cap and nobody needs it any more: a new one starts here
-                log.activate(progress.seen)
+                log.activate(progress.seen, [link.target for link in progress.links])
             if log.holds_anything:  # (else a node down at the next start has nothing to read from it)
                 self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
         else:
             log.idle()
         counts = self.marks.get(node) == log.log_id  # (the node holds its name: see `mark`)
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
+        progress.log_targets = log.targets
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
         """Every `SAVE_EVERY_S` at most (two fsyncs, in a thread: never on the event loop, which a slow

@@ -25,6 +25,7 @@ from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.state import LinkState
 from router.cluster.clocks import ClockWatch
+from router.cluster.joining import read_pins
 from router.cluster.part import members_only
 from router.config import Config
 from router.conflicts.pruning import TombstonePruner
@@ -251,6 +252,7 @@ class Router:
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
                 options=self.source_options, clock=self.clock, spool=self.spool,
+                ceiling=self.pins.get(source_node.name),  # a joining node's pin (router.cluster.joining)
                 start_lsn=progress.start_position(None if log is None else log.end),
             )
             self.progress[source_node.name] = progress
@@ -290,7 +292,8 @@ class Router:
         self.spool.remove_stale()
         try:
             while True:
-                self.config = await members_only(self.config, self.targets)  # (router.cluster.part)
+                self.pins, joining = await read_pins(self.config)  # node -> slot pinned (cluster.joining)
+                self.config = await members_only(self.config, self.targets, joining)  # (router.cluster.part)
                 flushed, paused, down = await self._load_state()
                 self._lost = []
                 self._build(flushed, paused, down)

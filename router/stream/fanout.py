@@ -305,7 +305,7 @@ class SourcePump:
         rest = []
         for link in links:
             after = link.resume_position()
-            if log is not None and log.covers(after) and (log.appending or after < log.end):
+            if log is not None and log.covers(after, link.target) and (log.appending or after < log.end):
                 link.read_log(after)
                 self._feed(link)
                 logger.info("link %s -> %s: reads the router log from %s", link.source, link.target,
@@ -347,7 +347,7 @@ class SourcePump:
     def _log_can_take(self, link: LinkProgress) -> bool:
         log = self.log
         return (log is not None and log.appending and not log.full and link.missed_until is None
-                and log.covers(link.enqueued))
+                and log.covers(link.enqueued, link.target))
 
     def _feed(self, link: LinkProgress) -> None:
         """Start (or restart) the task that hands `link` what the log holds after `link.log_from`."""

@@ -35,12 +35,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import os
 import struct
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -102,6 +103,9 @@ class SourceLog:
         self.hold_bytes = hold_bytes
         self._ticks: collections.deque[int] = collections.deque(maxlen=max(hold_ticks, 1))
         self.since: int | None = None  # the log holds every needed transaction after this; None: no log
+        # the targets it holds them for, recorded when it starts (file `targets`): a node that joined since
+        # may lack transactions every target then had and the log let go of; None: a log from before
+        self.targets: frozenset[str] | None = None
         self.end = 0  # end LSN of the last transaction appended
         self._position: Callable[[], int] = position or (lambda: self.end)
         self.durable = 0  # source position: everything needed before it is on disk
@@ -153,9 +157,10 @@ class SourceLog:
         """End LSN of the oldest transaction still in the log (0: none)."""
         return next((s.first for s in self._segments if s.first), 0)
 
-    def covers(self, after: int) -> bool:
-        """Whether every needed transaction ending after `after` is in the log, up to `end`."""
-        return self.since is not None and self.since <= after
+    def covers(self, after: int, target: str) -> bool:
+        """Whether every transaction `target` needs ending after `after` is in the log, up to `end`."""
+        return (self.since is not None and self.since <= after
+                and (self.targets is None or target in self.targets))
 
     # ------------------------------------------------------------ opening and recovery
 
@@ -183,6 +188,8 @@ class SourceLog:
             later.unlink()
         if self._segments and self.end:
             self.appending = True
+            with contextlib.suppress(FileNotFoundError):
+                self.targets = frozenset(json.loads((self.directory / "targets").read_bytes()))
             self.durable = self.end
             self._fd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND)
             logger.info("node %s: router log holds %.1f MB after %s up to %s", self.node, self.size / 1e6,
@@ -266,10 +273,13 @@ class SourceLog:
 
     # ------------------------------------------------------------ writing
 
-    def activate(self, since: int) -> None:
-        """Start a log continuous after `since` (the caller appends every needed transaction after it)."""
+    def activate(self, since: int, targets: Iterable[str]) -> None:
+        """Start a log continuous after `since` for `targets` (the caller appends every transaction one of
+        them needs after it)."""
         if self.since is not None:
             raise PgmeshError("the router log is already active", node=self.node)
+        self.targets = frozenset(targets)
+        self._write_meta(self.directory / "targets", json.dumps(sorted(self.targets)).encode())
         self.since = since
         self.end = max(self.end, since)
         self.durable = since

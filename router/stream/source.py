@@ -17,7 +17,8 @@ What it guarantees its caller:
 - Pull-based backpressure: nothing is read from the socket while the caller is not asking for more, yet
   status updates go out on their own timer so the walsender never times the link out.
 - The flush position reported to the server is only ever what the caller passed to `confirm()` (or, when
-  every delivered transaction is confirmed and nothing is half received, the server's own idle position).
+  every delivered transaction is confirmed and nothing is half received, the server's own idle position),
+  and never past its `ceiling` when it has one (a joining node's pin).
 - Reconnect with backoff after a connection loss, resuming after the last transaction handed out: no
   transaction is lost (the slot keeps everything after the confirmed position) and none is handed out
   twice (transactions the server resends from before that point are dropped here).
@@ -94,10 +95,13 @@ class ReplicationSource:
         start_lsn: int = 0,
         clock: Callable[[], float] = time.time,
         spool: Spool | None = None,
+        ceiling: int | None = None,
     ) -> None:
         """`spool`: where transactions over `options.spill_bytes` go (shared by a router's sources);
-        without one, the source makes its own when it has a bound. Nothing connects until asked."""
+        without one, the source makes its own when it has a bound. `ceiling`: the slot is never reported
+        flushed past it. Nothing connects until asked."""
         self.node = node
+        self.ceiling = ceiling
         self.slot = check_slot_name(slot, node)
         self.publications = tuple(publications)
         self.options = options or SourceOptions()
@@ -179,10 +183,10 @@ class ReplicationSource:
         self.connection.abort(ConnectionLost("rewinding", node=self.node, lsn=lsn))
 
     def flush_position(self) -> int:
-        """The flush position to report: the caller's, or the idle position once all is confirmed."""
-        if not self.options.advance_when_idle:
-            return self._confirmed
-        return self.idle_position(self._confirmed)
+        """The flush position to report: the caller's, or the idle position once all is confirmed; never
+        past `ceiling` (a joining node's pin, router.cluster.joining)."""
+        out = self.idle_position(self._confirmed) if self.options.advance_when_idle else self._confirmed
+        return out if self.ceiling is None else min(out, self.ceiling)
 
     def idle_position(self, lsn: int) -> int:
         """`lsn`, a position up to which everything handed out is handled; the server's WAL end instead

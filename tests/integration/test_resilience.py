@@ -149,7 +149,7 @@ async def test_router_starts_while_a_node_is_down(mesh: MeshFactory) -> None:
         # c's last known position: router.service.logs)
         progress, log = router.progress["a"], router.logs.logs["a"]
         to_c = next(link for link in progress.links if link.target == "c")
-        assert log.covers(to_c.flushed)
+        assert log.covers(to_c.flushed, "c")
         assert progress.confirmable() <= max(to_c.flushed, log.durable)
         await asyncio.to_thread(c.start)
         await wait_converged(nodes, TABLES, 120)

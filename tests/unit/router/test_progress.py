@@ -73,3 +73,13 @@ def test_target_that_lost_unflushed_commits_re_reads() -> None:
     assert c.applied == 120 and c.detached and c.missed_until == 180
     assert source.rewind_position() == 120
     assert b.restart_at(100) is False and b.receiving
+
+
+def test_the_log_counts_only_for_the_targets_it_holds_transactions_for() -> None:
+    """A joined node's link (d) is durable at its own position, whatever the log holds for b."""
+    b, d = LinkProgress("a", "b", 100), LinkProgress("a", "d", 100)
+    source = SourceProgress("a", [b, d])
+    source.log_since, source.log_durable = 50, 400
+    assert source.confirmable() == 400
+    source.log_targets = frozenset({"b"})
+    assert source.confirmable() == 100
