@@ -252,7 +252,7 @@ async def join_node(
         busy = await _router_streaming(members, config)
         if busy:  # the router takes the new node in when it starts again
             held = await _hold_router(config, members, busy)
-        await _check_pins(members, config, report[0])
+        await _check_pins(members, config, name)
         await unmark_parted(config, name)
         for line in await install(config, checked):
             logger.info("%s", line)
@@ -297,59 +297,65 @@ async def _checked(config: Config) -> InitReport:
 @contextlib.asynccontextmanager
 async def _quiet(config: Config, members: dict[str, Conn], donor: str, new: str) -> AsyncIterator[bool]:
     """While the join takes its snapshot: the router holds (if it runs), every member's slot is pinned
-    at its confirmed position (router.cluster.joining), and the donor has applied every other source up
-    to its pin. The donor's origins are then fixed and no slot lacks what the new node will read from
-    them. The router is released at the end: it streams while the join copies, and keeps the pins."""
+    at its confirmed position (router.cluster.joining), and the donor has everything of every other
+    source up to its pin (the router says so: its link into the donor is synced that far, not counting
+    what the router's log holds for it). The donor's origins are then fixed and no slot lacks what the
+    new node will read from them. The router is released at the end: it streams while the join copies,
+    and keeps the pins."""
     for round_ in range(1, QUIET_ROUNDS + 1):
         busy = await _router_streaming(members, config)
         held = await _hold_router(config, members, busy) if busy else False
         try:
             pins = await pin_sources(members, config, new)
-            short = await _donor_short(config, members[donor], pins, donor)
+            short = await _donor_short(config, pins, donor) if held else {}
             if not short:
                 yield held
                 return
         finally:
             if held:
                 await ask_router(config, "POST", "/release")
-        if not busy or round_ == QUIET_ROUNDS:
-            what = ", ".join(f"{x} (applied {format_lsn(p)}, its slot at {format_lsn(pins[x])})"
+        if round_ == QUIET_ROUNDS:
+            what = ", ".join(f"{x} (synced to {format_lsn(p)}, its slot at {format_lsn(pins[x])})"
                              for x, p in short.items())
             raise PgmeshError(
-                f"the donor has not applied what the router's log took over from {what}", node=donor,
-                hint="start `pgmesh run` (or let it catch up), or join from another donor",
+                f"the donor has not applied what the router's log holds for it from {what}", node=donor,
+                hint="let the router catch the donor up (pgmesh status), or join from another donor",
             )
         logger.info("join: the donor is behind %s; waiting for it to catch up", ", ".join(short))
         deadline = time.monotonic() + QUIET_WAIT_S  # the router streams, pinned: the donor catches up
         while time.monotonic() < deadline:
-            if not await _donor_short(config, members[donor], pins, donor):
+            if not await _donor_short(config, pins, donor):
                 break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
 
 
-async def _donor_short(config: Config, donor_conn: Conn, pins: dict[str, int], donor: str) -> dict[str, int]:
-    """The sources the donor has applied less of than their slot's pin: source -> what it applied."""
-    short = {}
-    for source, pin in pins.items():
-        if source == donor:
-            continue
-        origin = config.origin_name(source)
-        lsn = await _one(donor_conn, f"SELECT {position_sql('%s', '%s', False)}::text", [origin, source])
-        if (applied := parse_lsn(str(lsn)) if lsn else 0) < pin:
-            short[source] = applied
-    return short
+async def _donor_short(config: Config, pins: dict[str, int], donor: str) -> dict[str, int]:
+    """The sources whose link into the donor the running router has not synced up to their pin: source ->
+    its synced position. A link is synced to a position when its target has flushed everything it needs
+    up to there; what the router's log holds for it does not count."""
+    answer = await ask_router(config, "GET", "/status", limit=30.0)
+    if answer is None or answer[0] != 200:
+        raise PgmeshError("the router did not say how far the donor is (GET /status)", node=donor)
+    links = msgspec.json.decode(answer[1]).get("links", [])
+    synced = {str(link["source"]): parse_lsn(str(link["synced_lsn"]))
+              for link in links if link.get("target") == donor}
+    return {source: synced.get(source, 0) for source, pin in pins.items()
+            if source != donor and synced.get(source, 0) < pin}
 
 
-async def _check_pins(members: dict[str, Conn], config: Config, positions: dict[str, str]) -> None:
-    """Before the new node becomes a member: no slot went past where the new node reads it (the pins held
-    through router restarts; a pgmesh without them would not)."""
-    for name, conn in members.items():
-        confirmed = await _one(conn, "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
-                               " WHERE slot_name = %s", [config.slot_name])
-        if confirmed is None or parse_lsn(str(confirmed)) > parse_lsn(positions[name]):
+async def _check_pins(members: dict[str, Conn], config: Config, name: str) -> None:
+    """Before the new node becomes a member: no slot went past the join's pin (every router that streamed
+    meanwhile read the pins: one of a pgmesh without them would not)."""
+    for node, conn in members.items():
+        row = await _one(conn, "SELECT format('%%s %%s', s.confirmed_flush_lsn, j.pin)"
+                         " FROM pg_replication_slots s, pgmesh.joining j"
+                         " WHERE s.slot_name = %s AND j.node = %s AND s.confirmed_flush_lsn > j.pin",
+                         [config.slot_name, name])
+        if row is not None:
+            confirmed, pin = str(row).split()
             raise PgmeshError(
-                f"the slot was confirmed to {confirmed}, past {positions[name]} where the new node reads it"
-                " from: what is between would be missing", node=name,
+                f"the slot was confirmed to {confirmed}, past the join's pin {pin}: what the new node"
+                " reads from there may be missing", node=node,
                 hint="run the join again (every router of this cluster must be this version)",
             )
 

@@ -198,7 +198,8 @@ class Router:
                 if source in held:
                     paused[(source, name)] = held[source]
         if len(down) == len(self.targets) - len(self.not_members):
-            raise ConfigError("no node is reachable; check the DSNs and that the servers are up")
+            why = "; ".join(f"{n}: {self.targets[n].error}" for n in sorted(down))  # (a wrong CA...)
+            raise ConfigError(f"no node is reachable ({why}); check the DSNs and that the servers are up")
         return flushed, paused, down
 
     def _build(

@@ -206,7 +206,7 @@ def copy_snapshot(
     empty: rows are appended. Each task loads in one target transaction with
     `session_replication_role = replica` (no user triggers, no FK checks) and `synchronous_commit =
     off`, so a failed attempt leaves nothing behind and Spark retries it (up to `max_task_failures`
-    attempts per task). Target sessions need a superuser.
+    attempts per task). Target sessions need SET on session_replication_role (docs/security.md).
 
     `partitions_per_table` > 0 splits each relation (each leaf partition of a partitioned table) into
     that many ctid ranges; 0 chooses from its size (one task below 8 MB). `progress` is called about

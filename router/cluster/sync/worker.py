@@ -318,7 +318,8 @@ def _prepare_target(target: psycopg.Connection[Any], job: CopyJob, task: CopyTas
         if not task.binary:
             target.execute(_TEXT_SETTINGS_SQL)
     except psycopg.Error as exc:
-        raise _fail("target", task, exc, "the target session must be a superuser's") from None
+        raise _fail("target", task, exc, "the target's role needs SET on session_replication_role"
+                    " (GRANT SET ON PARAMETER session_replication_role, docs/security.md)") from None
 
 
 def _copy_range(
