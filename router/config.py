@@ -20,6 +20,7 @@ import msgspec
 
 from router.conflicts.resolve import ConflictType, Policy, Resolver, can_diverge
 from router.errors import ConfigError
+from router.tomllines import line_of
 
 __all__ = [
     "AdminSection",
@@ -68,6 +69,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a file holding the node's password alone (a mounted secret): libpq, asyncpg and the Spark copy read
     # it through a private .pgpass copy named by the dsn's passfile (router.dsn.password_file_dsn)
     password_file: str = ""
+    # overrides [replication] synchronous for commits on this node (docs/synchronous.md)
+    synchronous: int | None = None
 
 
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +88,10 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # "remote_apply" make each applied transaction wait for its flush (and for the target's synchronous
     # standbys, when it has some) before the next one; "local" ignores the standbys.
     apply_synchronous_commit: str = "off"
+    # A commit on a node returns only once this many other nodes have durably applied it (0: asynchronous).
+    # Stock synchronous replication: the node's synchronous_standby_names names the router's replication
+    # connection (`Config.standby_name`), set by `pgmesh init`; docs/synchronous.md
+    synchronous: int = 0
     status_interval_ms: int = 1_000
     # A node that does not answer the router's progress query within this long is taken for cut off:
     # its links show "down" and the router drops its sessions to it (router.service.supervisor)
@@ -210,6 +217,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def publication_name(self) -> str:
         return f"pgmesh_{self.cluster.name}"
 
+    @property
+    def standby_name(self) -> str:
+        """The application_name of the router's replication connections: what a node's
+        synchronous_standby_names names for `synchronous` > 0 (docs/synchronous.md)."""
+        return f"pgmesh_{self.cluster.name}"
+
+    def synchronous(self, node: str) -> int:
+        """How many other nodes a commit on `node` waits for ([[nodes]] synchronous, else [replication])."""
+        own = self.node(node).synchronous
+        return self.replication.synchronous if own is None else own
+
     def origin_name(self, source: str) -> str:
         """The replication origin, on a target, for changes coming from `source`."""
         return f"pgmesh_{self.cluster.name}_{source}"
@@ -327,56 +345,6 @@ def _match(pattern: str, qualified: str) -> bool:
     return fnmatch.fnmatchcase(qualified, pattern)
 
 
-_HEADER_RE: Final = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]")
-
-
-def _headers(lines: list[str]) -> list[tuple[int, bool, tuple[str, ...]]]:
-    """Every table header: (line index, is an [[array]] header, its dotted path)."""
-    found = []
-    for i, line in enumerate(lines):
-        match = _HEADER_RE.match(line)
-        if match:
-            path = tuple(part.strip().strip("\"'") for part in match.group(2).split("."))
-            found.append((i, match.group(1) == "[[", path))
-    return found
-
-
-def _line_of(text: str, path: str) -> int | None:
-    """Best effort: the line that sets the key a msgspec path names (`$.nodes[1].name`, `$.admin.listen`,
-    `$.tables[0].types.delete_missing`), else the header of the innermost table found."""
-    segments = re.findall(r"([A-Za-z0-9_-]+)(?:\[(\d+)\])?", path.removeprefix("$"))
-    if not segments:
-        return None
-    lines = text.splitlines()
-    headers = _headers(lines)
-
-    def header(prefix: tuple[str, ...], index: str, after: int) -> int | None:
-        if index:  # the (index+1)-th [[prefix]] table
-            arrays = [i for i, array, p in headers if array and p == prefix]
-            return arrays[int(index)] if int(index) < len(arrays) else None
-        return next((i for i, _array, p in headers if i >= after and p == prefix), None)
-
-    start: int = 0
-    found: int | None = None
-    prefix: tuple[str, ...] = ()
-    for key, index in segments[:-1]:
-        prefix += (key,)
-        hit = header(prefix, index, start)
-        if hit is not None:
-            start = found = hit
-    last, last_index = segments[-1]
-    hit = header((*prefix, last), last_index, start)
-    if hit is not None:
-        return hit + 1
-    # The key inside its table: from the table's header to the next header (top level: to the first).
-    end = next((i for i, _array, _p in headers if i > (-1 if found is None else found)), len(lines))
-    wanted = re.compile(rf"^\s*[\"']?{re.escape(last)}[\"']?\s*=")
-    for i in range(start, end):
-        if wanted.match(lines[i]):
-            return i + 1
-    return None if found is None else found + 1
-
-
 def _validate(config: Config) -> None:
     def bad(message: str, key: str) -> ConfigError:
         return ConfigError(f"{key}: {message}")
@@ -396,6 +364,13 @@ def _validate(config: Config) -> None:
         seen.add(node.name)
         if not node.dsn.strip():
             raise bad("empty dsn", f"nodes[{i}].dsn")
+        k = config.replication.synchronous if node.synchronous is None else node.synchronous
+        key = "replication.synchronous" if node.synchronous is None else f"nodes[{i}].synchronous"
+        if not 0 <= k < len(config.nodes):
+            most = len(config.nodes) - 1
+            raise bad(f"must be between 0 and {most} (the other nodes); node {node.name}: {k}", key)
+        if k and node.receive_only:
+            raise bad(f"node {node.name} is receive_only: nothing leaves it, nothing to wait for", key)
     rep = config.replication
     if rep.apply_delay_ms < 0:
         raise bad("must be >= 0", "replication.apply_delay_ms")
@@ -558,12 +533,12 @@ def parse_config(text: str, *, source: str = "config.toml") -> Config:
         message = str(exc)
         path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else ""
         key = path.removeprefix("$.") or "?"
-        line = _line_of(text, path)
+        line = line_of(text, path)
         where = f"{source}:{line}" if line else source
         detail = message.partition(" - at `")[0]
         if detail.startswith("Object contains unknown field"):
             unknown = detail.split("`")[1] if "`" in detail else "?"
-            line = _line_of(text, f"{path}.{unknown}" if path else unknown)
+            line = line_of(text, f"{path}.{unknown}" if path else unknown)
             where = f"{source}:{line}" if line else source
             scope = f" in [{key}]" if key != "?" else ""
             raise ConfigError(f"{where}: unknown key {unknown!r}{scope}") from None
@@ -572,7 +547,7 @@ def parse_config(text: str, *, source: str = "config.toml") -> Config:
         _validate(config)
     except ConfigError as exc:
         key = exc.message.partition(":")[0]
-        line = _line_of(text, "$." + key)
+        line = line_of(text, "$." + key)
         where = f"{source}:{line}" if line else source
         raise ConfigError(f"{where}: {exc.message}") from None
     if any(node.password_file for node in config.nodes):

@@ -11,6 +11,11 @@ flushed position is past the log's `since`, into a target the log was started fo
 since), lacks nothing the log does not hold, so it counts as durable up to the log's durable position. A
 link reading from the log (`log_from` set) takes nothing from memory until it catches up. Pure
 bookkeeping: no I/O, no clock.
+
+Synchronous replication (docs/synchronous.md): a source with `synchronous` = k > 0 reports as flushed
+(`flush_position`) only what k of its targets have durably applied themselves (the k-th highest of
+their own synced positions: the router's log never counts toward k), and never past `confirmable()`
+(invariant 1 as ever: every link, the log counted).
 """
 
 from __future__ import annotations
@@ -156,10 +161,13 @@ class SourceProgress:
     the source to itself that takes only the source's own transactions with deletes. The source is
     confirmed only past what the recorder has durably recorded, as past what every link has applied."""
 
-    __slots__ = ("_all", "links", "log_durable", "log_since", "log_targets", "recorder", "seen", "source")
+    __slots__ = ("_all", "links", "log_durable", "log_since", "log_targets", "recorder", "seen", "source",
+                 "synchronous")
 
-    def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None) -> None:
+    def __init__(self, source: str, links: list[LinkProgress], recorder: LinkProgress | None = None,
+                 synchronous: int = 0) -> None:
         self.source = source
+        self.synchronous = synchronous  # k: how many targets must have applied a commit (0: asynchronous)
         self.links = links
         self.recorder = recorder
         # what the source's confirmation waits for (made once: on_seen runs for every transaction)
@@ -185,6 +193,20 @@ class SourceProgress:
         if self.recorder is not None:  # the recorder never reads the log: its own position only
             out = min(out, self.recorder.durable(self.seen))
         return out
+
+    def applied_by(self, k: int) -> int:
+        """The source position up to which at least `k` targets have flushed everything themselves (the
+        k-th highest of their synced positions; the log not counted). 0 when fewer than `k` links."""
+        if k <= 0:
+            return self.seen
+        own = sorted((link.synced(self.seen) for link in self.links), reverse=True)
+        return own[k - 1] if k <= len(own) else 0
+
+    def flush_position(self) -> int:
+        """The position the source's slot may be reported flushed to: `confirmable()`, and with
+        `synchronous` = k > 0 never past what k targets have applied themselves (`applied_by`)."""
+        out = self.confirmable()
+        return min(out, self.applied_by(self.synchronous)) if self.synchronous > 0 else out
 
     def synced(self) -> int:
         """The source position up to which every target has flushed everything (the log not counted)."""

@@ -428,3 +428,18 @@ def test_status_keeps_saying_that_divergence_is_allowed() -> None:
         " conflicts.resolver = apply_remote (every table)"
     )
     assert "DIVERGENCE" not in render_status(StatusReport("demo", True, [], []))
+
+
+def test_synchronous_per_cluster_and_per_node() -> None:
+    config = parse_config(MINIMAL)
+    assert config.synchronous("a") == 0 and config.standby_name == "pgmesh_demo"
+    text = MINIMAL.replace('name = "b"', 'name = "b"\nsynchronous = 0')
+    config = parse_config(text + "\n[replication]\nsynchronous = 1\n")
+    assert config.synchronous("a") == 1 and config.synchronous("b") == 0
+
+
+def test_synchronous_beyond_the_other_nodes_is_refused_with_its_line() -> None:
+    message = error_of(MINIMAL + "\n[replication]\nsynchronous = 2\n")
+    assert "replication.synchronous: must be between 0 and 1" in message and "config.toml:" in message
+    text = MINIMAL.replace('name = "b"', 'name = "b"\nsynchronous = -1')
+    assert "nodes[1].synchronous: must be between 0 and 1" in error_of(text)

@@ -83,3 +83,71 @@ def test_the_log_counts_only_for_the_targets_it_holds_transactions_for() -> None
     assert source.confirmable() == 400
     source.log_targets = frozenset({"b"})
     assert source.confirmable() == 100
+
+
+def make_k(k: int, n: int = 3) -> tuple[SourceProgress, list[LinkProgress]]:
+    links = [LinkProgress("a", f"t{i}", 100) for i in range(n)]
+    return SourceProgress("a", links, synchronous=k), links
+
+
+def hand(source: SourceProgress, links: list[LinkProgress], end: int) -> None:
+    for link in links:
+        link.enqueued = end
+    source.on_seen(end)
+
+
+def test_synchronous_zero_flushes_to_confirmable() -> None:
+    source, links = make_k(0)
+    hand(source, links, 150)
+    links[0].on_flushed(150)
+    assert source.flush_position() == source.confirmable() == 100
+    for link in links[1:]:
+        link.on_flushed(150)
+    assert source.flush_position() == 150
+
+
+def test_applied_by_is_the_kth_highest_synced_position() -> None:
+    source, links = make_k(2)
+    hand(source, links, 400)
+    for link, lsn in zip(links, (300, 150, 200), strict=True):
+        link.on_flushed(lsn)
+    assert source.applied_by(1) == 300
+    assert source.applied_by(2) == 200
+    assert source.applied_by(3) == 150
+    assert source.applied_by(4) == 0  # fewer targets than k: nothing is ever applied by k
+    links[0].on_flushed(400)  # it has everything handed to it: synced to what the source passed
+    source.on_seen(450)  # an echo, handed to nobody
+    assert source.applied_by(1) == 450
+
+
+def test_synchronous_never_flushes_past_confirmable() -> None:
+    """k = 1 and one target has it all: still held by the others unless the log holds it for them."""
+    source, links = make_k(1)
+    hand(source, links, 150)
+    links[0].on_flushed(150)
+    assert source.applied_by(1) == 150
+    assert source.flush_position() == 100  # invariant 1: the others have not got it, no log holds it
+    source.log_since, source.log_durable = 50, 150  # the log holds it durably for them
+    assert source.confirmable() == 150 and source.flush_position() == 150
+
+
+def test_the_log_never_counts_toward_k() -> None:
+    """A target down: the log lets the slot move (confirmable) but k counts targets that applied."""
+    source, links = make_k(2)
+    hand(source, links, 150)
+    source.log_since, source.log_durable = 50, 150
+    assert source.confirmable() == 150
+    links[0].on_flushed(150)
+    assert source.flush_position() == 100  # one target applied, two needed
+    links[2].on_flushed(150)
+    assert source.flush_position() == 150
+
+
+def test_synchronous_with_every_target_down_holds_at_what_they_applied() -> None:
+    source, links = make_k(1, n=2)
+    hand(source, links, 150)
+    for link in links:
+        link.detach(150)
+    source.log_since, source.log_durable = 50, 150
+    assert source.confirmable() == 150
+    assert source.flush_position() == 100  # a commit on the source waits, as with PostgreSQL's own
