@@ -228,6 +228,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         own = self.node(node).synchronous
         return self.replication.synchronous if own is None else own
 
+    def apply_synchronous_commit(self, target: str) -> str:
+        """The appliers' synchronous_commit on `target`. With `synchronous` > 0 anywhere, every applied
+        commit is durable when it returns (the links' positions move at once: "off" becomes "local"), and
+        on a target with `synchronous` > 0 it never waits for that node's synchronous standbys ("local"):
+        the router is one of them, and would wait for itself."""
+        mode = self.replication.apply_synchronous_commit
+        if not any(self.synchronous(n) for n in self.node_names):
+            return mode
+        return "local" if mode == "off" or self.synchronous(target) > 0 else mode
+
     def origin_name(self, source: str) -> str:
         """The replication origin, on a target, for changes coming from `source`."""
         return f"pgmesh_{self.cluster.name}_{source}"

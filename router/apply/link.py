@@ -143,7 +143,7 @@ class LinkSession:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
         self.conn = await open_session(  # installed_at: set by load_origins
             self.target.dsn, source=self.source,
-            synchronous_commit=self.config.replication.apply_synchronous_commit,
+            synchronous_commit=self.config.apply_synchronous_commit(self.target.name),
         )
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
@@ -392,7 +392,7 @@ class LinkSession:
     async def open_other(self) -> asyncpg.Connection:
         """Another session on the target, set up as the main one (a lane, the side session)."""
         conn = await open_session(self.target.dsn, self.installed_at, source=self.source,
-                                  synchronous_commit=self.config.replication.apply_synchronous_commit)
+                                  synchronous_commit=self.config.apply_synchronous_commit(self.target.name))
         if self.settings:
             await conn.execute(self.settings)
         return conn

@@ -331,6 +331,8 @@ class TombstonePruner:
             conn = await psycopg.AsyncConnection.connect(
                 node.dsn, autocommit=True, application_name="pgmesh-pruner", connect_timeout=5
             )
+            if self.config.synchronous(node.name) > 0:  # its deletes never wait for the router itself
+                await conn.execute("SET synchronous_commit = local")
             self._conns[node.name] = conn
         return conn
 

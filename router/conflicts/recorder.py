@@ -28,9 +28,10 @@ key), writes in one transaction on the node:
    (the node's slot is held; nothing is lost), never a silent difference.
 
 The recorder's position (`pgmesh.tombstones_recorded`, the end LSN of the last transaction recorded)
-is written with the last table's transaction, committed with synchronous_commit on: its link
-(router.progress.SourceProgress.recorder) is flushed there, and the node's slot is confirmed only up
-to what the recorder has durably recorded. A crash between tables records them again (idempotent).
+is written with the last table's transaction, committed with synchronous_commit on (local with
+`synchronous` > 0): its link (router.progress.SourceProgress.recorder) is flushed there, and the node's
+slot is confirmed only up to what the recorder has durably recorded. A crash between tables records
+them again (idempotent).
 
 Recording after the commit leaves a window, closed by steps 1 and 3 together: an applier that meets no
 row and no tombstone during the recorder's lag applies the change; the recorder then decides it late,
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import asyncpg
@@ -121,8 +122,10 @@ class _Deletes:
 class TombstoneRecorder:
     """Records one node's own deletes (see the module docstring); `run` until cancelled."""
 
-    def __init__(self, config: Config, node: NodeConfig, progress: LinkProgress, queue: LinkQueue) -> None:
+    def __init__(self, config: Config, node: NodeConfig, progress: LinkProgress, queue: LinkQueue,
+                 on_recorded: Callable[[], None] | None = None) -> None:
         self.config = config
+        self.on_recorded = on_recorded  # its position moved (router.service.synchronous: confirm at once)
         self.node = node
         self.progress = progress  # source = target = the node
         self.queue = queue
@@ -174,7 +177,10 @@ class TombstoneRecorder:
         if self._conn is None or self._conn.is_closed():
             conn = await open_session(self.node.dsn)
             origin = self.config.recorder_origin_name()
-            await conn.execute("SET synchronous_commit = on; SET pgmesh.recording = 'y'")
+            # "local" on a node with synchronous > 0: the router is its synchronous standby (it would wait
+            # for itself; docs/synchronous.md)
+            mode = "local" if self.config.synchronous(self.node.name) > 0 else "on"
+            await conn.execute(f"SET synchronous_commit = {mode}; SET pgmesh.recording = 'y'")
             await conn.execute(
                 "SELECT pg_catalog.set_config('pgmesh.target', $1, false),"
                 " pg_catalog.set_config('pgmesh.origin_prefix', $2, false)",
@@ -194,7 +200,7 @@ class TombstoneRecorder:
         end = batch[-1].end_lsn
         tables = [d for d in deletes.values() if d.keys and d.table.replica]
         if not tables:
-            self.progress.on_flushed(end)  # nothing of these is this recorder's: up to here is recorded
+            self._recorded(end)  # nothing of these is this recorder's: up to here is recorded
             return
         current = int(await conn.fetchval(
             "SELECT pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())::text::bigint"))
@@ -209,7 +215,12 @@ class TombstoneRecorder:
                         " SET position = $1::text::pg_lsn RETURNING 1)"
                         " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn"
                         " WHERE NOT EXISTS (SELECT 1 FROM u)", format_lsn(end))
+        self._recorded(end)
+
+    def _recorded(self, end: int) -> None:
         self.progress.on_flushed(end)
+        if self.on_recorded is not None:
+            self.on_recorded()
 
     async def _collect(
         self, conn: asyncpg.Connection, batch: Iterable[Transaction]

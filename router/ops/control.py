@@ -165,6 +165,15 @@ def render_status(report: StatusReport) -> str:
             f"{source.confirmed_lsn}, reconnects {source.reconnects}" + _retained_text(source.retained)
             + _log_text(source.log) + (f", last error: {source.last_error}" if source.last_error else "")
         )
+    for source in report.sources:  # docs/synchronous.md
+        sync = source.synchronous
+        if sync is not None:
+            lines.append(
+                f"synchronous {source.node}: k = {sync.k}, applying: {', '.join(sync.applying) or 'none'},"
+                f" flushed {sync.flushed_lsn}" + ("" if sync.satisfied else
+                "; NOT SATISFIED: commits on it wait until k targets apply again (to stop waiting:"
+                " docs/synchronous.md, Stepping down)")
+            )
     for rec in report.recorders:  # router.conflicts.recorder: the node's own deletes as tombstones
         lines.append(
             f"tombstones {rec.node}: recorded to {rec.recorded_lsn}, {rec.tombstones} written,"

@@ -284,6 +284,8 @@ class Metrics:
         "skipped_transactions_total",
         "source_received_bytes_total",
         "source_reconnects_total",
+        "synchronous_k",
+        "synchronous_satisfied",
         "tombstone_horizon_age_seconds",
         "tombstone_late_decisions_total",
         "tombstones",
@@ -421,6 +423,15 @@ class Metrics:
         )
         self.router_log_readers = self.registry.gauge(
             PREFIX + "router_log_readers", "Links out of the node reading the router's log (fell behind).",
+            ("node",),
+        )
+        self.synchronous_k = self.registry.gauge(
+            PREFIX + "synchronous_k", "How many other nodes a commit on the node waits for (synchronous;"
+            " 0: asynchronous; docs/synchronous.md).", ("node",),
+        )
+        self.synchronous_satisfied = self.registry.gauge(
+            PREFIX + "synchronous_satisfied", "With synchronous > 0: 1 while at least k of the node's targets"
+            " are applying; 0: commits on the node wait (as PostgreSQL's own synchronous replication).",
             ("node",),
         )
         self.tombstones = self.registry.gauge(

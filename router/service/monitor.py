@@ -94,6 +94,8 @@ class MonitorTarget:
             self.conn = await psycopg.AsyncConnection.connect(
                 self.node.dsn, autocommit=True, application_name="pgmesh-monitor", connect_timeout=5
             )
+            if self.config.synchronous(self.node.name) > 0:  # its writes never wait for the router itself
+                await self.conn.execute("SET synchronous_commit = local")
         cur = await self.conn.execute(sql, params)
         return await cur.fetchall() if cur.description else []
 

@@ -23,7 +23,15 @@ from router.progress import LinkProgress, SourceProgress
 from router.service.logs import RouterLogs
 from router.service.metrics import Metrics, raise_to
 from router.service.monitor import MonitorTarget
-from router.service.status import LinkStatus, LogStatus, RecorderStatus, SourceStatus, StatusReport
+from router.service.status import (
+    LinkStatus,
+    LogStatus,
+    RecorderStatus,
+    SourceStatus,
+    StatusReport,
+    SynchronousStatus,
+)
+from router.service.synchronous import synchronous_status
 from router.stream.fanout import SourcePump
 from router.stream.log import SourceLog
 from router.stream.source import ReplicationSource
@@ -84,6 +92,10 @@ class Reporter:
                 m.router_log_cap_bytes.labels(node=node).set(log.cap_bytes)
                 m.router_log_full.labels(node=node).set(int(not log.appending))
                 m.router_log_readers.labels(node=node).set(len(router.progress[node].logging()))
+            m.synchronous_k.labels(node=node).set(router.progress[node].synchronous)
+            synchronous = self._synchronous(router, node)
+            if synchronous is not None:
+                m.synchronous_satisfied.labels(node=node).set(int(synchronous.satisfied))
         for node, recorder in router.recorders.items():
             m.observe_recorder(node, recorder.recorded, recorder.late)
         for setting in router.config.divergent_resolvers():
@@ -106,6 +118,7 @@ class Reporter:
                 reconnects=pump.stats.reconnects, last_error=pump.source.last_error,
                 retained=router.targets[node].retained if node in router.targets else None,
                 log=_log_status(router.logs.logs.get(node), router.progress[node]),
+                synchronous=self._synchronous(router, node),
             )
             for node, pump in router.pumps.items()
         ]
@@ -116,6 +129,10 @@ class Reporter:
              for node, r in router.recorders.items()],
             [n.name for n in router.config.nodes if n.receive_only],
         )
+
+    def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:
+        return synchronous_status(router.progress[node].synchronous, node, router.progress[node],
+                                  router.pumps[node].source, router.appliers, router.targets)
 
     def _link_status(self, router: Router, key: tuple[str, str], applier: Applier, now: float) -> LinkStatus:
         source = router.pumps[key[0]].source

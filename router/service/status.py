@@ -10,7 +10,8 @@ import msgspec
 
 from router.cluster.clocks import NodeClock
 
-__all__ = ["LinkStatus", "LogStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport"]
+__all__ = ["LinkStatus", "LogStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport",
+           "SynchronousStatus"]
 
 
 class LinkStatus(msgspec.Struct, frozen=True):
@@ -52,6 +53,15 @@ class LogStatus(msgspec.Struct, frozen=True):
     readers: list[str]  # the targets reading it now (they fell behind)
 
 
+class SynchronousStatus(msgspec.Struct, frozen=True):
+    """A node with synchronous = k > 0 (docs/synchronous.md): its commits wait for k targets."""
+
+    k: int
+    applying: list[str]  # its targets applying now (the link running, the node answering)
+    satisfied: bool  # at least k of them: else every commit on the node waits
+    flushed_lsn: str  # what the router reports flushed to the node (k targets applied it, the slot safe)
+
+
 class SourceStatus(msgspec.Struct, frozen=True):
     node: str
     state: str
@@ -64,6 +74,7 @@ class SourceStatus(msgspec.Struct, frozen=True):
     last_error: str | None
     retained: RetainedWal | None = None  # what pgmesh's slot on the node keeps of its WAL, as last read
     log: LogStatus | None = None  # the router's log of this source (None: [log] enabled = false)
+    synchronous: SynchronousStatus | None = None  # None: asynchronous (synchronous = 0)
 
 
 class RecorderStatus(msgspec.Struct, frozen=True):

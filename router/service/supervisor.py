@@ -4,20 +4,21 @@ It builds, from the config and from what the nodes say (origin progress, paused 
 `ReplicationSource` + `SourcePump` per node and one `Applier` per link (source -> target), all in one
 `TaskGroup` on one event loop. A tick every `status_interval_ms` reads each target's flushed origin
 positions, confirms each source's slot up to the least durable of its links (never further), and
-re-attaches detached links by re-reading their source. Stopping (SIGTERM, Ctrl-C) stops the sources
-first, then the appliers, then does a last shielded progress tick so the slots are confirmed as far as
-the targets durably got.
+re-attaches detached links by re-reading their source; a node with `synchronous` = k > 0 is confirmed
+at each commit too, and only as far as k targets applied (router.service.synchronous). Stopping
+(SIGTERM, Ctrl-C) stops the sources first, then the appliers, then does a last shielded progress tick so
+the slots are confirmed as far as the targets durably got.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
 import psycopg
 
 from protocol.lsn import parse_lsn
@@ -39,6 +40,8 @@ from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
 from router.service.report import Reporter
 from router.service.status import LinkStatus, SourceStatus, StatusReport
+from router.service.synchronous import CommitConfirm
+from router.service.tasks import cancel_all, freeze_startup_objects
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
@@ -59,13 +62,6 @@ _SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_syst
 _LOG_MARK_SQL = (f"SELECT (SELECT value FROM pgmesh.node_info WHERE key = '{MARK_KEY}'), (SELECT"
                  " confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s)")
 
-
-def _freeze_startup_objects() -> None:
-    """Leave what exists now (modules, configuration, the process's start-up state) out of every later
-    garbage collection: a full collection walks every tracked object, and with the start-up state in
-    its walk one took 55 ms in the bench process, stalling every link that long (lag p99)."""
-    gc.collect()
-    gc.freeze()
 
 class Router:
     """The whole mesh in one process."""
@@ -89,7 +85,7 @@ class Router:
         self.reporter = Reporter()  # status and /metrics (router.service.report)
         self.source_options = source_options or SourceOptions(
             status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
-            application_name=f"pgmesh_{config.cluster.name}", skip_echo_rows=True, origin_none=True,
+            application_name=config.standby_name, skip_echo_rows=True, origin_none=True,
             spill_bytes=config.replication.spill_mb << 20, early_spilled=config.replication.early_apply,
             early_streamed=config.replication.early_apply,
         )
@@ -220,6 +216,8 @@ class Router:
             log = self.logs.open(source_node.name, self._seen_of(source_node.name),
                                  self._sysids.get(source_node.name))
             stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
+            k = self.config.synchronous(source_node.name)  # > 0: confirmed at each commit (.synchronous)
+            confirm = CommitConfirm(self._on_applied_hook) if k else None
             for target_node in members:
                 if target_node is source_node or source_node.receive_only:  # (router.cluster.receive)
                     continue
@@ -231,8 +229,8 @@ class Router:
                 queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
                 target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=self._on_applied_hook, clock=self.clock,
-                                  target_clock=target_clock)
+                                  on_applied=confirm.applied if confirm else self._on_applied_hook,
+                                  clock=self.clock, target_clock=target_clock)
                 target_clock.show_on(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")
@@ -244,18 +242,21 @@ class Router:
                 start = min((link.flushed for link in links), default=0)
             recording = LinkProgress(source_node.name, source_node.name, start)
             recorder_queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
-            self.recorders[source_node.name] = TombstoneRecorder(self.config, source_node, recording,
-                                                                 recorder_queue)
-            progress = SourceProgress(source_node.name, links, recording)
+            self.recorders[source_node.name] = TombstoneRecorder(
+                self.config, source_node, recording, recorder_queue, confirm.recorded if confirm else None)
+            progress = SourceProgress(source_node.name, links, recording, synchronous=k)
             self.logs.place(source_node.name, progress, down)
             self._lost += [(source_node.name, *x) for x in self.logs.lost(source_node.name, progress, down)]
             self._drift_targets.append(MonitorTarget(self.config, source_node))
             source = ReplicationSource(
                 source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
-                options=self.source_options, clock=self.clock, spool=self.spool,
+                options=msgspec.structs.replace(self.source_options, synchronous=k > 0), clock=self.clock,
+                spool=self.spool,
                 ceiling=self.pins.get(source_node.name),  # a joining node's pin (router.cluster.joining)
                 start_lsn=progress.start_position(None if log is None else log.end),
             )
+            if confirm is not None:
+                confirm.progress, confirm.source = progress, source
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
                                                       recorder=recorder_queue, log=log,
@@ -308,7 +309,7 @@ class Router:
                     await self.admin.start()
                 logger.info("cluster %s: router running with %d nodes and %d links",
                             self.config.cluster.name, len(self.pumps), len(self.appliers))
-                _freeze_startup_objects()
+                freeze_startup_objects()
                 await self._stream(stop)
                 self.spool.close()  # what was still queued is read again from the slots
                 self.running = False
@@ -345,7 +346,7 @@ class Router:
             finally:
                 for waiter in waits:
                     waiter.cancel()
-            await _cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
+            await cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
             await self._shutdown(pump_tasks, [*applier_tasks, *logs], ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
@@ -388,13 +389,13 @@ class Router:
     async def _shutdown(self, pumps: list[asyncio.Task[None]], appliers: list[asyncio.Task[None]],
                         ticker: asyncio.Task[None]) -> None:
         logger.info("cluster %s: stopping", self.config.cluster.name)
-        await _cancel_all(pumps, "sources")  # 1. stop reading the sources
+        await cancel_all(pumps, "sources")  # 1. stop reading the sources
         # 2. stop applying, each batch in hand committed first if it can be within `stop_wait_s` (what is
         # not committed is simply applied again after a restart)
         finishing = asyncio.gather(*(a.finish() for a in self.appliers.values()))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(finishing, self.stop_wait_s)
-        await _cancel_all([*appliers, ticker], "appliers")
+        await cancel_all([*appliers, ticker], "appliers")
         for applier in self.appliers.values():
             await applier.close()
         # 3. the last word: confirm what the targets flushed, then close the sources
@@ -456,7 +457,7 @@ class Router:
                 or not self.appliers[(node, link.target)].ready_for_more
             })
             pump.check_stalled()
-            pump.source.confirm(progress.confirmable())
+            pump.source.confirm(progress.flush_position())  # (synchronous = k: also k targets applied)
             if rewind:
                 ready = [
                     link for link in progress.links
@@ -582,17 +583,3 @@ class Router:
 
     def status(self) -> StatusReport:
         return self.reporter.status(self)
-
-
-async def _cancel_all(tasks: list[asyncio.Task[None]], what: str, limit: float = 10.0) -> None:
-    """Cancel and wait; a task that ignores its cancel for `limit` seconds is reported and cancelled again."""
-    for task in tasks:
-        task.cancel()
-    while True:
-        _, pending = await asyncio.wait(tasks, timeout=limit)
-        if not pending:
-            return
-        logger.warning("stopping %s: %d task(s) still running after %.0f s; cancelling again",
-                       what, len(pending), limit)
-        for task in pending:
-            task.cancel()

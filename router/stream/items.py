@@ -57,6 +57,10 @@ class SourceOptions(msgspec.Struct, frozen=True):
     early_spilled: bool = False
     # announce a streamed transaction at its first spill (an EarlyStream item), before it commits
     early_streamed: bool = False
+    # the node waits for this connection's feedback (synchronous_standby_names names it: docs/synchronous.md):
+    # a keepalive that moves the server's WAL end (one follows each commit the walsender skips) is answered
+    # at once, so that a commit with nothing for the router does not wait for the status timer
+    synchronous: bool = False
 
 
 StreamingMode = Literal["off", "on", "parallel"]

@@ -155,7 +155,10 @@ class ReplicationSource:
         return self._received
 
     def on_keepalive(self, wal_end: int) -> None:
-        """The server's WAL end from a keepalive: everything before it was sent (or is not for us)."""
+        """The server's WAL end from a keepalive: everything before it was sent (or is not for us). A
+        synchronous source (`options.synchronous`) answers one that moves it at once."""
+        if wal_end > self._server_wal_end and self.options.synchronous:
+            self.connection.nudge()
         self._server_wal_end = max(self._server_wal_end, wal_end)
         self._received = max(self._received, wal_end)
 

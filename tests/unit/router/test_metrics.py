@@ -203,6 +203,8 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_retained_wal_safe_bytes": ("gauge", ("node",)),
     "pgmesh_router_log_full": ("gauge", ("node",)),
     "pgmesh_router_log_readers": ("gauge", ("node",)),
+    "pgmesh_synchronous_k": ("gauge", ("node",)),
+    "pgmesh_synchronous_satisfied": ("gauge", ("node",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
     "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }
@@ -289,6 +291,8 @@ BEFORE_PROMETHEUS_CLIENT = [
     ("pgmesh_skipped_transactions_total", "counter", ("source", "target")),
     ("pgmesh_source_received_bytes_total", "counter", ("node",)),
     ("pgmesh_source_reconnects_total", "counter", ("node",)),
+    ("pgmesh_synchronous_k", "gauge", ("node",)),
+    ("pgmesh_synchronous_satisfied", "gauge", ("node",)),
     ("pgmesh_tombstone_horizon_age_seconds", "gauge", ("node",)),
     ("pgmesh_tombstone_late_decisions_total", "counter", ("node",)),
     ("pgmesh_tombstones", "gauge", ("node",)),
