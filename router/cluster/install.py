@@ -69,6 +69,9 @@ async def _ensure_schema(conn: Conn) -> list[str]:
     assert row is not None
     schema = sql.Identifier(PGMESH_SCHEMA)
     await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+    # every role may reach its functions (the triggers and defaults the application's own statements call:
+    # DDL capture, tombstones, snowflake ids); its tables keep their own privileges (docs/security.md)
+    await conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO PUBLIC").format(schema))
     await conn.execute(_LINKS_DDL.format(schema))
     await conn.execute(_LINKS_MARK.format(schema))
     done = [] if row[0] else [f"created schema {PGMESH_SCHEMA}"]
@@ -451,6 +454,9 @@ async def install(config: Config, report: InitReport) -> list[str]:
     if not report.ok:
         raise ConfigError("refusing to install: the nodes are not ready\n" + report.render())
     conns = await _connect_all(config)
+    for name, conn in conns.items():  # an init again with synchronous > 0: no router may answer now
+        if config.synchronous(name):
+            await conn.execute("SET synchronous_commit = local")
     created = {name: _Created() for name in conns}
     try:
         try:
@@ -481,7 +487,10 @@ async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
     config = without_parted(config, parted)
     report = await check_cluster(config)
     left = [f"node {n}: parted, left out (`pgmesh join {n}` brings it back)" for n in parted]
-    return report, left + await install(config, report)
+    done = await install(config, report)
+    from router.cluster.synchronous import standby_names  # last: nothing above waits for the router
+
+    return report, left + done + await standby_names(config)
 
 
 # ---------------------------------------------------------------------------------------------------------

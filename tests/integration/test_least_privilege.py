@@ -29,6 +29,10 @@ def node_sections(script: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
+async def _has(dsn: str, query: str) -> bool:
+    return bool((await fetch(dsn, query))[0][0])
+
+
 async def rows(node: Any) -> list[tuple[Any, ...]]:
     return await fetch(node.dsn(), "SELECT id, v FROM items ORDER BY id")
 
@@ -40,6 +44,10 @@ async def test_a_role_with_only_the_documented_privileges_runs_the_router(
     a, b = m.nodes
     for node in m.nodes:
         await execute(node.dsn(), f"CREATE ROLE {ROLE} LOGIN")  # no privilege yet: the script grants them
+        # the application's tables belong to its owner role; the run role is a member (docs/security.md:
+        # replayed DDL runs as the run role)
+        await execute(node.dsn(), "CREATE ROLE app_owner", "ALTER TABLE items OWNER TO app_owner",
+                      "GRANT CREATE ON SCHEMA public TO app_owner", f"GRANT app_owner TO {ROLE}")
     run_text = m.config_text().replace("user=postgres", f"user={ROLE}")
     run_config = tmp_path / "run.toml"
     run_config.write_text(run_text)
@@ -69,6 +77,21 @@ async def test_a_role_with_only_the_documented_privileges_runs_the_router(
         await execute(a.dsn(), "UPDATE items SET v = 'a3' WHERE id = 3")
         await wait_converged(m.nodes, ["items"])
         assert await rows(a) == [(1, "b2"), (3, "a3")]
+        # DDL, run by the tables' owner on a, replayed on b by the run role
+        await execute(a.dsn(), "SET ROLE app_owner", "ALTER TABLE items ADD COLUMN note text DEFAULT 'n'",
+                      "CREATE TABLE more (id int PRIMARY KEY, items_id int)")
+        has_more = "SELECT count(*) FROM pg_tables WHERE tablename = 'more'"
+        await wait_for(lambda: _has(b.dsn(), has_more), "the table created on a, on b")
+        await execute(b.dsn(), "INSERT INTO more VALUES (1, 1)")
+        await wait_converged(m.nodes, ["items", "more"])
+        assert await fetch(b.dsn(), "SELECT note FROM items WHERE id = 1") == [("n",)]
+        owners = "SELECT tableowner FROM pg_tables WHERE tablename = 'more'"
+        assert await fetch(a.dsn(), owners) == [("app_owner",)]
+        # the application's own role (no superuser, no right on pgmesh's tables) deletes and truncates:
+        # pgmesh's triggers on its tables work for it
+        await execute(a.dsn(), "SET ROLE app_owner", "DELETE FROM items WHERE id = 3", "TRUNCATE more")
+        await wait_converged(m.nodes, ["items", "more"])
+        assert await fetch(b.dsn(), "SELECT count(*) FROM more") == [(0,)]
     # a conflict: the same key inserted on both nodes while no router runs
     await execute(a.dsn(), "INSERT INTO items VALUES (10, 'from a')")
     await execute(b.dsn(), "INSERT INTO items VALUES (10, 'from b')")

@@ -7,7 +7,7 @@
 -- router/conflicts/catalog.py (install_conflict_catalog), which fills {schema} with pgmesh's schema,
 -- quoted as an identifier.
 
-CREATE OR REPLACE FUNCTION {schema}.tombstone() RETURNS trigger LANGUAGE plpgsql
+CREATE OR REPLACE FUNCTION {schema}.tombstone() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
 SET TimeZone = 'UTC' SET DateStyle = 'ISO, YMD' SET IntervalStyle = 'postgres' SET extra_float_digits = 3
 SET bytea_output = 'hex' SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE

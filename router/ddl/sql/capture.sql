@@ -6,7 +6,7 @@
 -- fills {schema} with pgmesh's schema, quoted as an identifier; the triggers' settings are rows 'ddl.*'
 -- of {schema}.node_info. Statements end with a ';' at the end of a line outside $body$ quotes.
 
-CREATE OR REPLACE FUNCTION {schema}.ddl_setting(name text) RETURNS text LANGUAGE sql STABLE
+CREATE OR REPLACE FUNCTION {schema}.ddl_setting(name text) RETURNS text LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp AS $body$
   SELECT value FROM {schema}.node_info WHERE key = 'ddl.' || name
 $body$;
