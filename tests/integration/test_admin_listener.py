@@ -76,8 +76,28 @@ async def test_slowloris_clients_stall_neither_the_admin_port_nor_replication(
             for _, writer in slow:
                 writer.close()
             await asyncio.gather(*ends, return_exceptions=True)
+        # a 10 MB body, sent while rows replicate: refused, and replication goes on meanwhile
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"POST /pause HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer integration-token\r\n"
+                     b"Content-Length: 10485760\r\n\r\n")
+        sending = asyncio.create_task(_send_body(writer, 10 << 20))
         await execute(a.dsn(), "INSERT INTO items VALUES (2, 'two')")
         await wait_for(lambda: has(b, 2), "row 2 on b")
+        answer = await asyncio.wait_for(reader.read(), 30)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
+        await asyncio.gather(sending, return_exceptions=True)
+        writer.close()
+        await execute(a.dsn(), "INSERT INTO items VALUES (3, 'three')")
+        await wait_for(lambda: has(b, 3), "row 3 on b")
+        assert not router.appliers[("a", "b")].user_paused
+
+
+async def _send_body(writer: asyncio.StreamWriter, size: int) -> None:
+    """`size` bytes, 64 kB at a time, until done or the server closes."""
+    chunk = b"x" * 65536
+    for _ in range(size // len(chunk)):
+        writer.write(chunk)
+        await writer.drain()
 
 
 async def test_the_unix_socket_takes_a_pause_without_the_token(mesh: MeshFactory, monkeypatch: Any) -> None:
