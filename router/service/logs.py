@@ -196,6 +196,13 @@ class RouterLogs:
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
         progress.log_targets = log.targets
 
+    def durable(self, node: str, progress: SourceProgress) -> None:
+        """Between ticks, `node`'s log made more durable (a synchronous source's: docs/synchronous.md): it
+        counts at once, as `upkeep` would count it, if the node holds the log's name."""
+        log = self.logs.get(node)
+        if log is not None and self.marks.get(node) == log.log_id:
+            progress.log_since, progress.log_durable = log.since, log.durable
+
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
         """Every `SAVE_EVERY_S` at most (two fsyncs, in a thread: never on the event loop, which a slow
         disk would stall): a position saved a little low only makes a node that is down at the next start

@@ -257,6 +257,8 @@ class Router:
             )
             if confirm is not None:
                 confirm.progress, confirm.source = progress, source
+                if log is not None:
+                    confirm.watch_log(self.logs, source_node.name, log)
             self.progress[source_node.name] = progress
             self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
                                                       recorder=recorder_queue, log=log,

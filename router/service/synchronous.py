@@ -9,7 +9,8 @@ up to `status_interval_ms` to every such commit, so `CommitConfirm` confirms at 
 appliers' commits are durable when they return (their sessions commit with synchronous_commit local or
 stronger: `Config.apply_synchronous_commit`), so each one moves its link's flushed position at once, and
 the source's flush position is recomputed and sent (`ReplicationSource.confirm`, whose nudge sends a
-status update now). The tombstone recorder's commits do the same (`recorded`).
+status update now). The tombstone recorder's commits do the same (`recorded`), and so does each group
+fsync of the source's log while a target is down (`watch_log`).
 
 Must not: read positions from a node, apply anything, or report a position flushed that
 `flush_position` does not allow.
@@ -23,8 +24,10 @@ from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.progress import SourceProgress
+from router.service.logs import RouterLogs
 from router.service.monitor import MonitorTarget
 from router.service.status import SynchronousStatus
+from router.stream.log import SourceLog
 from router.stream.source import ReplicationSource
 
 __all__ = ["CommitConfirm", "synchronous_status"]
@@ -49,6 +52,17 @@ class CommitConfirm:
         self.recorded()
         if self.then is not None:
             self.then(applier, txn)
+
+    def watch_log(self, logs: RouterLogs, node: str, log: SourceLog) -> None:
+        """With a link behind, the source's log encodes at each append, and each group fsync confirms at
+        once (else a commit would wait for a progress tick while a target is down)."""
+        log.eager = True
+        log.on_durable = lambda: self._logged(logs, node)
+
+    def _logged(self, logs: RouterLogs, node: str) -> None:
+        if self.progress is not None:
+            logs.durable(node, self.progress)
+            self.recorded()
 
     def recorded(self) -> None:
         """A link's durable position moved: report the source's flush position now."""

@@ -131,6 +131,11 @@ class SourceLog:
         self.settled = True  # whether its own files (identity, name) are durable (`_write_meta`)
         self.appended = 0  # transactions appended (stats)
         self.bytes_appended = 0
+        # a synchronous source's (docs/synchronous.md): while a link is behind (the last `release` said
+        # so), encode at each append, and call `on_durable` whenever `durable` moves
+        self.eager = False
+        self._behind = False
+        self.on_durable: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ state
 
@@ -318,12 +323,15 @@ class SourceLog:
         self._pending_bytes += _held_bytes(txn)
         if self._pending_bytes > self.hold_bytes:
             self._encode_pending(len(self._pending) // 2 + 1)
+        if self.eager and self._behind:
+            self._encode_pending(len(self._pending))
 
     def release(self, flushed: int, *, behind: bool = False) -> None:
         """At each progress tick: forget the held transactions that every link's target has flushed
         (`flushed`: the least of their positions; nobody can need them from the log); then encode every
         one still held if a link is `behind` (down, held, detached or reading the log: it needs them from
         the log), else those held for `hold_ticks` releases."""
+        self._behind = behind
         pending = self._pending
         while pending and pending[0].end_lsn <= flushed:
             self._let_go(pending.popleft())
@@ -506,8 +514,10 @@ class SourceLog:
     def _advance(self, mark: int) -> None:
         if self._limit is not None:
             mark = min(mark, self._limit)
-        if self.since is not None:
-            self.durable = max(self.durable, mark)
+        if self.since is not None and mark > self.durable:
+            self.durable = mark
+            if self.on_durable is not None:
+                self.on_durable()
 
     # ------------------------------------------------------------ reading and truncation
 

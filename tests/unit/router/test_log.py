@@ -302,6 +302,28 @@ def test_held_transactions_are_written_at_once_when_a_link_is_behind(tmp_path: P
     assert [t.end_lsn for t in read_all(log, 0)] == [2, 3]
 
 
+def test_an_eager_log_encodes_at_append_while_a_link_is_behind_and_says_when_durable(tmp_path: Path) -> None:
+    """A synchronous source's log (docs/synchronous.md): no waiting for the next tick to encode."""
+    passed = [0]
+    moved: list[int] = []
+    log = make(tmp_path, hold_bytes=1 << 20, hold_ticks=100, position=lambda: passed[0])
+    log.eager = True
+    log.on_durable = lambda: moved.append(log.durable)
+    log.activate(0, ["t"])
+    log.append(txn(1))
+    assert log.buffered == 1  # every link keeps up: held
+    log.release(0, behind=True)
+    log.write_buffer()
+    log.append(txn(2))
+    passed[0] = 2
+    assert log.buffered > 1  # a link is behind: encoded as appended (bytes in the write buffer)
+    log.write_buffer()
+    assert log.buffered == 0
+    asyncio.run(log.sync())
+    assert log.durable == 2 and moved == [2]
+    assert [t.end_lsn for t in read_all(log, 0)] == [1, 2]
+
+
 def test_held_transactions_are_bounded_in_bytes(tmp_path: Path) -> None:
     log = make(tmp_path, hold_bytes=64 << 10)
     log.activate(0, ["t"])
