@@ -487,10 +487,11 @@ async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
     config = without_parted(config, parted)
     report = await check_cluster(config)
     left = [f"node {n}: parted, left out (`pgmesh join {n}` brings it back)" for n in parted]
-    done = await install(config, report)
-    from router.cluster.synchronous import standby_names  # last: nothing above waits for the router
+    from router.cluster.synchronous import standby_names  # (docs/synchronous.md)
 
-    return report, left + done + await standby_names(config)
+    down = await standby_names(config, waiting=False) if report.ok else []  # first: nothing then waits
+    done = await install(config, report)
+    return report, left + down + done + await standby_names(config, waiting=True)  # last
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -67,12 +67,15 @@ async def _one(config: Config, node: NodeConfig) -> str:
                 f" there returns once {k} other node(s) applied it)")
 
 
-async def standby_names(config: Config) -> list[str]:
-    """Set (or reset) every node's synchronous_standby_names for its `synchronous`; one line per change.
-    A failure names the node and what to run by hand."""
-    results = await asyncio.gather(*(_one(config, n) for n in config.nodes), return_exceptions=True)
+async def standby_names(config: Config, *, waiting: bool) -> list[str]:
+    """Set (`waiting`: the nodes with k > 0) or reset (else: those with k = 0) each node's
+    synchronous_standby_names; one line per change. `pgmesh init` resets before it installs (its writes
+    must not wait for a router that may not run) and sets last. A failure names the node and what to run
+    by hand."""
+    nodes = [n for n in config.nodes if bool(config.synchronous(n.name)) is waiting]
+    results = await asyncio.gather(*(_one(config, n) for n in nodes), return_exceptions=True)
     lines: list[str] = []
-    for node, result in zip(config.nodes, results, strict=True):
+    for node, result in zip(nodes, results, strict=True):
         if isinstance(result, PgmeshError):
             raise result
         if isinstance(result, psycopg.Error | OSError):

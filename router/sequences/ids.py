@@ -320,6 +320,11 @@ async def connect_all(config: Config, *, autocommit: bool) -> dict[str, Conn]:
         if isinstance(result, psycopg.AsyncConnection):
             conns[node.name] = result
     failures = [r for r in results if isinstance(r, BaseException)]
+    for name, conn in [] if failures else conns.items():  # synchronous > 0 (docs/synchronous.md): never
+        if config.synchronous(name):  # wait for the router, which may not be running
+            await conn.execute("SET synchronous_commit = local")
+            if not autocommit:
+                await conn.commit()
     if failures:
         await close_all(conns)
         if len(failures) == 1:

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import psycopg
+import pytest
 
+from router.cluster.install import init_cluster
+from router.cluster.synchronous import standby_names
+from router.errors import PgmeshError
+from router.ops.control import render_status
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
@@ -21,6 +27,7 @@ TABLES = ["doc"]
 INSERT = "INSERT INTO doc VALUES (%s, 'a')"
 FOUND = "SELECT count(*) FROM doc WHERE id = %s"
 # a's backends waiting for their commit to be confirmed by the synchronous standby (the router)
+RELOAD = "SELECT pg_reload_conf()"
 WAITING = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
 
 
@@ -46,6 +53,19 @@ async def test_init_names_the_router_and_status_shows_it(mesh: MeshFactory) -> N
         text = router.metrics.render()
         assert 'pgmesh_synchronous_k{node="a"} 1' in text
         assert 'pgmesh_synchronous_satisfied{node="a"} 1' in text
+        assert "synchronous a: k = 1, applying: b, c" in render_status(router.status())
+    # a DBA's own value that does not name the router is never overwritten: init says what to do
+    await execute(a.dsn(), "ALTER SYSTEM SET synchronous_standby_names = 'standby1'", RELOAD)
+    with pytest.raises(PgmeshError, match="does not name the router"):
+        await standby_names(m.config, waiting=True)
+    await execute(a.dsn(), f"ALTER SYSTEM SET synchronous_standby_names = '{names}'", RELOAD)
+    # stepping down: synchronous = 0 and init again resets the setting pgmesh made
+    down = msgspec.structs.replace(m.config, replication=msgspec.structs.replace(m.config.replication,
+                                                                                 synchronous=0))
+    report, lines = await init_cluster(down)
+    assert report.ok and any("synchronous_standby_names reset" in line for line in lines), lines
+    for node in m.nodes:
+        assert await fetch(node.dsn(), "SHOW synchronous_standby_names") == [("",)], node.name
 
 
 Rows = list[tuple[object, ...]]
