@@ -114,11 +114,10 @@ class LinkSession:
         self.conn: asyncpg.Connection | None = None
         self.origin_held = False
         self.announce = False  # ends each batch with an APPLIED_PREFIX message (`applied_note`)
-        # the origin's set-up with the first statement (router.apply.scripts: one statement fewer), not
-        # just before COMMIT: on 16+ a rollback after it moves the origin, but the mark set in the same
-        # statement rolls back, and a position is never past the mark (router.applied)
-        self.setup_last = False
-        # every set-up also sets the source's applied mark (router.applied): 16+
+        # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
+        # after it moves the origin; on 15 it goes with the first statement (one statement fewer)
+        self.setup_last = True
+        # every set-up also sets the source's applied mark (router.applied): 16+, as `setup_last`
         self.mark = False
         self.decisions = Decisions(config)
         self.prepared = Prepared(self.decisions)
@@ -148,8 +147,8 @@ class LinkSession:
         )
         self.prepared = Prepared(self.decisions)  # a new session has no prepared statements
         self.ahead = {}
-        # both for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
-        self.announce = self.mark = (
+        # all three for 16+: its stream leaves echoes out, and a rollback after the set-up moves the origin
+        self.announce = self.setup_last = self.mark = (
             self.conn.get_server_version().major * 10_000 >= ORIGIN_NONE_SINCE
         )
         if self.mark:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Final
 
 from protocol.messages import KIND_UNCHANGED, Delete, Insert, Relation, Update
-from router.applied import mark_cte
 from router.apply.decide import Decisions
 from router.apply.statements import (
     _OVERRIDING,
@@ -252,14 +251,13 @@ def prepared_insert(
     prepared: Prepared,
     out: list[str],
     setup: list[str] | None = None,
-    mark: bool = False,
 ) -> str:
     """A single guarded insert as two prepared statements: the locks (the table shared, the key
     exclusive), then the insert, which raises PGM02 if a tombstone holds the key. Planned once per
     relation: a text INSERT ... SELECT with the tombstone check costs the server far more to parse and
     plan. With `setup` (`setup_args`), the first statement also does the origin's xact_setup (the
     transaction's first statement then: one fewer for the target to run), and sets `pgmesh.remote` when
-    `setup` has it; with `mark` (16+) it sets the source's applied mark first (`setup_statement`)."""
+    `setup` has it."""
     plan = prepared.insert_plans.get(id(relation))
     if plan is None:
         plan = _plan_insert(relation, table, prepared, out)
@@ -272,11 +270,10 @@ def prepared_insert(
     else:
         n = len(keys)
         remote = f" pg_catalog.set_config('pgmesh.remote', ${n + 3}, true)," if len(setup) > 2 else ""
-        head, tail = (mark_cte(f"${n + 1}"), " FROM pgmesh_marked") if mark else ("", "")
         fused = prepared.name(
-            relation, ("ISL" if remote else "ISLB") + ("M" if mark else ""), b"",
-            lambda: (f"{head}SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),{remote}"
-                     f" {_insert_locks(table, key_types)}{tail}"),
+            relation, "ISL" if remote else "ISLB", b"",
+            lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),{remote}"
+                     f" {_insert_locks(table, key_types)}"),
             out,
         )
         first = _execute(fused, [*keys, *setup])

@@ -2,16 +2,13 @@
 
 A source transaction becomes one script: BEGIN, one statement per change (`router.apply.statements`), the
 origin's `pg_replication_origin_xact_setup` with the source's commit end LSN and commit time, COMMIT. The
-set-up goes with the first statement (in it, for a single guarded insert: one statement fewer). On
-PostgreSQL 16+ a transaction that rolls back after it (and wrote anything) still moves the origin's
-progress to that LSN; the set-up there also sets the source's applied mark in the same statement, which
-rolls back with the transaction, and a link's position is never past its mark (router.applied), so a
-conflict or a deadlock after it never makes a transaction look applied (invariant 1). A session that
-takes the origin only to commit (lanes) sets it up last. The script goes to the target in one round trip
-(simple query protocol), so a reader there sees all of it or none of it. In a large transaction, runs of
-inserts into one table go in by COPY instead (`CopyRun`), cutting the script into segments; a part of a
-transaction read back from a spill file may hold `RawInsert`s, whose rows go to COPY straight from the
-server's bytes.
+setup comes last, right before COMMIT: on PostgreSQL 16+ a transaction that rolls back after it (and
+wrote anything) still moves the origin's progress to that LSN, so a conflict or a deadlock would make a
+transaction look applied that never was (invariant 1); deferred constraints are checked before it. The
+script goes to the target in one round trip (simple query protocol), so a reader there sees all of it
+or none of it. In a large transaction, runs of inserts into one table go in by COPY instead
+(`CopyRun`), cutting the script into segments; a part of a transaction read back from a spill file may
+hold `RawInsert`s, whose rows go to COPY straight from the server's bytes.
 
 Must not: connect, retry, decide conflicts, or know which node it runs for.
 """
@@ -322,17 +319,17 @@ def transaction_segments(
     just before COMMIT, after the first of the two. Else it goes just before COMMIT in the part that
     commits, after `SET CONSTRAINTS ALL IMMEDIATE` where deferred checks could fail at COMMIT (see the
     module's docstring); `setup` False leaves it out (the caller sends it, after `COMMIT_CHECKS`, before its
-    own COMMIT). `setup_last` False (what the appliers use: on 15 a rollback leaves the origin alone, on 16+
-    the mark rolls back with it): the set-up goes with the first statement instead (in it, when that is a
-    single guarded insert: one statement fewer). `mark` (a PostgreSQL 16+ target) has the set-up set the
-    source's applied mark (router.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
+    own COMMIT). `setup_last` False (a PostgreSQL 15 target, where a rollback leaves the origin alone):
+    the set-up goes with the first statement instead (in it, when that is a single guarded insert: one
+    statement fewer). `mark` (a PostgreSQL 16+ target) has the set-up set the source's applied mark
+    (router.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
     (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
     prepares = prelude if prelude is not None else None
     out: list[str] = []
     args = setup_args(txn, origin_lsn, remote)  # the origin's position and commit time, once per transaction
     sink = out if prepares is None else prepares
-    late = setup_last or at_commit is not None or not setup  # the set-up just before COMMIT
+    late = setup_last or mark or at_commit is not None or not setup  # the set-up just before COMMIT
     if prepared is None:
         setup_sql = xact_setup_sql(txn, origin_lsn, mark)
     else:
@@ -379,7 +376,7 @@ def transaction_segments(
         if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
             with_setup = args if pending else None
             pending = False
-            out.append(prepared_insert(run_rel, table, rows[0], prepared, sink, with_setup, mark))
+            out.append(prepared_insert(run_rel, table, rows[0], prepared, sink, with_setup))
             return
         opening()
         out.append(insert_rows(run_rel, table, rows, guarded, coarse))
