@@ -6,14 +6,14 @@ from a position fixed at the snapshot (P_X), so X's slot must keep everything af
 the router's targets. Join writes, on every member X, a row `(N, pin)` in `pgmesh.joining`, the pin being
 X's slot's confirmed position read while the router holds; the router reads the pins at its start and
 after every hold (`read_pins`) and never confirms X's slot past the lowest pin on X. The same rows keep N
-out of the router's members (`joining_nodes`) until join has installed pgmesh on N and set its origins;
-join then deletes them (`unpin`) while the router still holds, and releases it.
+out of the router's members (the second answer of `read_pins`) until join has installed pgmesh on N and
+set its origins; join then deletes them (`unpin`) while the router still holds, and releases it.
 
 Rows of a join that stopped midway stay, and hold WAL on every node: the router warns at each start, the
 next `pgmesh join N` writes them again, `pgmesh part N` and a successful join delete them.
 
-Must not: decide positions (router.cluster.membership does), or connect on its own: callers pass
-sessions (join) or the config (the router, through `read_pins`).
+Must not: decide positions (router.cluster.membership does). Join passes its own sessions; `read_pins`
+connects to each node for the router, within a bound, and a node that does not answer pins nothing then.
 """
 
 from __future__ import annotations
