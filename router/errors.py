@@ -261,11 +261,14 @@ def _closed_by_asyncpg(exc: BaseException) -> bool:
         isinstance(exc, asyncpg.InterfaceError) and "closed" in str(exc))
 
 
-def decide_link(exc: BaseException, schema: SchemaWait, *, now: float, schema_wait_s: float) -> Action:
-    """`decide` for a link's applier: a session asyncpg found closed (or lost) is opened again; a
+def decide_link(
+    exc: BaseException, schema: SchemaWait, *, now: float, schema_wait_s: float, dropped: bool = False,
+) -> Action:
+    """`decide` for a link's applier: a session the router dropped itself (`dropped`: its target stopped
+    answering), or one asyncpg found closed (or lost), is opened again, whatever its statement raised; a
     SchemaMismatch is retried for `schema_wait_s` (SCHEMA_WAIT_S unless set) and then pauses the link,
     naming table and column; anything else as `decide` says."""
-    if _closed_by_asyncpg(exc):
+    if dropped or _closed_by_asyncpg(exc):
         return Action.RETRY
     if isinstance(exc, SchemaMismatch):
         return Action.RETRY if schema.allows(now, schema_wait_s) else Action.PAUSE

@@ -208,7 +208,8 @@ class Applier(LinkView):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                action = decide_link(exc, self._schema, now=time.monotonic(), schema_wait_s=self.schema_wait)
+                action = decide_link(exc, self._schema, now=time.monotonic(), schema_wait_s=self.schema_wait,
+                                     dropped=self.link.dropped)
                 await self._disconnect()
                 if action is Action.RETRY:
                     self.stats.retries += 1

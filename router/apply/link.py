@@ -99,7 +99,8 @@ class LinkSession:
     """One link's main session on its target and its view of that target (see the module docstring)."""
 
     __slots__ = (
-        "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "history_at",
+        "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "dropped",
+        "history_at",
         "installed_at", "mark", "name", "origin", "origin_held", "prepared", "settings", "setup_last",
         "source", "source_conn", "source_origin", "stats", "tables", "target",
     )
@@ -112,6 +113,9 @@ class LinkSession:
         self.name = f"{source} -> {target.name}"
         self.stats = stats
         self.conn: asyncpg.Connection | None = None
+        # the router ended the session itself (`drop`): whatever its statement in flight raised, the
+        # link opens it again (asyncpg may raise AttributeError from a session terminated under it)
+        self.dropped = False
         self.origin_held = False
         self.announce = False  # ends each batch with an APPLIED_PREFIX message (`applied_note`)
         # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
@@ -141,6 +145,7 @@ class LinkSession:
 
     async def open(self) -> int:
         """Open the main session, holding the source's origin; returns the origin's progress here."""
+        self.dropped = False
         self.conn = await open_session(  # installed_at: set by load_origins
             self.target.dsn, source=self.source,
             synchronous_commit=self.config.apply_synchronous_commit(self.target.name),
@@ -270,6 +275,7 @@ class LinkSession:
         """End the main session at once, without a goodbye (the target stopped answering): a statement in
         flight fails and the applier opens the link again, as after any lost connection."""
         if self.conn is not None and not self.conn.is_closed():
+            self.dropped = True
             self.conn.terminate()
 
     async def close(self) -> None:

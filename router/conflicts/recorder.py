@@ -316,12 +316,7 @@ class TombstoneRecorder:
                 table.name, row["pgmesh_key"], row["pgmesh_xid"], row["pgmesh_row"], name,
                 list(self.config.conflicts.node_priority),
             )
-            await conn.execute(
-                "UPDATE pgmesh.conflict_history SET reason = 'late: ' || reason || ' (the deletion was"
-                " recorded after the change had been applied; decided by the tombstone recorder)'"
-                " WHERE id = pg_catalog.currval(pg_catalog.pg_get_serial_sequence('pgmesh.conflict_history',"
-                " 'id'))"
-            )
+            await conn.execute(_LATE_RECORD, table.name, row["pgmesh_key"], origin_node, row["pgmesh_ts"])
             if not won:
                 await conn.execute(
                     f"DELETE FROM {table.qualified} WHERE ctid = $1::text::tid AND tableoid = $2::oid",
@@ -331,6 +326,22 @@ class TombstoneRecorder:
             logger.info("node %s: %s key %s: a remote change from %s met this node's deletion late: %s",
                         self.node.name, table.name, row["pgmesh_key"], origin_node,
                         "the change stays" if won else "the deletion wins; removed")
+
+
+# The late decision's record: its reason says so, and it replaces what the applier recorded for the same
+# change when it met neither the row nor the tombstone (update_missing, same source and commit time): one
+# conflict, one record, as on the nodes where the tombstone was there in time.
+_LATE_RECORD: Final = (
+    "WITH this AS (SELECT pg_catalog.currval(pg_catalog.pg_get_serial_sequence('pgmesh.conflict_history',"
+    " 'id')) AS id),"
+    " replaced AS (DELETE FROM pgmesh.conflict_history h USING this WHERE h.id < this.id"
+    " AND h.table_name = $1 AND h.key = $2 AND h.source = $3 AND h.conflict_type = 'update_missing'"
+    " AND h.remote_commit_time = $4 RETURNING h.id)"
+    " UPDATE pgmesh.conflict_history h SET reason = 'late: ' || h.reason || ' (the deletion was recorded"
+    " after the change had been applied; decided by the tombstone recorder'"
+    " || CASE WHEN EXISTS (SELECT FROM replaced) THEN ', in place of the update_missing recorded then'"
+    " ELSE '' END || ')' FROM this WHERE h.id = this.id"
+)
 
 
 def _key_values(relation: Relation, row: TupleData, key: tuple[str, ...]) -> tuple[str | None, ...] | None:

@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from router.cluster import pgbin
+from router.testing import ports
 
 logger = logging.getLogger(__name__)
 
@@ -200,24 +200,6 @@ def _hba_text(password: str | None) -> str:
     )
 
 
-def _free_ports(count: int, avoid: set[int]) -> list[int]:
-    """`count` distinct loopback ports the kernel reports free right now (held together while picking)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-            if port not in avoid:
-                ports.append(port)
-    finally:
-        for sock in held:
-            sock.close()
-    return ports
-
-
 # ---------------------------------------------------------------------------------------------------------
 # One node
 
@@ -354,6 +336,7 @@ class LocalNode:
             except LocalNodeError:
                 logger.warning("node %s did not stop cleanly before removal", self.name, exc_info=True)
         shutil.rmtree(self.base_dir, ignore_errors=True)
+        ports.release(self.port)
         logger.info("destroyed node %s (%s)", self.name, self.base_dir)
 
     # -- inspection -------------------------------------------------------------------------------------
@@ -464,8 +447,9 @@ def _start_all(nodes: Sequence[LocalNode]) -> None:
         if not retry:
             return
         taken = {n.port for n in nodes}
-        for node, port in zip(retry, _free_ports(len(retry), taken), strict=True):
+        for node, port in zip(retry, ports.reserve(len(retry), taken), strict=True):
             logger.info("node %s: port %d was taken, retrying on %d", node.name, node.port, port)
+            ports.release(node.port)
             node.port = port
             node.write_config()
         pending = retry
@@ -507,8 +491,7 @@ def create_nodes(
         base_dir.mkdir(parents=True, exist_ok=True)
     nodes: list[LocalNode] = []
     try:
-        ports = _free_ports(len(names), set())
-        for name, port, bindir in zip(names, ports, bindirs, strict=True):
+        for name, port, bindir in zip(names, ports.reserve(len(names), set()), bindirs, strict=True):
             nodes.append(
                 _new_node(name, port, bindir, templates[bindir], settings or {}, password, base_dir)
             )

@@ -63,6 +63,14 @@ async def test_own_deletes_recorded_from_the_stream_and_late_changes_decided(mes
                 await conn.execute("SELECT pg_replication_origin_xact_setup('0/1', %s)",
                                    [when + dt.timedelta(seconds=shift)])
                 await conn.execute("INSERT INTO items VALUES (%s, 'from b')", [key])
+        # what the applier records when it meets neither row nor tombstone (key 2's change): replaced by
+        # the recorder's late decision (one conflict, one record)
+        await conn.execute(
+            "INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution,"
+            " resolver, reason, remote_origin, remote_commit_time, remote_lsn)"
+            " VALUES ('b', 'public.items', '2', 'update_missing', 'apply_remote', 'last_update_wins',"
+            " 'no local row and no record of a deletion: insert it', 'b', %s, '0/1')",
+            [when + dt.timedelta(seconds=3600)])
 
     async with running_router(m.config, admin=False) as router:
         recorder = router.recorders["a"]
@@ -89,6 +97,9 @@ async def test_own_deletes_recorded_from_the_stream_and_late_changes_decided(mes
         " ORDER BY key")
     assert history == [("1", "update_deleted", "keep_local", "b", "a"),
                        ("2", "update_deleted", "apply_remote", "b", "a")]
+    reasons = [r[0] for r in await fetch(a, "SELECT reason FROM pgmesh.conflict_history ORDER BY key")]
+    assert all(r.startswith("late: ") for r in reasons), reasons
+    assert "in place of the update_missing" in reasons[1] and "in place of" not in reasons[0], reasons
     # b got a's deletes as usual, and nothing of the recorder's own writes on a (no echo)
     assert await fetch(b, "SELECT id FROM items ORDER BY id") == [(3,)]
     assert await count(a, "SELECT count(*) FROM pgmesh.tombstones_recorded") == 1

@@ -87,6 +87,10 @@ def test_a_link_retries_a_closed_session() -> None:
     assert decide_link(lost, wait, now=0, schema_wait_s=60) is Action.RETRY
     assert decide_link(psycopg.OperationalError("timeout"), wait, now=0, schema_wait_s=60) is Action.RETRY
     assert decide_link(PgmeshError("x", sqlstate="23502"), wait, now=0, schema_wait_s=60) is Action.PAUSE
+    # a session the router terminated itself: asyncpg may raise anything from the statement in flight
+    gone = AttributeError("'NoneType' object has no attribute 'bind_execute'")
+    assert decide_link(gone, wait, now=0, schema_wait_s=60) is Action.FAIL
+    assert decide_link(gone, wait, now=0, schema_wait_s=60, dropped=True) is Action.RETRY
 
 
 @pytest.mark.parametrize("cls", [ApplyError, SchemaMismatch, ConnectionLost])
