@@ -195,6 +195,16 @@ class LogSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hold_s: int = 10
 
 
+class HaSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[ha]`: standby routers; one at a time applies, holding a lease on a majority (docs/ha.md)."""
+
+    enabled: bool = False
+    name: str = ""  # this router's name in the lease ("": the host name); the process adds a suffix
+    lease_s: float = 10.0  # how long a lease lasts unrenewed; renewed every lease_s / 3
+    drift: float = 0.01  # bound on how far two clocks' rates differ (1%)
+    margin_s: float = 1.0  # the holder stops this long before its lease could expire anywhere
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterSection
     nodes: list[NodeConfig]
@@ -207,6 +217,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ddl: DdlSection = msgspec.field(default_factory=DdlSection)
     sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
     log: LogSection = msgspec.field(default_factory=LogSection)
+    ha: HaSection = msgspec.field(default_factory=HaSection)
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property
@@ -422,6 +433,11 @@ def _validate(config: Config) -> None:
         raise bad("must be >= 1", "clocks.warn_offset_ms")
     if clocks.max_offset_ms < clocks.warn_offset_ms:
         raise bad(f"must be >= warn_offset_ms ({clocks.warn_offset_ms})", "clocks.max_offset_ms")
+    ha = config.ha
+    if not 0 <= ha.drift < 0.5:
+        raise bad("must be >= 0 and < 0.5", "ha.drift")
+    if ha.margin_s < 0 or ha.lease_s * (1 - ha.drift) / (1 + ha.drift) - ha.margin_s < ha.lease_s / 2:
+        raise bad(f"must leave the holder at least half the lease ({ha.lease_s:g} s)", "ha.margin_s")
     _validate_conflicts(config)
     _validate_tables(config)
     _validate_sequences(config)

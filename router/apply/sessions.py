@@ -1,11 +1,12 @@
 """An applier's sessions on its target node: how one is opened and set up, how it holds an origin.
 
 Every session an applier opens on the target (the main one, the parallel lanes of `router.apply.lanes`, the
-side session of `router.apply.side`) is opened by `open_session`: `asyncpg_connect_args`, then
-`SESSION_SETUP`: `session_replication_role = replica` (user and FK triggers do not fire), UTC and ISO dates,
-a lock timeout; then `synchronous_commit` (`replication.apply_synchronous_commit`, default off as the native
-apply worker). A replication origin is held by one session at a time (PostgreSQL 15): `take_origin` waits a
-moment for a session that just let it go, and `LET_ORIGIN_GO` lets it go after a failure.
+side session of `router.apply.side`) is opened by `open_session`: `asyncpg_connect_args` (with [ha], the
+lease fence of `router.apply.fence`), then `SESSION_SETUP`: `session_replication_role = replica` (user and
+FK triggers do not fire), UTC and ISO dates, a lock timeout; then `synchronous_commit`
+(`replication.apply_synchronous_commit`, default off as the native apply worker). A replication origin
+is held by one session at a time (PostgreSQL 15): `take_origin` waits a moment for a session that just
+let it go, and `LET_ORIGIN_GO` lets it go after a failure.
 
 Must not: build or run a transaction's SQL (router.apply.scripts, router.apply.applier), decide what an error
 means (router.errors), or keep a connection of its own.
@@ -19,6 +20,7 @@ from typing import Any
 import asyncpg
 
 from router.applied import SOURCE_SETTING
+from router.apply.fence import FENCE
 from router.config import SYNCHRONOUS_COMMIT
 from router.dsn import asyncpg_args
 
@@ -54,8 +56,13 @@ async def open_session(
     applied mark's, router.applied). Closed again if the set-up fails."""
     if synchronous_commit not in SYNCHRONOUS_COMMIT:
         raise ValueError(f"synchronous_commit {synchronous_commit!r}")
-    conn = await asyncpg.connect(**asyncpg_connect_args(dsn))
+    args = asyncpg_connect_args(dsn)
+    name = FENCE.application_name
+    if name is not None:  # [ha]: a session another router's takeover finds and ends (router.apply.fence)
+        args["server_settings"] = {**args.get("server_settings", {}), "application_name": name}
+    conn = await asyncpg.connect(**args)
     try:
+        await FENCE.check(conn, dsn)
         await conn.execute(f"{SESSION_SETUP}SET synchronous_commit = {synchronous_commit};")
         if installed_at:
             await conn.execute("SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)

@@ -145,6 +145,12 @@ async def fetch_status(config: Config) -> StatusReport:
 
 def render_status(report: StatusReport) -> str:
     lines = [f"cluster {report.cluster}: router {'running' if report.running else 'NOT running'}"]
+    if report.lease is not None:  # [ha] (docs/ha.md)
+        lease = report.lease
+        rows = "; ".join(f"{node} {row.holder or '-'} term {row.term}, expires in {row.expires_in_s:.1f} s"
+                         for node, row in lease.nodes.items())
+        lines.append(f"lease: this router ({lease.holder}) is {lease.role}, term {lease.term}, valid"
+                     f" {lease.valid_for_s:.1f} s: {lease.why}" + (f"; rows: {rows}" if rows else ""))
     if report.receive_only:  # (docs/topology.md)
         lines.append(f"topology: {', '.join(report.receive_only)} only receive(s); every other node sends"
                      " to every node")

@@ -192,7 +192,7 @@ class RouterLogs:
                 self._save(node, log, {link.target: int(link.flushed) for link in progress.links})
         else:
             log.idle()
-        counts = self.marks.get(node) == log.log_id  # (the node holds its name: see `mark`)
+        counts = self._counts(node, log)
         progress.log_since, progress.log_durable = (log.since, log.durable) if counts else (None, 0)
         progress.log_targets = log.targets
 
@@ -200,8 +200,14 @@ class RouterLogs:
         """Between ticks, `node`'s log made more durable (a synchronous source's: docs/synchronous.md): it
         counts at once, as `upkeep` would count it, if the node holds the log's name."""
         log = self.logs.get(node)
-        if log is not None and self.marks.get(node) == log.log_id:
+        if log is not None and self._counts(node, log):
             progress.log_since, progress.log_durable = log.since, log.durable
+
+    def _counts(self, node: str, log: SourceLog) -> bool:
+        """Whether `node`'s slot may be confirmed on the strength of its log: the node holds the log's name
+        (see `mark`), and no standby router may take over ([ha]: the log is on this router's disk only,
+        and a standby would not have it; docs/ha.md)."""
+        return self.marks.get(node) == log.log_id and not self.config.ha.enabled
 
     def _save(self, node: str, log: SourceLog, positions: dict[str, int]) -> None:
         """Every `SAVE_EVERY_S` at most (two fsyncs, in a thread: never on the event loop, which a slow

@@ -271,6 +271,9 @@ class Metrics:
         "echo_transactions_total",
         "lag_bytes",
         "lag_seconds",
+        "lease_active",
+        "lease_term",
+        "lease_valid_seconds",
         "link_state",
         "queue_transactions",
         "registry",
@@ -463,6 +466,17 @@ class Metrics:
             " link is paused, down or silent, and nothing newer is pruned there).",
             ("node",),
         )
+
+        # [ha] (router.service.lease), labelled with this router's name in the lease; none without [ha]
+        gauge = self.registry.gauge
+        self.lease_term = gauge(PREFIX + "lease_term", "The lease term this router holds (0: none).",
+                                ("router",))
+        self.lease_active = gauge(PREFIX + "lease_active",
+                                  "1 on the router that holds the lease and applies, 0 on a standby.",
+                                  ("router",))
+        self.lease_valid_seconds = gauge(PREFIX + "lease_valid_seconds",
+                                         "How long this router's lease stays valid unrenewed (0: a standby).",
+                                         ("router",))
 
     def observe_source(self, node: str, stats: SourceStats) -> None:
         """Bring the node metrics of `node` up to its source's counters (read whole, as they are now)."""

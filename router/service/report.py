@@ -20,6 +20,7 @@ from router.config import Config
 from router.conflicts.recorder import TombstoneRecorder
 from router.ddl.drift import DriftWatch, drifted_nodes
 from router.progress import LinkProgress, SourceProgress
+from router.service.lease import Lease
 from router.service.logs import RouterLogs
 from router.service.metrics import Metrics, raise_to
 from router.service.monitor import MonitorTarget
@@ -35,6 +36,7 @@ from router.service.synchronous import synchronous_status
 from router.stream.fanout import SourcePump
 from router.stream.log import SourceLog
 from router.stream.source import ReplicationSource
+from router.stream.state import SourceState
 
 __all__ = ["Reporter"]
 
@@ -54,6 +56,7 @@ class Router(Protocol):
     clocks: ClockWatch
     drift: DriftWatch
     logs: RouterLogs
+    lease: Lease | None
 
 
 class Reporter:
@@ -98,6 +101,11 @@ class Reporter:
                 m.synchronous_satisfied.labels(node=node).set(int(synchronous.satisfied))
         for node, recorder in router.recorders.items():
             m.observe_recorder(node, recorder.recorded, recorder.late)
+        if router.lease is not None:  # [ha] (docs/ha.md)
+            me = router.lease.holder
+            m.lease_term.labels(router=me).set(router.lease.term)
+            m.lease_active.labels(router=me).set(int(router.lease.role == "active"))
+            m.lease_valid_seconds.labels(router=me).set(router.lease.valid_for())
         for setting in router.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
         router.clocks.export(m.clock_offset_seconds)
@@ -106,6 +114,21 @@ class Reporter:
             for item in tables:
                 m.schema_drift.labels(node=node, table=item.table).set(1)
 
+
+    def health(self, router: Router) -> tuple[bool, str]:
+        """Whether the router is well, and if not why; a standby ([ha]) is well while it waits."""
+        if router.lease is not None and router.lease.role != "active":
+            return True, f"standby: {router.lease.why}"
+        if not router.running:
+            return False, "the router is not running"
+        bad = [f"node {p.node}: {p.source.last_error}" for p in router.pumps.values()
+               if p.source.state is SourceState.ERROR]
+        bad += [f"link {a.name}: {a.last_error}" for a in router.appliers.values()
+                if a.state is LinkState.ERROR]
+        bad += [f"node {name}: {t.error}" for name, t in router.targets.items() if t.down_since is not None]
+        bad += [f"schema drift: {d.describe()}" for d in router.drift.drifted.values()]
+        bad += router.clocks.problems()
+        return (not bad, "; ".join(bad) if bad else "ok")
 
     def status(self, router: Router) -> StatusReport:
         now = router.clock()
@@ -128,6 +151,7 @@ class Reporter:
             [RecorderStatus(node, format_lsn(r.progress.flushed), r.recorded, r.late, r.error)
              for node, r in router.recorders.items()],
             [n.name for n in router.config.nodes if n.receive_only],
+            None if router.lease is None else router.lease.report(),
         )
 
     def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:

@@ -87,6 +87,26 @@ class RecorderStatus(msgspec.Struct, frozen=True):
     last_error: str | None
 
 
+class LeaseNode(msgspec.Struct, frozen=True):
+    """A node's lease row as this router last read or wrote it (router.service.lease)."""
+
+    holder: str | None
+    term: int
+    expires_in_s: float  # by the node's clock; negative: expired
+
+
+class LeaseStatus(msgspec.Struct, frozen=True):
+    """[ha]: this router's role (active or standby), its name in the lease, the term it holds (0: none),
+    for how long its lease is valid, why it is what it is, and each node's row (docs/ha.md)."""
+
+    role: str
+    holder: str
+    term: int
+    valid_for_s: float
+    why: str
+    nodes: dict[str, LeaseNode]
+
+
 class StatusReport(msgspec.Struct, frozen=True):
     cluster: str
     running: bool
@@ -98,3 +118,4 @@ class StatusReport(msgspec.Struct, frozen=True):
     recorders: list[RecorderStatus] = msgspec.field(default_factory=list)  # router.conflicts.recorder
     # the topology: nodes that receive only (router.cluster.receive); the others send to every node
     receive_only: list[str] = msgspec.field(default_factory=list)
+    lease: LeaseStatus | None = None  # [ha] (router.service.lease)

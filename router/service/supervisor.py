@@ -24,7 +24,7 @@ import psycopg
 from protocol.lsn import parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
-from router.apply.state import LinkState
+from router.apply.fence import FENCE
 from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
 from router.cluster.part import members_only
@@ -35,6 +35,7 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
+from router.service.lease import Lease
 from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
@@ -48,7 +49,6 @@ from router.stream.linkqueue import LinkQueue
 from router.stream.seen import origin_nodes
 from router.stream.source import ReplicationSource
 from router.stream.spool import Spool
-from router.stream.state import SourceState
 
 __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
@@ -117,6 +117,9 @@ class Router:
         self._recorded: dict[str, int | None] = {}
         self._sysids: dict[str, str] = {}
         self._lost: list[tuple[str, str, int, str]] = []  # links a lost router log may have left short
+        self.lease = Lease(config) if config.ha.enabled else None  # [ha]: standby routers (docs/ha.md)
+        if self.lease is None:
+            FENCE.clear()
 
     # ------------------------------------------------------------ building
 
@@ -296,6 +299,10 @@ class Router:
         self.spool.remove_stale()
         try:
             while True:
+                if self.lease is not None:  # [ha]: a standby until it holds the lease (router.service.lease)
+                    await self._start_admin()
+                    if not await self.lease.acquire(stop):
+                        break
                 self.pins, joining = await read_pins(self.config)  # node -> slot pinned (cluster.joining)
                 self.config = await members_only(self.config, self.targets, joining)  # (router.cluster.part)
                 flushed, paused, down = await self._load_state()
@@ -303,27 +310,35 @@ class Router:
                 self._build(flushed, paused, down)
                 await self._stop_lost()
                 self.running = True
-                if self._admin_enabled and self.admin is None:
-                    self.admin = AdminServer.for_router(  # [admin]: listen, socket, TLS, the token
-                        self.config, metrics=self.metrics, status=self.status, pause=self.pause,
-                        resume=self.resume, health=self.health, hold=self.hold, release=self.release,
-                    )
-                    await self.admin.start()
+                await self._start_admin()
                 logger.info("cluster %s: router running with %d nodes and %d links",
                             self.config.cluster.name, len(self.pumps), len(self.appliers))
                 freeze_startup_objects()
                 await self._stream(stop)
                 self.spool.close()  # what was still queued is read again from the slots
                 self.running = False
+                if self.lease is not None and self.lease.lost.is_set() and not stop.is_set():
+                    continue  # lost the lease: a standby again
                 if stop.is_set() or not await self._wait_release(stop):
                     break
         finally:
             self.running = False
             self.spool.close()
+            if self.lease is not None:  # every applier has stopped: a standby may take over at once
+                await self.lease.release()
+                await self.lease.close()
             if self.admin is not None:
                 await self.admin.close()
             for target in [*self.targets.values(), *self._drift_targets]:
                 await target.close()
+
+    async def _start_admin(self) -> None:
+        if self._admin_enabled and self.admin is None:
+            self.admin = AdminServer.for_router(  # [admin]: listen, socket, TLS, the token
+                self.config, metrics=self.metrics, status=self.status, pause=self.pause,
+                resume=self.resume, health=self.health, hold=self.hold, release=self.release,
+            )
+            await self.admin.start()
 
     async def _stream(self, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as group:
@@ -343,6 +358,8 @@ class Router:
                          for r in self.recorders.values()]
             self.started.set()
             waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._hold.wait())]
+            if self.lease is not None:
+                waits.append(asyncio.create_task(self.lease.lost.wait()))
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -522,16 +539,7 @@ class Router:
                 applier.release_drift()
 
     def health(self) -> tuple[bool, str]:
-        if not self.running:
-            return False, "the router is not running"
-        bad = [f"node {p.node}: {p.source.last_error}" for p in self.pumps.values()
-               if p.source.state is SourceState.ERROR]
-        bad += [f"link {a.name}: {a.last_error}" for a in self.appliers.values()
-                if a.state is LinkState.ERROR]
-        bad += [f"node {name}: {t.error}" for name, t in self.targets.items() if t.down_since is not None]
-        bad += [f"schema drift: {d.describe()}" for d in self.drift.drifted.values()]
-        bad += self.clocks.problems()
-        return (not bad, "; ".join(bad) if bad else "ok")
+        return self.reporter.health(self)
 
     # ------------------------------------------------------------ control
 

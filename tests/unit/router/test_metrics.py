@@ -205,6 +205,9 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_router_log_readers": ("gauge", ("node",)),
     "pgmesh_synchronous_k": ("gauge", ("node",)),
     "pgmesh_synchronous_satisfied": ("gauge", ("node",)),
+    "pgmesh_lease_term": ("gauge", ("router",)),
+    "pgmesh_lease_active": ("gauge", ("router",)),
+    "pgmesh_lease_valid_seconds": ("gauge", ("router",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
     "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }
@@ -319,11 +322,19 @@ def series_of(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
     return sorted(found)
 
 
+# Families added since, each with its own name (none renamed or changed).
+ADDED_SINCE = [
+    ("pgmesh_lease_active", "gauge", ("router",)),
+    ("pgmesh_lease_term", "gauge", ("router",)),
+    ("pgmesh_lease_valid_seconds", "gauge", ("router",)),
+]
+
+
 def test_the_exposition_keeps_every_name_type_and_label_it_had() -> None:
     text = every_series(Metrics())
-    assert series_of(text) == BEFORE_PROMETHEUS_CLIENT
+    assert series_of(text) == sorted(BEFORE_PROMETHEUS_CLIENT + ADDED_SINCE)
     types = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE)
-    assert types == [(name, kind) for name, kind, _ in BEFORE_PROMETHEUS_CLIENT]
+    assert sorted(types) == sorted((name, kind) for name, kind, _ in BEFORE_PROMETHEUS_CLIENT + ADDED_SINCE)
 
 
 def test_no_created_series_and_nothing_in_the_global_registry() -> None:

@@ -1,0 +1,294 @@
+"""Standby routers ([ha], router.service.lease, docs/ha.md; issue 24 item 2): two `pgmesh run` processes for
+one cluster, exactly one applies. The active one killed: the standby applies within the documented time.
+The active one cut off from a majority (TCP proxies): it stops, the standby takes over, and after the heal
+the old one stays standby. The active one frozen (SIGSTOP) past its lease: the standby takes over and the
+old one, woken, applies nothing more (its sessions were ended and it may open none: router.apply.fence).
+Every case ends with every acknowledged transaction on every node exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import psycopg
+import pytest
+
+from router.testing.mesh import (
+    config_text,
+    execute,
+    fetch,
+    free_port,
+    log_directory,
+    wait_converged,
+    wait_for,
+)
+from router.testing.proxy import TcpProxy
+from tests.fix_mesh import MeshFactory
+
+SCHEMA = "CREATE TABLE acct (id bigint PRIMARY KEY, v int NOT NULL, who text);"
+LEASE_S = 3.0
+HA = f"[ha]\nenabled = true\nlease_s = {LEASE_S}\nmargin_s = 0.5\n"
+# docs/ha.md: a standby applies within lease_s + one poll (lease_s / 3) + its start-up; the waits below
+# allow three times that (a loaded machine), the bench (bench/micro/failover.py) measures it
+TAKEOVER_LIMIT_S = 3 * (LEASE_S + LEASE_S / 3 + 5)
+R1_SESSIONS = "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pgmesh router t r1-%'"
+
+
+class Routers:
+    """Router processes of one test, each with its own config (admin port, log directory), killed at end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, int] = {}
+
+    def start(self, name: str, nodes: Sequence[Any]) -> None:
+        port = self.ports.setdefault(name, free_port())
+        path = self.tmp / f"{name}.toml"
+        ha = HA.replace("[ha]\n", f'[ha]\nname = "{name}"\n')
+        path.write_text(config_text(nodes, admin_port=port, extra=ha, log_dir=log_directory()))
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "router", "--log-level", os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"),
+             "run", "--config", str(path)],
+            stdout=(self.tmp / f"{name}.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        os.killpg(self.procs[name].pid, sig)
+
+    async def lease(self, name: str) -> dict[str, Any] | None:
+        """The router's /status lease part (None: no answer)."""
+        def get() -> dict[str, Any] | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[name]}/status", timeout=2) as r:
+                    lease: dict[str, Any] | None = json.loads(r.read())["lease"]
+                    return lease
+            except OSError:
+                return None
+        return await asyncio.to_thread(get)
+
+    async def role(self, name: str) -> str | None:
+        lease = await self.lease(name)
+        return None if lease is None else str(lease["role"])
+
+    async def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with_group = proc.pid
+                os.killpg(with_group, signal.SIGCONT)
+                os.killpg(with_group, signal.SIGTERM)
+                try:
+                    await asyncio.to_thread(proc.wait, 60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(with_group, signal.SIGKILL)
+                    await asyncio.to_thread(proc.wait)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+
+async def writer(node: Any, base: int, stop: asyncio.Event, acked: list[int]) -> None:
+    """Inserts on keys only this node writes and an update of an earlier one every third, until `stop`;
+    `acked` gets each key whose insert was acknowledged."""
+    written = 0
+    async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:
+        while not stop.is_set():
+            await conn.execute("INSERT INTO acct (id, v, who) VALUES (%s, 0, %s)",
+                               [base + written, node.name])
+            acked.append(base + written)
+            if written % 3 == 2:
+                await conn.execute("UPDATE acct SET v = v + 1 WHERE id = %s", [base + written // 2])
+            written += 1
+            await asyncio.sleep(0.01)
+
+
+class Load:
+    """A writer on every node; `check` says every acknowledged row is on every node exactly once."""
+
+    def __init__(self, nodes: Sequence[Any]) -> None:
+        self.nodes = nodes
+        self.stop = asyncio.Event()
+        self.acked: dict[str, list[int]] = {n.name: [] for n in nodes}
+        self.tasks = [asyncio.create_task(writer(n, (i + 1) * 1_000_000, self.stop, self.acked[n.name]))
+                      for i, n in enumerate(nodes)]
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks)
+
+    async def check(self) -> None:
+        await wait_converged(self.nodes, ["acct"], 180)
+        for node in self.nodes:
+            rows = await fetch(node.dsn(), "SELECT who, count(*), count(DISTINCT id), sum(v) FROM acct"
+                                           " GROUP BY who ORDER BY who")
+            for who, n, distinct, total in rows:
+                if who == "probe":  # (`arrives`)
+                    continue
+                acked = self.acked[who]
+                assert n == distinct == len(acked), (node.name, who, n, distinct, len(acked))
+                assert total == len(acked) // 3, (node.name, who, total, len(acked))  # each update once
+
+
+async def arrives(source: Any, target: Any, key: int, limit: float) -> float:
+    """Insert `key` on `source` and wait until `target` has it: seconds taken."""
+    t0 = time.monotonic()
+    await execute(source.dsn(), f"INSERT INTO acct (id, v, who) VALUES ({key}, 0, 'probe')")
+    await wait_for(lambda: _has(target.dsn(), key), f"row {key} from {source.name} on {target.name}", limit)
+    return time.monotonic() - t0
+
+
+async def _has(dsn: str, key: int) -> bool:
+    return bool(await fetch(dsn, f"SELECT 1 FROM acct WHERE id = {key}"))
+
+
+async def holders(nodes: Sequence[Any]) -> set[str]:
+    """The holders named by live lease rows."""
+    out = set()
+    for node in nodes:
+        rows = await fetch(node.dsn(), "SELECT holder FROM pgmesh.lease WHERE expires_at > now()")
+        out |= {r[0] for r in rows}
+    return out
+
+
+async def _started(routers: Routers, nodes: Sequence[Any]) -> None:
+    """r1 first, active; then r2, a standby."""
+    routers.start("r1", nodes)
+    await wait_for(lambda: _is(routers, "r1", "active"), "r1 active", 60)
+    routers.start("r2", nodes)
+    await wait_for(lambda: _is(routers, "r2", "standby"), "r2 a standby", 60)
+
+
+async def _is(routers: Routers, name: str, role: str) -> bool:
+    return await routers.role(name) == role
+
+
+@pytest.mark.slow
+async def test_the_standby_takes_over_when_the_active_router_is_killed(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = m.nodes
+    routers = Routers(tmp_path)
+    load: Load | None = None
+    try:
+        await _started(routers, m.nodes)
+        load = Load(m.nodes)
+        await arrives(a, b, 1, 60)
+        routers.signal("r1", signal.SIGKILL)
+        took = await arrives(c, a, 2, TAKEOVER_LIMIT_S)  # applied by r2
+        assert await routers.role("r2") == "active"
+        lease = await routers.lease("r2")
+        assert lease is not None and lease["term"] >= 2 and all(
+            row["holder"] == lease["holder"] for row in lease["nodes"].values()), lease
+        await load.finish()
+        await load.check()
+    except BaseException:
+        print(routers.output())
+        raise
+    finally:
+        if load is not None:
+            await load.finish()
+        await routers.stop()
+    print(f"failover: the standby applied {took:.1f} s after the kill")
+
+
+@pytest.mark.slow
+async def test_a_router_cut_off_from_a_majority_stops_and_stays_standby_after_the_heal(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = m.nodes
+    proxies = {n.name: TcpProxy("127.0.0.1", n.port).start() for n in (b, c)}
+    # r1 reaches b and c only through the proxies; r2 reaches every node directly
+    cut_off = [a] + [SimpleNamespace(name=n.name, dsn=lambda n=n: n.dsn().replace(
+        f"port={n.port}", f"port={proxies[n.name].port}")) for n in (b, c)]
+    routers = Routers(tmp_path)
+    load: Load | None = None
+    try:
+        routers.start("r1", cut_off)
+        await wait_for(lambda: _is(routers, "r1", "active"), "r1 active", 60)
+        routers.start("r2", m.nodes)
+        await wait_for(lambda: _is(routers, "r2", "standby"), "r2 a standby", 60)
+        load = Load(m.nodes)
+        await arrives(a, b, 1, 60)
+        for proxy in proxies.values():
+            proxy.blackhole()
+        # r1 reaches a only: it stops applying at its deadline and is a standby; r2 takes over
+        await wait_for(lambda: _is(routers, "r1", "standby"), "r1 stepped down", TAKEOVER_LIMIT_S)
+        await wait_for(lambda: _is(routers, "r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+        await arrives(b, a, 2, TAKEOVER_LIMIT_S)
+        # r1's sessions on a were ended by r2's takeover of a's row
+        await wait_for(lambda: _none(a.dsn(), R1_SESSIONS), "no session of r1 on a", 30)
+        for proxy in proxies.values():
+            proxy.restore()
+        # healed: r1 reads every row again, sees r2's term, stays standby
+        lease = await routers.lease("r2")
+        assert lease is not None
+        term = lease["term"]
+
+        async def r1_saw_r2() -> bool:
+            mine = await routers.lease("r1")
+            return mine is not None and len(mine["nodes"]) == 3 and all(
+                row["term"] == term and row["holder"] == lease["holder"] for row in mine["nodes"].values())
+
+        await wait_for(r1_saw_r2, "r1 reads r2's rows on every node after the heal", 60)
+        assert await routers.role("r1") == "standby"
+        assert await holders(m.nodes) == {lease["holder"]}
+        await load.finish()
+        await load.check()
+        assert await routers.role("r1") == "standby"
+    except BaseException:
+        print(routers.output())
+        raise
+    finally:
+        if load is not None:
+            await load.finish()
+        await routers.stop()
+        for proxy in proxies.values():
+            proxy.close()
+
+
+@pytest.mark.slow
+async def test_a_router_frozen_past_its_lease_applies_nothing_when_it_wakes(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = m.nodes
+    routers = Routers(tmp_path)
+    load: Load | None = None
+    try:
+        await _started(routers, m.nodes)
+        load = Load(m.nodes)
+        await arrives(a, b, 1, 60)
+        routers.signal("r1", signal.SIGSTOP)
+        await wait_for(lambda: _is(routers, "r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+        await arrives(c, b, 2, TAKEOVER_LIMIT_S)
+        routers.signal("r1", signal.SIGCONT)
+        await wait_for(lambda: _is(routers, "r1", "standby"), "r1, woken, a standby", 60)
+        await arrives(b, a, 3, 60)
+        await load.finish()
+        await load.check()
+        for node in m.nodes:
+            assert await _none(node.dsn(), R1_SESSIONS), node.name
+    except BaseException:
+        print(routers.output())
+        raise
+    finally:
+        if load is not None:
+            await load.finish()
+        await routers.stop()
+
+
+async def _none(dsn: str, query: str) -> bool:
+    return (await fetch(dsn, query))[0][0] == 0
