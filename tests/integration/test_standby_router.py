@@ -9,13 +9,9 @@ Every case ends with every acknowledged transaction on every node exactly once.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,77 +21,22 @@ import psycopg
 import pytest
 
 from router.testing.mesh import (
-    config_text,
     execute,
     fetch,
-    free_port,
-    log_directory,
     wait_converged,
     wait_for,
 )
 from router.testing.proxy import TcpProxy
+from router.testing.routers import Routers, ha_section
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE acct (id bigint PRIMARY KEY, v int NOT NULL, who text);"
 LEASE_S = 3.0
-HA = f"[ha]\nenabled = true\nlease_s = {LEASE_S}\nmargin_s = 0.5\n"
+HA = ha_section(LEASE_S)
 # docs/ha.md: a standby applies within lease_s + one poll (lease_s / 3) + its start-up; the waits below
 # allow three times that (a loaded machine), the bench (bench/micro/failover.py) measures it
 TAKEOVER_LIMIT_S = 3 * (LEASE_S + LEASE_S / 3 + 5)
 R1_SESSIONS = "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pgmesh router t r1-%'"
-
-
-class Routers:
-    """Router processes of one test, each with its own config (admin port, log directory), killed at end."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.ports: dict[str, int] = {}
-
-    def start(self, name: str, nodes: Sequence[Any]) -> None:
-        port = self.ports.setdefault(name, free_port())
-        path = self.tmp / f"{name}.toml"
-        ha = HA.replace("[ha]\n", f'[ha]\nname = "{name}"\n')
-        path.write_text(config_text(nodes, admin_port=port, extra=ha, log_dir=log_directory()))
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "router", "--log-level", os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"),
-             "run", "--config", str(path)],
-            stdout=(self.tmp / f"{name}.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        os.killpg(self.procs[name].pid, sig)
-
-    async def lease(self, name: str) -> dict[str, Any] | None:
-        """The router's /status lease part (None: no answer)."""
-        def get() -> dict[str, Any] | None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[name]}/status", timeout=2) as r:
-                    lease: dict[str, Any] | None = json.loads(r.read())["lease"]
-                    return lease
-            except OSError:
-                return None
-        return await asyncio.to_thread(get)
-
-    async def role(self, name: str) -> str | None:
-        lease = await self.lease(name)
-        return None if lease is None else str(lease["role"])
-
-    async def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with_group = proc.pid
-                os.killpg(with_group, signal.SIGCONT)
-                os.killpg(with_group, signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(proc.wait, 60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(with_group, signal.SIGKILL)
-                    await asyncio.to_thread(proc.wait)
-
-    def output(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
 
 
 async def writer(node: Any, base: int, stop: asyncio.Event, acked: list[int]) -> None:
@@ -164,13 +105,9 @@ async def holders(nodes: Sequence[Any]) -> set[str]:
 async def _started(routers: Routers, nodes: Sequence[Any]) -> None:
     """r1 first, active; then r2, a standby."""
     routers.start("r1", nodes)
-    await wait_for(lambda: _is(routers, "r1", "active"), "r1 active", 60)
+    await wait_for(lambda: routers.is_("r1", "active"), "r1 active", 60)
     routers.start("r2", nodes)
-    await wait_for(lambda: _is(routers, "r2", "standby"), "r2 a standby", 60)
-
-
-async def _is(routers: Routers, name: str, role: str) -> bool:
-    return await routers.role(name) == role
+    await wait_for(lambda: routers.is_("r2", "standby"), "r2 a standby", 60)
 
 
 @pytest.mark.slow
@@ -179,7 +116,7 @@ async def test_the_standby_takes_over_when_the_active_router_is_killed(
 ) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     a, b, c = m.nodes
-    routers = Routers(tmp_path)
+    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
     load: Load | None = None
     try:
         await _started(routers, m.nodes)
@@ -213,20 +150,20 @@ async def test_a_router_cut_off_from_a_majority_stops_and_stays_standby_after_th
     # r1 reaches b and c only through the proxies; r2 reaches every node directly
     cut_off = [a] + [SimpleNamespace(name=n.name, dsn=lambda n=n: n.dsn().replace(
         f"port={n.port}", f"port={proxies[n.name].port}")) for n in (b, c)]
-    routers = Routers(tmp_path)
+    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
     load: Load | None = None
     try:
         routers.start("r1", cut_off)
-        await wait_for(lambda: _is(routers, "r1", "active"), "r1 active", 60)
+        await wait_for(lambda: routers.is_("r1", "active"), "r1 active", 60)
         routers.start("r2", m.nodes)
-        await wait_for(lambda: _is(routers, "r2", "standby"), "r2 a standby", 60)
+        await wait_for(lambda: routers.is_("r2", "standby"), "r2 a standby", 60)
         load = Load(m.nodes)
         await arrives(a, b, 1, 60)
         for proxy in proxies.values():
             proxy.blackhole()
         # r1 reaches a only: it stops applying at its deadline and is a standby; r2 takes over
-        await wait_for(lambda: _is(routers, "r1", "standby"), "r1 stepped down", TAKEOVER_LIMIT_S)
-        await wait_for(lambda: _is(routers, "r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+        await wait_for(lambda: routers.is_("r1", "standby"), "r1 stepped down", TAKEOVER_LIMIT_S)
+        await wait_for(lambda: routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
         await arrives(b, a, 2, TAKEOVER_LIMIT_S)
         # r1's sessions on a were ended by r2's takeover of a's row
         await wait_for(lambda: _none(a.dsn(), R1_SESSIONS), "no session of r1 on a", 30)
@@ -265,17 +202,17 @@ async def test_a_router_frozen_past_its_lease_applies_nothing_when_it_wakes(
 ) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     a, b, c = m.nodes
-    routers = Routers(tmp_path)
+    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
     load: Load | None = None
     try:
         await _started(routers, m.nodes)
         load = Load(m.nodes)
         await arrives(a, b, 1, 60)
         routers.signal("r1", signal.SIGSTOP)
-        await wait_for(lambda: _is(routers, "r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+        await wait_for(lambda: routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
         await arrives(c, b, 2, TAKEOVER_LIMIT_S)
         routers.signal("r1", signal.SIGCONT)
-        await wait_for(lambda: _is(routers, "r1", "standby"), "r1, woken, a standby", 60)
+        await wait_for(lambda: routers.is_("r1", "standby"), "r1, woken, a standby", 60)
         await arrives(b, a, 3, 60)
         await load.finish()
         await load.check()

@@ -443,3 +443,14 @@ def test_synchronous_beyond_the_other_nodes_is_refused_with_its_line() -> None:
     assert "replication.synchronous: must be between 0 and 1" in message and "config.toml:" in message
     text = MINIMAL.replace('name = "b"', 'name = "b"\nsynchronous = -1')
     assert "nodes[1].synchronous: must be between 0 and 1" in error_of(text)
+
+
+def test_ha_defaults_and_bounds() -> None:
+    ha = parse_config(MINIMAL).ha
+    assert (ha.enabled, ha.lease_s, ha.drift, ha.margin_s) == (False, 10.0, 0.01, 1.0)
+    assert parse_config(MINIMAL + "\n[ha]\nenabled = true\nlease_s = 3\nmargin_s = 0.5\n").ha.enabled
+    # the holder must keep at least half its lease: a margin eating it would make it stop at once
+    with pytest.raises(ConfigError, match=r"ha\.margin_s"):
+        parse_config(MINIMAL + "\n[ha]\nenabled = true\nlease_s = 2\nmargin_s = 1.5\n")
+    with pytest.raises(ConfigError, match=r"ha\.drift"):
+        parse_config(MINIMAL + "\n[ha]\ndrift = 0.6\n")
