@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from router.cluster.compare.job import compare_cluster
+from router.cluster.compare.lanes import SPARK_AFTER_S
 from router.cluster.compare.repair import repair_cluster
 from router.ops.cli import main as pgmesh
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
@@ -78,6 +79,7 @@ async def test_compare_finds_every_divergence_and_only_them(mesh: MeshFactory, t
         report = await compare_cluster(m.config)
         assert report.differences == [] and report.unsettled == [] and report.exit_code == 0, report.render()
         assert report.tables == ["public.k", "public.live", "public.t"]
+        assert not report.spark  # a few ranges: the command's own threads end before Spark would pay
 
         await unreplicated(b, "UPDATE t SET v = 'changed' WHERE id IN (7, 150001)",
                            "INSERT INTO t VALUES (300000, 'only on b', NULL)")
@@ -86,9 +88,11 @@ async def test_compare_finds_every_divergence_and_only_them(mesh: MeshFactory, t
         expected = {("public.t", "(7)"), ("public.t", "(150001)"), ("public.t", "(300000)"),
                     ("public.t", "(99999)"), ("public.t", "(42)"), ("public.k", '("name 2999")')}
 
-        report = await compare_cluster(m.config)
-        assert {(d.table, d.key) for d in report.differences} == expected, report.render()
-        assert report.exit_code == 1 and report.unsettled == []
+        for spark_after_s in (0.0, SPARK_AFTER_S):  # on Spark only, then on the command's threads
+            report = await compare_cluster(m.config, spark_after_s=spark_after_s)
+            assert {(d.table, d.key) for d in report.differences} == expected, report.render()
+            assert report.exit_code == 1 and report.unsettled == []
+            assert report.spark == (spark_after_s == 0)
         missing = {d.key: [n for n, h in d.rows.items() if h is None] for d in report.differences}
         assert missing["(300000)"] == ["a", "c"] and missing["(99999)"] == ["c"] and missing["(7)"] == []
 

@@ -1,13 +1,15 @@
-"""`pgmesh compare`: every node against every other, as a PySpark job over exported snapshots, then a
-recheck of what differed once every link has applied past the first read.
+"""`pgmesh compare`: every node against every other, as a PySpark job over exported snapshots (its tasks
+run on the command's own threads until Spark pays for its start), then a recheck of what differed once
+every link has applied past the first read.
 
 Owns: exporting a snapshot on every node (held open for the job) and each node's WAL position then, the
 compared tables (the publication's, or those named; the first node's catalog, read under its snapshot)
 and their key ranges (router.cluster.compare.plan), running the tasks (router.cluster.compare.worker) on
-Spark, and the recheck: a key that differed is read again on every node once the router reports that every
-link has flushed past the positions of the first read (`router.ddl.command.barrier`); it is a difference
-only if it still differs and its rows are the same as the read before (else it was still being written:
-read again, up to `ROUNDS` times, then reported as unsettled, not as a difference).
+its own threads and on Spark (router.cluster.compare.lanes), and the recheck: a key that differed is
+read again on every node once the router reports that every link has flushed past the positions of the
+first read (`router.ddl.command.barrier`); it is a difference only if it still differs and its rows are
+the same as the read before (else it was still being written: read again, up to `ROUNDS` times, then
+reported as unsettled, not as a difference).
 
 Must not: write to a node, import pyspark at module level, or put a DSN in a message.
 """
@@ -19,13 +21,14 @@ import functools
 import itertools
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.compare.lanes import SPARK_AFTER_S, run_shared
 from router.cluster.compare.plan import (
     INTEGER_TYPES,
     CompareTable,
@@ -78,6 +81,7 @@ class CompareReport(msgspec.Struct, frozen=True):
     unsettled: list[Divergence]  # still changing at every recheck: not decided
     rechecked: bool  # differences were read again after every link applied past the first read
     seconds: float
+    spark: bool = False  # Spark ran part of the first pass (router.cluster.compare.lanes)
 
     @property
     def exit_code(self) -> int:
@@ -209,10 +213,12 @@ def _ranges(
 
 
 def first_pass(
-    config: Config, names: Sequence[str]
-) -> tuple[CompareJob, list[str], list[Difference], dict[str, int]]:
-    """Blocking: every node read under a snapshot of its own. Returns the job, the skipped tables, the keys
-    that differed, and each node's WAL position when its snapshot was taken."""
+    config: Config, names: Sequence[str], spark_after_s: float = SPARK_AFTER_S
+) -> tuple[CompareJob, list[str], list[Difference], dict[str, int], bool]:
+    """Blocking: every node read under a snapshot of its own, on the command's threads and on Spark once it
+    pays (router.cluster.compare.lanes; `spark_after_s` <= 0: on Spark only). Returns the job, the skipped
+    tables, the keys that differed, each node's WAL position when its snapshot was taken, and whether Spark
+    ran."""
     nodes = list(config.nodes)
     holders = _Holders(nodes)
     try:
@@ -225,18 +231,28 @@ def first_pass(
         job = CompareJob(
             tuple(n.name for n in nodes), tuple(n.dsn for n in nodes), tuple(holders.snapshots), tuple(tables)
         )
-        found: list[Difference] = []
-        if tasks:
-            groups = partitions(tasks, parallelism * 2)
+
+        def on_spark(rest: Callable[[], list[RangeTask]]) -> list[Difference]:
             with spark_session(
                 master, config.sync.spark_conf, worker_modules=(run_partition.__module__,)
             ) as spark:
+                left = rest()  # Spark is up: the lanes take no more
+                if not left:
+                    return []
+                groups = partitions(left, parallelism * 2)
                 try:
                     rdd = spark.sparkContext.parallelize(groups, len(groups))
-                    found = rdd.mapPartitions(functools.partial(_run_groups, job)).collect()
+                    found: list[Difference] = rdd.mapPartitions(functools.partial(_run_groups, job)).collect()
                 except Exception as exc:
                     raise PgmeshError(f"the comparison failed: {task_error(exc)}") from None
-        return job, skipped, found, dict(holders.positions)
+                return found
+
+        if not tasks:
+            return job, skipped, [], dict(holders.positions), False
+        if spark_after_s <= 0:
+            return job, skipped, on_spark(lambda: tasks), dict(holders.positions), True
+        found, spark = run_shared(job, tasks, parallelism, spark_after_s, on_spark)
+        return job, skipped, found, dict(holders.positions), spark
     finally:
         holders.close()
 
@@ -270,13 +286,14 @@ async def _read_hashes(
 
 
 async def compare_cluster(
-    config: Config, names: Sequence[str] = (), *, limit: float = 300.0, router_running: bool = True
+    config: Config, names: Sequence[str] = (), *, limit: float = 300.0, router_running: bool = True,
+    spark_after_s: float = SPARK_AFTER_S,
 ) -> CompareReport:
     """Compare every node's replicated tables (or `names`); see the module docstring. Parted nodes
-    (router.cluster.part) are left out."""
+    (router.cluster.part) are left out. `spark_after_s`: see router.cluster.compare.lanes."""
     started = time.monotonic()
     config = await members_of(config)
-    job, skipped, found, wanted = await asyncio.to_thread(first_pass, config, names)
+    job, skipped, found, wanted, spark = await asyncio.to_thread(first_pass, config, names, spark_after_s)
     candidates = {(d.table, d.key): d for d in found}
     last = {(d.table, d.key): d.hashes for d in found}
     persistent: list[Difference] = []
@@ -313,6 +330,7 @@ async def compare_cluster(
         [divergence(d) for d in sorted(unsettled, key=lambda d: (d.table, d.key))],
         router_running,
         round(time.monotonic() - started, 3),
+        spark,
     )
 
 

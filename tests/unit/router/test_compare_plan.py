@@ -81,3 +81,19 @@ def test_a_bucket_of_an_integer_span_is_cut_again_until_one_key() -> None:
     assert sub_task(task, -1, BUCKETS) is None and sub_task(task, BUCKETS, BUCKETS) is None  # beyond the ends
     assert sub_task(RangeTask(0, None, None), 3, BUCKETS) is None  # hash buckets
     assert sub_task(RangeTask(0, "5", "69", (5, 69)), 1, BUCKETS) is None  # one key per bucket
+
+
+def test_the_range_queue_projects_what_is_left_and_closes() -> None:
+    from router.cluster.compare.lanes import RangeQueue
+    from router.cluster.compare.plan import RangeTask
+
+    queue = RangeQueue([RangeTask(0, i, i + 1) for i in range(10)])
+    assert queue.left_after(1.0, 0) == float("inf")  # nothing done yet
+    taken = [queue.take() for _ in range(4)]
+    assert all(t is not None for t in taken) and queue.taken == 4
+    # 4 taken, 2 still being read: 2 done in 1 s, 6 left -> 3 s
+    assert queue.left_after(1.0, 2) == 3.0
+    rest = queue.close()
+    assert [t.lo for t in rest] == [4, 5, 6, 7, 8, 9]
+    assert queue.take() is None and list(queue.stream()) == []
+    assert queue.left_after(1.0, 0) == 0.0
