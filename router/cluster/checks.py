@@ -167,13 +167,20 @@ class NodeFacts(msgspec.Struct, frozen=True):
 async def connect(node: NodeConfig) -> Conn:
     """An autocommit admin connection; a DSN that does not parse is reported without echoing it."""
     try:
-        return await psycopg.AsyncConnection.connect(
+        conn = await psycopg.AsyncConnection.connect(
             node.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, application_name=APPLICATION_NAME
         )
     except psycopg.ProgrammingError:
         raise PgmeshError(
             "the dsn is not a valid libpq connection string", node=node.name, hint="fix its dsn in the config"
         ) from None
+    await conn.execute(ADMIN_SETUP)
+    return conn
+
+
+# pgmesh's own bookkeeping never waits for synchronous standbys: with `synchronous` > 0 the router is one,
+# and it may not run, or be held by the very command writing (docs/synchronous.md)
+ADMIN_SETUP = "SET synchronous_commit = local"
 
 
 def _connect_hint(node: str, exc: BaseException) -> str:

@@ -57,11 +57,12 @@ from psycopg import sql
 
 from protocol.lsn import format_lsn, parse_lsn
 from router.applied import position_sql
-from router.cluster.checks import InitReport, check_cluster, replicated_tables
+from router.cluster.checks import ADMIN_SETUP, InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.cluster.joining import pin_sources, unpin
 from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
+from router.cluster.synchronous import standby_names
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import (
     JOIN_LOCK_WAIT_S,
@@ -109,10 +110,12 @@ async def _connect(node: NodeConfig, purpose: str = "pgmesh join") -> Conn:
     """A session that waits at most JOIN_LOCK_WAIT_S for any lock (it never queues behind the application
     for longer)."""
     try:
-        return await psycopg.AsyncConnection.connect(
+        conn = await psycopg.AsyncConnection.connect(
             node.dsn, autocommit=True, connect_timeout=10, application_name=purpose,
             options=f"-c lock_timeout={round(JOIN_LOCK_WAIT_S * 1000)}",
         )
+        await conn.execute(ADMIN_SETUP)
+        return conn
     except psycopg.Error as exc:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
@@ -270,6 +273,8 @@ async def join_node(
             await conn.close()
         if held:  # the router re-reads the config and streams to and from the new node
             await ask_router(config, "POST", "/release")
+    for line in await standby_names(config, waiting=True, only=[name]):  # last, as init (docs/synchronous.md)
+        logger.info("%s", line)
     positions, snapshot_lsn, copied, attempts = report
     return JoinReport(
         node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,

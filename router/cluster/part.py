@@ -34,6 +34,7 @@ from psycopg import sql
 
 from protocol.lsn import format_lsn
 from router.applied import position_sql
+from router.cluster.checks import ADMIN_SETUP
 from router.cluster.install import uninstall
 from router.cluster.joining import unpin
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
@@ -69,9 +70,11 @@ _ROW_TYPES: Final = frozenset(b"IUDT")
 
 async def _connect(node: NodeConfig, wait_s: int = 10) -> Conn:
     try:
-        return await psycopg.AsyncConnection.connect(
+        conn = await psycopg.AsyncConnection.connect(
             node.dsn, autocommit=True, connect_timeout=wait_s, application_name="pgmesh part"
         )
+        await conn.execute(ADMIN_SETUP)
+        return conn
     except psycopg.Error as exc:
         raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 

@@ -14,6 +14,7 @@ Must not: install anything else, or wait for a commit on a node (its connection 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, Final
 
 import psycopg
@@ -67,12 +68,13 @@ async def _one(config: Config, node: NodeConfig) -> str:
                 f" there returns once {k} other node(s) applied it)")
 
 
-async def standby_names(config: Config, *, waiting: bool) -> list[str]:
-    """Set (`waiting`: the nodes with k > 0) or reset (else: those with k = 0) each node's
-    synchronous_standby_names; one line per change. `pgmesh init` resets before it installs (its writes
-    must not wait for a router that may not run) and sets last. A failure names the node and what to run
-    by hand."""
-    nodes = [n for n in config.nodes if bool(config.synchronous(n.name)) is waiting]
+async def standby_names(config: Config, *, waiting: bool, only: Sequence[str] | None = None) -> list[str]:
+    """Set (`waiting`: the nodes with k > 0) or reset (else: those with k = 0) each node's (or only those
+    named) synchronous_standby_names; one line per change. `pgmesh init` resets before it installs (its
+    writes must not wait for a router that may not run) and sets last; `pgmesh join` sets the new node's
+    last. A failure names the node and what to run by hand."""
+    nodes = [n for n in config.nodes if bool(config.synchronous(n.name)) is waiting
+             and (only is None or n.name in only)]
     results = await asyncio.gather(*(_one(config, n) for n in nodes), return_exceptions=True)
     lines: list[str] = []
     for node, result in zip(nodes, results, strict=True):

@@ -16,10 +16,11 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
+from router.cluster.membership import join_node
 from router.cluster.synchronous import standby_names
 from router.errors import PgmeshError
 from router.ops.control import render_status
-from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE doc (id bigint PRIMARY KEY, src text NOT NULL)"
@@ -129,3 +130,22 @@ async def test_a_node_that_loses_its_targets_waits_then_goes_on(mesh: MeshFactor
         await wait_converged(m.nodes, TABLES, limit=180)
         for node in m.nodes:
             assert await fetch(node.dsn(), "SELECT count(*), max(id) FROM doc") == [(22, 100)], node.name
+
+
+async def test_a_joined_node_waits_for_the_router_as_the_others_do(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA, replication="synchronous = 1", spares=["c"],
+                   admin_port=free_port())
+    a, b = m.nodes
+    c = m.node("c")
+    three = m.config_for(m.all_nodes)  # the router leaves c out until it joined
+    async with running_router(three, reload=lambda: three):  # (as `pgmesh run` re-reads its file)
+        await execute(a.dsn(), INSERT, params=[1])
+        # join writes its own bookkeeping on a and b while it holds the router: none of it waits
+        report = await join_node(three, "c", donor="a")
+        assert report.positions.keys() == {"a", "b"}
+        show = "SELECT current_setting('synchronous_standby_names')"
+        assert await fetch(c.dsn(), show) == [(m.config.standby_name,)]  # set last, as `pgmesh init` does
+        await execute(c.dsn(), "INSERT INTO doc VALUES (2, 'c')")  # returns once another node has it
+        on = [(await fetch(n.dsn(), FOUND, params=[2]))[0][0] for n in (a, b)]
+        assert 1 in on, on
+        await wait_converged(m.all_nodes, TABLES)
