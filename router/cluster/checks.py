@@ -56,6 +56,8 @@ MIN_VERSION_NUM: Final = 150000
 CONNECT_TIMEOUT_S: Final = 10
 CHECK_LOCK_WAIT_S: Final = 10  # the longest the checks wait for a lock on a table they read
 APPLICATION_NAME: Final = "pgmesh init"
+# pgmesh's bookkeeping never waits for the router, a synchronous standby that may be down or held by it
+ADMIN_SETUP: Final = "SET synchronous_commit = local"
 OK_MARK: Final = "✓"
 FAIL_MARK: Final = "✗"
 WARN_MARK: Final = "!"
@@ -176,11 +178,6 @@ async def connect(node: NodeConfig) -> Conn:
         ) from None
     await conn.execute(ADMIN_SETUP)
     return conn
-
-
-# pgmesh's own bookkeeping never waits for synchronous standbys: with `synchronous` > 0 the router is one,
-# and it may not run, or be held by the very command writing (docs/synchronous.md)
-ADMIN_SETUP = "SET synchronous_commit = local"
 
 
 def _connect_hint(node: str, exc: BaseException) -> str:
