@@ -3,7 +3,8 @@
 Every node holds one row per cluster, `pgmesh.lease (cluster, holder, term, expires_at)`. A router applies
 only while it holds the lease:
 
-- **Acquire** (`Lease.acquire`, a standby polls every lease_s / 3): read the row on every node reached;
+- **Acquire** (`Lease.acquire`, a standby polls every lease_s / 3, or just after a majority of the rows it
+  read expire when that is sooner): read the row on every node reached;
   when a majority of the configured nodes show it free or expired by their own clocks, compare-and-set
   each of those to (this router, highest term seen + 1, now() + lease_s). It holds the lease once a
   majority took the new term; otherwise it gives back the rows it took and tries again later.
@@ -186,8 +187,17 @@ class Lease:
             except Exception as exc:  # a bug must not make a standby give up: it says so and polls on
                 logger.error("lease: acquiring failed: %s", describe(exc))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.period * (0.75 + random.random() / 2))
+                await asyncio.wait_for(stop.wait(), self._pause())
         return False
+
+    def _pause(self) -> float:
+        """Until the next try: a poll period (with jitter, so that standbys do not race in step), or less
+        when the rows read show a majority expiring sooner: just after that (each by its node's clock)."""
+        wait = self.period * (0.75 + random.random() / 2)
+        if len(self.rows) >= self.quorum:
+            left = sorted(max(0.0, r.expires_in) for r in self.rows.values())[self.quorum - 1]
+            wait = min(wait, left + 0.02 + random.random() * 0.05)
+        return wait
 
     async def _try_acquire(self) -> bool:
         rows = {n: r for n, r in (await self._each(self.config.node_names, self._read)).items()
