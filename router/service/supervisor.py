@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 # How long a stopping router waits for each link's batch in hand to commit before cutting it short.
 STOP_WAIT_S = 5.0
+HOLD_MAX_S = 600.0  # a join holds for well under a second each time (docs/join.md)
 
 _SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_system()"
 # the router log this node's slot counted on (router.service.logs), and how far the slot is confirmed
@@ -92,6 +93,7 @@ class Router:
         self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
         self.logs = RouterLogs(config, self.spool)  # each source's router log (router.service.logs)
         self.stop_wait_s = STOP_WAIT_S
+        self.hold_max_s = HOLD_MAX_S  # a hold nobody releases ends by itself after this long
         self._on_applied_hook = on_applied
         self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
@@ -376,10 +378,13 @@ class Router:
         self._held.set()
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._release.wait())]
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=self.hold_max_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waits:
                 waiter.cancel()
+        if not done:  # whatever held it (a join) is gone: its pins still keep a joining node out
+            logger.error("cluster %s: held for %.0f s and never released: streaming again",
+                         self.config.cluster.name, self.hold_max_s)
         self._held.clear()
         self._release.clear()
         if stop.is_set():
