@@ -66,6 +66,7 @@ __all__ = [
     "iter_chunks",
     "iter_raw_chunks",
     "materialize",
+    "process_alive",
     "release",
 ]
 
@@ -362,7 +363,7 @@ class SpillFile:
 _SPOOL_TAIL: Final = re.compile(r"(\d+)-[A-Za-z0-9_]+")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether a process `pid` exists (one owned by another user counts: it exists)."""
     try:
         os.kill(pid, 0)
@@ -405,7 +406,7 @@ class Spool:
         cluster_prefix = self._prefix.rsplit("-", 2)[0] + "-"  # pgmesh-spool-<cluster>-
         for path in self._parent.glob(f"{glob.escape(cluster_prefix)}*"):
             found = _SPOOL_TAIL.fullmatch(path.name[len(cluster_prefix):])  # <pid>-<mkdtemp's random>
-            if not path.is_dir() or found is None or _alive(int(found[1])):
+            if not path.is_dir() or found is None or process_alive(int(found[1])):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from router.stream.spool import process_alive
+
 LOWEST: Final = 20000  # below: well-known and registered services are likelier
 _DIR: Final = Path(tempfile.gettempdir()) / "pgmesh-ports"
 _RANGE_FILE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -28,16 +30,6 @@ def _ephemeral_low() -> int:
         return int(_RANGE_FILE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _claim(port: int) -> bool:
@@ -51,7 +43,7 @@ def _claim(port: int) -> bool:
                 owner = int(path.read_text() or "0")
             except (OSError, ValueError):
                 return False  # being written right now, or unreadable: someone else's
-            if owner and _alive(owner):
+            if owner and process_alive(owner):
                 return False
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()

@@ -102,12 +102,36 @@ async def holders(nodes: Sequence[Any]) -> set[str]:
     return out
 
 
-async def _started(routers: Routers, nodes: Sequence[Any]) -> None:
-    """r1 first, active; then r2, a standby."""
-    routers.start("r1", nodes)
-    await wait_for(lambda: routers.is_("r1", "active"), "r1 active", 60)
-    routers.start("r2", nodes)
-    await wait_for(lambda: routers.is_("r2", "standby"), "r2 a standby", 60)
+class Scenario:
+    """Three nodes, the routers of one test and a writer on every node (once `load` is called); at the end
+    every router is stopped, and on failure their output printed."""
+
+    def __init__(self, m: Any, tmp: Path) -> None:
+        self.m = m
+        self.routers = Routers(tmp, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
+        self.writes: Load | None = None
+
+    async def start_both(self, nodes: Sequence[Any] | None = None) -> None:
+        """r1 first (over `nodes`, default the mesh's), active; then r2 over the mesh's nodes, a standby."""
+        self.routers.start("r1", nodes or self.m.nodes)
+        await wait_for(lambda: self.routers.is_("r1", "active"), "r1 active", 60)
+        self.routers.start("r2", self.m.nodes)
+        await wait_for(lambda: self.routers.is_("r2", "standby"), "r2 a standby", 60)
+
+    def load(self) -> Load:
+        self.writes = Load(self.m.nodes)
+        return self.writes
+
+    async def __aenter__(self) -> Scenario:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            print(self.routers.output())
+        if self.writes is not None:  # (finished by the test, unless it failed)
+            self.writes.stop.set()
+            await asyncio.gather(*self.writes.tasks, return_exceptions=True)
+        await self.routers.stop()
 
 
 @pytest.mark.slow
@@ -116,27 +140,18 @@ async def test_the_standby_takes_over_when_the_active_router_is_killed(
 ) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     a, b, c = m.nodes
-    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
-    load: Load | None = None
-    try:
-        await _started(routers, m.nodes)
-        load = Load(m.nodes)
+    async with Scenario(m, tmp_path) as s:
+        await s.start_both()
+        load = s.load()
         await arrives(a, b, 1, 60)
-        routers.signal("r1", signal.SIGKILL)
+        s.routers.signal("r1", signal.SIGKILL)
         took = await arrives(c, a, 2, TAKEOVER_LIMIT_S)  # applied by r2
-        assert await routers.role("r2") == "active"
-        lease = await routers.lease("r2")
+        assert await s.routers.role("r2") == "active"
+        lease = await s.routers.lease("r2")
         assert lease is not None and lease["term"] >= 2 and all(
             row["holder"] == lease["holder"] for row in lease["nodes"].values()), lease
         await load.finish()
         await load.check()
-    except BaseException:
-        print(routers.output())
-        raise
-    finally:
-        if load is not None:
-            await load.finish()
-        await routers.stop()
     print(f"failover: the standby applied {took:.1f} s after the kill")
 
 
@@ -150,48 +165,40 @@ async def test_a_router_cut_off_from_a_majority_stops_and_stays_standby_after_th
     # r1 reaches b and c only through the proxies; r2 reaches every node directly
     cut_off = [a] + [SimpleNamespace(name=n.name, dsn=lambda n=n: n.dsn().replace(
         f"port={n.port}", f"port={proxies[n.name].port}")) for n in (b, c)]
-    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
-    load: Load | None = None
     try:
-        routers.start("r1", cut_off)
-        await wait_for(lambda: routers.is_("r1", "active"), "r1 active", 60)
-        routers.start("r2", m.nodes)
-        await wait_for(lambda: routers.is_("r2", "standby"), "r2 a standby", 60)
-        load = Load(m.nodes)
-        await arrives(a, b, 1, 60)
-        for proxy in proxies.values():
-            proxy.blackhole()
-        # r1 reaches a only: it stops applying at its deadline and is a standby; r2 takes over
-        await wait_for(lambda: routers.is_("r1", "standby"), "r1 stepped down", TAKEOVER_LIMIT_S)
-        await wait_for(lambda: routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
-        await arrives(b, a, 2, TAKEOVER_LIMIT_S)
-        # r1's sessions on a were ended by r2's takeover of a's row
-        await wait_for(lambda: _none(a.dsn(), R1_SESSIONS), "no session of r1 on a", 30)
-        for proxy in proxies.values():
-            proxy.restore()
-        # healed: r1 reads every row again, sees r2's term, stays standby
-        lease = await routers.lease("r2")
-        assert lease is not None
-        term = lease["term"]
+        async with Scenario(m, tmp_path) as s:
+            routers = s.routers
+            await s.start_both(cut_off)
+            load = s.load()
+            await arrives(a, b, 1, 60)
+            for proxy in proxies.values():
+                proxy.blackhole()
+            # r1 reaches a only: it stops applying at its deadline and is a standby; r2 takes over
+            await wait_for(lambda: routers.is_("r1", "standby"), "r1 stepped down", TAKEOVER_LIMIT_S)
+            await wait_for(lambda: routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+            await arrives(b, a, 2, TAKEOVER_LIMIT_S)
+            # r1's sessions on a were ended by r2's takeover of a's row
+            await wait_for(lambda: _none(a.dsn(), R1_SESSIONS), "no session of r1 on a", 30)
+            for proxy in proxies.values():
+                proxy.restore()
+            # healed: r1 reads every row again, sees r2's term, stays standby
+            lease = await routers.lease("r2")
+            assert lease is not None
+            term = lease["term"]
 
-        async def r1_saw_r2() -> bool:
-            mine = await routers.lease("r1")
-            return mine is not None and len(mine["nodes"]) == 3 and all(
-                row["term"] == term and row["holder"] == lease["holder"] for row in mine["nodes"].values())
+            async def r1_saw_r2() -> bool:
+                mine = await routers.lease("r1")
+                rows = [] if mine is None else list(mine["nodes"].values())
+                theirs = (term, lease["holder"])
+                return len(rows) == 3 and all((r["term"], r["holder"]) == theirs for r in rows)
 
-        await wait_for(r1_saw_r2, "r1 reads r2's rows on every node after the heal", 60)
-        assert await routers.role("r1") == "standby"
-        assert await holders(m.nodes) == {lease["holder"]}
-        await load.finish()
-        await load.check()
-        assert await routers.role("r1") == "standby"
-    except BaseException:
-        print(routers.output())
-        raise
-    finally:
-        if load is not None:
+            await wait_for(r1_saw_r2, "r1 reads r2's rows on every node after the heal", 60)
+            assert await routers.role("r1") == "standby"
+            assert await holders(m.nodes) == {lease["holder"]}
             await load.finish()
-        await routers.stop()
+            await load.check()
+            assert await routers.role("r1") == "standby"
+    finally:
         for proxy in proxies.values():
             proxy.close()
 
@@ -202,11 +209,10 @@ async def test_a_router_frozen_past_its_lease_applies_nothing_when_it_wakes(
 ) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
     a, b, c = m.nodes
-    routers = Routers(tmp_path, HA, log_level=os.environ.get("PGMESH_TEST_ROUTER_LOG", "INFO"))
-    load: Load | None = None
-    try:
-        await _started(routers, m.nodes)
-        load = Load(m.nodes)
+    async with Scenario(m, tmp_path) as s:
+        routers = s.routers
+        await s.start_both()
+        load = s.load()
         await arrives(a, b, 1, 60)
         routers.signal("r1", signal.SIGSTOP)
         await wait_for(lambda: routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
@@ -218,13 +224,6 @@ async def test_a_router_frozen_past_its_lease_applies_nothing_when_it_wakes(
         await load.check()
         for node in m.nodes:
             assert await _none(node.dsn(), R1_SESSIONS), node.name
-    except BaseException:
-        print(routers.output())
-        raise
-    finally:
-        if load is not None:
-            await load.finish()
-        await routers.stop()
 
 
 async def _none(dsn: str, query: str) -> bool:
