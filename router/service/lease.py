@@ -44,7 +44,7 @@ from router.config import PGMESH_SCHEMA, Config
 from router.errors import describe
 from router.service.status import LeaseNode, LeaseStatus
 
-__all__ = ["Lease", "LeaseRow"]
+__all__ = ["Lease", "LeaseRow", "lease_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,14 @@ _END_OTHERS: Final = (
     " UNION SELECT active_pid FROM pg_catalog.pg_replication_slots WHERE slot_name = $3"
     " AND active_pid IS NOT NULL) s"
 )
+
+
+def lease_for(config: Config) -> Lease | None:
+    """The router's lease with [ha] enabled; else None, and no session of this process is fenced."""
+    if not config.ha.enabled:
+        FENCE.clear()
+        return None
+    return Lease(config)
 
 
 class LeaseRow:

@@ -115,6 +115,12 @@ class Reporter:
                 m.schema_drift.labels(node=node, table=item.table).set(1)
 
 
+    def conflicts_decided(self, router: Router) -> int:
+        """Conflicts decided since the start: by the links, and late by the tombstone recorders (each is
+        one row of pgmesh.conflict_history on the node that decided it)."""
+        return (sum(applier.conflicts for applier in router.appliers.values())
+                + sum(recorder.late for recorder in router.recorders.values()))
+
     def health(self, router: Router) -> tuple[bool, str]:
         """Whether the router is well, and if not why; a standby ([ha]) is well while it waits."""
         if router.lease is not None and router.lease.role != "active":

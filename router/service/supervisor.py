@@ -24,7 +24,6 @@ import psycopg
 from protocol.lsn import parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
-from router.apply.fence import FENCE
 from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
 from router.cluster.part import members_only
@@ -35,7 +34,7 @@ from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
-from router.service.lease import Lease
+from router.service.lease import lease_for
 from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
@@ -119,9 +118,7 @@ class Router:
         self._recorded: dict[str, int | None] = {}
         self._sysids: dict[str, str] = {}
         self._lost: list[tuple[str, str, int, str]] = []  # links a lost router log may have left short
-        self.lease = Lease(config) if config.ha.enabled else None  # [ha]: standby routers (docs/ha.md)
-        if self.lease is None:
-            FENCE.clear()
+        self.lease = lease_for(config)  # [ha]: standby routers (docs/ha.md)
 
     # ------------------------------------------------------------ building
 
@@ -320,7 +317,8 @@ class Router:
                 self.spool.close()  # what was still queued is read again from the slots
                 self.running = False
                 if self.lease is not None and self.lease.lost.is_set() and not stop.is_set():
-                    continue  # lost the lease: a standby again
+                    await self._start_over()  # lost the lease: a standby again
+                    continue
                 if stop.is_set() or not await self._wait_release(stop):
                     break
         finally:
@@ -389,6 +387,12 @@ class Router:
         self._release.clear()
         if stop.is_set():
             return False
+        await self._start_over()
+        logger.info("cluster %s: released; starting again", self.config.cluster.name)
+        return True
+
+    async def _start_over(self) -> None:
+        """After a hold or a lost lease: re-read the config, and build everything again from the nodes."""
         for target in [*self.targets.values(), *self._drift_targets]:
             await target.close()
         self._drift_targets = []
@@ -396,8 +400,6 @@ class Router:
             self.config = self._reload()
         self.targets = {n.name: MonitorTarget(self.config, n) for n in self.config.nodes}
         self.appliers, self.pumps, self.progress, self.reporter = {}, {}, {}, Reporter()
-        logger.info("cluster %s: released; starting again", self.config.cluster.name)
-        return True
 
     async def hold(self, _target: str | None = None) -> list[str]:
         """Stop streaming (every slot is left idle and confirmed to what the targets flushed)."""
@@ -549,8 +551,7 @@ class Router:
     # ------------------------------------------------------------ control
 
     def _check_nodes(self, *names: str | None) -> None:
-        """A pause / resume of a node the config does not name is refused in the CLI's words (the admin
-        listener makes the `LookupError` a 404), never answered with an empty list of links."""
+        """A pause / resume of a node not in the config: a LookupError (the admin listener's 404)."""
         try:
             for name in names:
                 if name is not None:
@@ -591,10 +592,7 @@ class Router:
         return done
 
     def conflicts_decided(self) -> int:
-        """Conflicts decided since the start: by the links, and late by the tombstone recorders (each is
-        one row of pgmesh.conflict_history on the node that decided it)."""
-        return (sum(applier.conflicts for applier in self.appliers.values())
-                + sum(recorder.late for recorder in self.recorders.values()))
+        return self.reporter.conflicts_decided(self)
 
     def status(self) -> StatusReport:
         return self.reporter.status(self)
