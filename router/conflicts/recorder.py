@@ -132,6 +132,7 @@ class TombstoneRecorder:
         self.error: str | None = None
         self.recorded = 0  # tombstones written
         self.late = 0  # late decisions made
+        self.replaced = 0  # of them, those that replaced the applier's record of the same change
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
 
@@ -316,7 +317,8 @@ class TombstoneRecorder:
                 table.name, row["pgmesh_key"], row["pgmesh_xid"], row["pgmesh_row"], name,
                 list(self.config.conflicts.node_priority),
             )
-            await conn.execute(_LATE_RECORD, table.name, row["pgmesh_key"], origin_node, row["pgmesh_ts"])
+            self.replaced += int(await conn.fetchval(_LATE_RECORD, table.name, row["pgmesh_key"], origin_node,
+                                                     row["pgmesh_ts"]) or 0)
             if not won:
                 await conn.execute(
                     f"DELETE FROM {table.qualified} WHERE ctid = $1::text::tid AND tableoid = $2::oid",
@@ -340,7 +342,7 @@ _LATE_RECORD: Final = (
     " UPDATE pgmesh.conflict_history h SET reason = 'late: ' || h.reason || ' (the deletion was recorded"
     " after the change had been applied; decided by the tombstone recorder'"
     " || CASE WHEN EXISTS (SELECT FROM replaced) THEN ', in place of the update_missing recorded then'"
-    " ELSE '' END || ')' FROM this WHERE h.id = this.id"
+    " ELSE '' END || ')' FROM this WHERE h.id = this.id RETURNING (SELECT count(*) FROM replaced)"
 )
 
 

@@ -117,9 +117,10 @@ class Reporter:
 
     def conflicts_decided(self, router: Router) -> int:
         """Conflicts decided since the start: by the links, and late by the tombstone recorders (each is
-        one row of pgmesh.conflict_history on the node that decided it)."""
+        one row of pgmesh.conflict_history on the node that decided it; a late decision that replaced a
+        link's record of the same change counts once)."""
         return (sum(applier.conflicts for applier in router.appliers.values())
-                + sum(recorder.late for recorder in router.recorders.values()))
+                + sum(recorder.late - recorder.replaced for recorder in router.recorders.values()))
 
     def health(self, router: Router) -> tuple[bool, str]:
         """Whether the router is well, and if not why; a standby ([ha]) is well while it waits."""

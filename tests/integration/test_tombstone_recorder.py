@@ -81,6 +81,7 @@ async def test_own_deletes_recorded_from_the_stream_and_late_changes_decided(mes
 
         await wait_for(recorded, "a's own deletes recorded (a spilled one too)")
         await wait_for(lambda: recorder.late == 2, "the two late changes decided")
+        assert recorder.replaced == 1  # key 2's, in place of the applier's update_missing record
         await wait_for(lambda: recorder.progress.flushed >= recorder.progress.enqueued, "recorded durably")
         await wait_for(lambda: _empty(b), "a's deletes applied on b")
         status = router.status().recorders
