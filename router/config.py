@@ -18,6 +18,7 @@ from typing import Final
 
 import msgspec
 
+from router.configpart import part_problem
 from router.conflicts.resolve import ConflictType, Policy, Resolver, can_diverge
 from router.errors import ConfigError
 from router.tomllines import line_of
@@ -63,14 +64,17 @@ class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     dsn: str
-    # receives from every other node and sends to none: the one-way links of router.cluster.receive (its
-    # local writes to replicated tables are refused: nothing would carry them anywhere)
+    # receives from every other node and sends to none (router.cluster.receive: local writes refused)
     receive_only: bool = False
-    # a file holding the node's password alone (a mounted secret): libpq, asyncpg and the Spark copy read
-    # it through a private .pgpass copy named by the dsn's passfile (router.dsn.password_file_dsn)
+    # a file holding the node's password alone (a mounted secret), read through a private .pgpass copy
+    # named by the dsn's passfile (router.dsn.password_file_dsn)
     password_file: str = ""
     # overrides [replication] synchronous for commits on this node (docs/synchronous.md)
     synchronous: int | None = None
+    # a receive-only node's part of the data (router.cluster.partial): these tables, rows, columns only
+    tables: list[str] | None = None
+    rows: dict[str, str] = msgspec.field(default_factory=dict)
+    columns: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -361,9 +365,7 @@ def split_table_name(name: str) -> tuple[str, str]:
 
 
 def _match(pattern: str, qualified: str) -> bool:
-    if "." not in pattern:
-        pattern = f"*.{pattern}"
-    return fnmatch.fnmatchcase(qualified, pattern)
+    return fnmatch.fnmatchcase(qualified, pattern if "." in pattern else f"*.{pattern}")
 
 
 def _validate(config: Config) -> None:
@@ -392,6 +394,8 @@ def _validate(config: Config) -> None:
             raise bad(f"must be between 0 and {most} (the other nodes); node {node.name}: {k}", key)
         if k and node.receive_only:
             raise bad(f"node {node.name} is receive_only: nothing leaves it, nothing to wait for", key)
+        if problem := part_problem(node):
+            raise bad(problem[0], f"nodes[{i}].{problem[1]}")
     rep = config.replication
     if rep.apply_delay_ms < 0:
         raise bad("must be >= 0", "replication.apply_delay_ms")

@@ -540,7 +540,10 @@ class CarefulApplier:
             row = dict(decision.row)
         elif decision.outcome is Outcome.APPLY_REMOTE:
             row = new
-        else:
+        else:  # not written; its version still beats older rows holding its secondary unique values, as
+            # where it met them before the deletion (and as an insert losing to a tombstone, _insert)
+            if table.uniques or table.indexes:
+                await self._unique_clash(conn, txn, relation, table, new, remote, records, None)
             return
         # the row re-created may meet a row holding its key (moved onto it) or a secondary unique value
         other = await self._by_key(conn, relation, table, change.new) if table.pk else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from router.cluster.install import init_cluster
 from router.config import Config, parse_config
@@ -234,12 +235,33 @@ async def positions(nodes: Sequence[Any], tables: Sequence[str]) -> str:
                 slots = await cur.fetchall()
                 cur = await conn.execute("SELECT pg_current_wal_lsn()::text")
                 wal = await cur.fetchone()
+                detail = await small_contents(conn, prints)
         except (OSError, psycopg.Error) as exc:
             lines.append(f"node {node.name}: unreadable: {exc}")
             continue
         counts = {t: n for t, (n, _) in prints.items()}
         lines.append(f"node {node.name}: wal {wal}, rows {counts}, origins {origins}, slots {slots}")
+        lines.extend(f"  {line}" for line in detail)
     return "\n".join(lines)
+
+
+async def small_contents(conn: Any, prints: dict[str, tuple[int, str]], most: int = 20) -> list[str]:
+    """The rows of each table small enough to print, and the conflict history: what a divergence needs."""
+    lines = []
+    for table, (count, _) in prints.items():
+        if count <= most:
+            name = sql.Identifier(*table.split("."))
+            try:
+                cur = await conn.execute(sql.SQL("SELECT * FROM {} t ORDER BY t::text").format(name))
+                lines.append(f"{table}: {await cur.fetchall()}")
+            except psycopg.Error as exc:
+                lines.append(f"{table}: unreadable: {exc}")
+    try:
+        cur = await conn.execute("SELECT * FROM pgmesh.conflict_history ORDER BY 1 DESC LIMIT %s", [most])
+        lines.extend(f"history: {row}" for row in await cur.fetchall())
+    except psycopg.Error:
+        pass  # no history table on this node
+    return lines
 
 
 def free_port() -> int:
