@@ -163,7 +163,8 @@ class CarefulApplier:
                 else:
                     relation = relations[change.relid]
                     table = target_table(relation, tables)
-                    await self._change(conn, txn, relation, table, change, remote, records)
+                    if not table.skip:  # (a table a partial target does not get)
+                        await self._change(conn, txn, relation, table, change, remote, records)
             # last before COMMIT: a rollback after it moves the origin on PostgreSQL 16+ (see scripts)
             await conn.execute(COMMIT_CHECKS)
             await conn.execute(
@@ -271,7 +272,8 @@ class CarefulApplier:
     async def _check_tombstone(self, conn: Any, table: TargetTable, values: Row, tomb: _Local | None) -> None:
         key_sql = tombstone_key(self._key_sql(table, values))
         xid = await conn.fetchval(tombstone_xid_sql(key_sql), table.name)
-        if xid != (tomb.xid if tomb else None):
+        # ('ours': a partial target's row filter took the row out again, not a deletion meanwhile)
+        if xid != "ours" and xid != (tomb.xid if tomb else None):
             self._moved(table, values)
 
     def _moved(self, table: TargetTable, values: Row) -> NoReturn:
@@ -306,6 +308,8 @@ class CarefulApplier:
             remote_row=remote_row,
         )
         key = ",".join(str(remote_row.get(k)) for k in table.tombstone_key)
+        if table.filtered and (local is None or local.row is None):
+            return decision  # a partial target's missing row or tombstone: mostly rows its filter keeps out
         await conn.execute(
             _RECORD,
             self.source,

@@ -72,10 +72,12 @@ def read_tombstone_sql(key_sql: str) -> str:
 
 
 def tombstone_xid_sql(key_sql: str) -> str:
-    """Which deletion the tombstone of key `key_sql` in table $1 is now (its xid as text; no row: none),
-    read on a snapshot of its own, after the write a decision on that tombstone led to."""
+    """Which deletion the tombstone of key `key_sql` in table $1 is now (its xid as text; no row: none;
+    'ours': this very transaction's), read on a snapshot of its own, after the write a decision on that
+    tombstone led to."""
     return (
-        f"SELECT {TS}.xid::text FROM pgmesh.tombstones AS {TS}"
+        f"SELECT CASE WHEN pg_catalog.xid({TS}.xid) = pg_catalog.xid(pg_catalog.pg_current_xact_id())"
+        f" THEN 'ours' ELSE {TS}.xid::text END FROM pgmesh.tombstones AS {TS}"
         f" WHERE {TS}.table_name = $1 AND {TS}.key = {key_sql}"
     )
 

@@ -321,7 +321,10 @@ class Decisions:
         check = read_tombstone_sql(self._key_array(table, row)).replace("$1", quote_literal(table.name))
         return [
             f"INSERT INTO {table.qualified} ({names}) OVERRIDING SYSTEM VALUE VALUES ({values});",
-            f"IF (SELECT r.pgmesh_xid FROM ({check}) AS r) IS DISTINCT FROM"
+            # (a tombstone of this very transaction is no deletion meanwhile: a partial target's row filter
+            # took the row out again, router.cluster.partial)
+            f"IF NOT coalesce((SELECT r.pgmesh_ours FROM ({check}) AS r), false)"
+            f" AND (SELECT r.pgmesh_xid FROM ({check}) AS r) IS DISTINCT FROM"
             f" (CASE WHEN pgmesh_had THEN pgmesh_tb.pgmesh_xid END) THEN {_MOVED} END IF;",
             "RETURN true;",
         ]

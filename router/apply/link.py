@@ -320,6 +320,9 @@ class LinkSession:
             table.tombstone_key = pk or replident or tuple(types)
             table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
             table.always = frozenset(col for col, _, _, always in columns if always)  # GENERATED ALWAYS
+            got = self.target.tables  # a partial target's tables (router.cluster.partial)
+            table.skip = got is not None and table.name not in got
+            table.filtered = table.name in self.target.rows
             tables[(schema, name)] = table
         for key in await self.conn.fetch(_DEFERRABLE_QUERY):
             if (found := tables.get((key[0], key[1]))) is not None:

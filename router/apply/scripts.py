@@ -361,6 +361,8 @@ def transaction_segments(
         nonlocal deferred, pending
         assert run_rel is not None
         table = target_table(run_rel, tables)
+        if table.skip:
+            return  # a table this (partial) target does not get
         deferred = deferred or table.deferrable
         if copy and len(run) >= COPY_MIN_ROWS:
             opening()
@@ -409,6 +411,8 @@ def transaction_segments(
             continue
         relation = relations[change.relid]
         table = target_table(relation, tables)
+        if table.skip:
+            continue
         deferred = deferred or table.deferrable
         opening()
         keyed = prepared is not None and _keyed(relation, change.old_kind)

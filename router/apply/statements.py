@@ -94,8 +94,8 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "always", "columns", "compare", "deferrable", "deferred", "indexes", "name", "partitioned",
-        "pk", "qualified", "tombstone_key", "types", "uniques",
+        "_fits", "always", "columns", "compare", "deferrable", "deferred", "filtered", "indexes", "name",
+        "partitioned", "pk", "qualified", "skip", "tombstone_key", "types", "uniques",
     )
 
     def __init__(
@@ -130,6 +130,10 @@ class TargetTable:
         # a deferrable constraint or constraint trigger (either side of a foreign key): checked at COMMIT
         self.deferrable = False
         self.always: frozenset[str] = frozenset()  # identity columns GENERATED ALWAYS (no UPDATE sets them)
+        # a partial target (router.cluster.partial): does not get this table (its changes are skipped), or
+        # holds the rows a filter keeps (a missing row there is no conflict to record)
+        self.skip = False
+        self.filtered = False
 
 
 def _literal(relation: Relation, row: TupleData, i: int) -> str:
@@ -477,7 +481,10 @@ def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTabl
 def truncate_statement(
     change: Truncate, relations: Mapping[int, Relation], tables: Mapping[tuple[str, str], TargetTable]
 ) -> str:
-    names = ", ".join(target_table(relations[r], tables).qualified for r in change.relids)
+    targets = [target_table(relations[r], tables) for r in change.relids]
+    names = ", ".join(table.qualified for table in targets if not table.skip)
+    if not names:
+        return "SELECT 1"  # every table it empties is one the target does not get
     restart = " RESTART IDENTITY" if change.restart_identity else ""
     cascade = " CASCADE" if change.cascade else ""
     return f"TRUNCATE {names}{restart}{cascade}"

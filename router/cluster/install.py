@@ -28,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.checks import InitReport, TableName, check_cluster, connect
+from router.cluster.partial import ensure_partial
 from router.cluster.receive import ensure_receive_only
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
@@ -261,6 +262,7 @@ async def _stage_node(
     done += await install_conflict_catalog(conn, tables)
     done += await install_ddl_capture(conn, config, tables)
     done += await ensure_receive_only(conn, config, node, tables)  # (router.cluster.receive)
+    done += await ensure_partial(conn, config, node, tables)  # (router.cluster.partial)
     if created.identities:  # listed as pgmesh's doing: a primary key added later makes them DEFAULT again
         listed = "INSERT INTO {}.auto_identity SELECT unnest(%s::oid[]) ON CONFLICT DO NOTHING"
         await conn.execute(sql.SQL(listed).format(sql.Identifier(PGMESH_SCHEMA)), [created.identities])

@@ -32,6 +32,7 @@ DECLARE
   seen timestamptz;
   won boolean;
   reason text;
+  unrecorded boolean := false;
 BEGIN
   IF resolver NOT IN ('last_update_wins', 'first_update_wins', 'node_priority', 'keep_local',
                       'apply_remote') THEN
@@ -66,6 +67,15 @@ BEGIN
         || ' breaks the tie'
       WHEN l_ts IS NULL THEN ' wins: the local commit time is unknown (frozen or older than pgmesh): oldest'
       ELSE ' wins by ' || resolver END;
+  END IF;
+  -- on a partial node (router.cluster.partial) a filtered table's missing rows and tombstones are mostly
+  -- rows its filter keeps out, not conflicts: decided alike, not recorded
+  IF l_row IS NULL AND pg_catalog.to_regclass('{schema}.part') IS NOT NULL THEN
+    EXECUTE 'SELECT EXISTS (SELECT FROM {schema}.part WHERE table_name = $1 AND row_filter IS NOT NULL)'
+      INTO unrecorded USING table_name;
+  END IF;
+  IF unrecorded THEN
+    RETURN won;
   END IF;
   INSERT INTO {schema}.conflict_history (source, table_name, key, conflict_type, resolution, resolver,
     reason, local_origin, local_commit_time, remote_origin, remote_commit_time, remote_lsn, local_row,

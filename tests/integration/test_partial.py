@@ -1,0 +1,123 @@
+"""Partial nodes (router.cluster.partial): a receive-only node that gets some tables only, the rows a
+filter keeps and some columns; under writes and conflicts on the nodes that send it holds exactly the
+others' rows through its filter, decided alike (a change that takes a row out is that key's newer version
+there), and records no conflict for the rows it does not hold. init makes rows already there fit, and
+refuses what could not converge."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.cluster.install import init_cluster
+from router.config import Config
+from router.errors import PgmeshError
+from router.testing.localnodes import LocalNode
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
+from tests.fix_mesh import MeshFactory
+
+SCHEMA = """
+CREATE TABLE orders (id int PRIMARY KEY, region text, amount int);
+CREATE TABLE customers (id int PRIMARY KEY, name text, secret text);
+CREATE TABLE logs (id int PRIMARY KEY, msg text NOT NULL);
+"""
+EU = "SELECT id, region, amount FROM orders WHERE region = 'eu' ORDER BY id"
+NAMES = "SELECT id, name, NULL::text FROM customers ORDER BY id"
+
+
+def partial(config: Config, name: str, **part: Any) -> Config:
+    nodes = [msgspec.structs.replace(n, receive_only=True, **part) if n.name == name else n
+             for n in config.nodes]
+    return msgspec.structs.replace(config, nodes=nodes)
+
+
+PART = {
+    "tables": ["public.orders", "public.customers"],
+    "rows": {"public.orders": "region = 'eu'"},
+    "columns": {"public.customers": ["id", "name"]},
+}
+
+
+async def holds_part(full: LocalNode, part: LocalNode) -> bool:
+    return (await fetch(part.dsn(), "SELECT id, region, amount FROM orders ORDER BY id")
+            == await fetch(full.dsn(), EU)
+            and await fetch(part.dsn(), "SELECT id, name, secret FROM customers ORDER BY id")
+            == await fetch(full.dsn(), NAMES))
+
+
+async def test_a_partial_node_holds_the_filtered_rows_and_columns_under_writes(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=["a", "b", "r"], schema=SCHEMA, init=False)
+    a, b, r = m.nodes
+    before = ("INSERT INTO orders SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, g"
+              " FROM generate_series(1, 20) g;"
+              " INSERT INTO customers SELECT g, 'n' || g, 's' || g FROM generate_series(1, 10) g;"
+              " INSERT INTO logs VALUES (1, 'kept where it was')")
+    for node in m.nodes:  # r held everything before it was made partial
+        await execute(node.dsn(), before)
+    config = partial(m.config, "r", **PART)
+    _, lines = await init_cluster(config)
+    assert any(line.startswith("node r: holds part of the data: 2 of 3") for line in lines), lines
+    assert await holds_part(a, r)  # init made the rows already there fit
+    async with running_router(config) as router:
+        assert set(router.appliers) == {("a", "b"), ("b", "a"), ("a", "r"), ("b", "r")}
+
+        async def writes(node: LocalNode, base: int) -> None:
+            for i in range(40):
+                key = 1 + (i * 7 + base) % 30
+                region = "eu" if (i + base) % 3 else "us"
+                await execute(node.dsn(),
+                              f"INSERT INTO orders VALUES ({key}, '{region}', {i})"
+                              f" ON CONFLICT (id) DO UPDATE SET region = excluded.region, amount = {i}",
+                              f"UPDATE customers SET name = 'w{base}-{i}', secret = 'x{i}' WHERE id = {1 + i % 10}",
+                              f"INSERT INTO logs VALUES ({100 * base + i}, 'm') ON CONFLICT DO NOTHING")
+                if i % 9 == 4:
+                    await execute(node.dsn(), f"DELETE FROM orders WHERE id = {key}")
+
+        await asyncio.gather(writes(a, 1), writes(b, 2))
+        await wait_converged([a, b], ["orders", "customers", "logs"], 120)
+        await wait_for(lambda: holds_part(a, r), "r to hold a's eu orders and customer names", 120)
+        held, total = len(await fetch(r.dsn(), EU)), len(await fetch(a.dsn(), "SELECT 1 FROM orders"))
+        assert 0 < held < total, (held, total)
+
+        # the order that makes a tombstone necessary: a change taking a row out reaches r before an older
+        # change that would bring it in
+        router.appliers[("a", "r")].pause()
+        await execute(a.dsn(), "INSERT INTO orders VALUES (200, 'eu', 1), (300, 'us', 1)")
+        await wait_for(lambda: _count(b, "SELECT count(*) FROM orders WHERE id IN (200, 300)", 2), "b to get them")
+        await execute(b.dsn(), "UPDATE orders SET region = 'us' WHERE id = 200",
+                      "UPDATE orders SET region = 'eu' WHERE id = 300")
+        await wait_for(lambda: _count(r, "SELECT count(*) FROM orders WHERE id = 300", 1), "b's update on r")
+        router.appliers[("a", "r")].resume()
+        await wait_converged([a, b], ["orders"], 60)
+        await wait_for(lambda: holds_part(a, r), "r to hold the eu orders again", 60)
+        assert await fetch(r.dsn(), "SELECT id, region FROM orders WHERE id IN (200, 300)") == [(300, "eu")]
+        assert all(applier.last_error is None for applier in router.appliers.values())
+    assert await fetch(r.dsn(), "SELECT * FROM logs") == [(1, "kept where it was")]  # never written there
+    unrecorded = await fetch(
+        r.dsn(), "SELECT count(*) FROM pgmesh.conflict_history WHERE table_name = 'public.orders'"
+        " AND conflict_type IN ('update_missing', 'delete_missing', 'update_deleted', 'insert_deleted')")
+    assert unrecorded == [(0,)]
+
+
+async def _count(node: LocalNode, query: str, wanted: int) -> bool:
+    return (await fetch(node.dsn(), query))[0][0] == wanted
+
+
+@pytest.mark.parametrize(("part", "says"), [
+    ({"rows": {"public.orders": "random() < 0.5"}}, "mutable functions are not allowed"),
+    ({"columns": {"public.logs": ["id"]}}, "NOT NULL"),
+    ({"columns": {"public.orders": ["region", "amount"]}}, "a key or unique index"),
+    ({"rows": {"public.uniq": "v > 0"}}, "another unique key"),
+    ({"tables": ["public.nothere"]}, "not a replicated table"),
+])
+async def test_init_refuses_a_part_that_could_not_converge(
+    mesh: MeshFactory, part: dict[str, Any], says: str
+) -> None:
+    m = await mesh(nodes=2, schema=SCHEMA + "CREATE TABLE uniq (id int PRIMARY KEY, v int UNIQUE);", init=False)
+    config = partial(m.config, m.nodes[1].name, **part)
+    with pytest.raises(PgmeshError) as refused:
+        await init_cluster(config)
+    assert says in str(refused.value) and f"node {m.nodes[1].name}" in str(refused.value), str(refused.value)
