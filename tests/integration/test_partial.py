@@ -71,7 +71,8 @@ async def test_a_partial_node_holds_the_filtered_rows_and_columns_under_writes(m
                 await execute(node.dsn(),
                               f"INSERT INTO orders VALUES ({key}, '{region}', {i})"
                               f" ON CONFLICT (id) DO UPDATE SET region = excluded.region, amount = {i}",
-                              f"UPDATE customers SET name = 'w{base}-{i}', secret = 'x{i}' WHERE id = {1 + i % 10}",
+                              f"UPDATE customers SET name = 'w{base}-{i}', secret = 'x{i}'"
+                              f" WHERE id = {1 + i % 10}",
                               f"INSERT INTO logs VALUES ({100 * base + i}, 'm') ON CONFLICT DO NOTHING")
                 if i % 9 == 4:
                     await execute(node.dsn(), f"DELETE FROM orders WHERE id = {key}")
@@ -86,7 +87,8 @@ async def test_a_partial_node_holds_the_filtered_rows_and_columns_under_writes(m
         # change that would bring it in
         router.appliers[("a", "r")].pause()
         await execute(a.dsn(), "INSERT INTO orders VALUES (200, 'eu', 1), (300, 'us', 1)")
-        await wait_for(lambda: _count(b, "SELECT count(*) FROM orders WHERE id IN (200, 300)", 2), "b to get them")
+        both = "SELECT count(*) FROM orders WHERE id IN (200, 300)"
+        await wait_for(lambda: _count(b, both, 2), "b to get them")
         await execute(b.dsn(), "UPDATE orders SET region = 'us' WHERE id = 200",
                       "UPDATE orders SET region = 'eu' WHERE id = 300")
         await wait_for(lambda: _count(r, "SELECT count(*) FROM orders WHERE id = 300", 1), "b's update on r")
@@ -110,13 +112,14 @@ async def _count(node: LocalNode, query: str, wanted: int) -> bool:
     ({"rows": {"public.orders": "random() < 0.5"}}, "mutable functions are not allowed"),
     ({"columns": {"public.logs": ["id"]}}, "NOT NULL"),
     ({"columns": {"public.orders": ["region", "amount"]}}, "a key or unique index"),
-    ({"rows": {"public.uniq": "v > 0"}}, "another unique key"),
+    ({"rows": {"public.uniq": "v > 0"}}, "unique key besides the primary key"),
     ({"tables": ["public.nothere"]}, "not a replicated table"),
 ])
 async def test_init_refuses_a_part_that_could_not_converge(
     mesh: MeshFactory, part: dict[str, Any], says: str
 ) -> None:
-    m = await mesh(nodes=2, schema=SCHEMA + "CREATE TABLE uniq (id int PRIMARY KEY, v int UNIQUE);", init=False)
+    schema = SCHEMA + "CREATE TABLE uniq (id int PRIMARY KEY, v int UNIQUE);"
+    m = await mesh(nodes=2, schema=schema, init=False)
     config = partial(m.config, m.nodes[1].name, **part)
     with pytest.raises(PgmeshError) as refused:
         await init_cluster(config)
