@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from router.config import NodeConfig
 
-__all__ = ["part_problem"]
+__all__ = ["describe_part", "part_problem"]
 
 
 def part_problem(node: NodeConfig) -> tuple[str, str] | None:
@@ -40,3 +40,11 @@ def part_problem(node: NodeConfig) -> tuple[str, str] | None:
             for name in sorted(set(given[field] or ()) - set(node.tables)):
                 return f"{name} is not in this node's tables", field
     return None
+
+
+def describe_part(node: NodeConfig) -> str:
+    """What `node` holds, for status ("": everything it is sent)."""
+    said = [f"only {', '.join(node.tables)}"] if node.tables is not None else []
+    said += [f"rows of {name} where {text}" for name, text in node.rows.items()]
+    said += [f"columns {', '.join(cols)} of {name}" for name, cols in node.columns.items()]
+    return "; ".join(said)

@@ -29,6 +29,7 @@ from router.cluster.clocks import NodeClock, connection_query, measure, node_clo
 from router.cluster.install import init_cluster
 from router.cluster.part import members_of
 from router.config import Config
+from router.configpart import describe_part
 from router.errors import ConfigError, PgmeshError, describe
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
@@ -97,7 +98,8 @@ async def offline_status(config: Config) -> StatusReport:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, 0, describe(exc)))
     divergence = config.divergent_resolvers()
     return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks,
-                        receive_only=[n.name for n in config.nodes if n.receive_only])
+                        receive_only=[n.name for n in config.nodes if n.receive_only],
+                        partial={n.name: describe_part(n) for n in config.nodes if describe_part(n)})
 
 
 async def _offline_links(
@@ -153,7 +155,7 @@ def render_status(report: StatusReport) -> str:
                      f" {lease.valid_for_s:.1f} s: {lease.why}" + (f"; rows: {rows}" if rows else ""))
     if report.receive_only:  # (docs/topology.md)
         lines.append(f"topology: {', '.join(report.receive_only)} only receive(s); every other node sends"
-                     " to every node")
+                     " to every node" + "".join(f"; {n} holds {part}" for n, part in report.partial.items()))
     lines.append(
         f"{'link':<14} {'state':<12} {'applied':>12} {'committed at source':<23} {'lag bytes':>10}"
         f" {'lag s':>7} {'queued':>7}  last error"

@@ -17,6 +17,7 @@ from router.apply.applier import Applier
 from router.apply.state import LinkState, LinkStats
 from router.cluster.clocks import ClockWatch
 from router.config import Config
+from router.configpart import describe_part
 from router.conflicts.recorder import TombstoneRecorder
 from router.ddl.drift import DriftWatch, drifted_nodes
 from router.progress import LinkProgress, SourceProgress
@@ -159,6 +160,7 @@ class Reporter:
              for node, r in router.recorders.items()],
             [n.name for n in router.config.nodes if n.receive_only],
             None if router.lease is None else router.lease.report(),
+            {n.name: describe_part(n) for n in router.config.nodes if describe_part(n)},
         )
 
     def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:

@@ -119,3 +119,5 @@ class StatusReport(msgspec.Struct, frozen=True):
     # the topology: nodes that receive only (router.cluster.receive); the others send to every node
     receive_only: list[str] = msgspec.field(default_factory=list)
     lease: LeaseStatus | None = None  # [ha] (router.service.lease)
+    # receive-only nodes that hold part of the data (router.cluster.partial): what they hold
+    partial: dict[str, str] = msgspec.field(default_factory=dict)

@@ -15,6 +15,7 @@ import pytest
 from router.cluster.install import init_cluster
 from router.config import Config
 from router.errors import PgmeshError
+from router.ops.control import render_status
 from router.testing.localnodes import LocalNode
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -63,6 +64,8 @@ async def test_a_partial_node_holds_the_filtered_rows_and_columns_under_writes(m
     assert await holds_part(a, r)  # init made the rows already there fit
     async with running_router(config) as router:
         assert set(router.appliers) == {("a", "b"), ("b", "a"), ("a", "r"), ("b", "r")}
+        assert ("; r holds only public.orders, public.customers; rows of public.orders where region = 'eu'"
+                in render_status(router.status()))
 
         async def writes(node: LocalNode, base: int) -> None:
             for i in range(40):
