@@ -62,6 +62,7 @@ from router.cluster.install import install, uninstall
 from router.cluster.joining import pin_sources, unpin
 from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
+from router.cluster.partial import is_partial
 from router.cluster.synchronous import standby_names
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import (
@@ -211,9 +212,10 @@ async def join_node(
     config = without_parted(config, await read_parted(config) - {name})  # (router.cluster.part)
     new = config.node(name)
     others = [n for n in config.nodes if n.name != name]
-    source_node = config.node(donor) if donor else others[0]
-    if source_node.name == name:
-        raise ConfigError("a node cannot be its own donor")
+    source_node = config.node(donor) if donor else next((n for n in others if not is_partial(n)), others[0])
+    if source_node.name == name or is_partial(source_node):  # (router.cluster.partial)
+        raise ConfigError(f"node {source_node.name} cannot be the donor: it is the new node, or holds part"
+                          " of the data")
     conns: dict[str, Conn] = {}
     unreachable: list[str] = []
     held = False
