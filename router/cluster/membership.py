@@ -62,7 +62,7 @@ from router.cluster.install import install, uninstall
 from router.cluster.joining import pin_sources, unpin
 from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
-from router.cluster.partial import is_partial
+from router.cluster.partial import is_partial, reaches
 from router.cluster.synchronous import standby_names
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import (
@@ -438,6 +438,7 @@ async def _copy_from_donor(
         try:
             await slot.close()  # the temporary slot goes; the holder keeps the snapshot
             tables = await replicated_tables(conns[donor.name], config)  # those in the snapshot are copied
+            tables = [t for t in tables if reaches(new, f"{t[0]}.{t[1]}")]  # (a partial node's: its own)
             # the tables as the snapshot sees them, locked (bounded wait) and planned in one session
             locks = await asyncio.to_thread(
                 SnapshotLocks.open, donor.dsn, snapshot.name, tables, lock_wait_s=lock_wait_s,

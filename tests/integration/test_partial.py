@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from router.cluster.install import init_cluster
+from router.cluster.membership import join_node
 from router.config import Config
 from router.errors import PgmeshError
 from router.ops.control import render_status
@@ -127,3 +128,25 @@ async def test_init_refuses_a_part_that_could_not_converge(
     with pytest.raises(PgmeshError) as refused:
         await init_cluster(config)
     assert says in str(refused.value) and f"node {m.nodes[1].name}" in str(refused.value), str(refused.value)
+
+
+async def test_a_partial_node_joins_with_its_part_only(mesh: MeshFactory) -> None:
+    """join copies whole tables from a full donor; the install after the copy makes them fit (and a
+    partial node is never picked as a donor)."""
+    m = await mesh(nodes=["a", "b"], schema=SCHEMA, spares=["r"])
+    a, b, r = m.all_nodes
+    async with running_router(m.config):
+        await execute(a.dsn(), "INSERT INTO orders SELECT g, CASE WHEN g % 3 = 0 THEN 'eu' ELSE 'us' END, g"
+                      " FROM generate_series(1, 3000) g",
+                      "INSERT INTO customers SELECT g, 'n' || g, 's' || g FROM generate_series(1, 50) g",
+                      "INSERT INTO logs SELECT g, 'm' FROM generate_series(1, 100) g")
+        await wait_converged([a, b], ["orders", "customers", "logs"])
+    config = partial(m.config_for(m.all_nodes), "r", **PART)
+    await join_node(config, "r")
+    assert await holds_part(a, r)
+    async with running_router(config):
+        await execute(b.dsn(), "UPDATE orders SET region = 'eu' WHERE id <= 10",
+                      "UPDATE customers SET secret = 'again' WHERE id <= 10")
+        await execute(a.dsn(), "DELETE FROM orders WHERE id BETWEEN 2990 AND 3000")
+        await wait_converged([a, b], ["orders", "customers"])
+        await wait_for(lambda: holds_part(a, r), "r to hold its part", 60)
