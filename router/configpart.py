@@ -6,10 +6,23 @@ Must not: import router.config (it imports this), or connect anywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from router.config import NodeConfig
+
+class NodeConfig(Protocol):
+    """What this module reads of router.config.NodeConfig (which it may not import: config imports this)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def receive_only(self) -> bool: ...
+    @property
+    def tables(self) -> list[str] | None: ...
+    @property
+    def rows(self) -> dict[str, str]: ...
+    @property
+    def columns(self) -> dict[str, list[str]]: ...
+
 
 __all__ = ["describe_part", "part_problem"]
 
