@@ -3,10 +3,12 @@ run on the command's own threads until Spark pays for its start), then a recheck
 every link has applied past the first read.
 
 Owns: exporting a snapshot on every node (held open for the job) and each node's WAL position then, the
-compared tables (the publication's, or those named; the first node's catalog, read under its snapshot)
-and their key ranges (router.cluster.compare.plan), running the tasks (router.cluster.compare.worker) on
+compared tables (the publication's, or those named; the reference's catalog, read under its snapshot:
+the first full node) and their key ranges (router.cluster.compare.plan; the reference's), what is compared
+where (`plan.compared_on`: the full nodes with each other, each partial node with the reference on the
+tables it gets, through its filter and columns), running the tasks (router.cluster.compare.worker) on
 its own threads and on Spark (router.cluster.compare.lanes), and the recheck: a key that differed is
-read again on every node once the router reports that every link has flushed past the positions of the
+read again on its table's nodes once the router reports that every link has flushed past the positions of the
 first read (`router.ddl.command.barrier`); it is a difference only if it still differs and its rows are
 the same as the read before (else it was still being written: read again, up to `ROUNDS` times, then
 reported as unsettled, not as a difference).
@@ -34,11 +36,13 @@ from router.cluster.compare.plan import (
     CompareTable,
     RangeTask,
     bound_ranges,
+    compared_on,
     integer_ranges,
     partitions,
 )
 from router.cluster.compare.worker import SESSION_SQL, CompareJob, Difference, row_hashes_sql, run_partition
 from router.cluster.part import members_of
+from router.cluster.partial import is_partial
 from router.cluster.sync.spark import local_parallelism, spark_session
 from router.config import Config, NodeConfig
 from router.ddl.command import barrier
@@ -65,7 +69,9 @@ _KEY_SQL: Final = (
 
 
 class Divergence(msgspec.Struct, frozen=True):
-    """A key whose row differs: per node, its row's hash in hex, or None where the row is missing."""
+    """A key whose row differs: per node compared on it, its row's hash in hex, or None where the row is
+    missing. The full nodes' (every one), or a partial node's and its reference's (the reference's row read
+    through the partial node's filter; both hashed over its columns only)."""
 
     table: str
     key: str
@@ -104,7 +110,8 @@ class CompareReport(msgspec.Struct, frozen=True):
                 continue
             lines.append(f"{title}:")
             head = ["table", "key", *self.nodes]
-            rows = [[d.table, d.key, *(d.rows[n] or "missing" for n in self.nodes)] for d in items]
+            rows = [[d.table, d.key, *(d.rows[n] or "missing" if n in d.rows else "-" for n in self.nodes)]
+                    for d in items]
             widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
             for r in [head, *rows]:
                 lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -214,23 +221,32 @@ def _ranges(
 
 def first_pass(
     config: Config, names: Sequence[str], spark_after_s: float = SPARK_AFTER_S
-) -> tuple[CompareJob, list[str], list[Difference], dict[str, int], bool]:
+) -> tuple[CompareJob, list[str], list[str], list[Difference], dict[str, int], bool]:
     """Blocking: every node read under a snapshot of its own, on the command's threads and on Spark once it
-    pays (router.cluster.compare.lanes; `spark_after_s` <= 0: on Spark only). Returns the job, the skipped
-    tables, the keys that differed, each node's WAL position when its snapshot was taken, and whether Spark
-    ran."""
+    pays (router.cluster.compare.lanes; `spark_after_s` <= 0: on Spark only). Returns the job, the compared
+    tables, the skipped ones, the keys that differed, each node's WAL position when its snapshot was taken,
+    and whether Spark ran."""
     nodes = list(config.nodes)
+    reference = next((i for i, n in enumerate(nodes) if not is_partial(n)), None)
+    if reference is None:
+        raise PgmeshError("every node left holds part of the data: no full node to compare them with",
+                          hint="see `pgmesh status`: join a full node back")
     holders = _Holders(nodes)
     try:
-        tables, skipped = _tables(holders.conns[0], config.publication_name, names)
+        conn = holders.conns[reference]
+        tables, skipped = _tables(conn, config.publication_name, names)
         master = config.sync.spark_master
         parallelism = local_parallelism(master) or 2
-        tasks = [
-            t for i, table in enumerate(tables) for t in _ranges(holders.conns[0], i, table)
-        ]
-        job = CompareJob(
-            tuple(n.name for n in nodes), tuple(n.dsn for n in nodes), tuple(holders.snapshots), tuple(tables)
-        )
+        compared = compared_on(tables, nodes)
+        ranges: dict[str, list[RangeTask]] = {}  # a table's, cut once for each of its comparisons
+        tasks: list[RangeTask] = []
+        for i, table in enumerate(compared):
+            if table.label not in ranges:
+                ranges[table.label] = _ranges(conn, i, table)
+            tasks += [msgspec.structs.replace(r, table=i) for r in ranges[table.label]]
+        job = CompareJob(tuple(n.name for n in nodes), tuple(n.dsn for n in nodes), tuple(holders.snapshots),
+                         tuple(compared))
+        labels = [t.label for t in tables]
 
         def on_spark(rest: Callable[[], list[RangeTask]]) -> list[Difference]:
             with spark_session(
@@ -248,11 +264,11 @@ def first_pass(
                 return found
 
         if not tasks:
-            return job, skipped, [], dict(holders.positions), False
+            return job, labels, skipped, [], dict(holders.positions), False
         if spark_after_s <= 0:
-            return job, skipped, on_spark(lambda: tasks), dict(holders.positions), True
+            return job, labels, skipped, on_spark(lambda: tasks), dict(holders.positions), True
         found, spark = run_shared(job, tasks, parallelism, spark_after_s, on_spark)
-        return job, skipped, found, dict(holders.positions), spark
+        return job, labels, skipped, found, dict(holders.positions), spark
     finally:
         holders.close()
 
@@ -260,29 +276,35 @@ def first_pass(
 async def _read_hashes(
     config: Config, job: CompareJob, keys: Sequence[Difference]
 ) -> dict[tuple[int, str], tuple[int | None, ...]]:
-    """Each key's row hash on every node, read now."""
+    """Each key's row hash on its table's nodes (`CompareJob.nodes_of`, filtered where the table says),
+    read now."""
     by_table: dict[int, list[Difference]] = {}
     for d in keys:
         by_table.setdefault(d.table, []).append(d)
-    per_node: list[dict[tuple[int, str], int]] = []
-    for node in config.nodes:
-        found: dict[tuple[int, str], int] = {}
+    found: dict[tuple[int, int, str], int] = {}  # (node, table, key) -> hash
+    for i, node in enumerate(config.nodes):
+        mine = {index: items for index, items in by_table.items() if i in job.nodes_of(job.tables[index])}
+        if not mine:
+            continue
         try:
             async with await psycopg.AsyncConnection.connect(
                 node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh compare"
             ) as conn:
                 await conn.execute(SESSION_SQL)
-                for index, items in by_table.items():
+                for index, items in mine.items():
+                    table = job.tables[index]
                     keys_json = json.dumps([json.loads(d.key_json) for d in items])
-                    cur = await conn.execute(row_hashes_sql(job.tables[index]), [keys_json])
+                    cur = await conn.execute(row_hashes_sql(table, table.filtered(i)), [keys_json])
                     for key, h in await cur.fetchall():
-                        found[(index, str(key))] = int(h)
+                        found[(i, index, str(key))] = int(h)
         except psycopg.Error as exc:
             raise PgmeshError(
                 f"cannot read the keys that differed: {describe(exc)}", node=node.name
             ) from None
-        per_node.append(found)
-    return {(d.table, d.key): tuple(n.get((d.table, d.key)) for n in per_node) for d in keys}
+    return {
+        (d.table, d.key): tuple(found.get((i, d.table, d.key)) for i in job.nodes_of(job.tables[d.table]))
+        for d in keys
+    }
 
 
 async def compare_cluster(
@@ -293,7 +315,8 @@ async def compare_cluster(
     (router.cluster.part) are left out. `spark_after_s`: see router.cluster.compare.lanes."""
     started = time.monotonic()
     config = await members_of(config)
-    job, skipped, found, wanted, spark = await asyncio.to_thread(first_pass, config, names, spark_after_s)
+    job, tables, skipped, found, wanted, spark = await asyncio.to_thread(
+        first_pass, config, names, spark_after_s)
     candidates = {(d.table, d.key): d for d in found}
     last = {(d.table, d.key): d.hashes for d in found}
     persistent: list[Difference] = []
@@ -315,16 +338,17 @@ async def compare_cluster(
     unsettled = [msgspec.structs.replace(d, hashes=last[k]) for k, d in candidates.items()]
 
     def divergence(d: Difference) -> Divergence:
+        table = job.tables[d.table]
         return Divergence(
-            job.tables[d.table].label,
+            table.label,
             d.key,
             d.key_json,
-            {n: _hex(h) for n, h in zip(job.nodes, d.hashes, strict=True)},
+            {job.nodes[i]: _hex(h) for i, h in zip(job.nodes_of(table), d.hashes, strict=True)},
         )
 
     return CompareReport(
         list(job.nodes),
-        [t.label for t in job.tables],
+        tables,
         skipped,
         [divergence(d) for d in sorted(persistent, key=lambda d: (d.table, d.key))],
         [divergence(d) for d in sorted(unsettled, key=lambda d: (d.table, d.key))],

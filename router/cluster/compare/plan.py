@@ -1,10 +1,13 @@
 """Planning a comparison: the tables compared, and key ranges (one per Spark task) over them.
 
-Owns: what a compared table is (`CompareTable`: its name, key columns and the first key column's type),
-cutting a table's first key column into ranges that every node reads alike (`integer_ranges` from the
-first node's min and max, `bound_ranges` from its planner statistics' histogram), and grouping the ranges
-into Spark partitions. The first and the last range are open-ended: keys another node has beyond the
-first node's min or max are read too, whatever the statistics say.
+Owns: what a compared table is (`CompareTable`: its name, key columns and the first key column's type,
+and the nodes compared on it: the full nodes, or a partial node and its reference, with the part that
+node holds), what is compared where (`compared_on`: each table on the full nodes, and on each partial
+node, router.cluster.partial, the tables it gets, against its reference: the first full node), cutting a
+table's first key column into ranges that every node reads alike (`integer_ranges` from the reference's
+min and max, `bound_ranges` from its planner statistics' histogram), and grouping the ranges into Spark
+partitions. The first and the last range are open-ended: keys another node has beyond the reference's
+min or max are read too, whatever the statistics say.
 
 Must not: touch a database, Spark or a clock; everything here is a pure function of its arguments.
 """
@@ -16,21 +19,56 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["INTEGER_TYPES", "CompareTable", "RangeTask", "bound_ranges", "integer_ranges", "partitions"]
+from router.cluster.partial import is_partial, reaches, table_part
+from router.config import NodeConfig
+
+__all__ = [
+    "INTEGER_TYPES", "CompareTable", "RangeTask", "bound_ranges", "compared_on", "integer_ranges",
+    "partitions",
+]
 
 INTEGER_TYPES: Final = frozenset({"smallint", "integer", "bigint"})
 Bound = str | None  # a key value as text (cast to the column's type by the reader); None: open
 
 
 class CompareTable(msgspec.Struct, frozen=True):
+    """A table, as compared on some of the job's nodes."""
+
     schema: str
     name: str
     keys: tuple[str, ...]  # the primary key's (or replica identity index's) columns, in index order
     first_type: str  # format_type() of the first key column: ranges cut over it
+    nodes: tuple[int, ...] = ()  # the job's nodes compared on it (indexes, in order); (): every node
+    # A partial node's part (router.cluster.partial), `nodes` being (its reference full node, the partial
+    # node): the reference reads only the rows `rows` keeps (NULL: not kept); both hash only `columns`
+    rows: str | None = None
+    columns: tuple[str, ...] | None = None
 
     @property
     def label(self) -> str:
         return f"{self.schema}.{self.name}"
+
+    def filtered(self, node: int) -> bool:
+        """Whether node `node` (an index into the job's nodes) reads only the rows the filter keeps: the
+        reference of a partial node's part (the partial node holds only those: any other is a difference)."""
+        return self.rows is not None and node == self.nodes[0]
+
+
+def compared_on(tables: Sequence[CompareTable], nodes: Sequence[NodeConfig]) -> list[CompareTable]:
+    """Each table as compared on the full nodes (if there are two or more: all of them, in order), then,
+    for each partial node in order, each table it gets as compared on (the first full node, it), with the
+    part of it that node holds. At least one of `nodes` is full (only a receive-only node is partial)."""
+    full = tuple(i for i, node in enumerate(nodes) if not is_partial(node))
+    out = [msgspec.structs.replace(t, nodes=full) for t in tables] if len(full) > 1 else []
+    for i, node in enumerate(nodes):
+        if not is_partial(node):
+            continue
+        for t in tables:
+            if reaches(node, t.label):
+                part = table_part(node, t.label)
+                rows, columns = (part.rows, part.columns) if part is not None else (None, None)
+                out.append(msgspec.structs.replace(t, nodes=(full[0], i), rows=rows, columns=columns))
+    return out
 
 
 class RangeTask(msgspec.Struct, frozen=True):

@@ -6,6 +6,12 @@ Owns: reading each differing row on every node with its version (commit time and
 hold the row; a node without the row has no version and loses to any that has one) or `--from NODE`
 (that node's row, or its absence), and writing it on every node that differs.
 
+A partial node (router.cluster.partial) is never a source: the full nodes' differences are repaired
+first, then each partial node's (those compare found, and the keys a repair rewrote on the reference full
+node in a table it gets: a repair is forwarded nowhere) from the reference's row as it is then: the row
+if the node's filter keeps it (its columns only, in the write and in the record: the node never holds the
+others), else its absence.
+
 A fix is written so that it neither echoes nor loses a concurrent write: in a session with a replication
 origin of its own (`pgmeshrepair_<cluster>_<winner>`: the router forwards only a node's own changes, so
 the fix goes nowhere else; `origin_node` names the winner for it), with the winner's commit time as its
@@ -27,8 +33,9 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.compare.job import CompareReport, Divergence, compare_cluster
-from router.cluster.compare.worker import SESSION_SQL
+from router.cluster.compare.worker import SESSION_SQL, kept, row_hash
 from router.cluster.part import members_of
+from router.cluster.partial import is_partial, reaches, table_part
 from router.config import Config
 from router.conflicts.resolve import ConflictType, Outcome, Version, resolve
 from router.errors import PgmeshError, describe
@@ -84,17 +91,41 @@ class _Row(msgspec.Struct, frozen=True):
     version: Version
 
 
-def _row_sql(table: str, keys: Sequence[str]) -> sql.Composed:
+def _hex(h: int) -> str:
+    return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _row_sql(
+    table: str, keys: Sequence[str], columns: Sequence[str] | None = None, rows: str | None = None
+) -> sql.Composed:
+    """The row by its key: as JSON, its commit time and origin, its hash (of `columns` only, if given) and
+    whether filter `rows` keeps it (evaluated over the row alone: no other name in scope)."""
     schema, name = table.split(".", 1)
     match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in keys)
+    keeps = sql.SQL("true") if rows is None else sql.SQL("(SELECT {} FROM (SELECT t.*) AS pgmesh_r)").format(
+        kept(rows))
     return sql.SQL(
         "SELECT pg_catalog.to_jsonb(t.*)::text,"
         " ((extract(epoch FROM c.timestamp) - {epoch}) * 1000000)::bigint,"
-        " o.roname, pg_catalog.hashtextextended((t.*)::text, 1)"
+        " o.roname, {hash}, {keeps}"
         " FROM pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r JOIN {rel} AS t ON {match}"
         " LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(t.xmin) AS c ON true"
         " LEFT JOIN pg_catalog.pg_replication_origin AS o ON o.roident = c.roident"
-    ).format(epoch=sql.Literal(_PG_EPOCH_S), rel=sql.Identifier(schema, name), match=match)
+    ).format(epoch=sql.Literal(_PG_EPOCH_S), rel=sql.Identifier(schema, name), match=match,
+             hash=row_hash(columns), keeps=keeps)
+
+
+async def _read_row(
+    conn: psycopg.AsyncConnection[Any], config: Config, node: str, d: Divergence, keys: Sequence[str],
+    columns: Sequence[str] | None = None, rows: str | None = None,
+) -> tuple[_Row | None, str | None, bool]:
+    """`node`'s row of `d`'s key (None: none), its hash (`_row_sql`) and whether filter `rows` keeps it."""
+    cur = await conn.execute(_row_sql(d.table, keys, columns, rows), [d.key_json])
+    got = await cur.fetchone()
+    if got is None:
+        return None, None, False
+    version = Version(None if got[1] is None else int(got[1]), _origin_node(config, node, got[2]))
+    return _Row(str(got[0]), version), _hex(int(got[3])), bool(got[4])
 
 
 def _origin_node(config: Config, node: str, roname: str | None) -> str:
@@ -147,12 +178,16 @@ async def _fix_one(
     winner: str,
     row: _Row | None,
     mine: _Row | None,
+    expected: str | None,
+    commit_us: int | None,
+    columns: Sequence[str] | None,
 ) -> bool:
-    """Write the winner's row (or its absence) on `node`; False when its row changed since compared."""
+    """Write the winner's row (or its absence) on `node`, as of the winner's commit time `commit_us`, and
+    only `columns` of it if given (hashed by those too); False when its row is no longer `expected` (the
+    hash compare read)."""
     schema, name = d.table.split(".", 1)
     rel = sql.Identifier(schema, name)
     match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in keys)
-    commit_us = row.version.commit_time if row is not None else None
     async with conn.transaction():
         await conn.execute("SELECT pg_catalog.set_config('session_replication_role', 'replica', true)")
         if commit_us is not None:
@@ -163,15 +198,15 @@ async def _fix_one(
             )
         cur = await conn.execute(
             sql.SQL(
-                "SELECT pg_catalog.hashtextextended((t.*)::text, 1) FROM"
+                "SELECT {hash} FROM"
                 " pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r JOIN {rel} AS t ON {match}"
                 " FOR UPDATE OF t"
-            ).format(rel=rel, match=match),
+            ).format(hash=row_hash(columns), rel=rel, match=match),
             [d.key_json],
         )
         found = await cur.fetchone()
-        now = None if found is None else f"{int(found[0]) & 0xFFFFFFFFFFFFFFFF:016x}"
-        if now != d.rows[node]:
+        now = None if found is None else _hex(int(found[0]))
+        if now != expected:
             return False
         if row is None:
             await conn.execute(
@@ -183,9 +218,9 @@ async def _fix_one(
                 [d.key_json],
             )
         else:
-            columns = await _columns(conn, d.table)
-            others = [c for c in columns if c not in keys]
-            cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+            written = [c for c in await _columns(conn, d.table) if columns is None or c in columns]
+            others = [c for c in written if c not in keys]
+            cols = sql.SQL(", ").join(map(sql.Identifier, written))
             update = (
                 sql.SQL("DO UPDATE SET {}").format(
                     sql.SQL(", ").join(
@@ -225,15 +260,93 @@ async def _fix_one(
     return True
 
 
+async def _write(
+    conn: psycopg.AsyncConnection[Any], config: Config, node: str, d: Divergence, keys: Sequence[str],
+    winner: str, row: _Row | None, mine: _Row | None, *, expected: str | None, commit_us: int | None,
+    columns: Sequence[str] | None = None,
+) -> bool:
+    """`_fix_one` in a session under the winner's repair origin (forwarded nowhere)."""
+    await conn.execute(
+        "SELECT pg_catalog.pg_replication_origin_session_reset()"
+        " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
+    )
+    origin = repair_origin(config, winner)
+    await conn.execute(
+        "SELECT pg_catalog.pg_replication_origin_create(%s) WHERE NOT EXISTS"
+        " (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %s)",
+        [origin, origin],
+    )
+    await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])
+    try:
+        return await _fix_one(conn, config, node, d, keys, winner, row, mine, expected, commit_us, columns)
+    except psycopg.Error as exc:
+        raise PgmeshError(
+            f"repair of {d.table} {d.key} failed: {describe(exc)}; nothing of it was written"
+            " there (one transaction); fix the cause and run `pgmesh repair` again",
+            node=node, sqlstate=exc.sqlstate,
+        ) from None
+
+
+async def _repair_full(
+    conns: dict[str, psycopg.AsyncConnection[Any]], config: Config, d: Divergence, keys: Sequence[str],
+    source: str | None,
+) -> Fix:
+    """A difference between full nodes: the winner's row written on each of them that differs."""
+    rows = {name: (await _read_row(conns[name], config, name, d, keys))[0] for name in d.rows}
+    winner = _winner(config, d.table, rows, source)
+    row = rows[winner]
+    written: list[str] = []
+    skipped: list[str] = []
+    for name in d.rows:
+        if d.rows[name] == d.rows[winner]:
+            continue
+        ok = await _write(conns[name], config, name, d, keys, winner, row, rows[name], expected=d.rows[name],
+                          commit_us=row.version.commit_time if row is not None else None)
+        (written if ok else skipped).append(name)
+    return Fix(d.table, d.key, winner, written, skipped)
+
+
+async def _repair_part(
+    conns: dict[str, psycopg.AsyncConnection[Any]], config: Config, d: Divergence, keys: Sequence[str],
+    node: str, reference: str, *, read_now: bool = False,
+) -> Fix | None:
+    """A key of partial node `node`: the reference's row written there if the node's filter keeps it
+    (its columns only), else deleted there, as of the reference row's commit time; None where the node
+    already holds that. `read_now`: the key was not compared on `node` (the reference's row was
+    repaired): its row now is what is expected still there when written."""
+    part = table_part(config.node(node), d.table)
+    columns = part.columns if part is not None else None
+    ref, ref_hash, keeps = await _read_row(
+        conns[reference], config, reference, d, keys, columns, part.rows if part is not None else None)
+    mine, mine_hash, _ = await _read_row(conns[node], config, node, d, keys, columns)
+    expected = mine_hash if read_now else d.rows[node]
+    if not keeps:
+        ref_hash = None
+    if expected == ref_hash:
+        return None
+    row = None
+    if ref is not None and keeps:
+        held = {k: v for k, v in json.loads(ref.row).items() if columns is None or k in columns}
+        row = _Row(json.dumps(held), ref.version)
+    ok = await _write(conns[node], config, node, d, keys, reference, row, mine, expected=expected,
+                      commit_us=ref.version.commit_time if ref is not None else None, columns=columns)
+    return Fix(d.table, d.key, reference, [node] if ok else [], [] if ok else [node])
+
+
 async def repair_cluster(
     config: Config, names: Sequence[str] = (), *, source: str | None = None, limit: float = 300.0
 ) -> RepairReport:
     """Compare, then write each persistent difference's winning row on every node that differs (parted
-    nodes left out)."""
+    nodes left out): the full nodes' first, then the partial nodes' (the module docstring)."""
     config = await members_of(config)
     if source is not None and source not in {n.name for n in config.nodes}:
         raise PgmeshError(f"no node {source!r} in the config")
+    if source is not None and is_partial(config.node(source)):
+        raise PgmeshError(f"node {source} holds part of the data: it cannot be the source of a repair",
+                          hint="name a full node, or leave --from out")
     compared = await compare_cluster(config, names, limit=limit, router_running=True)
+    partial = [n for n in config.nodes if is_partial(n)]
+    reference = next((n.name for n in config.nodes if not is_partial(n)), "")
     conns: dict[str, psycopg.AsyncConnection[Any]] = {}
     fixes: list[Fix] = []
     try:
@@ -247,47 +360,25 @@ async def repair_cluster(
             conns[node.name] = conn
             await conn.execute(SESSION_SQL)
         keys_of: dict[str, list[str]] = {}
+
+        def keys(d: Divergence) -> list[str]:
+            return keys_of.setdefault(d.table, list(json.loads(d.key_json)))
+
+        parts = {n.name for n in partial}
+        rewritten: list[Divergence] = []  # the reference's row written by a repair: forwarded nowhere
         for d in compared.differences:
-            keys = keys_of.setdefault(d.table, list(json.loads(d.key_json)))
-            rows: dict[str, _Row | None] = {}
-            for name, conn in conns.items():
-                cur = await conn.execute(_row_sql(d.table, keys), [d.key_json])
-                got = await cur.fetchone()
-                rows[name] = (
-                    None
-                    if got is None
-                    else _Row(
-                        str(got[0]),
-                        Version(None if got[1] is None else int(got[1]), _origin_node(config, name, got[2])),
-                    )
-                )
-            winner = _winner(config, d.table, rows, source)
-            written: list[str] = []
-            skipped: list[str] = []
-            for name, conn in conns.items():
-                if d.rows[name] == d.rows[winner]:
-                    continue
-                await conn.execute(
-                    "SELECT pg_catalog.pg_replication_origin_session_reset()"
-                    " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
-                )
-                origin = repair_origin(config, winner)
-                await conn.execute(
-                    "SELECT pg_catalog.pg_replication_origin_create(%s) WHERE NOT EXISTS"
-                    " (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %s)",
-                    [origin, origin],
-                )
-                await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])
-                try:
-                    ok = await _fix_one(conn, config, name, d, keys, winner, rows[winner], rows[name])
-                except psycopg.Error as exc:
-                    raise PgmeshError(
-                        f"repair of {d.table} {d.key} failed: {describe(exc)}; nothing of it was written"
-                        " there (one transaction); fix the cause and run `pgmesh repair` again",
-                        node=name, sqlstate=exc.sqlstate,
-                    ) from None
-                (written if ok else skipped).append(name)
-            fixes.append(Fix(d.table, d.key, winner, written, skipped))
+            if not parts & d.rows.keys():
+                fixes.append(fix := await _repair_full(conns, config, d, keys(d), source))
+                if reference in fix.written:
+                    rewritten.append(d)
+        work = [(d, n, False) for d in compared.differences for n in d.rows if n in parts]
+        found = {(d.table, d.key, n) for d, n, _ in work}
+        work += [(d, n.name, True) for d in rewritten for n in partial
+                 if reaches(n, d.table) and (d.table, d.key, n.name) not in found]
+        for d, node_name, read_now in work:
+            fixed = await _repair_part(conns, config, d, keys(d), node_name, reference, read_now=read_now)
+            if fixed is not None:
+                fixes.append(fixed)
     except psycopg.Error as exc:
         raise PgmeshError(f"repair failed: {describe(exc)}") from None
     finally:

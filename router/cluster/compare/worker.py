@@ -8,13 +8,17 @@ pass over the table); in a range that differs, per bucket (`bucket_sql`: 64 of t
 integer key, else by the key's hash) its count and XOR; a differing bucket of an integer key is cut into
 64 again, read through the key index, until it holds at most LEAF_ROWS rows (a Merkle-style descent);
 then `rows_sql` reads each row's key and hash, and the nodes' answers are compared (`differences`).
+Each read runs on the table's nodes (`CompareJob.nodes_of`): the full nodes, or a partial node and its
+reference full node, where the reference reads only the rows the partial node's filter keeps and both
+hash only the columns it holds (`CompareTable.rows`, `.columns`: the SQL is per node).
 
 Must not: write anything, import pyspark at module level, or put a DSN in a message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Final
 
@@ -26,8 +30,8 @@ from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
 from router.errors import PgmeshError, describe
 
 __all__ = [
-    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "row_hashes_sql", "rows_sql",
-    "run_partition",
+    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "kept", "range_sql", "row_hash",
+    "row_hashes_sql", "rows_sql", "run_partition",
 ]
 
 BUCKETS: Final = 64  # buckets of a range, by its keys' hash: the first read's granularity
@@ -58,9 +62,14 @@ class CompareJob(msgspec.Struct, frozen=True):
     def __repr__(self) -> str:
         return f"CompareJob(nodes={self.nodes!r}, tables={len(self.tables)})"
 
+    def nodes_of(self, table: CompareTable) -> tuple[int, ...]:
+        """The nodes `table` is compared on (indexes into `nodes`)."""
+        return table.nodes or tuple(range(len(self.nodes)))
+
 
 class Difference(msgspec.Struct, frozen=True):
-    """One key whose row is not the same on every node: each node's row hash (None: no row there)."""
+    """One key whose row is not the same on every node of its table (`CompareJob.nodes_of`): each one's
+    row hash, in that order (None: no row there)."""
 
     table: int
     key: str  # the key as a row's text, e.g. (42) or (7,abc)
@@ -79,10 +88,18 @@ def _key_json(table: CompareTable) -> sql.Composable:
     ))
 
 
-def _where(table: CompareTable, task: RangeTask) -> tuple[sql.Composable, list[str]]:
+def kept(rows: str) -> sql.Composable:
+    """A row filter as a condition, NULL counting as false (as a publication's row filter). Its column
+    names are unqualified: the table's row must be the only one in scope."""
+    return sql.SQL("coalesce(({}), false)").format(sql.SQL(rows))  # the user's text, checked at init
+
+
+def _where(table: CompareTable, task: RangeTask, filtered: bool = False) -> tuple[sql.Composable, list[str]]:
     first = sql.SQL("t.") + sql.Identifier(table.keys[0])
     parts: list[sql.Composable] = []
     params: list[str] = []
+    if filtered and table.rows is not None:
+        parts.append(kept(table.rows))
     cast = sql.SQL(table.first_type)  # (format_type's output: a type name, quoted where it needs it)
     if task.lo is not None:
         parts.append(sql.SQL("{} >= %s::{}").format(first, cast))
@@ -93,8 +110,12 @@ def _where(table: CompareTable, task: RangeTask) -> tuple[sql.Composable, list[s
     return (sql.SQL(" AND ").join(parts) if parts else sql.SQL("true")), params
 
 
-def _row_hash() -> sql.Composable:
-    return sql.SQL("pg_catalog.hashtextextended((t.*)::text, 1)")
+def row_hash(columns: Sequence[str] | None = None) -> sql.Composable:
+    """Row `t`'s hash: of the whole row, or of `columns` only (a partial node's, on both sides)."""
+    if columns is None:
+        return sql.SQL("pg_catalog.hashtextextended((t.*)::text, 1)")
+    return sql.SQL("pg_catalog.hashtextextended(ROW({})::text, 1)").format(
+        sql.SQL(", ").join(sql.SQL("t.") + sql.Identifier(c) for c in columns))
 
 
 def _bucket(table: CompareTable, task: RangeTask) -> sql.Composable:
@@ -111,21 +132,24 @@ def _bucket(table: CompareTable, task: RangeTask) -> sql.Composable:
              step=sql.Literal(task.step(BUCKETS)))
 
 
-def range_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
+def range_sql(table: CompareTable, task: RangeTask, filtered: bool = False) -> tuple[sql.Composed, list[Any]]:
     """The whole range's count and XOR of its rows' hashes: the first look (no grouping: as cheap per row
-    as a hash pass over the table)."""
-    where, params = _where(table, task)
+    as a hash pass over the table). `filtered`: only the rows the table's filter keeps
+    (`CompareTable.filtered`), in every read below too."""
+    where, params = _where(table, task, filtered)
     query = sql.SQL("SELECT count(*), bit_xor({row}) FROM {table} AS t WHERE {where}").format(
-        row=_row_hash(), table=sql.Identifier(table.schema, table.name), where=where)
+        row=row_hash(table.columns), table=sql.Identifier(table.schema, table.name), where=where)
     return query, params
 
 
-def bucket_sql(table: CompareTable, task: RangeTask) -> tuple[sql.Composed, list[Any]]:
-    where, params = _where(table, task)
+def bucket_sql(
+    table: CompareTable, task: RangeTask, filtered: bool = False
+) -> tuple[sql.Composed, list[Any]]:
+    where, params = _where(table, task, filtered)
     query = sql.SQL(
         "SELECT {bucket} AS b, count(*), bit_xor({row}) FROM {table} AS t WHERE {where} GROUP BY 1"
-    ).format(bucket=_bucket(table, task), row=_row_hash(), table=sql.Identifier(table.schema, table.name),
-             where=where)
+    ).format(bucket=_bucket(table, task), row=row_hash(table.columns),
+             table=sql.Identifier(table.schema, table.name), where=where)
     return query, params
 
 
@@ -151,25 +175,29 @@ def _buckets_where(table: CompareTable, task: RangeTask, buckets: Sequence[int])
 
 
 def rows_sql(
-    table: CompareTable, task: RangeTask, buckets: Sequence[int]
+    table: CompareTable, task: RangeTask, buckets: Sequence[int], filtered: bool = False
 ) -> tuple[sql.Composed, list[Any]]:
-    where, params = _where(table, task)
+    where, params = _where(table, task, filtered)
     which, more = _buckets_where(table, task, buckets)
     query = sql.SQL(
         "SELECT {key}, {json}, {row} FROM {table} AS t WHERE {where} AND {which}"
-    ).format(key=_key_text(table), json=_key_json(table), row=_row_hash(), which=which,
+    ).format(key=_key_text(table), json=_key_json(table), row=row_hash(table.columns), which=which,
              table=sql.Identifier(table.schema, table.name), where=where)
     return query, [*params, *more]
 
 
-def row_hashes_sql(table: CompareTable) -> sql.Composed:
-    """Rows by their keys (parameter: a JSON array of key objects): each found row's key and hash."""
-    match = sql.SQL(" AND ").join(sql.SQL("t.{k} = r.{k}").format(k=sql.Identifier(k)) for k in table.keys)
+def row_hashes_sql(table: CompareTable, filtered: bool = False) -> sql.Composed:
+    """Rows by their keys (parameter: a JSON array of key objects): each found row's key and hash (only
+    the table's row in scope at the top: a filter's names are its columns)."""
+    ours = sql.SQL(", ").join(sql.SQL("t.") + sql.Identifier(k) for k in table.keys)
+    theirs = sql.SQL(", ").join(sql.SQL("r.") + sql.Identifier(k) for k in table.keys)
+    rel = sql.Identifier(table.schema, table.name)
     return sql.SQL(
-        "SELECT {key}, {row} FROM pg_catalog.jsonb_populate_recordset(NULL::{table}, %s::jsonb) AS r"
-        " JOIN {table} AS t ON {match}"
-    ).format(key=_key_text(table), row=_row_hash(), table=sql.Identifier(table.schema, table.name),
-             match=match)
+        "SELECT {key}, {row} FROM {table} AS t WHERE ({ours}) IN"
+        " (SELECT {theirs} FROM pg_catalog.jsonb_populate_recordset(NULL::{table}, %s::jsonb) AS r)"
+        " AND {kept}"
+    ).format(key=_key_text(table), row=row_hash(table.columns), table=rel, ours=ours, theirs=theirs,
+             kept=kept(table.rows) if filtered and table.rows is not None else sql.SQL("true"))
 
 
 def differences(
@@ -208,40 +236,47 @@ def _connect(job: CompareJob, i: int) -> psycopg.Connection[Any]:
     return conn
 
 
-def _on_every_node(
+Read = Callable[[bool], tuple[sql.Composed, list[Any]]]  # filtered -> a query and its parameters
+
+
+def _on_nodes(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, table: CompareTable,
-    query: sql.Composed, params: list[Any],
+    read: Read,
 ) -> list[list[tuple[Any, ...]]]:
-    """`query` run on every node at once (a thread each: psycopg lets the GIL go while it waits)."""
+    """`read`'s query run on each of the table's nodes at once (a thread each: psycopg lets the GIL go
+    while it waits), filtered where `CompareTable.filtered` says; the answers in the table's node order."""
 
     def run(i: int) -> list[tuple[Any, ...]]:
+        query, params = read(table.filtered(i))
         try:
             return conns[i].execute(query, params).fetchall()
         except psycopg.Error as exc:
             raise PgmeshError(f"reading a key range failed: {describe(exc)}", node=job.nodes[i],
                               relation=table.label, sqlstate=exc.sqlstate) from None
 
-    return list(pool.map(run, range(len(conns))))
+    return list(pool.map(run, job.nodes_of(table)))
 
 
 def compare_range(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
-    """The range's count and hash on every node (`range_sql`); where they differ, `descend`."""
+    """The range's count and hash on each of its table's nodes (`range_sql`); where they differ, `descend`."""
     table = job.tables[task.table]
-    whole = {tuple(rows[0]) for rows in _on_every_node(pool, conns, job, table, *range_sql(table, task))}
+    read: Read = functools.partial(range_sql, table, task)
+    whole = {tuple(rows[0]) for rows in _on_nodes(pool, conns, job, table, read)}
     return descend(pool, conns, job, task) if len(whole) > 1 else []
 
 
 def descend(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
-    """The range's buckets on every node; a differing bucket of an integer span with more than LEAF_ROWS
-    rows is cut into buckets again (`sub_task`: read by the key index), the others are read row by row."""
+    """The range's buckets on each of its table's nodes; a differing bucket of an integer span with more
+    than LEAF_ROWS rows is cut into buckets again (`sub_task`: read by the key index), the others are read
+    row by row."""
     table = job.tables[task.table]
     sums = [
         {int(b): (int(n), int(x)) for b, n, x in rows}
-        for rows in _on_every_node(pool, conns, job, table, *bucket_sql(table, task))
+        for rows in _on_nodes(pool, conns, job, table, functools.partial(bucket_sql, table, task))
     ]
     buckets = sorted({b for s in sums for b in s if any(o.get(b) != s.get(b) for o in sums)})
     found: list[Difference] = []
@@ -253,15 +288,16 @@ def descend(
         else:
             found += descend(pool, conns, job, inner)
     if leaves:
-        rows_per_node = _on_every_node(pool, conns, job, table, *rows_sql(table, task, leaves))
+        read_rows: Read = functools.partial(rows_sql, table, task, leaves)
+        rows_per_node = _on_nodes(pool, conns, job, table, read_rows)
         per_node = [{k: (j, int(h)) for k, j, h in rows} for rows in rows_per_node]
         found += differences(task.table, per_node)
     return found
 
 
 def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Difference]:
-    """One Spark partition: its ranges, with one session per node for all of them, each range read on
-    every node at once."""
+    """One Spark partition: its ranges, with one session per node for all of them, each range read on its
+    table's nodes at once."""
     with ThreadPoolExecutor(len(job.dsns), thread_name_prefix="pgmesh-compare") as pool:
         opening = [pool.submit(_connect, job, i) for i in range(len(job.dsns))]
         wait(opening)
