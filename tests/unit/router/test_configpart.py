@@ -7,19 +7,9 @@ import pytest
 from router.config import parse_config
 from router.configpart import describe_part
 from router.errors import ConfigError
+from tests.unit.router.test_config import MINIMAL
 
-BASE = """\
-[cluster]
-name = "demo"
-
-[[nodes]]
-name = "a"
-dsn = "host=10.0.0.1 dbname=app"
-
-[[nodes]]
-name = "r"
-dsn = "host=10.0.0.2 dbname=app"
-"""
+BASE = MINIMAL  # nodes a and b: b (the last) is the one given a part
 
 
 def with_part(part: str, receive_only: bool = True) -> str:
@@ -32,7 +22,7 @@ def test_a_receive_only_node_may_hold_part_of_the_data() -> None:
         '[nodes.rows]\n"public.orders" = "region = \'eu\'"\n'
         '[nodes.columns]\n"public.customers" = ["id", "name"]\n'
     ))
-    r = config.node("r")
+    r = config.node("b")
     assert r.tables == ["public.orders", "public.customers"]
     assert r.rows == {"public.orders": "region = 'eu'"}
     assert describe_part(r) == ("only public.orders, public.customers; rows of public.orders where"
@@ -41,8 +31,8 @@ def test_a_receive_only_node_may_hold_part_of_the_data() -> None:
 
 
 @pytest.mark.parametrize(("part", "receive_only", "says"), [
-    ('tables = ["public.orders"]\n', False, "nodes[1].tables: node r sends: only a receive_only node"),
-    ('[nodes.rows]\n"public.orders" = "x > 1"\n', False, "nodes[1].rows: node r sends"),
+    ('tables = ["public.orders"]\n', False, "nodes[1].tables: node b sends: only a receive_only node"),
+    ('[nodes.rows]\n"public.orders" = "x > 1"\n', False, "nodes[1].rows: node b sends"),
     ('tables = ["orders"]\n', True, "name the table as schema.table"),
     ('tables = []\n', True, "an empty table list"),
     ('[nodes.rows]\n"public.orders" = " "\n', True, "an empty row filter"),
