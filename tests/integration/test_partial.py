@@ -150,3 +150,29 @@ async def test_a_partial_node_joins_with_its_part_only(mesh: MeshFactory) -> Non
         await execute(a.dsn(), "DELETE FROM orders WHERE id BETWEEN 2990 AND 3000")
         await wait_converged([a, b], ["orders", "customers"])
         await wait_for(lambda: holds_part(a, r), "r to hold its part", 60)
+
+
+async def test_large_and_streamed_transactions_into_a_partial_node(mesh: MeshFactory) -> None:
+    """The large path (COPY runs, a table's tombstones probed after them), spilled and early-applied
+    transactions, into a partial node: rows the filter drops go, tables it does not get stay empty."""
+    m = await mesh(nodes=["a", "b", "r"], schema=SCHEMA, init=False, replication="spill_mb = 1")
+    a, b, r = m.nodes
+    config = partial(m.config, "r", **PART)
+    await init_cluster(config)
+    async with running_router(config) as router:
+        await execute(a.dsn(), "INSERT INTO orders SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, g"
+                      " FROM generate_series(1, 100000) g")
+        await execute(b.dsn(), "INSERT INTO logs SELECT g, 'm' FROM generate_series(1, 50000) g")
+        await wait_converged([a, b], ["orders", "logs"], 180)
+        await wait_for(lambda: holds_part(a, r), "r to hold the eu orders", 180)
+        await execute(b.dsn(), "UPDATE orders SET region = CASE WHEN region = 'eu' THEN 'us' ELSE 'eu' END"
+                      " WHERE id <= 30000")
+        await execute(a.dsn(), "DELETE FROM orders WHERE id > 90000")
+        await execute(a.dsn(), "INSERT INTO orders SELECT g, 'eu', g FROM generate_series(95001, 96000) g")
+        await wait_converged([a, b], ["orders"], 180)
+        await wait_for(lambda: holds_part(a, r), "r to hold the eu orders after the big changes", 180)
+        assert all(applier.last_error is None for applier in router.appliers.values())
+        into_r = [applier.stats for (_, target), applier in router.appliers.items() if target == "r"]
+        assert sum(s.copied_rows for s in into_r) > 0
+        assert sum(s.early_transactions + s.early_streams for s in into_r) > 0
+    assert await fetch(r.dsn(), "SELECT count(*) FROM logs") == [(0,)]
