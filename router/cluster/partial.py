@@ -28,8 +28,8 @@ immutable built-in functions); a row filter on a table without a primary key, or
 list leaving out a column of a key or unique index, a NOT NULL column, or a generated one.
 
 `pgmesh init` also makes rows already there fit (a node made partial after it held everything): those the
-filter drops are deleted, left-out columns set to NULL, under the tombstone recorder's origin and without
-tombstones (as the join's copy: those rows were never the node's own writes).
+filter drops are deleted, left-out columns set to NULL, under an origin of their own (not the node's own
+writes for its recorder) and without tombstones (as the join's copy).
 
 Must not: decide links (the supervisor does), or put a DSN in a message.
 """
@@ -208,28 +208,29 @@ async def _check_filter(conn: Conn, ident: sql.Identifier, rows: str, refuse: An
 async def _fit_rows(
     conn: Conn, config: Config, ident: sql.Identifier, rows: str | None, left_out: list[str]
 ) -> None:
-    """Make the rows already there fit the part: under the recorder's origin (its stream does not carry
-    them), in a replica session (no refusal trigger), without tombstones (pgmesh.recording)."""
+    """Make the rows already there fit the part: in a replica session (no refusal trigger), without
+    tombstones (pgmesh.recording), and under an origin of its own, `pgmeshfit_<cluster>`, left set up on
+    the install's session until it ends: a transaction's origin is its commit record's, and the node's
+    tombstone recorder must not take these deletions for the node's own (its own origin is busy while
+    the router runs)."""
     if rows is None and not left_out:
         return
-    origin = config.recorder_origin_name()
+    origin = f"pgmeshfit_{config.cluster.name}"
     await conn.execute("SELECT pg_catalog.pg_replication_origin_create(%s)"
                        " WHERE pg_catalog.pg_replication_origin_oid(%s) IS NULL", [origin, origin])
-    await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s),"
-                       " pg_catalog.set_config('session_replication_role', 'replica', true),"
-                       " pg_catalog.set_config('pgmesh.recording', 'y', true)", [origin])
-    try:
-        if rows is not None:
-            drop = sql.SQL("DELETE FROM {} WHERE NOT coalesce(({}), false)")
-            await conn.execute(drop.format(ident, sql.SQL(rows)))
-        if left_out:
-            sets = sql.SQL(", ").join(sql.SQL("{} = NULL").format(sql.Identifier(c)) for c in left_out)
-            some = sql.SQL(" OR ").join(sql.SQL("{} IS NOT NULL").format(sql.Identifier(c)) for c in left_out)
-            await conn.execute(sql.SQL("UPDATE {} SET {} WHERE {}").format(ident, sets, some))
-    finally:
-        await conn.execute("SELECT pg_catalog.pg_replication_origin_session_reset(),"
-                           " pg_catalog.set_config('session_replication_role', 'origin', true),"
-                           " pg_catalog.set_config('pgmesh.recording', '', true)")
+    await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)"
+                       " WHERE NOT pg_catalog.pg_replication_origin_session_is_setup()", [origin])
+    await conn.execute("SELECT pg_catalog.set_config('session_replication_role', 'replica', true),"
+                       " pg_catalog.set_config('pgmesh.recording', 'y', true)")
+    if rows is not None:
+        drop = sql.SQL("DELETE FROM {} WHERE NOT coalesce(({}), false)")
+        await conn.execute(drop.format(ident, sql.SQL(rows)))
+    if left_out:
+        sets = sql.SQL(", ").join(sql.SQL("{} = NULL").format(sql.Identifier(c)) for c in left_out)
+        some = sql.SQL(" OR ").join(sql.SQL("{} IS NOT NULL").format(sql.Identifier(c)) for c in left_out)
+        await conn.execute(sql.SQL("UPDATE {} SET {} WHERE {}").format(ident, sets, some))
+    await conn.execute("SELECT pg_catalog.set_config('session_replication_role', 'origin', true),"
+                       " pg_catalog.set_config('pgmesh.recording', '', true)")
 
 
 _FUNCTION: Final = """

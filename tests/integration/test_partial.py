@@ -176,3 +176,27 @@ async def test_large_and_streamed_transactions_into_a_partial_node(mesh: MeshFac
         assert sum(s.copied_rows for s in into_r) > 0
         assert sum(s.early_transactions + s.early_streams for s in into_r) > 0
     assert await fetch(r.dsn(), "SELECT count(*) FROM logs") == [(0,)]
+
+
+async def test_a_node_made_partial_later_drops_the_rest_without_tombstones(mesh: MeshFactory) -> None:
+    """init on a cluster that ran: the rows r no longer holds go in init's transaction, under an origin of
+    their own, so r's tombstone recorder (which reads r's slot from before) records no deletion of them:
+    such a tombstone would carry init's time and beat older changes still on their way."""
+    m = await mesh(nodes=["a", "b", "r"], schema=SCHEMA)
+    a, b, r = m.nodes
+    async with running_router(m.config):
+        await execute(a.dsn(), "INSERT INTO orders SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, g"
+                      " FROM generate_series(1, 1000) g",
+                      "INSERT INTO customers SELECT g, 'n' || g, 's' || g FROM generate_series(1, 10) g")
+        await wait_converged(m.nodes, ["orders", "customers"])
+    config = partial(m.config, "r", **PART)
+    await init_cluster(config)
+    assert await holds_part(a, r)
+    [(after_init,)] = await fetch(r.dsn(), "SELECT pg_current_wal_lsn()::text")
+    past = f"SELECT count(*) FROM pg_replication_slots WHERE confirmed_flush_lsn >= '{after_init}'"
+    async with running_router(config) as router:
+        await execute(b.dsn(), "INSERT INTO orders VALUES (5000, 'eu', 1)")
+        await wait_for(lambda: holds_part(a, r), "r to hold its part", 60)
+        await wait_for(lambda: _count(r, past, 1), "r's slot (its recorder) to have read past init", 60)
+        assert all(recorder.error is None for recorder in router.recorders.values())
+    assert await fetch(r.dsn(), "SELECT count(*) FROM pgmesh.tombstones") == [(0,)]
