@@ -30,7 +30,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.compare.lanes import SPARK_AFTER_S, run_shared
+from router.cluster.compare.lanes import SPARK_AFTER_LOCAL_S, SPARK_AFTER_S, run_shared
 from router.cluster.compare.plan import (
     INTEGER_TYPES,
     CompareTable,
@@ -267,6 +267,8 @@ def first_pass(
             return job, labels, skipped, [], dict(holders.positions), False
         if spark_after_s <= 0:
             return job, labels, skipped, on_spark(lambda: tasks), dict(holders.positions), True
+        if local_parallelism(master) is not None:  # Spark adds no core on a local master (lanes.py)
+            spark_after_s = max(spark_after_s, SPARK_AFTER_LOCAL_S)
         found, spark = run_shared(job, tasks, parallelism, spark_after_s, on_spark)
         return job, labels, skipped, found, dict(holders.positions), spark
     finally:

@@ -25,9 +25,13 @@ from typing import Final
 from router.cluster.compare.plan import RangeTask
 from router.cluster.compare.worker import CompareJob, Difference, run_partition
 
-__all__ = ["SPARK_AFTER_S", "RangeQueue", "run_shared"]
+__all__ = ["SPARK_AFTER_LOCAL_S", "SPARK_AFTER_S", "RangeQueue", "run_shared"]
 
 SPARK_AFTER_S: Final = 6.0
+# With a local master (`local[N]`) Spark brings no core the lanes do not use already (as many threads as
+# it would take), so its start (about 6 s on 2 cores, taken from the lanes' cores) is paid back only in
+# a long comparison: it starts when what is left is projected past this (its start then under a tenth).
+SPARK_AFTER_LOCAL_S: Final = 60.0
 _POLL_S: Final = 0.1
 _SETTLE_S: Final = 1.0  # the rate is judged after this long (sessions opened, first ranges read)
 

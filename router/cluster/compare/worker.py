@@ -246,15 +246,18 @@ def _on_nodes(
     """`read`'s query run on each of the table's nodes at once (a thread each: psycopg lets the GIL go
     while it waits), filtered where `CompareTable.filtered` says; the answers in the table's node order."""
 
+    nodes = job.nodes_of(table)
+    built = {f: read(f) for f in {table.filtered(i) for i in nodes}}  # (once each: ~80 µs to compose)
+
     def run(i: int) -> list[tuple[Any, ...]]:
-        query, params = read(table.filtered(i))
+        query, params = built[table.filtered(i)]
         try:
             return conns[i].execute(query, params).fetchall()
         except psycopg.Error as exc:
             raise PgmeshError(f"reading a key range failed: {describe(exc)}", node=job.nodes[i],
                               relation=table.label, sqlstate=exc.sqlstate) from None
 
-    return list(pool.map(run, job.nodes_of(table)))
+    return list(pool.map(run, nodes))
 
 
 def compare_range(
