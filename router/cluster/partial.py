@@ -179,7 +179,8 @@ async def _install_part(
     await _fit_rows(conn, config, ident, part.rows, left_out)
     said = []
     if left_out:
-        await _columns_trigger(conn, qualified, ident, left_out)
+        assert part.columns is not None
+        await _columns_trigger(conn, qualified, ident, part.columns)
         said.append(f"{len(columns) - len(left_out)} of {len(columns)} columns of {qualified}")
     if part.rows is not None:
         assert pk is not None
@@ -242,10 +243,18 @@ $body$
 """
 
 
-async def _columns_trigger(conn: Conn, qualified: str, ident: sql.Identifier, left_out: list[str]) -> None:
+async def _columns_trigger(conn: Conn, qualified: str, ident: sql.Identifier, listed: Sequence[str]) -> None:
+    """Every column but `listed` set to NULL, those added by DDL later included (named at each row)."""
     function = _function_name(qualified, "columns")
-    body = sql.SQL("\n").join(sql.SQL("  NEW.{} := NULL;").format(sql.Identifier(c)) for c in left_out)
-    await conn.execute(sql.SQL(_FUNCTION).format(function=function, body=body + sql.SQL("\n  RETURN NEW;")))
+    names = sql.SQL(", ").join(sql.Literal(c) for c in listed)
+    body = sql.SQL(
+        "  NEW := pg_catalog.jsonb_populate_record(NEW, (\n"
+        "    SELECT coalesce(pg_catalog.jsonb_object_agg(k, NULL), '{{}}')\n"
+        "      FROM pg_catalog.jsonb_object_keys(pg_catalog.to_jsonb(NEW)) AS k\n"
+        "     WHERE k <> ALL (ARRAY[{}])));\n"
+        "  RETURN NEW;"
+    ).format(names)
+    await conn.execute(sql.SQL(_FUNCTION).format(function=function, body=body))
     await _trigger(conn, COLUMNS_TRIGGER, "BEFORE", ident, function)
 
 

@@ -100,6 +100,16 @@ async def test_a_partial_node_holds_the_filtered_rows_and_columns_under_writes(m
         await wait_converged([a, b], ["orders"], 60)
         await wait_for(lambda: holds_part(a, r), "r to hold the eu orders again", 60)
         assert await fetch(r.dsn(), "SELECT id, region FROM orders WHERE id IN (200, 300)") == [(300, "eu")]
+        # a column added later (replicated DDL) is not in r's list: NULL there as well
+        await execute(a.dsn(), "ALTER TABLE customers ADD COLUMN note text")
+        has = "SELECT count(*) FROM pg_attribute WHERE attrelid = 'customers'::regclass AND attname = 'note'"
+        await wait_for(lambda: _count(b, has, 1), "the new column on b", 60)
+        await execute(b.dsn(), "UPDATE customers SET note = 'n' || id")
+        await wait_converged([a, b], ["customers"], 60)
+        noted = ("SELECT count(*) FROM customers AS c"
+                 " WHERE to_jsonb(c) ? 'note' AND to_jsonb(c) ->> 'note' IS NULL")
+        await wait_for(lambda: _count(r, noted, 10), "the new column on r, NULL in every row", 60)
+        assert await fetch(a.dsn(), "SELECT count(*) FROM customers WHERE note IS NOT NULL") == [(10,)]
         assert all(applier.last_error is None for applier in router.appliers.values())
     assert await fetch(r.dsn(), "SELECT * FROM logs") == [(1, "kept where it was")]  # never written there
     unrecorded = await fetch(
