@@ -213,9 +213,10 @@ async def join_node(
     new = config.node(name)
     others = [n for n in config.nodes if n.name != name]
     source_node = config.node(donor) if donor else next((n for n in others if not is_partial(n)), others[0])
-    if source_node.name == name or is_partial(source_node):  # (router.cluster.partial)
-        raise ConfigError(f"node {source_node.name} cannot be the donor: it is the new node, or holds part"
-                          " of the data")
+    if source_node.name == name:
+        raise ConfigError("a node cannot be its own donor")
+    if is_partial(source_node):  # (router.cluster.partial)
+        raise ConfigError(f"node {source_node.name} holds part of the data: it cannot be a donor")
     conns: dict[str, Conn] = {}
     unreachable: list[str] = []
     held = False

@@ -25,7 +25,8 @@ Refused at init, each with the node and table: a name that is not a replicated t
 PostgreSQL would refuse in a publication (checked by creating one, rolled back: only columns, constants and
 immutable built-in functions); a row filter on a table without a primary key, or with another unique key
 (rows the node lacks could not meet the rows it holds on that key as they meet on full nodes); a column
-list leaving out a column of a key or unique index, a NOT NULL column, or a generated one.
+list leaving out a column of a key or unique index (expressions and predicates included), a NOT NULL
+column, or a generated one; a row filter naming a column the list leaves out (it sees the row as held).
 
 `pgmesh init` also makes rows already there fit (a node made partial after it held everything): those the
 filter drops are deleted, left-out columns set to NULL, under an origin of their own (not the node's own
@@ -90,7 +91,9 @@ CREATE TABLE IF NOT EXISTS {schema}.part (table_name text PRIMARY KEY, row_filte
 _COLUMNS: Final = """
 SELECT a.attname::text, a.attnotnull, a.attgenerated <> '',
        EXISTS (SELECT FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisunique
-                 AND a.attnum = ANY (i.indkey))
+                 AND (a.attnum = ANY (i.indkey) OR EXISTS (  -- in an expression or a predicate
+                   SELECT FROM pg_catalog.pg_depend d WHERE d.classid = 'pg_catalog.pg_class'::regclass
+                      AND d.objid = i.indexrelid AND d.refobjid = c.oid AND d.refobjsubid = a.attnum)))
   FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
   JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
  WHERE n.nspname = %s AND c.relname = %s ORDER BY a.attnum
@@ -118,13 +121,14 @@ async def ensure_partial(
     """In the install's transaction: `node`'s part of the data as the config says (pgmesh.part, the
     triggers, the rows already there made to fit); one line if it holds part of it."""
     schema = sql.Identifier(PGMESH_SCHEMA)
-    await conn.execute(sql.SQL(_PART_DDL).format(schema=schema))
-    await conn.execute(sql.SQL("DELETE FROM {}.part").format(schema))
     for (name,) in await (await conn.execute(_OLD_FUNCTIONS, [PGMESH_SCHEMA])).fetchall():
         await conn.execute(sql.SQL("DROP FUNCTION {} CASCADE").format(sql.SQL(name)))  # its triggers too
     spec = config.node(node)
-    if not is_partial(spec):
+    if not is_partial(spec):  # (only a partial node has pgmesh.part: pgmesh.decide reads it where it is)
+        await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}.part").format(schema))
         return []
+    await conn.execute(sql.SQL(_PART_DDL).format(schema=schema))
+    await conn.execute(sql.SQL("DELETE FROM {}.part").format(schema))
     replicated = {f"{s}.{t}": (s, t) for s, t in tables}
     named = set(spec.tables or ()) | set(spec.rows) | set(spec.columns)
     for qualified in sorted(named - set(replicated)):
@@ -175,7 +179,10 @@ async def _install_part(
             raise refuse("a row filter on a table with a unique key besides the primary key",
                          "rows the node lacks could not meet the rows it holds on that key as they do"
                          " on the other nodes: hold the whole table")
-        await _check_filter(conn, ident, part.rows, refuse)
+        used = await _check_filter(conn, ident, part.rows, refuse)
+        if hidden := [c for c in used if c in left_out]:
+            raise refuse(f"the row filter names {', '.join(hidden)}, left out of the column list",
+                         "the filter sees the row as the node holds it: list those columns too")
     await _fit_rows(conn, config, ident, part.rows, left_out)
     said = []
     if left_out:
@@ -191,8 +198,9 @@ async def _install_part(
     return ", ".join(said)
 
 
-async def _check_filter(conn: Conn, ident: sql.Identifier, rows: str, refuse: Any) -> None:
-    """PostgreSQL's own rules for a publication's row filter, by creating one and rolling it back."""
+async def _check_filter(conn: Conn, ident: sql.Identifier, rows: str, refuse: Any) -> list[str]:
+    """PostgreSQL's own rules for a publication's row filter, by creating one and rolling it back; the
+    columns the filter names."""
     await conn.execute("SAVEPOINT pgmesh_part_check")
     try:
         await conn.execute(sql.SQL("CREATE PUBLICATION pgmesh_part_check FOR TABLE {} WHERE ({})").format(
@@ -203,7 +211,20 @@ async def _check_filter(conn: Conn, ident: sql.Identifier, rows: str, refuse: An
         raise refuse(f"the row filter is refused: {': '.join(s for s in said if s)}",
                      "only columns, constants and immutable built-in functions, as in a publication's"
                      " row filter") from None
+    cur = await conn.execute(_FILTER_COLUMNS)
+    used = [name for (name,) in await cur.fetchall()]
     await conn.execute("ROLLBACK TO SAVEPOINT pgmesh_part_check")
+    return used
+
+
+# the columns the check publication's row filter names (its dependencies on the table's columns)
+_FILTER_COLUMNS: Final = """
+SELECT DISTINCT a.attname::text FROM pg_catalog.pg_publication_rel pr
+  JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid AND p.pubname = 'pgmesh_part_check'
+  JOIN pg_catalog.pg_depend d ON d.classid = 'pg_catalog.pg_publication_rel'::regclass AND d.objid = pr.oid
+  JOIN pg_catalog.pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+ ORDER BY 1
+"""
 
 
 async def _fit_rows(

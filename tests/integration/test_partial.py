@@ -128,11 +128,16 @@ async def _count(node: LocalNode, query: str, wanted: int) -> bool:
     ({"columns": {"public.orders": ["region", "amount"]}}, "a key or unique index"),
     ({"rows": {"public.uniq": "v > 0"}}, "unique key besides the primary key"),
     ({"tables": ["public.nothere"]}, "not a replicated table"),
+    ({"columns": {"public.uexpr": ["id", "note"]}}, "a key or unique index"),  # in lower(email)
+    ({"rows": {"public.orders": "amount > 1"}, "columns": {"public.orders": ["id", "region"]}},
+     "left out of the column list"),
 ])
 async def test_init_refuses_a_part_that_could_not_converge(
     mesh: MeshFactory, part: dict[str, Any], says: str
 ) -> None:
-    schema = SCHEMA + "CREATE TABLE uniq (id int PRIMARY KEY, v int UNIQUE);"
+    schema = SCHEMA + ("CREATE TABLE uniq (id int PRIMARY KEY, v int UNIQUE);"
+                       " CREATE TABLE uexpr (id int PRIMARY KEY, email text, note text);"
+                       " CREATE UNIQUE INDEX ON uexpr (lower(email));")
     m = await mesh(nodes=2, schema=schema, init=False)
     config = partial(m.config, m.nodes[1].name, **part)
     with pytest.raises(PgmeshError) as refused:
