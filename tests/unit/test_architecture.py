@@ -8,7 +8,7 @@ Walks the AST of every module under `router/`, `protocol/` and `bench/`; nothing
   (`router.stream.source`): an applier only sees whole transactions;
 - nothing in `router/`, `protocol/` or `bench/` imports `tests`;
 - only `router/ops/demo.py`, tests and bench import `router.testing` (throw-away clusters);
-- no module over 600 lines;
+- no module over 800 lines; those over 600 are listed as a warning (split by concern, not by count);
 - no attribute access `x._name` on an object the module did not create: `self._x`, `cls._x`, a
   module's own private names and the short allow-list below are the only private reads;
 - every error class of `router/` lives in `router/errors.py`, but for a module's private control-flow
@@ -18,6 +18,7 @@ Walks the AST of every module under `router/`, `protocol/` and `bench/`; nothing
 from __future__ import annotations
 
 import ast
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("router", "protocol", "bench")
-MAX_LINES = 600
+MAX_LINES = 800
+WARN_LINES = 600
 
 # (module, attribute): private accesses that are the point of the code, each with its reason.
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
@@ -171,13 +173,14 @@ def test_only_the_demo_tests_and_bench_import_router_testing() -> None:
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_no_module_over_600_lines(package: str) -> None:
-    long = {
-        name: n
-        for name, path in ALL.items()
-        if name.split(".")[0] == package and (n := len(path.read_text().splitlines())) > MAX_LINES
+def test_no_module_over_800_lines(package: str) -> None:
+    sizes = {
+        name: len(path.read_text().splitlines()) for name, path in ALL.items() if name.split(".")[0] == package
     }
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    long = {name: n for name, n in sizes.items() if n > WARN_LINES}
+    if long:
+        warnings.warn(f"modules over {WARN_LINES} lines (split by concern): {long}", stacklevel=1)
+    assert not {name: n for name, n in long.items() if n > MAX_LINES}, f"modules over {MAX_LINES} lines"
 
 
 def own_private_names(tree: ast.Module) -> set[str]:
