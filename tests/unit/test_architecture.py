@@ -175,7 +175,9 @@ def test_only_the_demo_tests_and_bench_import_router_testing() -> None:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_module_over_800_lines(package: str) -> None:
     sizes = {
-        name: len(path.read_text().splitlines()) for name, path in ALL.items() if name.split(".")[0] == package
+        name: len(path.read_text().splitlines())
+        for name, path in ALL.items()
+        if name.split(".")[0] == package
     }
     long = {name: n for name, n in sizes.items() if n > WARN_LINES}
     if long:

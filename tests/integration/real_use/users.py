@@ -98,7 +98,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def psql(node: Any, text: str, *, check: bool = True, user: str = "postgres") -> subprocess.CompletedProcess[str]:
+def psql(
+    node: Any, text: str, *, check: bool = True, user: str = "postgres"
+) -> subprocess.CompletedProcess[str]:
     """`psql -c TEXT` as a user types it: the whole string is one query string (one implicit
     transaction), the way psql, most drivers and migration tools send it. `check`: fail the test with
     psql's output when it exits non-zero."""
@@ -122,7 +124,9 @@ async def pgbench_async(node: Any, *args: str) -> subprocess.CompletedProcess[st
     return await asyncio.to_thread(pgbench, node, *args)
 
 
-def pgmesh(config: Path, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def pgmesh(
+    config: Path, *args: str, check: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """The `pgmesh` command line as a process: `pgmesh ARGS --config CONFIG` (the subcommand first)."""
     argv = [sys.executable, "-m", "router", *args[:1], "--config", str(config), *args[1:]]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -177,7 +181,8 @@ async def differences(nodes: Sequence[Any]) -> list[str]:
     for node, (rows, schema) in zip(nodes[1:], summaries[1:], strict=True):
         for table in sorted(set(first_rows) | set(rows)):
             if first_rows.get(table) != rows.get(table):
-                out.append(f"{table}: {nodes[0].name} {first_rows.get(table)} vs {node.name} {rows.get(table)}")
+                mine, theirs = first_rows.get(table), rows.get(table)
+                out.append(f"{table}: {nodes[0].name} {mine} vs {node.name} {theirs}")
         apart = set(first_schema) ^ set(schema)
         out += [f"schema {nodes[0].name} vs {node.name}: {fact}" for fact in sorted(apart, key=str)[:20]]
     return out
