@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -180,8 +181,16 @@ async def connect(node: NodeConfig) -> Conn:
     return conn
 
 
+_MISSING_DATABASE: Final = re.compile(r'database "(.+?)" does not exist')  # the server's FATAL (3D000)
+
+
 def _connect_hint(node: str, exc: BaseException) -> str:
     text = str(exc)
+    missing = _MISSING_DATABASE.search(text)
+    if getattr(exc, "sqlstate", None) == "3D000" or missing:  # (libpq gives no SQLSTATE for a refused start)
+        name = f'"{missing.group(1)}" ' if missing else ""
+        return (f"node {node} is running, but the database {name}named in its dsn does not exist there:"
+                " fix dbname in the dsn, or create the database (CREATE DATABASE)")
     if "password" in text or "authentication" in text or "pg_hba" in text:
         return f"check the user and password in the dsn of node {node} and the server's pg_hba.conf"
     return f"check that node {node} is running and reachable at the host and port of its dsn"

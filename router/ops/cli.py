@@ -170,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pgmesh", description="Active-active replication for stock PostgreSQL 15+."
     )
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING, ERROR (default: INFO for `run`, WARNING otherwise)")
     parser.add_argument("--version", action="version", version=f"pgmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="throw-away local nodes, live decoded changes, a final check")
@@ -258,8 +259,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # the router says when it starts, stops, holds and releases: INFO unless asked otherwise
+    level = args.log_level or ("INFO" if args.command == "run" else "WARNING")
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        level=getattr(logging, str(level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
