@@ -3,8 +3,11 @@ run on the command's own threads until Spark pays for its start), then a recheck
 every link has applied past the first read.
 
 Owns: exporting a snapshot on every node (held open for the job) and each node's WAL position then, the
-compared tables (the publication's, or those named; the reference's catalog, read under its snapshot:
-the first full node) and their key ranges (router.cluster.compare.plan; the reference's), what is compared
+compared tables (the publication's and every other table `[replication] tables` matches, or those named;
+the reference's catalog, read under its snapshot: the first full node; one that matches but is not in a
+node's publication is compared all the same and reported as not replicated there; one missing on a node
+is reported as not compared; a table without a key is compared as a multiset of rows) and their key
+ranges (router.cluster.compare.plan; the reference's), what is compared
 where (`plan.compared_on`: the full nodes with each other, each partial node with the reference on the
 tables it gets, through its filter and columns), running the tasks (router.cluster.compare.worker) on
 its own threads and on Spark (router.cluster.compare.lanes), and the recheck: a key that differed is
@@ -31,6 +34,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.compare.lanes import SPARK_AFTER_LOCAL_S, SPARK_AFTER_S, run_shared
+from router.cluster.compare.multiset import counts_sql
 from router.cluster.compare.plan import (
     INTEGER_TYPES,
     CompareTable,
@@ -40,9 +44,16 @@ from router.cluster.compare.plan import (
     integer_ranges,
     partitions,
 )
-from router.cluster.compare.worker import SESSION_SQL, CompareJob, Difference, row_hashes_sql, run_partition
+from router.cluster.compare.worker import (
+    SESSION_SQL,
+    CompareJob,
+    Difference,
+    keyless_where,
+    row_hashes_sql,
+    run_partition,
+)
 from router.cluster.part import members_of
-from router.cluster.partial import is_partial
+from router.cluster.partial import is_partial, reaches
 from router.cluster.sync.spark import local_parallelism, spark_session
 from router.config import Config, NodeConfig
 from router.ddl.command import barrier
@@ -50,7 +61,7 @@ from router.errors import PgmeshError, describe
 from router.progress import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
-__all__ = ["CompareReport", "Divergence", "cmd_compare", "compare_cluster"]
+__all__ = ["CompareReport", "Divergence", "FirstPass", "cmd_compare", "compare_cluster"]
 
 ROUNDS: Final = 3
 # Ranges of about this many rows (a table this small gets one): each is first read whole, without
@@ -59,6 +70,15 @@ ROWS_PER_RANGE: Final = 10_000
 MAX_RANGES: Final = 4096
 
 _TABLES_SQL: Final = "SELECT schemaname, tablename FROM pg_catalog.pg_publication_tables WHERE pubname = %s"
+# Every table `[replication] tables` may match (as init picks them: partitioned ones by their root)
+_CANDIDATES_SQL: Final = (
+    "SELECT n.nspname, c.relname, c.relpersistence::text FROM pg_catalog.pg_class c"
+    " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence IN ('p', 'u')"
+)
+_MISSING_SQL: Final = (
+    "SELECT x FROM unnest(%s::text[]) AS x WHERE pg_catalog.to_regclass(x) IS NULL"
+)
 _KEY_SQL: Final = (
     "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod) FROM"
     " (SELECT i.indkey FROM pg_catalog.pg_index i WHERE i.indrelid = %s::regclass"
@@ -71,12 +91,14 @@ _KEY_SQL: Final = (
 class Divergence(msgspec.Struct, frozen=True):
     """A key whose row differs: per node compared on it, its row's hash in hex, or None where the row is
     missing. The full nodes' (every one), or a partial node's and its reference's (the reference's row read
-    through the partial node's filter; both hashed over its columns only)."""
+    through the partial node's filter; both hashed over its columns only). In a table without a key: a row
+    (`key`: its text; `key_json` "") whose copies differ: `counts`, per node, and `rows` says them."""
 
     table: str
     key: str
     key_json: str
     rows: dict[str, str | None]
+    counts: dict[str, int] | None = None
 
 
 class CompareReport(msgspec.Struct, frozen=True):
@@ -88,16 +110,23 @@ class CompareReport(msgspec.Struct, frozen=True):
     rechecked: bool  # differences were read again after every link applied past the first read
     seconds: float
     spark: bool = False  # Spark ran part of the first pass (router.cluster.compare.lanes)
+    # tables `[replication] tables` matches that some node does not publish (compared all the same), with why
+    unreplicated: list[str] = msgspec.field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
-        """0: every node alike; 1: differences; 3: none, but keys still being written."""
-        return 1 if self.differences else 3 if self.unsettled else 0
+        """0: every node alike; 1: differences; 4: none, but some table was not compared or is not
+        replicated; 3: none, but keys still being written."""
+        if self.differences:
+            return 1
+        return 4 if self.skipped or self.unreplicated else 3 if self.unsettled else 0
 
     def render(self) -> str:
         lines = [
             f"compared {len(self.tables)} table(s) on {len(self.nodes)} nodes ({', '.join(self.nodes)})"
             f" in {self.seconds:.1f} s: {len(self.differences)} difference(s)"
+            + (f"; {len(self.skipped)} table(s) NOT compared" if self.skipped else "")
+            + (f"; {len(self.unreplicated)} table(s) not replicated" if self.unreplicated else "")
             + (
                 ""
                 if self.rechecked
@@ -105,11 +134,12 @@ class CompareReport(msgspec.Struct, frozen=True):
             )
         ]
         lines += [f"not compared: {s}" for s in self.skipped]
+        lines += [f"not replicated: {s}" for s in self.unreplicated]
         for title, items in (("differences", self.differences), ("still being written", self.unsettled)):
             if not items:
                 continue
             lines.append(f"{title}:")
-            head = ["table", "key", *self.nodes]
+            head = ["table", "key (or row)", *self.nodes]
             rows = [[d.table, d.key, *(d.rows[n] or "missing" if n in d.rows else "-" for n in self.nodes)]
                     for d in items]
             widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -120,6 +150,10 @@ class CompareReport(msgspec.Struct, frozen=True):
 
 def _hex(h: int | None) -> str | None:
     return None if h is None else f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _copies(count: int) -> str | None:
+    return None if count == 0 else "1 copy" if count == 1 else f"{count} copies"
 
 
 def task_error(exc: BaseException) -> str:
@@ -170,26 +204,53 @@ class _Holders:
 
 
 def _tables(
-    conn: psycopg.Connection[Any], publication: str, names: Sequence[str]
-) -> tuple[list[CompareTable], list[str]]:
-    published = [(str(s), str(t)) for s, t in conn.execute(_TABLES_SQL, [publication]).fetchall()]
+    holders: _Holders, nodes: Sequence[NodeConfig], reference: int, config: Config, names: Sequence[str]
+) -> tuple[list[CompareTable], list[str], list[str]]:
+    """The compared tables (the publication's and every other one `[replication] tables` matches, on the
+    reference), the ones not compared (missing on a node) and the ones not replicated, each with why."""
+    conn = holders.conns[reference]
+    publication = config.publication_name
+    published = {f"{s}.{t}" for s, t in conn.execute(_TABLES_SQL, [publication]).fetchall()}
+    matching = {f"{s}.{t}": str(p) for s, t, p in conn.execute(_CANDIDATES_SQL).fetchall()
+                if config.replicates(str(s), str(t))}
+    labels = published | set(matching)
     if names:
         wanted = {n if "." in n else f"public.{n}" for n in names}
-        unknown = wanted - {f"{s}.{t}" for s, t in published}
+        unknown = wanted - labels
         if unknown:
             raise PgmeshError(
-                f"not replicated (not in publication {publication}): {', '.join(sorted(unknown))}"
+                f"not replicated (not in publication {publication}, and [replication] tables does not"
+                f" match it on node {nodes[reference].name}): {', '.join(sorted(unknown))}"
             )
-        published = [(s, t) for s, t in published if f"{s}.{t}" in wanted]
-    tables, skipped = [], []
-    for schema, name in sorted(published):
+        labels = wanted
+    senders = [i for i, n in enumerate(nodes) if not is_partial(n) and not n.receive_only]
+    publishes = {i: published if i == reference else {
+        f"{s}.{t}" for s, t in holders.conns[i].execute(_TABLES_SQL, [publication]).fetchall()
+    } for i in senders}
+    unreplicated = []
+    for label in sorted(labels):
+        apart = [nodes[i].name for i in senders if label not in publishes[i]]
+        if apart:
+            why = " (UNLOGGED: PostgreSQL publishes no unlogged table)" if matching.get(label) == "u" else ""
+            unreplicated.append(
+                f"{label}: matches [replication] tables but is not in publication {publication} on"
+                f" {', '.join(apart)}{why}: writes to it there stay on the node that made them (compared all"
+                " the same; `pgmesh init` adds it to the publication, or list it in [replication] exclude)")
+    missing: dict[str, list[str]] = {}
+    for i, node in enumerate(nodes):
+        mine = [t for t in sorted(labels) if not is_partial(node) or reaches(node, t)]
+        quoted = {sql.Identifier(*t.split(".", 1)).as_string(conn): t for t in mine}
+        for (x,) in holders.conns[i].execute(_MISSING_SQL, [list(quoted)]).fetchall():
+            missing.setdefault(quoted[str(x)], []).append(node.name)
+    skipped = [f"{t} (missing on {', '.join(on)})" for t, on in sorted(missing.items())]
+    tables = []
+    for label in sorted(labels - set(missing)):
+        schema, name = label.split(".", 1)
         rel = sql.Identifier(schema, name).as_string(conn)
         keys = conn.execute(_KEY_SQL, [rel, rel]).fetchall()
-        if not keys:
-            skipped.append(f"{schema}.{name} (no primary key or replica identity index)")
-            continue
-        tables.append(CompareTable(schema, name, tuple(str(k) for k, _ in keys), str(keys[0][1])))
-    return tables, skipped
+        first_type = str(keys[0][1]) if keys else ""
+        tables.append(CompareTable(schema, name, tuple(str(k) for k, _ in keys), first_type))
+    return tables, skipped, unreplicated
 
 
 def _ranges(
@@ -199,7 +260,10 @@ def _ranges(
     row = conn.execute(
         "SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %s::regclass", [rel.as_string(conn)]
     ).fetchone()
-    parts = max(1, min(MAX_RANGES, int((row[0] if row else 0) or 0) // ROWS_PER_RANGE))
+    estimate = max(0, int((row[0] if row else 0) or 0))
+    if table.keyless:  # read whole in one task (router.cluster.compare.multiset)
+        return [RangeTask(index, None, None)]
+    parts = max(1, min(MAX_RANGES, estimate // ROWS_PER_RANGE))
     cuts: list[tuple[str | None, str | None]] = [(None, None)]
     if table.first_type in INTEGER_TYPES:
         first = sql.Identifier(table.keys[0])
@@ -219,13 +283,21 @@ def _ranges(
     return [RangeTask(index, lo, hi) for lo, hi in cuts]
 
 
-def first_pass(
-    config: Config, names: Sequence[str], spark_after_s: float = SPARK_AFTER_S
-) -> tuple[CompareJob, list[str], list[str], list[Difference], dict[str, int], bool]:
+class FirstPass(msgspec.Struct, frozen=True):
+    """What the first pass found."""
+
+    job: CompareJob
+    tables: list[str]  # compared
+    skipped: list[str]  # not compared, with why
+    unreplicated: list[str]  # matched by `[replication] tables` but not published everywhere, with why
+    found: list[Difference]
+    positions: dict[str, int]  # each node's WAL position when its snapshot was taken
+    spark: bool
+
+
+def first_pass(config: Config, names: Sequence[str], spark_after_s: float = SPARK_AFTER_S) -> FirstPass:
     """Blocking: every node read under a snapshot of its own, on the command's threads and on Spark once it
-    pays (router.cluster.compare.lanes; `spark_after_s` <= 0: on Spark only). Returns the job, the compared
-    tables, the skipped ones, the keys that differed, each node's WAL position when its snapshot was taken,
-    and whether Spark ran."""
+    pays (router.cluster.compare.lanes; `spark_after_s` <= 0: on Spark only)."""
     nodes = list(config.nodes)
     reference = next((i for i, n in enumerate(nodes) if not is_partial(n)), None)
     if reference is None:
@@ -234,7 +306,7 @@ def first_pass(
     holders = _Holders(nodes)
     try:
         conn = holders.conns[reference]
-        tables, skipped = _tables(conn, config.publication_name, names)
+        tables, skipped, unreplicated = _tables(holders, nodes, reference, config, names)
         master = config.sync.spark_master
         parallelism = local_parallelism(master) or 2
         compared = compared_on(tables, nodes)
@@ -263,14 +335,16 @@ def first_pass(
                     raise PgmeshError(f"the comparison failed: {task_error(exc)}") from None
                 return found
 
+        def done(found: list[Difference], spark: bool) -> FirstPass:
+            return FirstPass(job, labels, skipped, unreplicated, found, dict(holders.positions), spark)
+
         if not tasks:
-            return job, labels, skipped, [], dict(holders.positions), False
+            return done([], False)
         if spark_after_s <= 0:
-            return job, labels, skipped, on_spark(lambda: tasks), dict(holders.positions), True
+            return done(on_spark(lambda: tasks), True)
         if local_parallelism(master) is not None:  # Spark adds no core on a local master (lanes.py)
             spark_after_s = max(spark_after_s, SPARK_AFTER_LOCAL_S)
-        found, spark = run_shared(job, tasks, parallelism, spark_after_s, on_spark)
-        return job, labels, skipped, found, dict(holders.positions), spark
+        return done(*run_shared(job, tasks, parallelism, spark_after_s, on_spark))
     finally:
         holders.close()
 
@@ -295,8 +369,13 @@ async def _read_hashes(
                 await conn.execute(SESSION_SQL)
                 for index, items in mine.items():
                     table = job.tables[index]
-                    keys_json = json.dumps([json.loads(d.key_json) for d in items])
-                    cur = await conn.execute(row_hashes_sql(table, table.filtered(i)), [keys_json])
+                    if table.keyless:  # each row's copies
+                        query = counts_sql(table.schema, table.name, table.columns,
+                                           keyless_where(table, table.filtered(i)))
+                        cur = await conn.execute(query, [[d.key for d in items]])
+                    else:
+                        keys_json = json.dumps([json.loads(d.key_json) for d in items])
+                        cur = await conn.execute(row_hashes_sql(table, table.filtered(i)), [keys_json])
                     for key, h in await cur.fetchall():
                         found[(i, index, str(key))] = int(h)
         except psycopg.Error as exc:
@@ -317,8 +396,8 @@ async def compare_cluster(
     (router.cluster.part) are left out. `spark_after_s`: see router.cluster.compare.lanes."""
     started = time.monotonic()
     config = await members_of(config)
-    job, tables, skipped, found, wanted, spark = await asyncio.to_thread(
-        first_pass, config, names, spark_after_s)
+    first = await asyncio.to_thread(first_pass, config, names, spark_after_s)
+    job, found, wanted = first.job, first.found, first.positions
     candidates = {(d.table, d.key): d for d in found}
     last = {(d.table, d.key): d.hashes for d in found}
     persistent: list[Difference] = []
@@ -341,22 +420,24 @@ async def compare_cluster(
 
     def divergence(d: Difference) -> Divergence:
         table = job.tables[d.table]
-        return Divergence(
-            table.label,
-            d.key,
-            d.key_json,
-            {job.nodes[i]: _hex(h) for i, h in zip(job.nodes_of(table), d.hashes, strict=True)},
-        )
+        names = [job.nodes[i] for i in job.nodes_of(table)]
+        if table.keyless:
+            counts = {n: c or 0 for n, c in zip(names, d.hashes, strict=True)}
+            copies = {n: _copies(c) for n, c in counts.items()}
+            return Divergence(table.label, d.key, d.key_json, copies, counts)
+        return Divergence(table.label, d.key, d.key_json,
+                          {n: _hex(h) for n, h in zip(names, d.hashes, strict=True)})
 
     return CompareReport(
         list(job.nodes),
-        tables,
-        skipped,
+        first.tables,
+        first.skipped,
         [divergence(d) for d in sorted(persistent, key=lambda d: (d.table, d.key))],
         [divergence(d) for d in sorted(unsettled, key=lambda d: (d.table, d.key))],
         router_running,
         round(time.monotonic() - started, 3),
-        spark,
+        first.spark,
+        first.unreplicated,
     )
 
 

@@ -36,8 +36,10 @@ class CompareTable(msgspec.Struct, frozen=True):
 
     schema: str
     name: str
-    keys: tuple[str, ...]  # the primary key's (or replica identity index's) columns, in index order
-    first_type: str  # format_type() of the first key column: ranges cut over it
+    # the primary key's (or replica identity index's) columns, in index order; (): a table without a key,
+    # compared as a multiset of whole rows (router.cluster.compare.multiset)
+    keys: tuple[str, ...]
+    first_type: str  # format_type() of the first key column: ranges cut over it ("": no key)
     nodes: tuple[int, ...] = ()  # the job's nodes compared on it (indexes, in order); (): every node
     # A partial node's part (router.cluster.partial), `nodes` being (its reference full node, the partial
     # node): the reference reads only the rows `rows` keeps (NULL: not kept); both hash only `columns`
@@ -47,6 +49,10 @@ class CompareTable(msgspec.Struct, frozen=True):
     @property
     def label(self) -> str:
         return f"{self.schema}.{self.name}"
+
+    @property
+    def keyless(self) -> bool:
+        return not self.keys
 
     def filtered(self, node: int) -> bool:
         """Whether node `node` (an index into the job's nodes) reads only the rows the filter keeps: the
@@ -76,7 +82,8 @@ class RangeTask(msgspec.Struct, frozen=True):
 
     `span`, for an integer first key: the range's values [start, end) cut into buckets of consecutive
     keys (a bucket that differs is read again by the key index; keys beyond either end get a bucket of
-    their own). None: buckets by the key's hash."""
+    their own). None: buckets by the key's hash. A table without a key is one task (lo and hi None): the
+    whole table (router.cluster.compare.multiset)."""
 
     table: int
     lo: Bound

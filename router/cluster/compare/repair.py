@@ -12,6 +12,13 @@ node in a table it gets: a repair is forwarded nowhere) from the reference's row
 if the node's filter keeps it (its columns only, in the write and in the record: the node never holds the
 others), else its absence.
 
+A table without a key has no versions to weigh: its differing rows (each with its copies per node) are
+repaired only with `--from NODE` (every other node then holds that node's copies of each, never more),
+or on a partial node from its reference; without `--from` they are listed as not repaired, with the
+command that would (router.cluster.compare.copies). Identity columns are written with OVERRIDING SYSTEM
+VALUE (a row whose identity column GENERATED ALWAYS differs is replaced: no UPDATE can write one), and
+generated columns never (the server computes them).
+
 A fix is written so that it neither echoes nor loses a concurrent write: in a session with a replication
 origin of its own (`pgmeshrepair_<cluster>_<winner>`: the router forwards only a node's own changes, so
 the fix goes nowhere else; `origin_node` names the winner for it), with the winner's commit time as its
@@ -32,6 +39,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.compare.copies import Copies, insert_columns, overriding, winner_copies, write_copies
 from router.cluster.compare.job import CompareReport, Divergence, compare_cluster
 from router.cluster.compare.worker import SESSION_SQL, kept, row_hash
 from router.cluster.part import members_of
@@ -71,10 +79,13 @@ class Fix(msgspec.Struct, frozen=True):
 class RepairReport(msgspec.Struct, frozen=True):
     compared: CompareReport
     fixes: list[Fix]
+    refused: list[str] = msgspec.field(default_factory=list)  # differences not repaired, with why
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(f.skipped for f in self.fixes) or self.compared.unsettled else 0
+        """0: every difference repaired and every table compared; 1: something left (listed)."""
+        left = self.compared.unsettled or self.compared.skipped or self.compared.unreplicated
+        return 1 if any(f.skipped for f in self.fixes) or left or self.refused else 0
 
     def render(self) -> str:
         lines = [self.compared.render(), f"repaired {sum(len(f.written) for f in self.fixes)} row(s):"]
@@ -83,6 +94,7 @@ class RepairReport(msgspec.Struct, frozen=True):
             lines.append(
                 f"  {f.table} {f.key}: {f.winner}'s version written on {', '.join(f.written) or '-'}{note}"
             )
+        lines += [f"not repaired: {r}" for r in self.refused]
         return "\n".join(lines)
 
 
@@ -160,15 +172,6 @@ def _winner(config: Config, table: str, rows: dict[str, _Row | None], source: st
     return best
 
 
-async def _columns(conn: psycopg.AsyncConnection[Any], table: str) -> list[str]:
-    cur = await conn.execute(
-        "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
-        " AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
-        [sql.Identifier(*table.split(".", 1)).as_string(conn)],
-    )
-    return [str(r[0]) for r in await cur.fetchall()]
-
-
 async def _fix_one(
     conn: psycopg.AsyncConnection[Any],
     config: Config,
@@ -208,17 +211,15 @@ async def _fix_one(
         now = None if found is None else _hex(int(found[0]))
         if now != expected:
             return False
+        delete = sql.SQL(
+            "DELETE FROM {rel} AS t USING pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r"
+            " WHERE {match}"
+        ).format(rel=rel, match=match)
         if row is None:
-            await conn.execute(
-                sql.SQL(
-                    "DELETE FROM {rel} AS t"
-                    " USING pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb) AS r"
-                    " WHERE {match}"
-                ).format(rel=rel, match=match),
-                [d.key_json],
-            )
+            await conn.execute(delete, [d.key_json])
         else:
-            written = [c for c in await _columns(conn, d.table) if columns is None or c in columns]
+            identity = await insert_columns(conn, d.table, columns)  # generated columns: the server's
+            written = list(identity)
             others = [c for c in written if c not in keys]
             cols = sql.SQL(", ").join(map(sql.Identifier, written))
             update = (
@@ -230,13 +231,21 @@ async def _fix_one(
                 if others
                 else sql.SQL("DO NOTHING")
             )
+            if any(identity[c] == "a" for c in others):
+                # no UPDATE writes an identity column GENERATED ALWAYS (SQLSTATE 428C9): the row is
+                # replaced, without a tombstone (the key never leaves)
+                await conn.execute("SELECT pg_catalog.set_config('pgmesh.recording', 'y', true)")
+                await conn.execute(delete, [d.key_json])
+                await conn.execute("SELECT pg_catalog.set_config('pgmesh.recording', '', true)")
+                update = sql.SQL("DO NOTHING")
             await conn.execute(
                 sql.SQL(
-                    "INSERT INTO {rel} ({cols}) SELECT {cols}"
+                    "INSERT INTO {rel} ({cols}){override} SELECT {cols}"
                     " FROM pg_catalog.jsonb_populate_record(NULL::{rel}, %s::jsonb)"
                     " ON CONFLICT ({keys}) {update}"
                 ).format(
-                    rel=rel, cols=cols, keys=sql.SQL(", ").join(map(sql.Identifier, keys)), update=update
+                    rel=rel, cols=cols, override=overriding(identity),
+                    keys=sql.SQL(", ").join(map(sql.Identifier, keys)), update=update,
                 ),
                 [row.row],
             )
@@ -266,6 +275,19 @@ async def _write(
     columns: Sequence[str] | None = None,
 ) -> bool:
     """`_fix_one` in a session under the winner's repair origin (forwarded nowhere)."""
+    await _under_origin(conn, config, winner)
+    try:
+        return await _fix_one(conn, config, node, d, keys, winner, row, mine, expected, commit_us, columns)
+    except psycopg.Error as exc:
+        raise PgmeshError(
+            f"repair of {d.table} {d.key} failed: {describe(exc)}; nothing of it was written"
+            " there (one transaction); fix the cause and run `pgmesh repair` again",
+            node=node, sqlstate=exc.sqlstate,
+        ) from None
+
+
+async def _under_origin(conn: psycopg.AsyncConnection[Any], config: Config, winner: str) -> None:
+    """Set the session up under the winner's repair origin (created if missing)."""
     await conn.execute(
         "SELECT pg_catalog.pg_replication_origin_session_reset()"
         " WHERE pg_catalog.pg_replication_origin_session_is_setup()"
@@ -277,14 +299,58 @@ async def _write(
         [origin, origin],
     )
     await conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])
-    try:
-        return await _fix_one(conn, config, node, d, keys, winner, row, mine, expected, commit_us, columns)
-    except psycopg.Error as exc:
-        raise PgmeshError(
-            f"repair of {d.table} {d.key} failed: {describe(exc)}; nothing of it was written"
-            " there (one transaction); fix the cause and run `pgmesh repair` again",
-            node=node, sqlstate=exc.sqlstate,
-        ) from None
+
+
+async def _repair_keyless(
+    conns: dict[str, psycopg.AsyncConnection[Any]], config: Config, found: Sequence[Divergence],
+    source: str | None, reference: str,
+) -> tuple[list[Fix], list[str]]:
+    """Rows of tables without a key whose copies differ (router.cluster.compare.copies): each node made
+    to hold the winner's copies: `source`'s among full nodes (none given: refused, with why), the
+    reference's (through its filter and columns) on a partial node. The fixes, and what was refused."""
+    groups: dict[tuple[str, tuple[str, ...]], list[Divergence]] = {}
+    for d in found:
+        groups.setdefault((d.table, tuple(d.rows)), []).append(d)
+    fixes: list[Fix] = []
+    refused: list[str] = []
+    for (table, nodes), items in groups.items():
+        partial = [n for n in nodes if is_partial(config.node(n))]
+        part = table_part(config.node(partial[0]), table) if partial else None
+        columns, rows = (part.columns, part.rows) if part is not None else (None, None)
+        if partial:
+            winner, targets = reference, partial
+        elif source is None:
+            refused.append(
+                f"{table}: {len(items)} row(s) with copies that differ, in a table without a key: no"
+                f" version tells which node's copies are right; `pgmesh repair --from NODE {table}` makes"
+                " every node hold that node's copies")
+            continue
+        else:
+            winner, targets = source, [n for n in nodes if n != source]
+        have = await winner_copies(conns[winner], table, [d.key for d in items], columns, rows)
+        written: dict[str, list[str]] = {d.key: [] for d in items}
+        skipped: dict[str, list[str]] = {d.key: [] for d in items}
+        for node in targets:
+            wanted = [Copies(d.key, (d.counts or {}).get(node, 0), *have.get(d.key, (0, None)))
+                      for d in items]
+            wanted = [c for c in wanted if c.expected != c.wanted]
+            if not wanted:
+                continue
+            await _under_origin(conns[node], config, winner)
+            try:
+                done, left = await write_copies(conns[node], table, winner, node, wanted, columns)
+            except psycopg.Error as exc:
+                raise PgmeshError(
+                    f"repair of {table}'s copies failed: {describe(exc)}; nothing of it was written there"
+                    " (one transaction); fix the cause and run `pgmesh repair` again",
+                    node=node, relation=table, sqlstate=exc.sqlstate) from None
+            for text in done:
+                written[text].append(node)
+            for text in left:
+                skipped[text].append(node)
+        fixes += [Fix(table, d.key, winner, written[d.key], skipped[d.key]) for d in items
+                  if written[d.key] or skipped[d.key]]
+    return fixes, refused
 
 
 async def _repair_full(
@@ -349,6 +415,7 @@ async def repair_cluster(
     reference = next((n.name for n in config.nodes if not is_partial(n)), "")
     conns: dict[str, psycopg.AsyncConnection[Any]] = {}
     fixes: list[Fix] = []
+    refused: list[str] = []
     try:
         for node in config.nodes:
             try:
@@ -366,12 +433,15 @@ async def repair_cluster(
 
         parts = {n.name for n in partial}
         rewritten: list[Divergence] = []  # the reference's row written by a repair: forwarded nowhere
-        for d in compared.differences:
+        keyed = [d for d in compared.differences if d.counts is None]
+        fixes, refused = await _repair_keyless(
+            conns, config, [d for d in compared.differences if d.counts is not None], source, reference)
+        for d in keyed:
             if not parts & d.rows.keys():
                 fixes.append(fix := await _repair_full(conns, config, d, keys(d), source))
                 if reference in fix.written:
                     rewritten.append(d)
-        work = [(d, n, False) for d in compared.differences for n in d.rows if n in parts]
+        work = [(d, n, False) for d in keyed for n in d.rows if n in parts]
         found = {(d.table, d.key, n) for d, n, _ in work}
         work += [(d, n.name, True) for d in rewritten for n in partial
                  if reaches(n, d.table) and (d.table, d.key, n.name) not in found]
@@ -384,7 +454,7 @@ async def repair_cluster(
     finally:
         for conn in conns.values():
             await conn.close()
-    return RepairReport(compared, fixes)
+    return RepairReport(compared, fixes, refused)
 
 
 async def cmd_repair(

@@ -10,7 +10,8 @@ integer key, else by the key's hash) its count and XOR; a differing bucket of an
 then `rows_sql` reads each row's key and hash, and the nodes' answers are compared (`differences`).
 Each read runs on the table's nodes (`CompareJob.nodes_of`): the full nodes, or a partial node and its
 reference full node, where the reference reads only the rows the partial node's filter keeps and both
-hash only the columns it holds (`CompareTable.rows`, `.columns`: the SQL is per node).
+hash only the columns it holds (`CompareTable.rows`, `.columns`: the SQL is per node). A table without
+a key is one task, compared as a multiset of whole rows (`compare_multiset`, router.cluster.compare.multiset).
 
 Must not: write anything, import pyspark at module level, or put a DSN in a message.
 """
@@ -26,6 +27,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.compare import multiset
 from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
 from router.errors import PgmeshError, describe
 
@@ -69,11 +71,12 @@ class CompareJob(msgspec.Struct, frozen=True):
 
 class Difference(msgspec.Struct, frozen=True):
     """One key whose row is not the same on every node of its table (`CompareJob.nodes_of`): each one's
-    row hash, in that order (None: no row there)."""
+    row hash, in that order (None: no row there). In a table without a key: one row (its text) whose
+    number of copies is not the same everywhere: each node's copies (None: none)."""
 
     table: int
-    key: str  # the key as a row's text, e.g. (42) or (7,abc)
-    key_json: str  # the key columns as a JSON object (reads the row back by its key)
+    key: str  # the key as a row's text, e.g. (42) or (7,abc); without a key: the whole row's text
+    key_json: str  # the key columns as a JSON object (reads the row back by its key); "" without a key
     hashes: tuple[int | None, ...]
 
 
@@ -263,8 +266,11 @@ def _on_nodes(
 def compare_range(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
-    """The range's count and hash on each of its table's nodes (`range_sql`); where they differ, `descend`."""
+    """The range's count and hash on each of its table's nodes (`range_sql`); where they differ, `descend`.
+    A table without a key: `compare_multiset`."""
     table = job.tables[task.table]
+    if table.keyless:
+        return compare_multiset(pool, conns, job, task)
     read: Read = functools.partial(range_sql, table, task)
     whole = {tuple(rows[0]) for rows in _on_nodes(pool, conns, job, table, read)}
     return descend(pool, conns, job, task) if len(whole) > 1 else []
@@ -296,6 +302,39 @@ def descend(
         per_node = [{k: (j, int(h)) for k, j, h in rows} for rows in rows_per_node]
         found += differences(task.table, per_node)
     return found
+
+
+def keyless_where(table: CompareTable, filtered: bool) -> sql.Composable:
+    """A table without a key is read whole: only a partial node's filter, where `filtered`."""
+    return kept(table.rows) if filtered and table.rows is not None else sql.SQL("true")
+
+
+def compare_multiset(
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
+) -> list[Difference]:
+    """A table without a key as a multiset of rows (router.cluster.compare.multiset): its count and sum of
+    row hashes; where they differ, per bucket; the differing buckets' rows with their copies. Each row
+    whose copies differ is a `Difference` named by the row's text, its `hashes` being its copies per node
+    (None: none)."""
+    table = job.tables[task.table]
+    schema, name, columns = table.schema, table.name, table.columns
+
+    def read(build: Callable[[sql.Composable], sql.Composed], *params: Any) -> list[list[tuple[Any, ...]]]:
+        return _on_nodes(pool, conns, job, table, lambda f: (build(keyless_where(table, f)), list(params)))
+
+    whole = {tuple(rows[0]) for rows in read(lambda w: multiset.whole_sql(schema, name, columns, w))}
+    if len(whole) <= 1:
+        return []
+    buckets = multiset.buckets_for(max(int(n) for n, _ in whole))  # about LEAF_ROWS_KEYLESS rows each
+    sums = [multiset.parse_sums(rows) for rows in read(
+        lambda w: multiset.bucket_sql(schema, name, columns, w, buckets))]
+    differing = sorted({b for s in sums for b in s if any(o.get(b) != s.get(b) for o in sums)})
+    if not differing:
+        return []
+    per_node = [{str(text): int(n) for text, n in rows} for rows in read(
+        lambda w: multiset.rows_sql(schema, name, columns, w, buckets), differing)]
+    found = multiset.multiset_differences(per_node)
+    return [Difference(task.table, text, "", counts) for text, counts in found]
 
 
 def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Difference]:
