@@ -154,7 +154,8 @@ class CarefulApplier:
                 if isinstance(change, Relation):
                     relations[change.relid] = change
                 elif isinstance(change, Truncate):  # the origin mark first: its first change has none
-                    await conn.execute(ORIGIN_MARK + "; " + truncate_statement(change, relations, tables))
+                    truncate = truncate_statement(change, relations, tables, txn.commit_time)
+                    await conn.execute(ORIGIN_MARK + "; " + truncate)
                 elif isinstance(change, Message):
                     if on_message is not None:
                         tables = await on_message(conn, change) or tables

@@ -407,7 +407,7 @@ def transaction_segments(
         if isinstance(change, Truncate):
             opening()
             out.append(ORIGIN_MARK)  # a TRUNCATE's first change has no origin
-            out.append(truncate_statement(change, relations, tables))
+            out.append(truncate_statement(change, relations, tables, txn.commit_time))
             continue
         relation = relations[change.relid]
         table = target_table(relation, tables)

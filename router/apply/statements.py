@@ -479,12 +479,21 @@ def target_table(relation: Relation, tables: Mapping[tuple[str, str], TargetTabl
 
 
 def truncate_statement(
-    change: Truncate, relations: Mapping[int, Relation], tables: Mapping[tuple[str, str], TargetTable]
+    change: Truncate,
+    relations: Mapping[int, Relation],
+    tables: Mapping[tuple[str, str], TargetTable],
+    commit_time: int,
 ) -> str:
-    targets = [target_table(relations[r], tables) for r in change.relids]
-    names = ", ".join(table.qualified for table in targets if not table.skip)
-    if not names:
+    """A replicated TRUNCATE, decided by version (`pgmesh.truncate_by_version`, router/conflicts/sql): the
+    rows older than the source's commit at `commit_time` go, newer ones stay, and each table's tombstone
+    records it; a plain TRUNCATE when no row is newer."""
+    named = [relations[r] for r in change.relids]
+    kept = [rel for rel in named if not target_table(rel, tables).skip]
+    if not kept:
         return "SELECT 1"  # every table it empties is one the target does not get
-    restart = " RESTART IDENTITY" if change.restart_identity else ""
-    cascade = " CASCADE" if change.cascade else ""
-    return f"TRUNCATE {names}{restart}{cascade}"
+    schemas = ", ".join(quote_literal(rel.schema) for rel in kept)
+    names = ", ".join(quote_literal(rel.name) for rel in kept)
+    restart = "true" if change.restart_identity else "false"
+    cascade = "true" if change.cascade else "false"
+    return (f"SELECT pgmesh.truncate_by_version(ARRAY[{schemas}]::text[], ARRAY[{names}]::text[], {restart},"
+            f" {cascade}, '{commit_time_literal(commit_time)}'::timestamptz)")

@@ -70,7 +70,8 @@ _COMMENT_PREFIX: Final = "pgmesh ddl "
 # sql/<name>.sql beside this module (package data).
 _TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = tuple(
     (file.removesuffix(".sql"), tuple(sql.SQL(text) for text in statements(__name__, file)))
-    for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql", "tombstones_recorded.sql")
+    for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql", "tombstones_recorded.sql",
+                 "table_tombstones.sql")
 )
 
 
@@ -93,6 +94,10 @@ _FUNCTIONS: Final = (
     _function("remote_wins.sql", "text, text[], timestamptz, text, timestamptz, text"),
     _function("remote_version.sql", ""),
     _function("decide.sql", "text, text, text, timestamptz, oid, text, text, text, text[]"),
+    _function("truncated.sql", "xid, timestamptz, text"),
+    _function("table_tombstone.sql", "text, xid8, timestamptz, text"),
+    _function("truncate_by_version.sql", "text[], text[], boolean, boolean, timestamptz"),
+    _function("truncate_sweep.sql", "text, text"),
 )
 
 # Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.

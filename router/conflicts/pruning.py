@@ -42,8 +42,13 @@ older than anything commit timestamps still order.
 origin positions, deletes on each target at most `BATCHES` x `BATCH_ROWS` tombstones older than its
 horizon (short transactions, so the conflict path is never held long), and updates the metrics.
 
-Must not: decide conflicts, write anything but `pgmesh.tombstones` deletions, or prune on a node whose
-horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
+Table tombstones (a TRUNCATE's, `pgmesh.table_tombstones`) follow the same horizon, but go with a last
+sweep of their table, which needs the recorder's replication origin: the pruner writes each node's
+horizon into `pgmesh.node_info` (`tombstone_horizon`), and the node's tombstone recorder
+(router.conflicts.recorder) drops the table tombstones behind it.
+
+Must not: decide conflicts, write anything but `pgmesh.tombstones` deletions and the horizon, or prune on
+a node whose horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
 """
 
 from __future__ import annotations
@@ -105,6 +110,11 @@ _PRUNE_SQL: Final = (
 )
 # A cheap count: the statistics' live tuples (exact enough for a gauge, no scan).
 _COUNT_SQL: Final = f"SELECT pg_catalog.pg_stat_get_live_tuples('{_T}'::regclass)"
+# The horizon, for the recorder's table tombstones (ISO 8601 in UTC, as installed_at)
+_HORIZON_SQL: Final = (
+    f'INSERT INTO "{PGMESH_SCHEMA}".node_info (key, value) VALUES (\'tombstone_horizon\', %(horizon)s)'
+    " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
 
 
 def link_safe_time(applied: tuple[int, int] | None, flushed: int | None, caught_up: int | None) -> int | None:
@@ -309,6 +319,7 @@ class TombstonePruner:
     async def _delete_before(self, node: NodeConfig, at: int, stats: PruneStats) -> None:
         """At most BATCHES transactions of BATCH_ROWS deletions each (each counted as it commits)."""
         params = {"horizon": pg_us_to_datetime(at), "limit": BATCH_ROWS}
+        await (await self._conn(node)).execute(_HORIZON_SQL, {"horizon": pg_us_to_datetime(at).isoformat()})
         for _ in range(BATCHES):
             conn = await self._conn(node)
             cur = await conn.execute(_PRUNE_SQL, params)

@@ -41,21 +41,33 @@ first and read again, so a change committed meanwhile is decided as it now is.
 Keyless tables (REPLICA IDENTITY FULL without a key): tombstones are recorded, late decisions are not
 made (no key to find the row by; docs/conflicts.md lists it).
 
+TRUNCATE: a TRUNCATE of the node's own is recorded as its table's tombstone (`pgmesh.table_tombstones`,
+the truncating transaction's xid: its commit time and origin are the TRUNCATE's version; a replicated
+TRUNCATE records its own in the applying transaction, `pgmesh.truncate_by_version`). A change older than
+it that an applier wrote after it (it reached the node later, or before the tombstone was recorded) is
+removed by the sweep (`pgmesh.truncate_sweep`: every row of the table older than its tombstone goes,
+recorded as `write_truncated`), run right after recording and every `SWEEP_INTERVAL_S` while the node
+holds a table tombstone. A table tombstone goes once the pruning horizon (router.conflicts.pruning, kept
+in `pgmesh.node_info` as `tombstone_horizon`) has passed it, in the transaction of a last sweep: every
+change older than it had been applied on the node by then, so that sweep removed the last of them.
+
 Must not: decide anything but the late decisions above, write to tables other than tombstones,
-conflict_history, tombstones_recorded and the late deletes, or confirm a position not yet durable.
+table_tombstones, conflict_history, tombstones_recorded, the late deletes and the sweeps' deletes, or
+confirm a position not yet durable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import asyncpg
 
 from protocol.lsn import format_lsn
-from protocol.messages import KIND_NULL, Delete, Relation, TupleData, Update
+from protocol.messages import KIND_NULL, Delete, Relation, Truncate, TupleData, Update
 from protocol.transactions import Transaction
 from router.apply.sessions import open_session
 from router.apply.statements import TargetTable, quote_ident, table_lock, tombstone_key
@@ -72,6 +84,27 @@ logger = logging.getLogger(__name__)
 BATCH_TRANSACTIONS: Final = 200  # transactions recorded together at most
 CHUNK_KEYS: Final = 50_000  # keys per statement
 RECORDED_SQL: Final = "SELECT position::text FROM pgmesh.tombstones_recorded"
+SWEEP_INTERVAL_S: Final = 1.0  # while the node holds a table tombstone: a sweep at least this often
+_POSITION_SQL: Final = (
+    "WITH u AS (UPDATE pgmesh.tombstones_recorded SET position = $1::text::pg_lsn RETURNING 1)"
+    " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn WHERE NOT EXISTS (SELECT 1 FROM u)"
+)
+# A TRUNCATE of the node's own ($1: the table as "schema.name", $2: the truncating transaction's xid8)
+_TABLE_TOMBSTONE_SQL: Final = (
+    "SELECT pgmesh.table_tombstone($1, $2::text::xid8, v.timestamp, pgmesh.origin_node(v.roident))"
+    " FROM pg_catalog.pg_xact_commit_timestamp_origin(pg_catalog.xid($2::text::xid8)) AS v"
+)
+# The node's table tombstones, each with its table quoted (NULL: the table is gone) and whether the
+# pruning horizon has passed it
+_TABLE_TOMBSTONES_SQL: Final = """
+SELECT t.table_name, (SELECT pg_catalog.format('%I.%I', n.nspname, c.relname)
+                        FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                       WHERE n.nspname || '.' || c.relname = t.table_name AND c.relkind IN ('r', 'p')),
+  coalesce(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(t.xid))
+           < (SELECT i.value::timestamptz FROM pgmesh.node_info i WHERE i.key = 'tombstone_horizon'), false)
+  OR pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(t.xid)) IS NULL
+FROM pgmesh.table_tombstones t
+"""
 _BUILT_IN: Final = frozenset(("last_update_wins", "first_update_wins", "node_priority", "keep_local",
                               "apply_remote"))
 
@@ -133,15 +166,25 @@ class TombstoneRecorder:
         self.recorded = 0  # tombstones written
         self.late = 0  # late decisions made
         self.replaced = 0  # of them, those that replaced the applier's record of the same change
+        self.swept = 0  # rows older than their table's TRUNCATE removed (router.conflicts.sql truncate_sweep)
+        self._tombstoned = True  # the node may hold a table tombstone (sweep at the next pause)
+        self._swept_at = 0.0
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
 
     async def run(self) -> None:
         try:
             while True:
-                first = await self.queue.get()
+                try:
+                    async with asyncio.timeout(SWEEP_INTERVAL_S):
+                        first = await self.queue.get()
+                except TimeoutError:
+                    await self._sweep_quietly()
+                    continue
                 batch = [first, *self.queue.take(BATCH_TRANSACTIONS - 1)]
                 await self._record_until_done(batch)
+                if time.monotonic() - self._swept_at >= SWEEP_INTERVAL_S:
+                    await self._sweep_quietly()
         finally:
             await self.close()
 
@@ -197,26 +240,63 @@ class TombstoneRecorder:
 
     async def _record(self, batch: list[Transaction]) -> None:
         conn = await self._connect()
-        deletes = await self._collect(conn, batch)
+        truncates: dict[str, int] = {}
+        deletes = await self._collect(conn, batch, truncates)
         end = batch[-1].end_lsn
         tables = [d for d in deletes.values() if d.keys and d.table.replica]
-        if not tables:
+        if not tables and not truncates:
             self._recorded(end)  # nothing of these is this recorder's: up to here is recorded
             return
         current = int(await conn.fetchval(
             "SELECT pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())::text::bigint"))
+        if truncates:
+            async with conn.transaction():
+                for name, xid in truncates.items():
+                    await conn.execute(_TABLE_TOMBSTONE_SQL, name, str(full_xid(xid, current)))
+                if not tables:
+                    await conn.execute(_POSITION_SQL, format_lsn(end))
+            logger.info("node %s: TRUNCATE of %s recorded as table tombstone(s)", self.node.name,
+                        ", ".join(sorted(truncates)))
+            self._tombstoned = True
+            await self._sweep(conn)
         for i, part in enumerate(sorted(tables, key=lambda d: d.table.name)):
             last = i == len(tables) - 1
             async with conn.transaction():
                 await conn.execute(part.table.lock)
                 await self._write(conn, part, current)
                 if last:
-                    await conn.execute(
-                        "WITH u AS (UPDATE pgmesh.tombstones_recorded"
-                        " SET position = $1::text::pg_lsn RETURNING 1)"
-                        " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn"
-                        " WHERE NOT EXISTS (SELECT 1 FROM u)", format_lsn(end))
+                    await conn.execute(_POSITION_SQL, format_lsn(end))
         self._recorded(end)
+
+    async def _sweep_quietly(self) -> None:
+        """A sweep (module docstring, TRUNCATE) when the node may hold a table tombstone; an error waits for
+        the next one (the sweep is idempotent, and the table tombstone stays until a sweep passes it)."""
+        self._swept_at = time.monotonic()
+        if not self._tombstoned:
+            return
+        try:
+            await self._sweep(await self._connect())
+        except asyncpg.UndefinedTableError:
+            self._tombstoned = False  # installed before table tombstones: nothing to sweep
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            logger.warning("node %s: sweeping the rows older than a TRUNCATE failed: %s; trying again in"
+                           " %.0f s", self.node.name, describe(exc), SWEEP_INTERVAL_S)
+            await self.close()
+
+    async def _sweep(self, conn: asyncpg.Connection) -> None:
+        """Each table tombstone's sweep; a tombstone the pruning horizon has passed goes with its last one."""
+        rows = await conn.fetch(_TABLE_TOMBSTONES_SQL)
+        for name, qualified, passed in rows:
+            async with conn.transaction():
+                removed = 0 if qualified is None else int(
+                    await conn.fetchval("SELECT pgmesh.truncate_sweep($1, $2)", name, qualified))
+                if passed or qualified is None:
+                    await conn.execute("DELETE FROM pgmesh.table_tombstones WHERE table_name = $1", name)
+            if removed:
+                self.swept += removed
+                logger.info("node %s: %s: %d row(s) written by changes older than the table's TRUNCATE"
+                            " removed (conflict write_truncated)", self.node.name, name, removed)
+        self._tombstoned = bool(rows)
 
     def _recorded(self, end: int) -> None:
         self.progress.on_flushed(end)
@@ -224,9 +304,9 @@ class TombstoneRecorder:
             self.on_recorded()
 
     async def _collect(
-        self, conn: asyncpg.Connection, batch: Iterable[Transaction]
+        self, conn: asyncpg.Connection, batch: Iterable[Transaction], truncates: dict[str, int]
     ) -> dict[tuple[str, str], _Deletes]:
-        """Every delete of the batch, by table."""
+        """Every delete of the batch, by table; each TRUNCATE's tables into `truncates` (name -> xid)."""
         out: dict[tuple[str, str], _Deletes] = {}
         for txn in batch:
             relations: dict[int, Relation] = dict(txn.relations)
@@ -235,6 +315,11 @@ class TombstoneRecorder:
                     if isinstance(change, Relation):
                         relations[change.relid] = change
                         self._tables.pop((change.schema, change.name), None)  # DDL: read it again
+                    elif isinstance(change, Truncate):
+                        for relid in change.relids:
+                            truncated = relations.get(relid)
+                            if truncated is not None:
+                                truncates[f"{truncated.schema}.{truncated.name}"] = txn.xid
                     elif isinstance(change, Delete | Update) and change.old is not None:
                         relation = relations.get(change.relid)
                         if relation is None:

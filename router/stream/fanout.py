@@ -182,8 +182,8 @@ class SourcePump:
         self.progress.on_seen(txn.end_lsn)
 
     async def _to_recorder(self, txn: Transaction) -> None:
-        """Hand a committed transaction of the source's own that deletes (or changes a key) to its
-        tombstone recorder."""
+        """Hand a committed transaction of the source's own that deletes (or changes a key, or truncates) to
+        its tombstone recorder."""
         link = self.progress.recorder
         if self.recorder is None or link is None or not link.wants(txn.end_lsn):  # (an echo: not called)
             return
@@ -191,10 +191,10 @@ class SourcePump:
             return  # handed out before its commit: the recorder takes it at the commit
         if not txn.spilled:
             for c in txn.changes:  # (a loop: most have one change, and a generator costs more than it)
-                if isinstance(c, Delete) or (isinstance(c, Update) and c.old is not None):
+                if isinstance(c, (Delete, Truncate)) or (isinstance(c, Update) and c.old is not None):
                     break
             else:
-                return  # neither deletes nor takes a key away (a key update sends the old key)
+                return  # neither deletes, truncates nor takes a key away (a key update sends the old key)
         if txn.spill is not None:
             txn.spill.acquire()  # the recorder releases it
         while not self.recorder.offer(txn):

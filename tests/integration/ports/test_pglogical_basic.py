@@ -8,7 +8,6 @@ inserts, updates, deletes, TRUNCATE and COPY run on a, with writes of b's own mi
 from __future__ import annotations
 
 import psycopg
-import pytest
 
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
@@ -121,15 +120,11 @@ async def test_basic(mesh: MeshFactory) -> None:
         healthy(router)
 
 
-@pytest.mark.slow  # while it fails: waits 15 s for nodes that stay apart
-@pytest.mark.xfail(strict=True, reason="issue 18 (no way left to diverge):"
-                   " a TRUNCATE meeting a row the other node wrote after it"
-                   " (at once) removes that row on one node only: the nodes end apart, silently")
 async def test_truncate_at_once_with_an_insert_on_the_other_node(mesh: MeshFactory) -> None:
     """basic.sql's TRUNCATE, with the other node writing at the same time (links held: truly concurrent).
     a truncates, then b inserts a row (later). On a, b's insert arrives after the TRUNCATE: the row is
-    there. On b, a's TRUNCATE arrives after b's insert and, applied as a plain TRUNCATE, removes it. Every
-    node must end alike: a TRUNCATE is a delete of the rows older than it (last update wins)."""
+    there. On b, a's TRUNCATE arrives after b's insert, and it removes only the rows older than it: the
+    newer row stays (recorded once, as `truncate_newer_rows`). Every node ends alike."""
     m = await mesh(nodes=2, schema=f"{BASIC_DML.replace('serial', 'int')}")
     a, b = m.nodes
     async with running_router(m.config) as router:
@@ -141,4 +136,35 @@ async def test_truncate_at_once_with_an_insert_on_the_other_node(mesh: MeshFacto
         await router.resume(None)
         await wait_converged(m.nodes, ["basic_dml"], 15)
         assert await fetch(b.dsn(), ROWS) == [(2, 2, "b, after the TRUNCATE", None)]
+        assert await fetch(a.dsn(), ROWS) == [(2, 2, "b, after the TRUNCATE", None)]
+        kept = ("SELECT conflict_type, source, table_name, reason FROM pgmesh.conflict_history"
+                " WHERE conflict_type = 'truncate_newer_rows'")
+        assert await fetch(b.dsn(), kept) == [
+            ("truncate_newer_rows", "a", "public.basic_dml",
+             "the TRUNCATE removed the rows older than it; 1 newer row(s) stay")]
+        healthy(router)
+
+
+async def test_an_insert_older_than_a_truncate_that_arrives_after_it_goes(mesh: MeshFactory) -> None:
+    """The other order: b inserts a row, then a truncates (later), links held. On b, a's TRUNCATE arrives
+    after the insert and removes it (older). On a, b's insert arrives after the TRUNCATE: it is older than
+    the table's tombstone, so its row goes too (swept, recorded as `write_truncated`), and a row a writes
+    after its TRUNCATE stays on both."""
+    m = await mesh(nodes=2, schema=f"{BASIC_DML.replace('serial', 'int')}")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO basic_dml VALUES (1, 1, 'before', NULL)")
+        await wait_converged(m.nodes, ["basic_dml"])
+        await router.pause(None)
+        await execute(b.dsn(), "INSERT INTO basic_dml VALUES (2, 2, 'b, before the TRUNCATE', NULL)")
+        await execute(a.dsn(), "TRUNCATE basic_dml")
+        await execute(a.dsn(), "INSERT INTO basic_dml VALUES (3, 3, 'a, after its TRUNCATE', NULL)")
+        await router.resume(None)
+        want = [(3, 3, "a, after its TRUNCATE", None)]
+        await wait_for(lambda: has(a.dsn(), ROWS, want), "b's older insert removed on a")
+        await wait_converged(m.nodes, ["basic_dml"], 15)
+        assert await fetch(b.dsn(), ROWS) == want
+        lost = ("SELECT conflict_type, source, key, resolution, local_origin FROM pgmesh.conflict_history"
+                " WHERE conflict_type = 'write_truncated'")
+        assert await fetch(a.dsn(), lost) == [("write_truncated", "b", "2", "keep_local", "a")]
         healthy(router)
