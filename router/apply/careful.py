@@ -516,6 +516,7 @@ class CarefulApplier:
                 f"{quote_ident(k)} = {_lit(v)}"
                 for k, v in new.items()
                 if k not in deltas and k in table.columns and k not in table.always
+                and k not in table.generated
             ]
         if sets:
             await conn.execute(f"UPDATE {table.qualified} AS {T} SET {', '.join(sets)} WHERE {where}")

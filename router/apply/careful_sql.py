@@ -95,8 +95,9 @@ def put_tombstone_sql(key_sql: str) -> str:
 
 
 def write_row_sql(table: TargetTable, row: Mapping[str, Any], where: str | None) -> str:
-    """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
-    names = [k for k in row if k in table.columns]
+    """Insert `row` (where is None) or overwrite the row matched by `where` with it. Its generated columns
+    are left out (a row read from the catalog holds them; only the server computes them)."""
+    names = [k for k in row if k in table.columns and k not in table.generated]
     if where is None:
         cols = ", ".join(quote_ident(k) for k in names)
         vals = ", ".join(literal(row[k]) for k in names)

