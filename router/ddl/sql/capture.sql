@@ -170,6 +170,81 @@ BEGIN
 END
 $body$;
 
+-- The first thing a piece of SQL (ddl_split's code: no comments, strings written '') calls whose
+-- volatility is among `kinds` ('v' volatile, 's' stable), going by any function of that name: a name
+-- before '(' (not a type after '::'); with 's', also the SQL value functions that read the clock or the
+-- session (CURRENT_TIMESTAMP, LOCALTIME, CURRENT_USER, ...). NULL when there is none.
+CREATE OR REPLACE FUNCTION {schema}.ddl_unstable(code text, kinds text) RETURNS text LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  m text[];
+  fn text;
+BEGIN
+  IF strpos(kinds, 's') > 0 THEN
+    m := regexp_match(code, '\m(current_timestamp|current_date|current_time|localtime|localtimestamp'
+                            '|current_user|current_role|session_user|current_catalog|current_schema)\M', 'i');
+    IF m IS NOT NULL THEN
+      RETURN upper(m[1]);
+    END IF;
+  END IF;
+  FOR m IN SELECT regexp_matches(code, '(::\s*)?(?:(?:[[:alpha:]_][[:alnum:]_$]*|"(?:[^"]|"")+")\s*\.\s*)?'
+                                       '([[:alpha:]_][[:alnum:]_$]*|"(?:[^"]|"")+")\s*\(', 'g') LOOP
+    CONTINUE WHEN m[1] IS NOT NULL;  -- a type modifier: '...'::timestamp(3)
+    fn := CASE WHEN m[2] LIKE '"%' THEN replace(substr(m[2], 2, length(m[2]) - 2), '""', '"') ELSE lower(m[2]) END;
+    IF EXISTS (SELECT 1 FROM pg_proc p WHERE p.proname = fn AND strpos(kinds, p.provolatile::text) > 0) THEN
+      RETURN fn || '()';
+    END IF;
+  END LOOP;
+  RETURN NULL;
+END
+$body$;
+
+-- Columns an ALTER TABLE just added to a replicated table (those known_columns does not list yet) whose
+-- values the command computed on each node: an identity column (GENERATED ... AS IDENTITY, a sequence per
+-- node), or a default that is not immutable (serial's nextval(), now(), CURRENT_TIMESTAMP, random(),
+-- gen_random_uuid(), ...). Each node would fill the rows it holds with its own values, and rows in flight
+-- from other nodes (also into an empty table) get their target's: refused where the command is typed,
+-- whether the table has rows or not. A table created in this transaction is left alone: no other node
+-- has it yet, so no row can be filled twice. A constant default and a STORED generated column (its
+-- expression is immutable) give every node the same values.
+CREATE OR REPLACE FUNCTION {schema}.ddl_filled(rel oid, qualified text) RETURNS void LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  col record;
+  what text;
+BEGIN
+  IF (SELECT t.xmin FROM pg_type t JOIN pg_class c ON c.reltype = t.oid WHERE c.oid = rel)
+     = pg_current_xact_id()::xid THEN
+    RETURN;  -- created in this transaction
+  END IF;
+  FOR col IN SELECT a.attname::text AS name, a.attidentity::text AS ident, a.attgenerated::text AS gen,
+                    pg_get_expr(d.adbin, d.adrelid) AS expr
+               FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+              WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped
+                AND NOT EXISTS (SELECT 1 FROM {schema}.known_columns k WHERE k.relid = rel AND k.attnum = a.attnum)
+              ORDER BY a.attnum LOOP
+    IF col.ident <> '' THEN
+      what := 'GENERATED ' || CASE col.ident WHEN 'a' THEN 'ALWAYS' ELSE 'BY DEFAULT' END
+              || ' AS IDENTITY numbers the rows from each node''s own sequence';
+    ELSIF col.gen = '' AND col.expr IS NOT NULL THEN
+      what := {schema}.ddl_unstable((SELECT string_agg(s.code, ';') FROM {schema}.ddl_split(col.expr) s), 'vs');
+      CONTINUE WHEN what IS NULL;
+      what := format('DEFAULT %s is computed on each node (%s is not immutable)', col.expr, what);
+    ELSE
+      CONTINUE;
+    END IF;
+    RAISE EXCEPTION 'pgmesh: ADD COLUMN % to table % refused: % and fills the rows there with that node''s '
+                    'own values', col.name, qualified, what
+      USING ERRCODE = '0A000',
+            HINT = format('add the column without a default, fill it with an UPDATE (replicated: every node '
+                          'gets the same values), then give it its default for new rows: ALTER TABLE %s '
+                          'ALTER COLUMN %I SET DEFAULT ... (a key numbered by a sequence: then `pgmesh '
+                          'sequences convert`, so that no two nodes hand out the same number)',
+                          rel::regclass, col.name);
+  END LOOP;
+END
+$body$;
+
 -- One table a command created or altered: track its columns; in the replicated set, put it in the
 -- publication with its tombstone trigger. A table without a usable replica identity (no key, its primary
 -- key dropped, or a deferrable one) is made REPLICA IDENTITY FULL (ddl_identity), unless the setting
@@ -218,7 +293,9 @@ BEGIN
   IF qualified !~ {schema}.ddl_setting('tables') OR qualified ~ {schema}.ddl_setting('exclude') THEN
     IF published THEN  -- moved out of the replicated set (SET SCHEMA, RENAME): it stays local from here
       EXECUTE format('ALTER PUBLICATION %I DROP TABLE %I.%I', pub, nsp, tab);
-      EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
+      IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = rel AND tgname = 'pgmesh_tombstone') THEN
+        EXECUTE format('DROP TRIGGER pgmesh_tombstone ON %I.%I', nsp, tab);
+      END IF;
       DELETE FROM {schema}.known_columns WHERE relid = rel;
     END IF;
     RETURN;
@@ -230,6 +307,10 @@ BEGIN
     INSERT INTO {schema}.column_changes (table_name, old_name, new_name)
     VALUES (qualified, col.was, CASE WHEN col.dropped THEN NULL ELSE col.now END);
   END LOOP;
+  IF published AND {schema}.ddl_setting('replicate') = 'on' AND NOT {schema}.ddl_applying()
+     AND coalesce(pg_catalog.current_setting('pgmesh.ddl_local', true), '') NOT IN ('on', 'true', '1') THEN
+    PERFORM {schema}.ddl_filled(rel, qualified);  -- where the command is typed, not where it is replayed
+  END IF;
   DELETE FROM {schema}.known_columns WHERE relid = rel;
   INSERT INTO {schema}.known_columns
   SELECT rel, a.attnum, a.attname FROM pg_attribute a
@@ -291,7 +372,10 @@ BEGIN
     -- other key columns: tombstones keyed by the old ones would be compared with keys of the new ones
     DELETE FROM {schema}.tombstones WHERE table_name = qualified;
   END IF;
-  EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_tombstone ON %I.%I', nsp, tab);
+  -- (dropped only when there: DROP TRIGGER IF EXISTS would tell every CREATE TABLE's session it skipped)
+  IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = rel AND tgname = 'pgmesh_tombstone') THEN
+    EXECUTE format('DROP TRIGGER pgmesh_tombstone ON %I.%I', nsp, tab);
+  END IF;
   EXECUTE format('CREATE TRIGGER pgmesh_tombstone AFTER DELETE ON %I.%I FOR EACH ROW '
                  'EXECUTE FUNCTION {schema}.tombstone(%s)',
                  nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
@@ -308,7 +392,9 @@ BEGIN
   EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone', nsp, tab, fires);
   -- a node that only receives refuses local writes to it (router/cluster/receive.py)
   IF EXISTS (SELECT 1 FROM {schema}.node_info AS i WHERE i.key = 'receive_only') THEN
-    EXECUTE format('DROP TRIGGER IF EXISTS pgmesh_receive_only ON %I.%I', nsp, tab);
+    IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = rel AND tgname = 'pgmesh_receive_only') THEN
+      EXECUTE format('DROP TRIGGER pgmesh_receive_only ON %I.%I', nsp, tab);
+    END IF;
     EXECUTE format('CREATE TRIGGER pgmesh_receive_only BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON %I.%I'
                    ' FOR EACH STATEMENT EXECUTE FUNCTION {schema}.refuse_local_write()', nsp, tab);
   END IF;
@@ -369,6 +455,9 @@ BEGIN
       PERFORM {schema}.ddl_table(cmd.objid);
     END IF;
   END LOOP;
+  IF replicated AND tg_tag = 'ALTER TABLE' AND pg_catalog.current_query() ~* '\mdetach\s+partition\M' THEN
+    PERFORM {schema}.ddl_detached(pg_catalog.current_query());  -- it leaves its root's publication
+  END IF;
   IF replicated THEN
     PERFORM {schema}.ddl_changed();
   END IF;
@@ -405,20 +494,27 @@ BEGIN
 END
 $body$;
 
--- The leading words (lower case, at most four, joined by a space) of each top-level statement of a query
--- string, as the server splits it: what stands in quotes, dollar quotes, quoted identifiers and
+-- Each top-level statement of a query string, as the server splits it: `words`, its leading words (lower
+-- case, at most four, joined by a space); `code`, its text with comments left out, each quoted string
+-- written '' and each dollar-quoted one $$; `bodies`, what its dollar quotes held (a DO block's or a
+-- function's body), one after the other. What stands in quotes, dollar quotes, quoted identifiers and
 -- comments is skipped, and a ';' inside parentheses or inside the BEGIN ATOMIC ... END body of a CREATE
 -- FUNCTION / PROCEDURE (counted as psql counts it) does not end a statement.
-CREATE OR REPLACE FUNCTION {schema}.ddl_statements(q text) RETURNS SETOF text LANGUAGE plpgsql STABLE
+CREATE OR REPLACE FUNCTION {schema}.ddl_split(q text, OUT words text, OUT code text, OUT bodies text)
+RETURNS SETOF record LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
   ch text;
-  code int;
+  chars text[] := string_to_array(coalesce(q, '') || E'\n', NULL);
+  i int := 0;
+  seg int := 1;
+  dstart int := 0;
+  ascii_code int;
   state text := 'code';
   prev text := '';
   word text := '';
   lw text;
-  words text[] := ARRAY[]::text[];
+  lead text[] := ARRAY[]::text[];
   delim text := '';
   tail text := '';
   nest int := 0;
@@ -427,7 +523,11 @@ DECLARE
   backslash boolean := current_setting('standard_conforming_strings') = 'off';
   escaping boolean := false;
 BEGIN
-  FOREACH ch IN ARRAY string_to_array(coalesce(q, '') || E'\n', NULL) LOOP
+  q := coalesce(q, '') || E'\n';
+  code := '';
+  bodies := '';
+  FOREACH ch IN ARRAY chars LOOP
+    i := i + 1;
     IF state = 'squote' THEN
       IF ch = '''' THEN
         state := 'squote_end';
@@ -444,6 +544,7 @@ BEGIN
         CONTINUE;
       END IF;
       state := 'code';
+      seg := i;
     ELSIF state = 'dquote' THEN
       IF ch = '"' THEN
         state := 'dquote_end';
@@ -458,6 +559,7 @@ BEGIN
     ELSIF state = 'line' THEN
       IF ch IN (E'\n', E'\r') THEN
         state := 'code';
+        seg := i;
       END IF;
       CONTINUE;
     ELSIF state = 'block' THEN
@@ -466,6 +568,8 @@ BEGIN
         ch := '';
         IF nest = 0 THEN
           state := 'code';
+          seg := i + 1;
+          code := code || ' ';
         END IF;
       ELSIF prev = '/' AND ch = '*' THEN
         nest := nest + 1;
@@ -477,37 +581,41 @@ BEGIN
       tail := right(tail || ch, length(delim));
       IF tail = delim THEN
         state := 'code';
+        bodies := bodies || substr(q, dstart, i - length(delim) + 1 - dstart) || E'\n';
+        seg := i + 1;
       END IF;
       CONTINUE;
     ELSIF state = 'dtag' THEN
-      code := ascii(ch);
+      ascii_code := ascii(ch);
       IF ch = '$' THEN
         delim := delim || '$';
         tail := '';
         state := 'dollar';
+        code := code || substr(q, seg, i - length(delim) + 1 - seg) || '$$';
+        dstart := i + 1;
         CONTINUE;
-      ELSIF code = 95 OR code BETWEEN 65 AND 90 OR code BETWEEN 97 AND 122 OR code >= 128
-            OR code BETWEEN 48 AND 57 AND delim <> '$' THEN
+      ELSIF ascii_code = 95 OR ascii_code BETWEEN 65 AND 90 OR ascii_code BETWEEN 97 AND 122
+            OR ascii_code >= 128 OR ascii_code BETWEEN 48 AND 57 AND delim <> '$' THEN
         delim := delim || ch;
         CONTINUE;
       END IF;
       state := 'code';  -- not a dollar quote ($1, ...)
     END IF;
     -- code: outside quotes and comments
-    code := ascii(ch);
-    IF code = 95 OR code BETWEEN 65 AND 90 OR code BETWEEN 97 AND 122 OR code >= 128
-       OR code BETWEEN 48 AND 57 OR code = 36 AND word <> '' THEN
+    ascii_code := ascii(ch);
+    IF ascii_code = 95 OR ascii_code BETWEEN 65 AND 90 OR ascii_code BETWEEN 97 AND 122 OR ascii_code >= 128
+       OR ascii_code BETWEEN 48 AND 57 OR ascii_code = 36 AND word <> '' THEN
       word := word || ch;
       prev := ch;
       CONTINUE;
     END IF;
     IF word <> '' THEN
       lw := lower(word);
-      IF cardinality(words) < 4 THEN
-        words := words || lw;
+      IF cardinality(lead) < 4 THEN
+        lead := lead || lw;
       END IF;
-      IF words[1] = 'create' AND (words[2] IN ('function', 'procedure')
-           OR words[2] = 'or' AND words[3] = 'replace' AND words[4] IN ('function', 'procedure'))
+      IF lead[1] = 'create' AND (lead[2] IN ('function', 'procedure')
+           OR lead[2] = 'or' AND lead[3] = 'replace' AND lead[4] IN ('function', 'procedure'))
          AND parens = 0 THEN
         IF lw = 'begin' OR lw = 'case' AND depth > 0 THEN
           depth := depth + 1;
@@ -522,6 +630,7 @@ BEGIN
     END IF;
     IF ch = '''' THEN
       state := 'squote';
+      code := code || substr(q, seg, i - seg) || '''''';
     ELSIF ch = '"' THEN
       state := 'dquote';
     ELSIF ch = '$' THEN
@@ -529,9 +638,11 @@ BEGIN
       delim := '$';
     ELSIF ch = '-' AND prev = '-' THEN
       state := 'line';
+      code := code || substr(q, seg, i - 1 - seg);
       ch := '';
     ELSIF ch = '*' AND prev = '/' THEN
       state := 'block';
+      code := code || substr(q, seg, i - 1 - seg);
       nest := 1;
       ch := '';
     ELSIF ch = '(' THEN
@@ -539,16 +650,80 @@ BEGIN
     ELSIF ch = ')' THEN
       parens := greatest(parens - 1, 0);
     ELSIF ch = ';' AND parens = 0 AND depth = 0 THEN
-      IF cardinality(words) > 0 THEN
-        RETURN NEXT array_to_string(words, ' ');
+      IF cardinality(lead) > 0 THEN
+        words := array_to_string(lead, ' ');
+        code := btrim(code || substr(q, seg, i - seg), E' \t\r\n');
+        RETURN NEXT;
       END IF;
-      words := ARRAY[]::text[];
+      lead := ARRAY[]::text[];
+      code := '';
+      bodies := '';
+      seg := i + 1;
     END IF;
     prev := ch;
   END LOOP;
-  IF cardinality(words) > 0 THEN
-    RETURN NEXT array_to_string(words, ' ');
+  IF cardinality(lead) > 0 THEN
+    words := array_to_string(lead, ' ');
+    code := btrim(code || CASE WHEN state = 'code' THEN substr(q, seg) ELSE '' END, E' \t\r\n');
+    RETURN NEXT;
   END IF;
+END
+$body$;
+
+-- The leading words of each top-level statement of a query string (ddl_split).
+CREATE OR REPLACE FUNCTION {schema}.ddl_statements(q text) RETURNS SETOF text LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp AS $body$
+  SELECT s.words FROM {schema}.ddl_split(q) s
+$body$;
+
+-- What in a query string holding DDL would write rows a second time where the other nodes replay it
+-- (the capture records the whole string, current_query(), and the rows travel too): the leading words of
+-- its first such statement, or NULL. Beside the DDL: INSERT, UPDATE, DELETE, MERGE, COPY, TRUNCATE, CALL,
+-- WITH, EXECUTE, EXPLAIN ANALYZE, a SELECT / VALUES calling a volatile function (other than set_config);
+-- also alone: a DO block whose body holds INSERT, UPDATE, DELETE, MERGE, TRUNCATE, COPY or CALL. SET,
+-- SHOW, RESET, LOCK, plain SELECTs and more DDL are harmless: the string is replayed once.
+CREATE OR REPLACE FUNCTION {schema}.ddl_writes(q text) RETURNS text LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  s record;
+  n int := 0;
+  found text;
+BEGIN
+  FOR s IN SELECT * FROM {schema}.ddl_split(q) LOOP
+    n := n + 1;
+    IF s.words ~ '^do\M' AND EXISTS (
+         SELECT 1 FROM {schema}.ddl_split(s.bodies) b
+          WHERE b.code ~* '(^|\m(begin|then|else|loop)\M)\s*(insert|update|delete|merge|truncate|copy|call)\M') THEN
+      RETURN s.words || ' (a block that writes rows)';
+    END IF;
+    IF found IS NULL AND (s.words ~ '^(insert|update|delete|merge|copy|truncate|call|with|execute)\M'
+         OR s.words ~ '^explain\M.*\manalyze\M'
+         OR s.words ~ '^(select|values|table)\M'
+            AND {schema}.ddl_unstable(regexp_replace(s.code, '\mset_config\s*\(', '(', 'gi'), 'v') IS NOT NULL) THEN
+      found := s.words;
+    END IF;
+  END LOOP;
+  RETURN CASE WHEN n > 1 THEN found END;
+END
+$body$;
+
+-- A table an ALTER TABLE ... DETACH PARTITION made a table of its own (the query string names it; resolved
+-- under the session's search_path): in the replicated set, it joins the publication with its tombstone
+-- trigger (ddl_table), on every node, as the root published its rows until now.
+CREATE OR REPLACE FUNCTION {schema}.ddl_detached(q text) RETURNS void LANGUAGE plpgsql AS $body$
+DECLARE
+  names text[];
+  name_re text := '((?:"(?:[^"]|"")+"|[[:alnum:]_$]+)(?:\s*\.\s*(?:"(?:[^"]|"")+"|[[:alnum:]_$]+))?)';
+  leaf regclass;
+BEGIN
+  FOR names IN SELECT pg_catalog.regexp_matches(s.code, '\malter\s+table\s+(?:if\s+exists\s+)?(?:only\s+)?'
+                        || name_re || '\s+detach\s+partition\s+' || name_re, 'gi')
+                 FROM {schema}.ddl_split(q) s LOOP
+    leaf := pg_catalog.to_regclass(names[2]);
+    IF leaf IS NOT NULL AND NOT (SELECT c.relispartition FROM pg_catalog.pg_class c WHERE c.oid = leaf) THEN
+      PERFORM {schema}.ddl_table(leaf);
+    END IF;
+  END LOOP;
 END
 $body$;
 
@@ -583,6 +758,7 @@ $body$;
 CREATE OR REPLACE FUNCTION {schema}.ddl_refuse() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
   q text := pg_catalog.current_query();
+  what text;
   names text[];
   name_re text := '((?:"(?:[^"]|"")+"|[[:alnum:]_$]+)(?:\s*\.\s*(?:"(?:[^"]|"")+"|[[:alnum:]_$]+))?)';
 BEGIN
@@ -617,6 +793,50 @@ BEGIN
                              '|prepare transaction)\M')) THEN
     RAISE EXCEPTION 'pgmesh: DDL sent in one query string with transaction control is not replicated'
       USING ERRCODE = '0A000', HINT = 'send BEGIN, each DDL statement and COMMIT as separate statements';
+  END IF;
+  -- DDL and writes in one string: the other nodes would get the rows and, replaying the string, write them
+  -- again (the first test is the cheap one: one statement, not a DO block)
+  IF q ~ ';[[:space:]]*[^[:space:];]' OR q ~* '\mdo\M' THEN
+    what := {schema}.ddl_writes(q);
+    IF what IS NOT NULL THEN
+      RAISE EXCEPTION 'pgmesh: % refused: its query string also writes rows (%), and the other nodes, which '
+                      'get those rows and replay the whole string, would write them a second time', tg_tag, what
+        USING ERRCODE = '0A000',
+              HINT = 'send the DDL and the statements that write rows as separate statements (psql -f, or one '
+                     'execute per statement from a driver), in one transaction if they belong together; a DO '
+                     'block is replayed whole, so keep its writes out of it';
+    END IF;
+  END IF;
+  IF tg_tag = 'ALTER TABLE' AND q ~* '\musing\M' THEN
+    FOR what IN SELECT {schema}.ddl_unstable(substring(substring(s.code from '(?i)\mtype\M.*') from '(?i)\musing\M(.*)'),
+                                             'vs')
+                  FROM {schema}.ddl_split(q) s WHERE s.words ~ '^alter table\M' LOOP
+      CONTINUE WHEN what IS NULL;
+      RAISE EXCEPTION 'pgmesh: ALTER TABLE refused: its ALTER COLUMN ... TYPE ... USING calls % (not immutable), '
+                      'which gives each node its own values', what
+        USING ERRCODE = '0A000',
+              HINT = 'convert with an immutable expression; or add a column of the new type, fill it with an '
+                     'UPDATE (replicated: every node gets the same values), drop the old column and rename '
+                     'the new one';
+    END LOOP;
+  END IF;
+  IF tg_tag = 'ALTER TABLE' AND q ~* '\mconcurrently\M'
+     AND EXISTS (SELECT 1 FROM {schema}.ddl_split(q) s
+                  WHERE s.code ~* '\mdetach\s+partition\M.*\mconcurrently\M') THEN
+    RAISE EXCEPTION 'pgmesh: ALTER TABLE ... DETACH PARTITION CONCURRENTLY is not replicated (the other nodes '
+                    'replay DDL inside a transaction)'
+      USING ERRCODE = '0A000', HINT = 'run it without CONCURRENTLY';
+  END IF;
+  -- labels added to one enum on two nodes at once would sort differently on each: enum changes go one at
+  -- a time, cluster-wide, through `pgmesh ddl` (pgmesh.ddl = on; it serialises them behind barriers)
+  IF tg_tag = 'ALTER TYPE' AND q ~* '\mvalue\M'
+     AND coalesce(pg_catalog.current_setting('pgmesh.ddl', true), '') NOT IN ('on', 'true', '1')
+     AND EXISTS (SELECT 1 FROM {schema}.ddl_split(q) s WHERE s.code ~* '^alter\s+type\M.*\madd\s+value\M') THEN
+    RAISE EXCEPTION 'pgmesh: ALTER TYPE ... ADD VALUE refused here: enum labels added on two nodes at once '
+                    'would sort in a different order on each node'
+      USING ERRCODE = '0A000',
+            HINT = 'run it with `pgmesh ddl --config config.toml "ALTER TYPE ... ADD VALUE ..."`: it adds enum '
+                   'labels one at a time, cluster-wide, behind a replication barrier';
   END IF;
 END
 $body$;

@@ -1,0 +1,237 @@
+"""DDL as people and migration tools write it, typed on one node of three with the router running: a
+query string mixing writes and DDL, ADD COLUMN with a default each node would compute itself (serial,
+identity, now()), enum labels added on two nodes at once, a partition detached and written afterwards,
+and CREATE TABLE's messages. Each ends with every node identical, or a loud refusal with a hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from router.testing.mesh import execute, fetch, free_port, running_router, wait_for
+from tests.fix_mesh import MeshFactory
+from tests.integration.real_use.users import pgmesh, psql, wait_identical
+
+PGBENCH_LIKE = """
+CREATE TABLE pgbench_branches (bid int PRIMARY KEY, bbalance int, filler char(88));
+CREATE TABLE pgbench_history (tid int, bid int, aid int, delta int, mtime timestamp, filler char(22));
+INSERT INTO pgbench_branches SELECT g, 0 FROM generate_series(1, 5) g;
+"""
+
+
+def refused(done: Any, *words: str) -> str:
+    """psql's stderr, asserted to be pgmesh's refusal holding `words` and a hint."""
+    assert done.returncode != 0, done.stdout
+    for word in ("pgmesh:", "HINT:", *words):
+        assert word in done.stderr, (word, done.stderr)
+    return str(done.stderr)
+
+
+async def no_link_error(router: Any) -> None:
+    errors = {k: a.last_error for k, a in router.appliers.items() if a.last_error is not None}
+    assert not errors, errors
+
+
+async def test_dml_and_ddl_in_one_query_string(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=PGBENCH_LIKE + "CREATE TABLE keyed (id int PRIMARY KEY, v text);")
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        # as the issue typed it: without the refusal b and c got the row twice (once replicated, once
+        # when they replayed the string), and with a key their links stopped for good
+        done = psql(a, "insert into pgbench_history (tid, bid, aid, delta, mtime) values (1, 1, 1, 5, now());"
+                       " alter table pgbench_branches add column memo text", check=False)
+        refused(done, "ALTER TABLE refused", "insert into pgbench_history", "separate statements")
+        done = psql(a, "ALTER TABLE keyed ADD COLUMN memo text; INSERT INTO keyed VALUES (1, 'one', 'm')",
+                    check=False)
+        refused(done, "insert into keyed")
+        done = psql(a, "CREATE TABLE made (id int PRIMARY KEY); SELECT nextval('made_seq')", check=False)
+        refused(done, "select nextval")
+        done = psql(a, "DO $$ BEGIN CREATE TABLE d (id int PRIMARY KEY); INSERT INTO d VALUES (1); END $$",
+                    check=False)
+        refused(done, "a block that writes rows")
+        # the same work as separate statements, in one transaction: replicated once
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as conn:
+            await conn.execute("INSERT INTO pgbench_history (tid, bid, aid, delta, mtime)"
+                               " VALUES (1, 1, 1, 5, '2026-01-01')")
+            await conn.execute("ALTER TABLE pgbench_branches ADD COLUMN memo text")
+            await conn.execute("INSERT INTO keyed VALUES (1, 'one')")
+            await conn.execute("ALTER TABLE keyed ADD COLUMN memo text")
+            await conn.execute("UPDATE keyed SET memo = 'm'")
+        # what migration tools send as one string, which writes nothing: replayed once, as the same string
+        psql(b, "SET search_path TO public; CREATE TABLE mig (id int PRIMARY KEY, v text)")
+        psql(b, "SELECT pg_catalog.set_config('search_path', '', false); CREATE TABLE public.mig2 (id int"
+                " PRIMARY KEY); CREATE INDEX mig2_id ON public.mig2 (id); SELECT 1")
+        psql(c, "CREATE FUNCTION note(t text) RETURNS void LANGUAGE plpgsql AS $f$ BEGIN INSERT INTO keyed"
+                " VALUES (length(t), t); END $f$; CREATE TABLE after_fn (id int PRIMARY KEY) -- ; insert")
+        psql(c, "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_type WHERE typname = 'kind') THEN"
+                " CREATE TYPE kind AS ENUM ('x', 'y'); END IF; END $$")
+        psql(a, "COMMENT ON TABLE keyed IS 'insert into keyed; delete'; ALTER TABLE keyed ADD COLUMN w int")
+        # every CREATE TABLE went quietly: no NOTICE about a trigger that did not exist
+        created = psql(b, "CREATE TABLE quiet (id int PRIMARY KEY, v text)")
+        assert "NOTICE" not in created.stderr, created.stderr
+        await wait_for(lambda: _has(c, "SELECT to_regclass('mig') IS NOT NULL AND EXISTS (SELECT FROM"
+                                       " pg_attribute WHERE attrelid = 'keyed'::regclass AND attname = 'w')"),
+                       "b's table and a's column on c")
+        psql(c, "INSERT INTO mig VALUES (1, 'c'); INSERT INTO keyed VALUES (2, 'two', 'm2')")
+        await wait_identical(m.nodes)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), "SELECT count(*) FROM pgbench_history") == [(1,)]
+            assert await fetch(node.dsn(), "SELECT count(*) FROM keyed") == [(2,)]
+            assert await fetch(node.dsn(), "SELECT to_regclass('d'), to_regclass('made')") == [(None, None)]
+        await no_link_error(router)
+
+
+BRANCHES = (
+    "INSERT INTO pgbench_history SELECT g, g % 5 + 1, g, g, '2026-01-01'::timestamp + g * interval '1 s'"
+    " FROM generate_series(1, 200) g"
+)
+
+
+async def test_add_column_filled_at_ddl_time(mesh: MeshFactory, tmp_path: Path) -> None:
+    m = await mesh(nodes=3, schema=PGBENCH_LIKE + BRANCHES + ";", admin_port=free_port())
+    a, b, c = m.nodes
+    config = tmp_path / "config.toml"
+    config.write_text(m.config_text())
+    async with running_router(m.config) as router:
+        # rc 0 before, and each node numbered its own rows
+        hid = "ALTER TABLE pgbench_history ADD COLUMN hid bigserial PRIMARY KEY"
+        done = await asyncio.to_thread(pgmesh, config, "ddl", "--wait", hid)
+        assert done.returncode != 0, done.stdout
+        assert "ADD COLUMN hid" in done.stderr and "nextval" in done.stderr, done.stderr
+        assert "hint" in done.stderr.lower() and "UPDATE" in done.stderr, done.stderr
+        for statement, words in (
+            (hid, "nextval"),
+            ("ALTER TABLE pgbench_history ADD COLUMN seqno bigint GENERATED ALWAYS AS IDENTITY", "IDENTITY"),
+            # alembic's server_default=sa.func.now(), nullable=False
+            ("ALTER TABLE pgbench_history ADD COLUMN updated_at TIMESTAMP WITH TIME ZONE DEFAULT now()"
+             " NOT NULL", "now()"),
+            ("ALTER TABLE pgbench_branches ADD COLUMN at timestamptz DEFAULT CURRENT_TIMESTAMP",
+             "CURRENT_TIMESTAMP"),
+            ("ALTER TABLE pgbench_branches ADD COLUMN u uuid DEFAULT gen_random_uuid()", "gen_random_uuid()"),
+            ("ALTER TABLE pgbench_branches ALTER COLUMN bbalance TYPE bigint USING (random() * 10)::bigint",
+             "random()"),
+        ):
+            refused(psql(b, statement, check=False), words)
+        # an empty table too (rows inserted on another node meanwhile would get that node's values) ...
+        psql(a, "CREATE TABLE empty_one (id int PRIMARY KEY)")
+        done = psql(a, "ALTER TABLE empty_one ADD COLUMN at timestamptz DEFAULT now()", check=False)
+        refused(done, "now()")
+        # ... but not one created in the same transaction (a migration's create_table, then add_column)
+        async with await psycopg.AsyncConnection.connect(c.dsn()) as conn:
+            await conn.execute("CREATE TABLE fresh (id int PRIMARY KEY)")
+            await conn.execute("ALTER TABLE fresh ADD COLUMN at timestamptz DEFAULT now()")
+        # a constant default, a stored generated column: the same values everywhere
+        psql(a, "ALTER TABLE pgbench_branches ADD COLUMN note text NOT NULL DEFAULT 'none'")
+        psql(a, "ALTER TABLE pgbench_branches ADD COLUMN double int GENERATED ALWAYS AS (bbalance * 2)"
+                " STORED")
+        # the way that works, as alembic runs it (one statement each): add, fill (replicated), set default
+        for statement in (
+            "ALTER TABLE pgbench_history ADD COLUMN updated_at TIMESTAMP WITH TIME ZONE",
+            "UPDATE pgbench_history SET updated_at = now()",
+            "ALTER TABLE pgbench_history ALTER COLUMN updated_at SET DEFAULT now()",
+            "ALTER TABLE pgbench_history ALTER COLUMN updated_at SET NOT NULL",
+            "ALTER TABLE pgbench_history ADD COLUMN hid bigint",
+            "UPDATE pgbench_history h SET hid = n.rn FROM (SELECT tid, row_number() OVER (ORDER BY tid) AS rn"
+            " FROM pgbench_history) n WHERE h.tid = n.tid",
+            "CREATE SEQUENCE pgbench_history_hid_seq OWNED BY pgbench_history.hid",
+            "SELECT setval('pgbench_history_hid_seq', 1000)",
+            "ALTER TABLE pgbench_history ALTER COLUMN hid SET DEFAULT nextval('pgbench_history_hid_seq')",
+            "ALTER TABLE pgbench_history ADD PRIMARY KEY (hid)",
+        ):
+            done = await asyncio.to_thread(pgmesh, config, "ddl", "--wait", statement) \
+                if statement.startswith(("ALTER", "CREATE")) else None
+            if done is None:
+                psql(a, statement)
+            else:
+                assert done.returncode == 0, done.stderr
+        # new rows: a generator no two nodes share (the sequence is each node's own until then)
+        done = await asyncio.to_thread(pgmesh, config, "sequences", "convert", "pgbench_history")
+        assert done.returncode == 0, done.stderr
+        psql(b, "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (201, 1, 1, 1, now())")
+        psql(c, "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (202, 1, 1, 1, now())")
+        await wait_identical(m.nodes)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), "SELECT count(DISTINCT hid), count(DISTINCT updated_at) FROM"
+                                           " pgbench_history WHERE tid <= 200") == [(200, 1)]
+        await no_link_error(router)
+
+
+async def test_enum_labels_added_on_two_nodes_at_once(mesh: MeshFactory, tmp_path: Path) -> None:
+    m = await mesh(nodes=3, admin_port=free_port(), schema="""
+        CREATE TYPE mood AS ENUM ('sad', 'ok');
+        CREATE TABLE feel (id int PRIMARY KEY, m mood);
+    """)
+    a, b, c = m.nodes
+    config = tmp_path / "config.toml"
+    config.write_text(m.config_text())
+    async with running_router(m.config) as router:
+        # typed on two nodes at once: each would sort the labels in its own order (refused)
+        done = await asyncio.gather(*(asyncio.to_thread(
+            psql, node, f"ALTER TYPE mood ADD VALUE 'x_{node.name}'", check=False) for node in (a, b)))
+        for one in done:
+            refused(one, "ADD VALUE", "pgmesh ddl")
+        # through `pgmesh ddl`, at once from two shells: one at a time, the same order everywhere
+        done = await asyncio.gather(*(asyncio.to_thread(
+            pgmesh, config, "ddl", "--node", node.name, f"ALTER TYPE mood ADD VALUE 'x_{node.name}'")
+            for node in (a, b)))
+        for one in done:
+            assert one.returncode == 0, one.stderr
+        psql(c, "ALTER TYPE mood ADD VALUE 'happy' AFTER 'ok'", check=False)  # refused too
+        await execute(c.dsn(), "INSERT INTO feel VALUES (1, 'x_a'), (2, 'x_b'), (3, 'ok')")
+        await wait_identical(m.nodes)
+        orders = [await fetch(n.dsn(), "SELECT array_agg(enumlabel ORDER BY enumsortorder) FROM pg_enum"
+                                       " WHERE enumtypid = 'mood'::regtype") for n in m.nodes]
+        assert orders[0] == orders[1] == orders[2] and len(orders[0][0][0]) == 4, orders
+        answers = [await fetch(n.dsn(), "SELECT count(*) FROM feel WHERE m > 'ok'") for n in m.nodes]
+        assert answers == [[(2,)]] * 3, answers
+        await no_link_error(router)
+
+
+async def test_detached_partition_stays_replicated(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema="""
+        CREATE TABLE m (id int, at date, v text, PRIMARY KEY (id, at)) PARTITION BY RANGE (at);
+        CREATE TABLE m_2024 PARTITION OF m FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');
+        CREATE TABLE m_2025 PARTITION OF m FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+        CREATE TABLE logs (at date, line text) PARTITION BY RANGE (at);
+        CREATE TABLE logs_2024 PARTITION OF logs FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');
+    """)
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        psql(a, "INSERT INTO m SELECT g, '2024-03-01'::date + g, 'a' FROM generate_series(1, 50) g;"
+                " INSERT INTO logs SELECT '2024-05-01', 'line ' || g FROM generate_series(1, 10) g")
+        await wait_identical(m.nodes)
+        refused(psql(a, "ALTER TABLE m DETACH PARTITION m_2024 CONCURRENTLY", check=False), "CONCURRENTLY")
+        psql(a, "ALTER TABLE m DETACH PARTITION m_2024")
+        psql(b, "ALTER TABLE logs DETACH PARTITION logs_2024")  # no key: REPLICA IDENTITY FULL
+        await wait_for(lambda: _published(m.nodes, ["m_2024", "logs_2024"]), "the detached tables published")
+        # written afterwards on every node: before, these writes stayed on the node that made them
+        psql(b, "INSERT INTO m_2024 VALUES (1000, '2024-06-01', 'b');"
+                " UPDATE m_2024 SET v = 'b2' WHERE id = 3")
+        psql(c, "DELETE FROM m_2024 WHERE id = 4; INSERT INTO m_2024 VALUES (1001, '2030-01-01', 'c')")
+        psql(a, "INSERT INTO logs_2024 VALUES ('2024-01-02', 'after');"
+                " DELETE FROM logs_2024 WHERE line = 'line 1'")
+        psql(c, "INSERT INTO m VALUES (2000, '2025-02-02', 'c')")
+        await wait_identical(m.nodes)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), "SELECT count(*) FROM m_2024") == [(51,)]
+            assert await fetch(node.dsn(), "SELECT count(*) FROM logs_2024") == [(10,)]
+        await no_link_error(router)
+
+
+async def _has(node: Any, query: str) -> bool:
+    return bool(await fetch(node.dsn(), query) == [(True,)])
+
+
+async def _published(nodes: list[Any], tables: list[str]) -> bool:
+    for node in nodes:
+        rows = await fetch(
+            node.dsn(), "SELECT tablename::text FROM pg_publication_tables WHERE tablename = ANY(%s)",
+            [tables],
+        )
+        if sorted(r[0] for r in rows) != sorted(tables):
+            return False
+    return True
