@@ -215,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
                      " the statement reached every node (needs `pgmesh run`)")
     ddl.add_argument("--timeout", type=float, default=300.0, metavar="S", help="barrier limit (default 300)")
     ddl.set_defaults(func=_cmd_ddl)
-    compare = _with_config(sub, "compare", "every node's replicated rows against every other's (1: differ)")
+    compare = _with_config(
+        sub, "compare", "every node's replicated rows against every other's (1: differ, 4: not all compared)")
     compare.add_argument("tables", nargs="*", metavar="TABLE", help="default: every replicated table")
     compare.add_argument("--json", action="store_true", help="machine-readable output")
     compare.add_argument("--timeout", type=float, default=300.0, metavar="S",
