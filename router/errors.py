@@ -159,6 +159,9 @@ class Action(enum.Enum):
 _RETRY_CLASSES: Final = frozenset({"08", "53", "57"})  # connection, resources, operator intervention
 _RETRY_CODES: Final = frozenset({"40001", "40P01", "55006", "55P03"})  # serialization, deadlock, busy
 _FAIL_CODES: Final = frozenset({"28000", "28P01", "3D000", "42501", "42704", "0A000"})
+# Two sessions changing one catalog row at once (a GRANT replayed from one node while a REVOKE of the same
+# table from another applies on the same target): the loser's "internal error" is a race, gone on retry.
+_CATALOG_RACE: Final = "tuple concurrently updated"
 # libpq reports a refused login before any SQLSTATE exists: recognise it by its text.
 _FATAL_CONNECT_TEXT: Final = (
     "password authentication failed",
@@ -200,6 +203,8 @@ def decide(exc: BaseException) -> Action:
     if isinstance(exc, (ConfigError, SourceError, ProtocolError)):
         return Action.FAIL
     state = sqlstate_of(exc)
+    if state == "XX000" and _CATALOG_RACE in str(exc):
+        return Action.RETRY
     if state is not None:
         return decide_sqlstate(state)
     if isinstance(exc, psycopg.OperationalError) and any(t in str(exc) for t in _FATAL_CONNECT_TEXT):

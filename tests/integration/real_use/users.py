@@ -44,8 +44,9 @@ WHERE c.relkind = 'r' AND n.nspname NOT IN ('pgmesh', 'pg_catalog', 'information
 # not null), enum labels in sort order, domains and their checks, constraints, indexes.
 _SCHEMA = """
 SELECT 'column', n.nspname || '.' || c.relname || '.' || a.attname,
-       pg_catalog.format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull || ' ' || a.attidentity
-       || ' ' || a.attgenerated || ' ' || coalesce(pg_catalog.pg_get_expr(d.adbin, d.adrelid), '')
+       pg_catalog.format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull::text || ' '
+       || a.attidentity::text || ' ' || a.attgenerated::text || ' '
+       || coalesce(pg_catalog.pg_get_expr(d.adbin, d.adrelid), '')
 FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_class c ON c.oid = a.attrelid
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
@@ -99,12 +100,14 @@ def _env() -> dict[str, str]:
 
 
 def psql(
-    node: Any, text: str, *, check: bool = True, user: str = "postgres"
+    node: Any, text: str, *more: str, check: bool = True, user: str = "postgres"
 ) -> subprocess.CompletedProcess[str]:
     """`psql -c TEXT` as a user types it: the whole string is one query string (one implicit
-    transaction), the way psql, most drivers and migration tools send it. `check`: fail the test with
-    psql's output when it exits non-zero."""
-    argv = [_psql_bin(node), "-X", "-v", "ON_ERROR_STOP=1", "-d", node.dsn(user=user), "-c", text]
+    transaction), the way psql, most drivers and migration tools send it; each of `more` is one more
+    `-c`, sent on its own in the same session. `check`: fail the test with psql's output when it exits
+    non-zero."""
+    commands = [arg for one in (text, *more) for arg in ("-c", one)]
+    argv = [_psql_bin(node), "-X", "-v", "ON_ERROR_STOP=1", "-d", node.dsn(user=user), *commands]
     done = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300)
     if check and done.returncode != 0:
         raise AssertionError(f"psql on {node.name} failed ({done.returncode}): {done.stderr.strip()}\n{text}")
