@@ -24,10 +24,11 @@ from urllib.parse import urlencode
 import msgspec
 import psycopg
 
+from protocol.lsn import parse_lsn
 from router.applied import position_sql
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
-from router.cluster.part import members_of
+from router.cluster.part import members_of, read_parted
 from router.config import Config
 from router.configpart import describe_part
 from router.errors import ConfigError, PgmeshError, describe
@@ -51,6 +52,7 @@ __all__ = [
     "read_conflicts",
     "render_conflicts",
     "render_status",
+    "render_totals",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ async def offline_status(config: Config) -> StatusReport:
         except psycopg.Error as exc:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, 0, describe(exc)))
     divergence = config.divergent_resolvers()
+    links = _offline_lag(links, sources)
     return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks,
                         receive_only=[n.name for n in config.nodes if n.receive_only],
                         partial={n.name: describe_part(n) for n in config.nodes if describe_part(n)})
@@ -118,8 +121,27 @@ async def _offline_links(
         row = await cur.fetchone()
         flushed = row[0] if row and row[0] else "0/0"
         state = "paused" if row and row[1] else "down"
-        out.append(LinkStatus(source, target, state, flushed, flushed, None, 0, 0.0, 0, 0, 0, 0,
+        out.append(LinkStatus(source, target, state, flushed, flushed, None, None, None, 0, 0, 0, 0,
                               "router not running"))
+    return out
+
+
+def _offline_lag(links: list[LinkStatus], sources: list[SourceStatus]) -> list[LinkStatus]:
+    """Without a router, each link's lag in bytes from the nodes themselves: the source's WAL written
+    since what the target applied (or since the source's slot, when the target never applied any), an
+    upper bound of what waits for it (its WAL holds other nodes' changes too); unknown ('-') when the
+    source or target did not answer. Nothing is applied while no router runs, so this grows with every
+    write."""
+    by_node = {s.node: s for s in sources if s.state == "down" and s.received_lsn != "?"}
+    out = []
+    for link in links:
+        source = by_node.get(link.source)
+        if source is None or link.applied_lsn == "?":
+            out.append(link)
+            continue
+        start = max(parse_lsn(link.applied_lsn), parse_lsn(source.confirmed_lsn))
+        lag = max(0, parse_lsn(source.received_lsn) - start) if start else None
+        out.append(msgspec.structs.replace(link, lag_bytes=lag))
     return out
 
 
@@ -163,9 +185,11 @@ def render_status(report: StatusReport) -> str:
     for link in sorted(report.links, key=lambda lk: (lk.source, lk.target)):
         name = f"{link.source} -> {link.target}"
         committed = (link.last_commit_time or "-").replace("T", " ")[:23]
+        lag_bytes = "-" if link.lag_bytes is None else str(link.lag_bytes)
+        lag_s = "-" if link.lag_seconds is None else f"{link.lag_seconds:.2f}"
         lines.append(
-            f"{name:<14} {link.state:<12} {link.applied_lsn:>12} {committed:<23} {link.lag_bytes:>10} "
-            f"{link.lag_seconds:>7.2f} {link.queued:>7}  {link.last_error or ''}"
+            f"{name:<14} {link.state:<12} {link.applied_lsn:>12} {committed:<23} {lag_bytes:>10} "
+            f"{lag_s:>7} {link.queued:>7}  {link.last_error or ''}"
         )
     for source in report.sources:
         lines.append(
@@ -312,6 +336,13 @@ WHERE at >= coalesce(%(since)s::timestamptz, '-infinity')
 ORDER BY at DESC, id DESC
 LIMIT %(limit)s
 """
+_TOTALS_SQL: Final = """
+SELECT table_name, conflict_type, count(*)
+FROM pgmesh.conflict_history
+WHERE at >= coalesce(%(since)s::timestamptz, '-infinity')
+GROUP BY 1, 2
+"""
+Totals = dict[tuple[str, str], int]  # (table, conflict type) -> how many recorded
 
 
 class ConflictRow(msgspec.Struct, frozen=True):
@@ -353,9 +384,10 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
 
 
 async def _node_conflicts(
-    node: str, dsn: str, since: dt.datetime | None, limit: int
-) -> list[ConflictRow] | str:
-    """The node's newest `limit` conflicts since `since`, or why they could not be read."""
+    node: str, dsn: str, since: dt.datetime | None, limit: int, parted: bool
+) -> tuple[list[ConflictRow], Totals] | str:
+    """The node's newest `limit` conflicts since `since` and how many of each table and type it holds,
+    or why they could not be read (`parted`: the node was parted from the cluster)."""
     try:
         conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, connect_timeout=5)
     except psycopg.Error as exc:
@@ -363,8 +395,12 @@ async def _node_conflicts(
     try:
         async with conn:
             cur = await conn.execute(_HISTORY_SQL, {"since": since, "limit": limit})
-            return [ConflictRow(node, *row) for row in await cur.fetchall()]
+            rows = [ConflictRow(node, *row) for row in await cur.fetchall()]
+            cur = await conn.execute(_TOTALS_SQL, {"since": since})
+            return rows, {(str(t), str(k)): int(n) for t, k, n in await cur.fetchall()}
     except psycopg.errors.UndefinedTable:
+        if parted:
+            return "parted from the cluster (`pgmesh part --clean` removed its conflict history)"
         return "has no pgmesh.conflict_history (run `pgmesh init`)"
     except psycopg.Error as exc:
         return f"could not be read ({describe(exc)})"
@@ -372,20 +408,40 @@ async def _node_conflicts(
 
 async def read_conflicts(
     config: Config, *, since: dt.datetime | None = None, limit: int = 100
-) -> tuple[list[ConflictRow], list[str]]:
-    """The newest `limit` conflicts over all nodes, oldest first; and one line per node not read."""
+) -> tuple[list[ConflictRow], list[str], Totals]:
+    """The newest `limit` conflicts over all nodes, oldest first; one line per node not read; and how many
+    conflicts of each table and type all nodes recorded (since `since`). A parted node is read when it
+    still has its history, and left out with a note when it does not (not a problem then)."""
+    parted = await read_parted(config)
     results = await asyncio.gather(
-        *(_node_conflicts(node.name, node.dsn, since, limit) for node in config.nodes)
+        *(_node_conflicts(node.name, node.dsn, since, limit, node.name in parted) for node in config.nodes)
     )
     rows: list[ConflictRow] = []
     problems: list[str] = []
+    totals: Totals = {}
     for node, result in zip(config.nodes, results, strict=True):
         if isinstance(result, str):
             problems.append(f"node {node.name}: {result}")
-        else:
-            rows.extend(result)
+            continue
+        rows.extend(result[0])
+        for key, count in result[1].items():
+            totals[key] = totals.get(key, 0) + count
     rows.sort(key=lambda r: (r.at, r.node, r.id))
-    return rows[-limit:], problems
+    return rows[-limit:], problems, totals
+
+
+def render_totals(totals: Totals, shown: int, limit: int) -> str:
+    """How many conflicts were recorded in all, by table and type, and how to see the rest."""
+    total = sum(totals.values())
+    more = total - shown
+    head = f"{total} conflict(s) recorded" + (
+        f"; {shown} shown, {more} more: --limit {total} shows them all, --since narrows" if more > 0 else "")
+    if not totals:
+        return head
+    width = max(len(table) for table, _ in totals)
+    lines = [f"  {table:<{width}}  {kind:<22} {count:>10}"
+             for (table, kind), count in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return "\n".join([head + ", by table and type:", *lines])
 
 
 def _utc(when: dt.datetime) -> str:
@@ -417,7 +473,10 @@ async def cmd_conflicts(
     """Print the conflicts every node recorded (JSON lines with --json); 1 when a node could not be read."""
     if limit < 1:
         raise PgmeshError(f"--limit {limit}: must be at least 1")
-    rows, problems = await read_conflicts(config, since=parse_since(since) if since else None, limit=limit)
+    rows, problems, totals = await read_conflicts(config, since=parse_since(since) if since else None,
+                                                  limit=limit)
+    parted = [line for line in problems if "parted from the cluster" in line]
+    problems = [line for line in problems if line not in parted]
     for line in problems:
         print(line, file=err if as_json else out)
     if as_json:
@@ -425,6 +484,11 @@ async def cmd_conflicts(
             print(msgspec.json.encode(row).decode(), file=out)
     else:
         print(render_conflicts(rows), file=out)
+    # the totals and notes on stderr: stdout stays the rows alone (JSON lines with --json), for a pipe
+    for line in parted:
+        print(line, file=err)
+    if rows or totals:
+        print(render_totals(totals, len(rows), limit), file=err)
     return 1 if problems else 0
 
 

@@ -495,14 +495,17 @@ class Metrics:
     def observe_link(self, source: str, target: str, stats: LinkStats, before: LinkStats | None) -> None:
         """Add to the link metrics of source -> target what its applier counted (read whole) since
         `before`, its counters when last observed (None: since it started). The metrics carry on when
-        the router builds its appliers again (a hold and release), whose counters start from zero."""
+        the router builds its appliers again (a hold and release), whose counters start from zero. Every
+        link's series exist from its first observation, at 0 until something counts (so that `rate()`
+        and `increase()` see the first error, retry or skip)."""
         families = (self.applied_transactions_total, self.applied_rows_total, self.apply_retries_total,
                     self.apply_errors_total, self.skipped_transactions_total, self.early_transactions_total,
                     self.early_rolled_back_total)
         old = _link_counts(before) if before is not None else (0,) * len(families)
         for family, new, was in zip(families, _link_counts(stats), old, strict=True):
+            child = family.labels(source=source, target=target)  # created at 0 on first use
             if new > was:
-                family.labels(source=source, target=target).inc(new - was)
+                child.inc(new - was)
 
     def set_link_state(self, source: str, target: str, state: str) -> None:
         """Mark `state` as the link's current state: 1 for it, 0 for every other state."""

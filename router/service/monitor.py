@@ -99,6 +99,24 @@ class MonitorTarget:
         cur = await self.conn.execute(sql, params)
         return await cur.fetchall() if cur.description else []
 
+    @property
+    def connection_lost(self) -> bool:
+        """No open connection to the node: the last connect failed, or the node ended the session."""
+        return self.conn is None or self.conn.closed
+
+    async def probe(self) -> dict[str, int]:
+        """`origin_progress`, once more on a new connection when the one it had was lost (the node
+        restarted, or its session was terminated). An error with `connection_lost` set after it means the
+        node cannot be reached now (stopped, refusing connections, gone); any other is the node's answer."""
+        fresh = self.connection_lost
+        try:
+            return await self.origin_progress()
+        except psycopg.Error:
+            if fresh or not self.connection_lost:
+                raise
+        self.drop()
+        return await self.origin_progress()
+
     async def origin_progress(self) -> dict[str, int]:
         """source node -> flushed position of its origin on this target (and on the standbys it waits
         for: `StandbyGate`)."""

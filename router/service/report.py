@@ -75,8 +75,9 @@ class Reporter:
             m.observe_link(key[0], key[1], applier.stats, self.exported.get(key))
             self.exported[key] = msgspec.structs.replace(applier.stats)  # a copy, as they are now
             link = status[key]
-            m.lag_bytes.labels(**labels).set(link.lag_bytes)
-            m.lag_seconds.labels(**labels).set(link.lag_seconds)
+            if link.lag_bytes is not None:
+                m.lag_bytes.labels(**labels).set(link.lag_bytes)
+            m.lag_seconds.labels(**labels).set(link.lag_seconds or 0.0)
             m.queue_transactions.labels(**labels).set(link.queued)
             m.set_link_state(key[0], key[1], link.state.replace(" ", "_"))
         for (source, target), applier in router.appliers.items():
@@ -129,11 +130,9 @@ class Reporter:
             return True, f"standby: {router.lease.why}"
         if not router.running:
             return False, "the router is not running"
-        bad = [f"node {p.node}: {p.source.last_error}" for p in router.pumps.values()
-               if p.source.state is SourceState.ERROR]
+        bad = [f"node {node}: {why}" for node, why in _nodes_down(router).items()]
         bad += [f"link {a.name}: {a.last_error}" for a in router.appliers.values()
                 if a.state is LinkState.ERROR]
-        bad += [f"node {name}: {t.error}" for name, t in router.targets.items() if t.down_since is not None]
         bad += [f"schema drift: {d.describe()}" for d in router.drift.drifted.values()]
         bad += router.clocks.problems()
         return (not bad, "; ".join(bad) if bad else "ok")
@@ -175,16 +174,17 @@ class Reporter:
         state, last_error = applier.state, applier.last_error
         if link.detached and state in (LinkState.STREAMING, LinkState.CATCHING_UP):
             state = LinkState.CATCHING_UP
-        cut = [n for n in key if router.targets[n].down_since is not None]
+        down = _nodes_down(router)
+        cut = [n for n in (key[1], key[0]) if n in down]  # the target first: its own word on why
         if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP):  # nothing can move over it
-            state, last_error = LinkState.DOWN, f"node {cut[0]}: {router.targets[cut[0]].error}"
+            state, last_error = LinkState.DOWN, f"node {cut[0]}: {down[cut[0]]}"
         stats = applier.stats
         last = stats.last_commit_time
         return LinkStatus(
             source=key[0], target=key[1], state=state.value,
             applied_lsn=format_lsn(link.applied), flushed_lsn=format_lsn(link.flushed),
             last_commit_time=pg_us_to_datetime(last).isoformat() if last is not None else None,
-            lag_bytes=_lag_bytes(source, link),
+            lag_bytes=_lag_bytes(source, link, router.logs.confirmed.get(key[0], 0)),
             lag_seconds=round(lag_seconds, 3), queued=applier.pending,
             applied_transactions=stats.applied_transactions, applied_rows=stats.applied_rows,
             retries=stats.retries, last_error=last_error,
@@ -192,11 +192,33 @@ class Reporter:
         )
 
 
-def _lag_bytes(source: ReplicationSource, link: LinkProgress) -> int:
-    """WAL between what the source sent and what this link applied, when it has work pending."""
+def _nodes_down(router: Router) -> dict[str, str]:
+    """The nodes the router cannot work with now, and why: a node that does not answer its monitoring
+    probe, or cannot be connected to (router.service.supervisor `_progress_of`), and a node whose
+    replication stream is lost or stopped on an error (being reconnected): nothing moves into or out of it."""
+    out = {name: str(t.error) for name, t in router.targets.items() if t.down_since is not None}
+    for node, pump in router.pumps.items():
+        source = pump.source
+        if node in out:
+            continue
+        if source.lost_since is not None:
+            out[node] = (f"replication connection lost {router.clock() - source.lost_since:.0f} s ago"
+                         f" ({source.last_error}); reconnecting")
+        elif source.state in (SourceState.ERROR, SourceState.FAILED):
+            out[node] = f"replication stream stopped: {source.last_error}"
+    return out
+
+
+def _lag_bytes(source: ReplicationSource, link: LinkProgress, slot_start: int) -> int | None:
+    """WAL between what the source sent and what this link applied, when it has work pending. A link
+    that never applied anything (its position 0/0) counts from where the source's slot stood when the
+    router started (`slot_start`; every link had what came before): never from 0/0."""
     if not link.detached and link.enqueued <= link.applied:
         return 0
-    return max(0, source.received_lsn - link.applied)
+    start = link.applied or max(slot_start, source.confirmed_lsn)
+    if not start:
+        return None  # nothing known to count from (the node was down at start): unknown, not 0
+    return max(0, source.received_lsn - start)
 
 
 def _log_status(log: SourceLog | None, progress: SourceProgress) -> LogStatus | None:

@@ -21,8 +21,8 @@ class LinkStatus(msgspec.Struct, frozen=True):
     applied_lsn: str
     flushed_lsn: str
     last_commit_time: str | None
-    lag_bytes: int
-    lag_seconds: float
+    lag_bytes: int | None  # None: unknown (no position to count from; `pgmesh status` without a router)
+    lag_seconds: float | None  # None: unknown (`pgmesh status` without a router)
     queued: int
     applied_transactions: int
     applied_rows: int

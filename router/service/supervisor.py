@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 import psycopg
 
-from protocol.lsn import parse_lsn
+from protocol.lsn import format_lsn, parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.cluster.clocks import ClockWatch
@@ -173,9 +173,8 @@ class Router:
                 logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
                                name, why)
                 target.drop()
-                target.error = why
-                if isinstance(exc, TimeoutError):  # cut off: shown as such until it answers (`_progress_of`)
-                    target.down_since = self.clock()
+                target.error = why if isinstance(exc, TimeoutError) else f"not reachable: {why}"
+                target.down_since = self.clock()  # shown down until it answers (`_progress_of`)
                 down.add(name)
                 continue
             except psycopg.Error as exc:
@@ -310,8 +309,7 @@ class Router:
                 await self._stop_lost()
                 self.running = True
                 await self._start_admin()
-                logger.info("cluster %s: router running with %d nodes and %d links",
-                            self.config.cluster.name, len(self.pumps), len(self.appliers))
+                logger.info("%s", self._running_line(down))
                 freeze_startup_objects()
                 await self._stream(stop)
                 self.spool.close()  # what was still queued is read again from the slots
@@ -331,6 +329,17 @@ class Router:
                 await self.admin.close()
             for target in [*self.targets.values(), *self._drift_targets]:
                 await target.close()
+            logger.info("cluster %s: router stopped", self.config.cluster.name)
+
+    def _running_line(self, down: set[str]) -> str:
+        """The start's one line: cluster, nodes (those down now), links, where the admin listener is."""
+        nodes = ", ".join(n + (" (down)" if n in down else "") for n in self.pumps)
+        admin = "no admin listener"
+        if self.admin is not None:
+            admin = f"admin on {self.admin.host}:{self.admin.port}" + (
+                f" and {self.admin.unix}" if self.admin.unix else "")
+        return (f"cluster {self.config.cluster.name}: router running: nodes {nodes}; {len(self.appliers)}"
+                f" links; {admin}")
 
     async def _start_admin(self) -> None:
         if self._admin_enabled and self.admin is None:
@@ -370,8 +379,9 @@ class Router:
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
         """Held: slots released, admin still up. On release, re-read the config and rebuild."""
-        logger.warning("cluster %s: held (replication waits; writes go on) until released",
-                       self.config.cluster.name)
+        logger.info("cluster %s: held for a join (replication waits; writes go on) until released, at most"
+                    " %.0f s", self.config.cluster.name, self.hold_max_s)
+        since = time.monotonic()
         self._hold.clear()
         self._held.set()
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._release.wait())]
@@ -387,8 +397,10 @@ class Router:
         self._release.clear()
         if stop.is_set():
             return False
+        if done:
+            logger.info("cluster %s: released after %.1f s; streaming again", self.config.cluster.name,
+                        time.monotonic() - since)
         await self._start_over()
-        logger.info("cluster %s: released; starting again", self.config.cluster.name)
         return True
 
     async def _start_over(self) -> None:
@@ -426,6 +438,11 @@ class Router:
             await applier.close()
         # 3. the last word: confirm what the targets flushed, then close the sources
         await asyncio.shield(self._final_tick())
+        left = sum(applier.pending for applier in self.appliers.values())
+        logger.info("cluster %s: streaming stopped; slots confirmed to what the targets flushed (%s); %d"
+                    " transaction(s) not applied yet are kept by the slots for the next start",
+                    self.config.cluster.name, ", ".join(f"{node} {format_lsn(pump.source.confirmed_lsn)}"
+                                                        for node, pump in self.pumps.items()), left)
 
     async def _final_tick(self) -> None:
         with contextlib.suppress(Exception):
@@ -497,19 +514,23 @@ class Router:
 
     async def _progress_of(self, name: str) -> dict[str, int]:
         """`name`'s flushed origin positions; {} when it fails or does not answer in time. A node that does
-        not answer is taken for cut off from the router: its links show "down" (router.service.report) and its
-        sessions are dropped (`_cut_off`), so that they reconnect once it answers, instead of waiting on a
-        link that may never carry anything again (TCP alone can take many minutes to give up)."""
+        not answer, or that cannot be connected to (stopped, refusing connections), is taken for down: its
+        links show "down" (router.service.report), /healthz names it, and its sessions are dropped
+        (`_cut_off`), so that they reconnect once it answers, instead of waiting on a link that may never
+        carry anything again (an idle session to a stopped node fails only when next used; TCP alone can
+        take many minutes to give up on a node cut off)."""
         target = self.targets[name]
         timeout = self.config.replication.node_timeout_ms / 1000
         try:
             async with asyncio.timeout(timeout):
-                positions = await target.origin_progress()
+                positions = await target.probe()
         except (psycopg.Error, OSError, TimeoutError) as exc:
             silent = isinstance(exc, TimeoutError)
-            target.error = f"no answer to the router within {timeout:g} s" if silent else describe(exc)
+            unreachable = silent or isinstance(exc, OSError) or target.connection_lost
+            target.error = (f"no answer to the router within {timeout:g} s" if silent
+                            else f"not reachable: {describe(exc)}" if unreachable else describe(exc))
             target.drop()
-            if silent and target.down_since is None:
+            if unreachable and target.down_since is None:
                 target.down_since = self.clock()
                 self._cut_off(name, target.error)
             return {}

@@ -21,7 +21,9 @@ What it guarantees its caller:
   and never past its `ceiling` when it has one (a joining node's pin).
 - Reconnect with backoff after a connection loss, resuming after the last transaction handed out: no
   transaction is lost (the slot keeps everything after the confirmed position) and none is handed out
-  twice (transactions the server resends from before that point are dropped here).
+  twice (transactions the server resends from before that point are dropped here). `lost_since` says
+  since when the stream has been lost (None while it streams, or is only re-reading after a rewind), so
+  that the links out of a node that stopped show it at once (router.service.report).
 
 It must not touch the socket or libpq (the connection does), apply anything, decide about echoes, or
 know about other nodes.
@@ -123,6 +125,8 @@ class ReplicationSource:
         self._received = 0
         self._server_wal_end = 0
         self._announced: set[int] = set()  # xids of streamed transactions announced, while still open
+        self._clock = clock
+        self.lost_since: float | None = None  # since when the connection is lost and not back (`stream`)
 
     # ---------------------------------------------------------------- state
 
@@ -164,6 +168,7 @@ class ReplicationSource:
 
     def on_stream_start(self, settings: StreamSettings) -> None:
         """The connection started streaming with `settings` (before its first frame): decode as it sends."""
+        self.lost_since = None
         self._decoder.reset(abort_info=settings.abort_info)
 
     def confirm(self, lsn: int) -> None:
@@ -264,6 +269,8 @@ class ReplicationSource:
                     await self.connection.disconnect()
                     continue
                 self._life.to(SourceState.RECONNECTING, error=str(exc), detail=f"retrying in {backoff:.1f} s")
+                if self.lost_since is None:
+                    self.lost_since = self._clock()
                 self.stats.reconnects += 1
                 await self.connection.disconnect()
                 await asyncio.sleep(backoff * (0.5 + random.random() / 2))
