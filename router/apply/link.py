@@ -447,19 +447,29 @@ class LinkSession:
         path = await conn.fetchval("SELECT current_setting('search_path')")
         await conn.execute("SELECT set_config('search_path', $1, true)", command.search_path)
         me = await conn.fetchval("SELECT current_user")
+        # as its author: a superuser's DDL through pgmesh.ddl_as_owner when this role is none (it can
+        # never SET ROLE to one: router/cluster/sql/ddl_as_owner.sql), another role's by SET ROLE
+        # (docs/security.md)
+        as_owner = command.role != me and bool(await conn.fetchval(_REPLAY_AS_OWNER, command.role))
         try:
-            if command.role != me:
+            if as_owner:
+                await conn.execute(_DDL_AS_OWNER, command.role, command.sql)
+            elif command.role != me:
                 await conn.execute(f"SET LOCAL ROLE {quote_ident(command.role)}")
-            await conn.execute(command.sql)
-            if command.role != me:
+            if not as_owner:
+                await conn.execute(command.sql)
+            if command.role != me and not as_owner:
                 await conn.execute(f"SET LOCAL ROLE {quote_ident(me)}")
         except asyncpg.PostgresError as exc:
+            grant = f"GRANT {quote_ident(command.role)} TO {quote_ident(me)}"
             raise ApplyError(
                 f"replicated DDL failed: {describe(exc)}; the command ({command.tag}):"
                 f" {describe_command(command)}",
                 lsn=message.lsn,
                 sqlstate=exc.sqlstate,
-                hint="make the command possible here (for example create the missing role or object),"
+                hint=f"let the router's role {me} act as {command.role} ({grant}, docs/security.md), then"
+                " `pgmesh resume`" if "permission denied to set role" in str(exc) else
+                "make the command possible here (for example create the missing role or object),"
                 " then `pgmesh resume`",
             ) from None
         await conn.execute("SELECT set_config('search_path', $1, true)", path)
@@ -467,6 +477,10 @@ class LinkSession:
         await self.load_tables()
         return self.tables
 
+# A command whose author is a superuser while the applying role is not (router/cluster/sql/ddl_as_owner.sql)
+_REPLAY_AS_OWNER = ("SELECT a.rolsuper AND NOT m.rolsuper FROM pg_catalog.pg_roles a, pg_catalog.pg_roles m"
+                    " WHERE a.rolname = $1 AND m.rolname = current_user")
+_DDL_AS_OWNER = "SELECT pgmesh.ddl_as_owner($1, $2)"
 # Conflicts decided since the last count: pgmesh.decide sets pgmesh.decided (router/conflicts/sql); the
 # applier appends DECIDED to a batch, whose status then says whether to count (`count_conflicts`).
 DECIDED = "SELECT FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"

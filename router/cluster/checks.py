@@ -103,6 +103,7 @@ class InitReport(msgspec.Struct, frozen=True):
     checks: list[Check]
     tables: list[TableName] = msgspec.field(default_factory=list)
     cluster: str = ""
+    counted: str = ""  # the title's count when `tables` is not the report's (init --check: each node's)
 
     @property
     def ok(self) -> bool:
@@ -116,7 +117,7 @@ class InitReport(msgspec.Struct, frozen=True):
         """A readable report: one block per node, one line per check, what to do under each problem."""
         names = ", ".join(f"{s}.{t}" for s, t in self.tables) or "none yet"
         title = f"cluster {self.cluster}: " if self.cluster else ""
-        lines = [f"{title}{len(self.tables)} replicated tables ({names})"]
+        lines = [f"{title}{self.counted or f'{len(self.tables)} replicated tables ({names})'}"]
         nodes = list(dict.fromkeys(c.node for c in self.checks))
         width = max((len(c.check) for c in self.checks), default=0)
         for node in nodes:

@@ -29,7 +29,7 @@ from router.cluster.checks import Check, InitReport, TableName, connect, replica
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
 
-__all__ = ["TABLE_PRIVILEGES", "check_run_role", "grant_statements", "run_role_of"]
+__all__ = ["OWNERS_SQL", "TABLE_PRIVILEGES", "check_run_role", "grant_statements", "run_role_of"]
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -39,6 +39,14 @@ ORIGIN_FUNCTIONS: Final = r"pg\_replication\_origin\_%"
 # behind the view pg_replication_origin_status: a SELECT of the view calls it as the caller
 ORIGIN_STATUS_FUNCTION: Final = "pg_show_replication_origin_status"
 SET_PARAMETER_SINCE: Final = 150000  # GRANT SET ON PARAMETER
+SET_OPTION_SINCE: Final = 160000  # GRANT role TO role WITH SET
+PLUGINS_SQL: Final = "SELECT pg_catalog.current_setting('output_plugin_libraries', true)"
+# The roles (no superuser) that own the replicated tables: replayed DDL runs as them.
+OWNERS_SQL: Final = (
+    "SELECT DISTINCT r.rolname FROM unnest(%s::text[], %s::text[]) t(s, n)"
+    " JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(pg_catalog.format('%%I.%%I', t.s, t.n))"
+    " JOIN pg_catalog.pg_roles r ON r.oid = c.relowner WHERE NOT r.rolsuper ORDER BY 1"
+)
 _ROLE_SQL: Final = "SELECT rolsuper, rolreplication, rolcanlogin FROM pg_catalog.pg_roles WHERE rolname = %s"
 _ORIGIN_FUNCTIONS_SQL: Final = (
     "SELECT p.oid::regprocedure::text, pg_catalog.has_function_privilege(%s, p.oid, 'EXECUTE')"
@@ -70,8 +78,10 @@ def run_role_of(node: NodeConfig) -> str:
     return libpq_params(node.dsn).get("user", "")
 
 
-def grant_statements(role: str, database: str, tables: Sequence[TableName], server_version: int) -> list[str]:
-    """The SQL a superuser runs on one node so that `role` can run the router there (after init)."""
+def grant_statements(role: str, database: str, tables: Sequence[TableName], server_version: int,
+                     owners: Sequence[str] = ()) -> list[str]:
+    """The SQL a superuser runs on one node so that `role` can run the router there (after init); `owners`:
+    the roles (no superuser) that own the replicated tables, whose DDL the router replays as them."""
     who = sql.Identifier(role)
     schema = sql.Identifier(PGMESH_SCHEMA)
     out = [
@@ -104,6 +114,19 @@ def grant_statements(role: str, database: str, tables: Sequence[TableName], serv
         out.append(sql.SQL("GRANT {} ON TABLE {} TO {}").format(
             sql.SQL(", ").join(sql.SQL(p) for p in TABLE_PRIVILEGES),
             sql.SQL(", ").join(sql.Identifier(*t) for t in tables), who))
+    if schemas:  # tables a superuser creates later (replayed DDL included): the router applies into them
+        inner = (f"ALTER DEFAULT PRIVILEGES FOR ROLE %I IN SCHEMA"
+                 f" {', '.join(sql.Identifier(s).as_string(None) for s in schemas)}"
+                 f" GRANT {', '.join(TABLE_PRIVILEGES)} ON TABLES TO %I")
+        out.append(sql.SQL(
+            "DO $grant$ DECLARE r name; BEGIN FOR r IN SELECT rolname FROM pg_catalog.pg_roles WHERE rolsuper"
+            " LOOP EXECUTE pg_catalog.format({inner}, r, {role}); END LOOP; END $grant$"
+        ).format(inner=sql.Literal(inner), role=sql.Literal(role)))
+    # replayed DDL runs as its author (SET ROLE): the run role becomes a member of the tables' owners
+    # (WITH SET on 16+, where a membership may lack it); a superuser's runs through pgmesh.ddl_as_owner
+    option = sql.SQL(" WITH SET TRUE") if server_version >= SET_OPTION_SINCE else sql.SQL("")
+    for owner in sorted(set(owners) - {role}):
+        out.append(sql.SQL("GRANT {} TO {}{}").format(sql.Identifier(owner), who, option))
     # pgmesh's DDL capture (once installed) leaves these on this node
     body = [statement.as_string(None) + ";" for statement in out]
     return ["BEGIN;", "SET LOCAL pgmesh.ddl_local = on;", *body, "COMMIT;"]
@@ -115,6 +138,27 @@ def grant_statements(role: str, database: str, tables: Sequence[TableName], serv
 
 def _missing(node: str, what: str, privilege: str, fix: str, relation: str | None = None) -> Check:
     return Check(node, "privilege", False, f"{what}: role lacks {privilege}", relation, fix)
+
+
+async def _plugin_checks(conn: Conn, node: str) -> list[Check]:
+    """Where the server lists the decoding plugins a role without superuser may use
+    (`output_plugin_libraries`: 18.6 and the same minor releases of 15-17), pgoutput must be among them:
+    the router's replication connection names it (refused at run time otherwise). Only superusers and
+    members of pg_read_all_settings may read the list: for others, a warning says what to make sure of."""
+    try:
+        row = await (await conn.execute(PLUGINS_SQL)).fetchone()
+    except psycopg.errors.InsufficientPrivilege:
+        return [Check(node, "output_plugin_libraries", True, "the role may not read output_plugin_libraries:"
+                      " make sure it lists pgoutput (where the server has it)", warn=True,
+                      hint="SHOW output_plugin_libraries as a superuser; or GRANT pg_read_all_settings to the"
+                      " role and run the check again")]
+    allowed = row[0] if row else None
+    if allowed is None or "pgoutput" in {part.strip() for part in str(allowed).split(",")}:
+        return []
+    listed = ", ".join(p for p in (str(allowed).strip(), "pgoutput") if p)
+    fix = f"ALTER SYSTEM SET output_plugin_libraries = '{listed}'; SELECT pg_reload_conf() (as a superuser)"
+    return [Check(node, "output_plugin_libraries", False, f"output_plugin_libraries = {allowed!r} does not"
+                  " allow pgoutput, which the router's replication connection uses", hint=fix)]
 
 
 async def _role_checks(conn: Conn, node: str, role: str) -> list[Check]:
@@ -139,6 +183,7 @@ async def _role_checks(conn: Conn, node: str, role: str) -> list[Check]:
     if not (await (await conn.execute(status, [role])).fetchone() or (False,))[0]:
         fix = f"GRANT SELECT ON pg_catalog.pg_replication_origin_status TO {who}"
         checks.append(_missing(node, "view pg_replication_origin_status", "SELECT", fix))
+    checks += await _plugin_checks(conn, node)
     if conn.info.server_version >= SET_PARAMETER_SINCE:
         query = "SELECT pg_catalog.has_parameter_privilege(%s, 'session_replication_role', 'SET')"
         if not (await (await conn.execute(query, [role])).fetchone() or (False,))[0]:
@@ -206,33 +251,61 @@ async def _table_checks(conn: Conn, node: str, role: str, tables: Sequence[Table
     return checks
 
 
-async def _check_node(config: Config, node: NodeConfig) -> list[Check]:
+async def _owner_checks(conn: Conn, node: str, role: str, tables: Sequence[TableName]) -> list[Check]:
+    """Whether the role may act as each owner of the replicated tables: DDL those owners make elsewhere is
+    replayed here as them (a warning: without it such DDL pauses the link, naming the GRANT)."""
+    params = [[s for s, _ in tables], [t for _, t in tables]]
+    owners = [str(r[0]) for r in await (await conn.execute(OWNERS_SQL, params)).fetchall()]
+    option = " WITH SET TRUE" if conn.info.server_version >= SET_OPTION_SINCE else ""
+    privilege = "SET" if conn.info.server_version >= SET_OPTION_SINCE else "MEMBER"
+    checks: list[Check] = []
+    who = sql.Identifier(role).as_string(None)
+    for owner in owners:
+        if owner == role:
+            continue
+        row = await (await conn.execute("SELECT pg_catalog.pg_has_role(%s, %s, %s)",
+                                        [role, owner, privilege])).fetchone()
+        if not (row and row[0]):
+            fix = f"GRANT {sql.Identifier(owner).as_string(None)} TO {who}{option}"
+            detail = (f"role {owner} (owns replicated tables): {role} cannot SET ROLE to it, so DDL that"
+                      f" {owner} runs on another node pauses the link into this one")
+            checks.append(Check(node, "privilege", True, detail, None, fix, warn=True))
+    return checks
+
+
+async def _check_node(config: Config, node: NodeConfig) -> tuple[list[Check], int]:
     try:
         conn = await connect(node)
     except PgmeshError as exc:
-        return [Check(node.name, "connect", False, exc.message, hint=exc.hint)]
+        return [Check(node.name, "connect", False, exc.message, hint=exc.hint)], 0
     except (psycopg.Error, OSError) as exc:
-        return [Check(node.name, "connect", False, describe(exc),
-                      hint=f"check the dsn of node {node.name}, its password and the server's pg_hba.conf")]
+        hint = f"check the dsn of node {node.name}, its password and the server's pg_hba.conf"
+        return [Check(node.name, "connect", False, describe(exc), hint=hint)], 0
     try:
         async with conn:
             role = str((await (await conn.execute("SELECT current_user")).fetchone() or ("",))[0])
             tables = await replicated_tables(conn, config)
             checks = await _role_checks(conn, node.name, role)
             if checks[0].detail.endswith("every privilege"):
-                return checks + await _object_checks(conn, node.name, role, config)
+                return checks + await _object_checks(conn, node.name, role, config), len(tables)
             checks += await _object_checks(conn, node.name, role, config)
             checks += await _table_checks(conn, node.name, role, tables)
+            checks += await _owner_checks(conn, node.name, role, tables)
     except psycopg.Error as exc:
-        return [Check(node.name, "privilege", False, f"reading the catalog failed: {describe(exc)}")]
+        return [Check(node.name, "privilege", False, f"reading the catalog failed: {describe(exc)}")], 0
     if all(c.ok for c in checks):
         checks.append(Check(node.name, "privilege", True, f"{role} holds every privilege pgmesh run needs"
-                            f" on {len(tables)} replicated tables and pgmesh's objects"))
-    return checks
+                            f" on the {len(tables)} replicated tables of this node and pgmesh's objects"))
+    return checks, len(tables)
 
 
 async def check_run_role(config: Config) -> InitReport:
     """`pgmesh init --check`: on every node, as the config's role, every object of pgmesh and every
-    privilege the router needs there; one failed check per missing thing, naming node and privilege."""
+    privilege the router needs there; one failed check per missing thing, naming node and privilege. The
+    report's count is of the nodes' replicated tables, each node's own count on its line."""
     results = await asyncio.gather(*(_check_node(config, node) for node in config.nodes))
-    return InitReport([c for checks in results for c in checks], [], config.cluster.name)
+    counts = sorted({n for _, n in results})
+    counted = f"{counts[0]} replicated tables" if len(counts) == 1 else (
+        "replicated tables per node: " + ", ".join(f"{node.name} {n}" for node, (_, n) in
+                                                   zip(config.nodes, results, strict=True)))
+    return InitReport([c for checks, _ in results for c in checks], [], config.cluster.name, counted=counted)

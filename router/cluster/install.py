@@ -30,6 +30,7 @@ from psycopg import sql
 from router.cluster.checks import InitReport, TableName, check_cluster, connect
 from router.cluster.partial import ensure_partial
 from router.cluster.receive import ensure_receive_only
+from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
 from router.ddl.capture import install_ddl_capture
@@ -60,6 +61,8 @@ _LINKS_DDL: Final = sql.SQL(
 # it from the origin there); an installation from before the mark gains the column, empty.
 _LINKS_MARK: Final = sql.SQL("ALTER TABLE {}.links ADD COLUMN IF NOT EXISTS applied pg_lsn")
 
+_DDL_AS_OWNER: Final = tuple(sql.SQL(text) for text in statements(__name__, "ddl_as_owner.sql"))
+
 
 async def _ensure_schema(conn: Conn) -> list[str]:
     cur = await conn.execute(
@@ -75,6 +78,8 @@ async def _ensure_schema(conn: Conn) -> list[str]:
     await conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO PUBLIC").format(schema))
     await conn.execute(_LINKS_DDL.format(schema))
     await conn.execute(_LINKS_MARK.format(schema))
+    for statement in _DDL_AS_OWNER:  # superusers' DDL replayed by a router without superuser (its file)
+        await conn.execute(statement.format(schema=schema))
     done = [] if row[0] else [f"created schema {PGMESH_SCHEMA}"]
     return done + ([] if row[1] else [f"created table {PGMESH_SCHEMA}.links"])
 

@@ -1,6 +1,6 @@
-"""`pgmesh init --print-sql`: the SQL `pgmesh init` would run on each node, as a script a DBA runs
-(as a superuser, or a managed service's administrator role) where pgmesh may not install itself, followed
-by the GRANTs for the role that runs the router (`router.cluster.grants`).
+"""`pgmesh init --print-sql [--node N]`: the SQL `pgmesh init` would run on each node (or on node N only),
+as a script a DBA runs (as a superuser, or a managed service's administrator role) where pgmesh may not
+install itself, followed by the GRANTs for the role that runs the router (`router.cluster.grants`).
 
 Owns recording: each node's install steps of `router.cluster.install` run on a `_Recorder`, a connection
 that runs what only reads (the catalog, for what is already there) and records, without running it,
@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.abc import Params, Query
 
 from router.cluster.checks import CONNECT_TIMEOUT_S, TableName, replicated_tables
-from router.cluster.grants import grant_statements, run_role_of
+from router.cluster.grants import OWNERS_SQL, grant_statements, run_role_of
 from router.cluster.sqlfiles import statements
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
@@ -112,7 +112,9 @@ async def _node_script(config: Config, node: NodeConfig, node_id: int, role: str
         await script_node(conn, config, node.name, tables)
         lines = [*conn.recorded, *_snowflake(node_id)]
         role = role or run_role_of(node)
-        grants = grant_statements(role, database, tables, conn.info.server_version)
+        cur = await conn.execute(OWNERS_SQL, [[t[0] for t in tables], [t[1] for t in tables]])
+        owners = [str(r[0]) for r in await cur.fetchall()]
+        grants = grant_statements(role, database, tables, conn.info.server_version, owners)
     except psycopg.Error as exc:
         raise PgmeshError(f"reading the node failed: {describe(exc)}", node=node.name) from None
     finally:
@@ -120,24 +122,39 @@ async def _node_script(config: Config, node: NodeConfig, node_id: int, role: str
     return database, [*lines, f"-- the role the config connects as ({role}) runs `pgmesh run`", *grants]
 
 
-async def print_sql(config: Config, role: str = "") -> str:
-    """The script of every node: what `pgmesh init` would install there, and the GRANTs for the run role
-    (`role`, else the role each node's DSN connects as). Connects as the config's role, which must be
-    able to read pgmesh's schema where it is installed (the DBA's, or the run role once granted)."""
+async def print_sql(config: Config, role: str = "", node: str = "") -> str:
+    """The script of every node (or of `node` alone): what `pgmesh init` would install there, and the
+    GRANTs for the run role (`role`, else the role each node's DSN connects as). Connects as the config's
+    role, which must be able to read pgmesh's schema where it is installed (the DBA's, or the run role
+    once granted). Node ids are planned over every node, so the scripts printed one node at a time
+    agree."""
+    if node and node not in config.node_names:
+        raise PgmeshError(f"no node {node} in the config (its nodes: {', '.join(config.node_names)})",
+                          hint="name a node of the config's [[nodes]]")
     existing: dict[str, int | None] = {}
-    for node in config.nodes:
-        conn = await _recorder(node)
+    for member in config.nodes:
+        conn = await _recorder(member)
         try:
             cur = await conn.execute(_READABLE_NODE_INFO, [PGMESH_SCHEMA])
             readable = (await cur.fetchone() or (False,))[0]
-            existing[node.name] = await read_node_id(conn, node.name) if readable else None
+            existing[member.name] = await read_node_id(conn, member.name) if readable else None
         finally:
             await conn.close()
     ids = plan_node_ids(config.node_names, existing)
-    out = [f"-- pgmesh init --print-sql: cluster {config.cluster.name}, {len(config.nodes)} nodes.",
-           "-- Run each node's part as a superuser (or the service's administrator role) connected to that",
-           "-- node's database (psql -v ON_ERROR_STOP=1 -f); then `pgmesh init --check` as the run role."]
-    for node in config.nodes:
-        database, lines = await _node_script(config, node, ids[node.name], role)
-        out += ["", f"-- node {node.name} (database {database})", *lines]
+    if node:
+        out = [f"-- pgmesh init --print-sql --node {node}: cluster {config.cluster.name}, node {node} of"
+               f" {len(config.nodes)}.",
+               "-- Run it as a superuser (or the service's administrator role) connected to this node's",
+               "-- database (psql -v ON_ERROR_STOP=1 -f); the other nodes' scripts likewise, then",
+               "-- `pgmesh init --check` as the run role."]
+    else:
+        out = [f"-- pgmesh init --print-sql: cluster {config.cluster.name}, {len(config.nodes)} nodes.",
+               "-- Run each node's part as a superuser (or the service's administrator role) connected to",
+               "-- that node's database (psql -v ON_ERROR_STOP=1 -f); then `pgmesh init --check` as the run",
+               "-- role."]
+    for each in config.nodes:
+        if node and each.name != node:
+            continue
+        database, lines = await _node_script(config, each, ids[each.name], role)
+        out += ["", f"-- node {each.name} (database {database})", *lines]
     return "\n".join(out) + "\n"

@@ -41,11 +41,14 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    if args.node and not args.print_sql:
+        print("pgmesh init: --node goes with --print-sql (init itself installs every node)", file=sys.stderr)
+        return 2
     if args.print_sql:
         from router.cluster.script import print_sql
 
         async def script() -> int:
-            sys.stdout.write(await print_sql(_config(args), role=args.role or ""))
+            sys.stdout.write(await print_sql(_config(args), role=args.role or "", node=args.node or ""))
             return 0
 
         return _run(script())
@@ -186,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
                      " every privilege `pgmesh run` needs, on every node (docs/security.md)")
     init.add_argument("--role", metavar="ROLE", help="with --print-sql: the role that will run the router"
                       " (default: the one the config connects as)")
+    init.add_argument("--node", metavar="NODE", help="with --print-sql: only this node's script")
     init.set_defaults(func=_cmd_init)
     _with_config(sub, "run", "run the router (SIGTERM / Ctrl-C stops it cleanly)").set_defaults(func=_cmd_run)
     status = _with_config(sub, "status", "one row per link: state, position, lag, last error")
