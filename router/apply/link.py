@@ -47,6 +47,8 @@ __all__ = ["LinkSession"]
 
 logger = logging.getLogger(__name__)
 
+LOST_LOG_S = 60.0  # inserts lost to key collisions are logged at most this often per link and table
+
 # Tables with a deferrable constraint or constraint trigger (a DEFERRABLE foreign key, on either side, a
 # deferrable unique key): checked at COMMIT unless a transaction makes them immediate (router.apply.scripts)
 _DEFERRABLE_QUERY = """
@@ -102,8 +104,8 @@ class LinkSession:
 
     __slots__ = (
         "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "dropped",
-        "history_at",
-        "installed_at", "mark", "name", "origin", "origin_held", "prepared", "settings", "setup_last",
+        "history_at", "installed_at", "lost_inserts", "lost_logged", "mark", "name", "origin", "origin_held",
+        "prepared", "settings", "setup_last",
         "source", "source_conn", "source_origin", "stats", "tables", "target",
     )
 
@@ -132,6 +134,9 @@ class LinkSession:
         # (table, conflict type) -> conflicts decided on the target by the decision functions
         self.conflicts: dict[tuple[str, str], int] = {}
         self.history_at: int | None = None  # conflict_history's last id counted (None: not read yet)
+        # table -> inserts lost to key collisions (`count_conflicts`), and when each was last logged
+        self.lost_inserts: dict[str, int] = {}
+        self.lost_logged: dict[str, float] = {}
         self.source_conn: asyncpg.Connection | None = None  # opened to read a row there (read_source)
         self.ddl_conn: asyncpg.Connection | None = None  # creates decision functions (make_functions)
         self.tables: dict[tuple[str, str], TargetTable] = {}
@@ -434,6 +439,25 @@ class LinkSession:
             self.conflicts[key] = self.conflicts.get(key, 0) + int(row[2])
             self.stats.conflicts += int(row[2])
             self.history_at = max(self.history_at, int(row[3]))
+            if row[4]:
+                self._lost(key[0], int(row[4]), str(row[5]))
+
+    def _lost(self, table: str, count: int, lsn: str) -> None:
+        """`count` inserts lost to key collisions on `table` (insert_exists between two different rows: two
+        nodes made the same key, and one row is now only in conflict_history); logged with the hint at
+        the first and then at most once a minute per table."""
+        self.lost_inserts[table] = total = self.lost_inserts.get(table, 0) + count
+        now = asyncio.get_running_loop().time()
+        if now - self.lost_logged.get(table, -LOST_LOG_S) < LOST_LOG_S:
+            return
+        self.lost_logged[table] = now
+        logger.warning(
+            "link %s: %d insert(s) lost to key collisions on %s (%d since the router started; the last at"
+            " source LSN %s): two nodes made the same key at once, and the losing row is only in"
+            " pgmesh.conflict_history (`pgmesh conflicts`); if the key comes from a sequence (a column"
+            " default, or nextval() the application calls itself), make it cluster-unique with `pgmesh"
+            " sequences convert` (docs/sequences.md)", self.name, count, table, total, lsn,
+        )
 
     async def run_ddl(self, conn: Any, message: Message) -> dict[tuple[str, str], TargetTable] | None:
         """One captured DDL command, inside the target transaction, as its user under its search_path (a
@@ -491,6 +515,10 @@ _RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
 _HISTORY_NOW = ("SELECT CASE WHEN pg_catalog.to_regclass('pgmesh.conflict_history') IS NOT NULL THEN"
                 " (SELECT pg_catalog.max(id) FROM pgmesh.conflict_history) END")
 # (not the tombstone recorders' late decisions, router.conflicts.recorder: their reason says "late")
-_HISTORY_SINCE = ("SELECT table_name, conflict_type, pg_catalog.count(*), pg_catalog.max(id)"
+# A lost insert: insert_exists between two different rows (a key collision of two fresh inserts; the
+# same row arriving again, every remote column equal to the local one, loses nothing).
+_HISTORY_SINCE = ("SELECT table_name, conflict_type, pg_catalog.count(*), pg_catalog.max(id),"
+                  " pg_catalog.count(*) FILTER (WHERE conflict_type = 'insert_exists'"
+                  " AND NOT coalesce(local_row @> remote_row, false)), pg_catalog.max(remote_lsn)::text"
                   " FROM pgmesh.conflict_history WHERE id > $1 AND source = $2"
                   " AND coalesce(reason, '') NOT LIKE 'late: %' GROUP BY 1, 2")

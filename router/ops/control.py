@@ -213,6 +213,11 @@ def render_status(report: StatusReport) -> str:
         )
     for clock in report.clocks:  # router.cluster.clocks: each node's offset from the router's clock
         lines.append(f"clock {clock.node}: {clock.describe()}")
+    for node, tables in sorted(report.lost_inserts.items()):  # router.apply.link: key collisions
+        lost = ", ".join(f"{table} {count}" for table, count in sorted(tables.items()))
+        lines.append(f"LOST INSERTS on {node} (key collisions since the router started: two nodes made the"
+                     f" same key, one row is only in pgmesh.conflict_history): {lost}; make the keys"
+                     " cluster-unique with `pgmesh sequences convert` (docs/sequences.md)")
     for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold
         lines.append(f"SCHEMA DRIFT: {drift} (fix it by hand; docs/ddl.md, Schema drift)")
     if report.divergence:  # [conflicts] allow_divergence = true: never let it be forgotten

@@ -7,6 +7,11 @@ Owns the conversion of serial, identity and nextval-default columns (found by `r
   its sequence), its sequence counts by 1 as bigint;
 - step: the sequence counts by `[sequences] step` and restarts at the first value above every id any
   node holds or any node's sequence handed out that is the node's id mod step.
+A standalone sequence (no column default names it: the application calls nextval() itself, on any node)
+is converted on the sequence itself, so in step mode whatever the mode asked: a snowflake id is made by
+a function a default calls, which a caller of nextval() never reaches; a step sequence makes
+cluster-unique values for every caller. Its highest value handed out is its sequences' highest
+position on any node (the values it made are at most that).
 
 Every node gets one transaction; all are open together, each first sets `pgmesh.ddl_local = 'on'` (the
 DDL capture leaves these per-node statements local) and a lock timeout. For step mode each locks the
@@ -161,11 +166,14 @@ def _targets(config: Config, nodes: Sequence[_Node], tables: Sequence[str]) -> l
         wanted = [split_table_name(t) for t in tables]
         for schema, table in wanted:
             relation = f"{schema}.{table}"
+            if (schema, table, "") in found:  # a standalone sequence, named itself
+                continue
             if not config.replicates(schema, table):
                 raise ConfigError("is not replicated (see [replication] tables/exclude)", relation=relation)
             if not any(key[:2] == (schema, table) for key in found):
                 raise PgmeshError(
-                    "does not exist or has no serial, identity or nextval-default column",
+                    "does not exist or has no serial, identity or nextval-default column (nor is it a"
+                    " sequence no column default names)",
                     node=nodes[0].name,
                     relation=relation,
                 )
@@ -174,12 +182,13 @@ def _targets(config: Config, nodes: Sequence[_Node], tables: Sequence[str]) -> l
         holders = [n.name for n in nodes if key in n.columns]
         for node in nodes:
             if key not in node.columns:
+                what = f"column {key[2]} is not filled from a sequence" if key[2] else "no such sequence"
                 raise PgmeshError(
-                    f"column {key[2]} is not filled from a sequence here"
-                    f" (it is on node {', '.join(holders)})",
+                    f"{what} here (it is on node {', '.join(holders)})",
                     node=node.name,
                     relation=f"{key[0]}.{key[1]}",
-                    hint="make the column the same on every node first",
+                    hint="make the column the same on every node first" if key[2] else
+                    "create the sequence on every node first (or drop it everywhere)",
                 )
     return found
 
@@ -226,7 +235,7 @@ async def _to_snowflake(nodes: Sequence[_Node], targets: Sequence[ColumnKey], st
     for key in targets:
         todo = [node for node in nodes if not _is_snowflake(node.columns[key])]
         if not todo:
-            lines.append(f"{'.'.join(key)}: already snowflake on every node, nothing changed")
+            lines.append(f"{nodes[0].columns[key].label}: already snowflake on every node, nothing changed")
         for node in todo:
             lines.append(await _set_snowflake(node, node.columns[key], floor))
     return lines
@@ -245,18 +254,19 @@ def _increment(column: SequenceColumn, step: int) -> sql.Composed:
 async def _lock_and_read(nodes: Sequence[_Node], keys: Sequence[ColumnKey], step: int) -> dict[str, int]:
     """On every node: stop inserts into the tables and nextval on their sequences (until commit), then
     read the highest value each sequence has handed out or its column holds. Sequence -> highest."""
-    tables = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in sorted({key[:2] for key in keys}))
+    names = sorted({key[:2] for key in keys if key[2]})  # (a standalone sequence has no table to lock)
+    tables = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in names)
     high: dict[str, int] = {}
     for node in nodes:
-        await node.run(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(tables))
+        if names:
+            await node.run(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(tables))
         for key in keys:
             column = node.columns[key]
             await node.run(_increment(column, step), column.relation)  # holds the sequence's lock
-            query = sql.SQL("SELECT max({}), (SELECT last_value FROM {}) FROM {}").format(
-                sql.Identifier(column.column),
-                sql.Identifier(column.seq_schema, column.seq_name),
-                sql.Identifier(column.schema, column.table),
-            )
+            sequence = sql.Identifier(column.seq_schema, column.seq_name)
+            query = sql.SQL("SELECT last_value FROM {}").format(sequence) if column.standalone else sql.SQL(
+                "SELECT max({}), (SELECT last_value FROM {}) FROM {}").format(
+                sql.Identifier(column.column), sequence, sql.Identifier(column.schema, column.table))
             row = await (await node.run(query, column.relation)).fetchone()
             seen = max(int(v) for v in row if v is not None)
             high[column.sequence] = max(high.get(column.sequence, seen), seen)
@@ -286,9 +296,8 @@ async def _restart(node: _Node, column: SequenceColumn, step: int, above: int) -
     if column.kind == "snowflake":
         default = sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT nextval({})")
         await node.run(default.format(table, ident, _regclass(column)), column.relation)
-    name = f"{column.relation}.{column.column}"
     after = Mode("step", step, node.node_id)
-    return f"node {node.name}: {name}: {detect_mode(column)} -> {after}, next value {value}"
+    return f"node {node.name}: {column.label}: {detect_mode(column)} -> {after}, next value {value}"
 
 
 async def _to_step(nodes: Sequence[_Node], targets: Sequence[ColumnKey], step: int) -> list[str]:
@@ -307,7 +316,7 @@ async def _to_step(nodes: Sequence[_Node], targets: Sequence[ColumnKey], step: i
     todo: list[ColumnKey] = []
     for key in targets:
         if all(detect_mode(n.columns[key]) == Mode("step", step, n.node_id) for n in nodes):
-            lines.append(f"{'.'.join(key)}: already step {step} on every node, nothing changed")
+            lines.append(f"{nodes[0].columns[key].label}: already step {step} on every node, nothing changed")
         else:
             todo.append(key)  # on every node: a node left as it was could hand out another's next ids
     if todo:
@@ -341,9 +350,19 @@ async def _convert_once(config: Config, mode: str, tables: Sequence[str]) -> lis
         nodes = [await _open(name, conn, config) for name, conn in conns.items()]
         targets = _targets(config, nodes, tables)
         if not targets:
-            return ["no replicated table has a serial, identity or nextval-default column; nothing to do"]
-        convert = _to_snowflake if mode == "snowflake" else _to_step
-        lines = await convert(nodes, targets, config.sequences.step)
+            return ["no replicated table has a serial, identity or nextval-default column, and no other"
+                    " sequence is in a replicated schema; nothing to do"]
+        if mode == "snowflake":  # a standalone sequence: step (see the module docstring)
+            columns = [key for key in targets if key[2]]
+            alone = [key for key in targets if not key[2]]
+            lines = await _to_snowflake(nodes, columns, config.sequences.step) if columns else []
+            if alone:
+                lines += [f"{nodes[0].columns[key].label}: no column default names it (its callers run"
+                          " nextval() themselves), so snowflake ids cannot reach them: converted to step mode"
+                          for key in alone]
+                lines += await _to_step(nodes, alone, config.sequences.step)
+        else:
+            lines = await _to_step(nodes, targets, config.sequences.step)
         await _commit(nodes)
     finally:
         await close_all(conns)  # whatever was not committed rolls back

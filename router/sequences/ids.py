@@ -9,8 +9,10 @@ Owns:
 - the id layout (40 bits of milliseconds since 2025-01-01 UTC, 10 bits of node id, 14 bits of the
   column's own sequence) and the step/offset arithmetic (a node's values are node_id mod step), as pure
   functions;
-- finding the serial, identity and nextval-default columns of the replicated tables and telling which
-  mode each is in (`pgmesh sequences status`). Converting them is `router.sequences.convert`'s.
+- finding the serial, identity and nextval-default columns of the replicated tables, and the sequences
+  no column default names that sit in a replicated schema (an application calling `nextval()` itself:
+  "standalone"), and telling which mode each is in (`pgmesh sequences status`). Converting them is
+  `router.sequences.convert`'s.
 See docs/sequences.md.
 
 Must not: let its statements be replicated (every transaction it opens sets `pgmesh.ddl_local = 'on'`
@@ -192,6 +194,9 @@ class SequenceColumn(msgspec.Struct, frozen=True):
     max_value: int
     seq_type: str
     last_value: int | None  # None until the sequence is first used after a (re)start
+    # a sequence no column default or identity names (its callers run nextval() themselves): then
+    # `schema`/`table` name the sequence itself and `column` is ''
+    standalone: bool = False
 
     @property
     def key(self) -> ColumnKey:
@@ -202,12 +207,17 @@ class SequenceColumn(msgspec.Struct, frozen=True):
         return f"{self.schema}.{self.table}"
 
     @property
+    def label(self) -> str:
+        """How messages name it: `schema.table.column`, or `sequence schema.name` for a standalone one."""
+        return f"sequence {self.sequence}" if self.standalone else f"{self.relation}.{self.column}"
+
+    @property
     def sequence(self) -> str:
         return f"{self.seq_schema}.{self.seq_name}"
 
     @property
     def kind(self) -> str:
-        return default_kind(self.default, self.identity)
+        return "standalone" if self.standalone else default_kind(self.default, self.identity)
 
 
 class Mode(msgspec.Struct, frozen=True):
@@ -230,7 +240,7 @@ def detect_mode(column: SequenceColumn) -> Mode:
     kind = column.kind
     if kind == "snowflake":
         return Mode("snowflake")
-    if kind not in ("nextval", "identity"):
+    if kind not in ("nextval", "identity", "standalone"):
         return Mode("other")
     if column.increment > 1:
         base = column.last_value if column.last_value is not None else column.start
@@ -261,6 +271,24 @@ JOIN pg_sequence q ON q.seqrelid = s.oid
 WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
   AND n.nspname <> ALL(%s) AND n.nspname NOT LIKE 'pg\\_%%'
 ORDER BY n.nspname, c.relname, a.attnum, s.oid
+"""
+# The sequences no column default or identity names (an application calls nextval() on them itself), with
+# the tables of their schema (a sequence counts when its schema holds a replicated table, or when its own
+# name matches `tables`).
+_STANDALONE_SQL: Final = """
+SELECT sn.nspname, s.relname, format_type(q.seqtypid, NULL), q.seqincrement, q.seqstart, q.seqmax,
+       pg_sequence_last_value(s.oid),
+       ARRAY(SELECT c.relname::text FROM pg_class c WHERE c.relnamespace = sn.oid AND c.relkind IN ('r', 'p'))
+FROM pg_class s
+JOIN pg_namespace sn ON sn.oid = s.relnamespace
+JOIN pg_sequence q ON q.seqrelid = s.oid
+WHERE s.relkind = 'S' AND sn.nspname <> ALL(%s) AND sn.nspname NOT LIKE 'pg\\_%%'
+  AND NOT EXISTS (SELECT FROM pg_depend d JOIN pg_attrdef ad ON ad.oid = d.objid
+                   WHERE d.classid = 'pg_attrdef'::regclass AND d.refclassid = 'pg_class'::regclass
+                     AND d.refobjid = s.oid)
+  AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = s.oid
+                     AND d.deptype = 'i')
+ORDER BY 1, 2
 """
 _NODE_ID_SQL: Final = sql.SQL("SELECT value FROM {}.node_info WHERE key = %s")
 _SET_NODE_ID_SQL: Final = sql.SQL(
@@ -350,10 +378,19 @@ async def read_node_id(conn: Conn, node: str) -> int | None:
 
 
 async def read_columns(conn: Conn, config: Config) -> dict[ColumnKey, SequenceColumn]:
-    """The sequence-backed columns of the node's replicated tables."""
+    """The sequence-backed columns of the node's replicated tables, and its standalone sequences (no
+    column default names them: an application calls nextval() itself) in a schema that holds a
+    replicated table, or whose own name `tables` matches."""
     cur = await conn.execute(_COLUMNS_SQL, [sorted(SYSTEM_SCHEMAS)])
     found = (SequenceColumn(*row) for row in await cur.fetchall())
-    return {c.key: c for c in found if config.replicates(c.schema, c.table)}
+    out = {c.key: c for c in found if config.replicates(c.schema, c.table)}
+    cur = await conn.execute(_STANDALONE_SQL, [sorted(SYSTEM_SCHEMAS)])
+    for schema, name, kind, increment, start, top, last, tables in await cur.fetchall():
+        if config.replicates(schema, name) or any(config.replicates(schema, t) for t in tables):
+            seq = SequenceColumn(schema, name, "", kind, "", None, schema, name, increment, start, top, kind,
+                                 last, standalone=True)
+            out[seq.key] = seq
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -470,7 +507,8 @@ def disagreements(nodes: Sequence[NodeSequences]) -> list[str]:
             for column in node.columns:
                 mode = detect_mode(column)
                 modes.setdefault(column.key, set()).add((mode.kind, mode.step))
-    return [f"{s}.{t}.{c}" for (s, t, c), found in sorted(modes.items()) if len(found) > 1]
+    return [f"sequence {s}.{t}" if not c else f"{s}.{t}.{c}"
+            for (s, t, c), found in sorted(modes.items()) if len(found) > 1]
 
 
 def render_status(nodes: Sequence[NodeSequences]) -> str:
@@ -484,18 +522,27 @@ def render_status(nodes: Sequence[NodeSequences]) -> str:
         ident = "no node id (run pgmesh init)" if node.node_id is None else f"node id {node.node_id}"
         lines.append(f"node {node.name} ({ident})")
         cells = [header] + [
+            ("-", "-", c.type, c.sequence, "none: callers run nextval() themselves", str(detect_mode(c)))
+            if c.standalone else
             (c.relation, c.column, c.type, c.sequence, c.default or f"identity ({identity_text(c)})",
              str(detect_mode(c)))
             for c in node.columns
         ]
         if len(cells) == 1:
-            lines.append("  no replicated table has a serial, identity or nextval-default column")
+            lines.append("  no replicated table has a serial, identity or nextval-default column, and no"
+                         " other sequence is in a replicated schema")
             continue
         widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
         for row in cells:
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
     for name in disagreements(nodes):
         lines.append(f"WARNING: {name} is not in the same mode on every node; run pgmesh sequences convert")
+    local = sorted({c.label for n in nodes if n.error is None for c in n.columns
+                    if detect_mode(c).kind == "local"})
+    if local and len(nodes) > 1:
+        lines.append(f"WARNING: {', '.join(local)} hand(s) out the same values on every node: two nodes"
+                     " inserting at once make the same key and one insert is lost (an insert_exists"
+                     " conflict); run pgmesh sequences convert")
     return "\n".join(lines)
 
 
@@ -512,12 +559,13 @@ def status_json(nodes: Sequence[NodeSequences]) -> list[dict[str, Any]]:
             mode = detect_mode(c)
             columns.append(
                 {
-                    "table": c.relation,
-                    "column": c.column,
+                    "table": None if c.standalone else c.relation,
+                    "column": None if c.standalone else c.column,
                     "type": c.type,
                     "sequence": c.sequence,
                     "default": c.default,
                     "identity": identity_text(c) if c.identity else None,
+                    "standalone": c.standalone,
                     "mode": str(mode),
                     "kind": mode.kind,
                     "step": mode.step,

@@ -275,6 +275,7 @@ class Metrics:
         "lease_term",
         "lease_valid_seconds",
         "link_state",
+        "lost_inserts_total",
         "queue_transactions",
         "registry",
         "retained_wal_bytes",
@@ -354,6 +355,13 @@ class Metrics:
             PREFIX + "conflicts_total",
             "Conflicts detected and resolved on the target, by table and conflict type.",
             (*link, "table", "type"),
+        )
+        self.lost_inserts_total = counter(
+            PREFIX + "lost_inserts_total",
+            "Inserts lost to key collisions, as the node decided them: insert_exists between two different"
+            " rows (two nodes made the same key at once; the losing row is only in conflict_history). Every"
+            " node sees each collision: do not add nodes up. Fix: `pgmesh sequences convert`.",
+            ("node", "table"),
         )
 
     def _declare_node_metrics(self) -> None:

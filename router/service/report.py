@@ -84,6 +84,9 @@ class Reporter:
             for (table, kind), count in applier.conflict_counts().items():
                 child = m.conflicts_total.labels(source=source, target=target, table=table, type=kind)
                 raise_to(child, count)
+        for node, lost in _lost_inserts(router).items():
+            for table, count in lost.items():
+                raise_to(m.lost_inserts_total.labels(node=node, table=table), count)
         for node, pump in router.pumps.items():
             m.observe_source(node, pump.stats)
             retained = router.targets[node].retained if node in router.targets else None
@@ -160,6 +163,7 @@ class Reporter:
             [n.name for n in router.config.nodes if n.receive_only],
             None if router.lease is None else router.lease.report(),
             {n.name: describe_part(n) for n in router.config.nodes if describe_part(n)},
+            lost_inserts=_lost_inserts(router),
         )
 
     def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:
@@ -219,6 +223,16 @@ def _lag_bytes(source: ReplicationSource, link: LinkProgress, slot_start: int) -
     if not start:
         return None  # nothing known to count from (the node was down at start): unknown, not 0
     return max(0, source.received_lsn - start)
+
+
+def _lost_inserts(router: Router) -> dict[str, dict[str, int]]:
+    """Node -> table -> inserts lost there to key collisions, over the links into it (router.apply.link)."""
+    out: dict[str, dict[str, int]] = {}
+    for (_, target), applier in router.appliers.items():
+        for table, count in applier.link.lost_inserts.items():
+            tables = out.setdefault(target, {})
+            tables[table] = tables.get(table, 0) + count
+    return out
 
 
 def _log_status(log: SourceLog | None, progress: SourceProgress) -> LogStatus | None:

@@ -121,3 +121,5 @@ class StatusReport(msgspec.Struct, frozen=True):
     lease: LeaseStatus | None = None  # [ha] (router.service.lease)
     # receive-only nodes that hold part of the data (router.cluster.partial): what they hold
     partial: dict[str, str] = msgspec.field(default_factory=dict)
+    # node -> table -> inserts lost to key collisions there since the router started (router.apply.link)
+    lost_inserts: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)

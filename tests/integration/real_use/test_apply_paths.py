@@ -11,6 +11,8 @@ and its log).
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -100,5 +102,81 @@ async def test_large_transactions_into_a_table_with_a_generated_column(
         won = "SELECT count(*) FROM items WHERE id <= 200 AND price > 1000 AND price_x2 = 2 * price"
         rows = psql(a, won).stdout
         assert " 200\n" in rows, rows
+    finally:
+        await router.stop()
+
+
+INVOICES_SCHEMA = """
+CREATE SEQUENCE invoice_no_seq;
+CREATE TABLE invoices (no bigint PRIMARY KEY, customer text NOT NULL, amount numeric NOT NULL);
+"""
+
+
+def _invoice_round(nodes: list[Any], round_: int) -> None:
+    """Each node's application books two invoices, numbering them itself with nextval() (one psql
+    session per invoice, as an application's connection pool would)."""
+    for node in nodes:
+        for i in range(2):
+            psql(node, f"INSERT INTO invoices VALUES (nextval('invoice_no_seq'), 'customer of {node.name}',"
+                       f" {round_ * 100 + i})")
+
+
+def _lost(config: Path) -> dict[str, dict[str, int]]:
+    lost: dict[str, dict[str, int]] = _status(config).get("lost_inserts", {})
+    return lost
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text: str = reply.read().decode()
+        return text
+
+
+async def test_application_calling_nextval_itself_on_three_nodes(mesh: MeshFactory, tmp_path: Path) -> None:
+    """An application numbers invoices with nextval('invoice_no_seq') itself (no column default names the
+    sequence) on three nodes at once. Unconverted, each node hands out 1, 2: of 6 inserts 2 rows remain,
+    and the 4 others are lost to key collisions, which `pgmesh status`, /metrics and the router's log
+    report (with the hint to convert); `sequences status` lists the sequence, and after `sequences
+    convert` (default mode: snowflake, which a nextval() caller never reaches: step for it) no insert is
+    lost."""
+    made = await mesh(nodes=3, schema=INVOICES_SCHEMA)
+    nodes = made.nodes
+    router, config = await _started(tmp_path, made)
+    try:
+        shown = pgmesh(config, "sequences", "status", check=True).stdout
+        assert "public.invoice_no_seq" in shown and "local (unconverted)" in shown, shown
+        assert "WARNING: sequence public.invoice_no_seq hand(s) out the same values" in shown, shown
+
+        pgmesh(config, "pause", check=True)  # held: the three applications insert at once
+        _invoice_round(nodes, 1)
+        pgmesh(config, "resume", check=True)
+        await wait_identical(nodes)
+        count = psql(nodes[0], "SELECT count(*) FROM invoices").stdout
+        assert " 2\n" in count, count  # 6 inserts committed, 2 rows left: the collisions' losers are gone
+        # every node decided 2 collisions per key: 4 lost inserts, counted and shown
+        await wait_for(lambda: all(_lost(config).get(n.name, {}).get("public.invoices") == 4 for n in nodes),
+                       "4 lost inserts on every node in `pgmesh status`", 30)
+        text = pgmesh(config, "status", check=True).stdout
+        assert "LOST INSERTS on a" in text and "public.invoices 4" in text, text
+        assert "pgmesh sequences convert" in text, text
+        metrics = _metrics(router.port)
+        for node in nodes:
+            sample = rf'pgmesh_lost_inserts_total{{[^}}]*node="{node.name}"[^}}]*}} 4(\.0)?$'
+            assert re.search(sample, metrics, re.M), metrics[-2000:]
+        log = (tmp_path / "r.log").read_text()
+        assert "lost to key collisions on public.invoices" in log and "pgmesh sequences convert" in log
+
+        converted = pgmesh(config, "sequences", "convert", check=True).stdout
+        assert "converted to step mode" in converted, converted
+        shown = pgmesh(config, "sequences", "status", check=True).stdout
+        assert "step 100 offset 2" in shown and "WARNING" not in shown, shown
+
+        pgmesh(config, "pause", check=True)
+        _invoice_round(nodes, 2)
+        pgmesh(config, "resume", check=True)
+        await wait_identical(nodes)
+        count = psql(nodes[0], "SELECT count(*) FROM invoices").stdout
+        assert " 8\n" in count, count  # every insert kept
+        assert all(_lost(config).get(n.name, {}).get("public.invoices") == 4 for n in nodes), _lost(config)
     finally:
         await router.stop()

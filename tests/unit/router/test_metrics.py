@@ -209,6 +209,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_lease_active": ("gauge", ("router",)),
     "pgmesh_lease_valid_seconds": ("gauge", ("router",)),
     "pgmesh_conflicts_total": ("counter", ("source", "target", "table", "type")),
+    "pgmesh_lost_inserts_total": ("counter", ("node", "table")),
     "pgmesh_clock_offset_seconds": ("gauge", ("node",)),
 }
 
@@ -283,6 +284,7 @@ BEFORE_PROMETHEUS_CLIENT = [
     ("pgmesh_lag_bytes", "gauge", ("source", "target")),
     ("pgmesh_lag_seconds", "gauge", ("source", "target")),
     ("pgmesh_link_state", "gauge", ("source", "state", "target")),
+    ("pgmesh_lost_inserts_total", "counter", ("node", "table")),
     ("pgmesh_queue_transactions", "gauge", ("source", "target")),
     ("pgmesh_retained_wal_bytes", "gauge", ("node",)),
     ("pgmesh_retained_wal_safe_bytes", "gauge", ("node",)),
