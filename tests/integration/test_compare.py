@@ -4,6 +4,7 @@ Divergences are made on purpose: rows changed on one node in a session whose cha
 carry (a replication origin of its own: the router forwards only a node's own changes). Compare must find
 all of them and only them, with the nodes idle and under a live write load on other keys (whose
 in-flight changes it reads again once every link has applied past its first read, so none is reported).
+A table without a key is compared as a multiset alike on Spark and on the command's threads.
 """
 
 from __future__ import annotations
@@ -124,3 +125,20 @@ async def test_compare_finds_every_divergence_and_only_them(mesh: MeshFactory, t
         # a later write anywhere still replicates over the repaired rows
         await execute(c.dsn(), "UPDATE t SET v = 'after repair' WHERE id IN (7, 300000)")
         await wait_converged(m.nodes, ["t"])
+
+
+async def test_keyless_table_alike_on_spark_and_on_the_threads(mesh: MeshFactory) -> None:
+    """A table without a key is compared as a multiset by the same task on Spark as on the command's own
+    threads: a duplicate more on one node, a row missing on the other, each with its copies per node."""
+    m = await mesh(nodes=2, schema="CREATE TABLE h (a int, b text); INSERT INTO h SELECT g % 100, 'x'"
+                   " FROM generate_series(1, 5000) g;"
+                   " INSERT INTO h VALUES (7, 'two'), (7, 'two'), (8, 'one')")
+    a, b = m.nodes
+    await unreplicated(a, "INSERT INTO h VALUES (7, 'two')")
+    await unreplicated(b, "DELETE FROM h WHERE b = 'one'")
+    expected = {"(7,two)": {"a": 3, "b": 2}, "(8,one)": {"a": 1, "b": 0}}
+    for spark_after_s in (0.0, SPARK_AFTER_S):
+        report = await compare_cluster(m.config, router_running=False, spark_after_s=spark_after_s)
+        assert {d.key: d.counts for d in report.differences} == expected, report.render()
+        assert report.tables == ["public.h"] and report.exit_code == 1
+        assert report.spark == (spark_after_s == 0)
