@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import psycopg
 import pytest
 
+from router.cluster import pgbin
 from router.testing.localnodes import LocalNodeError, create_nodes, find_pg_bindir
 
 logger = logging.getLogger(__name__)
@@ -143,9 +145,14 @@ def node_versions(count: int, versions: Sequence[int | None] | None) -> list[int
     return [default if v is None else v for v in (versions or [None] * count)]
 
 
-def require_versions(asked: Sequence[int | None]) -> None:
-    """Skip the test, saying why, when a version it asked for itself is not installed here."""
+def require_versions(asked: Sequence[int | Path | None]) -> None:
+    """Skip the test, saying why, when a version it asked for itself is not installed here (a binary
+    directory it asked for by path, e.g. a minor release unpacked beside the installed one: not there)."""
     for major in dict.fromkeys(v for v in asked if v is not None):
+        if isinstance(major, Path):
+            if pgbin.major_version(major) is None:
+                pytest.skip(f"no PostgreSQL server in {major} (the test asks for those binaries)")
+            continue
         try:
             find_pg_bindir(major)
         except LocalNodeError as exc:

@@ -12,6 +12,9 @@ set its origins; join then deletes them (`unpin`) while the router still holds, 
 Rows of a join that stopped midway stay, and hold WAL on every node: the router warns at each start, the
 next `pgmesh join N` writes them again, `pgmesh part N` and a successful join delete them.
 
+A joined node also takes over the donor's `pgmesh.auto_identity` (`copy_auto_identity`), so that a primary
+key added later makes its tables REPLICA IDENTITY DEFAULT again there as on the others.
+
 Must not: decide positions (router.cluster.membership does). Join passes its own sessions; `read_pins`
 connects to each node for the router, within a bound, and a node that does not answer pins nothing then.
 """
@@ -30,7 +33,7 @@ from protocol.lsn import format_lsn, parse_lsn
 from router.config import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
 
-__all__ = ["JOINING_DDL", "pin_sources", "read_pins", "unpin"]
+__all__ = ["JOINING_DDL", "copy_auto_identity", "pin_sources", "read_pins", "unpin"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +124,28 @@ async def read_pins(config: Config, wait_s: float = 5.0) -> tuple[dict[str, int]
             )
     return pins, joining
 
+
+
+async def copy_auto_identity(donor: Conn, new: Conn) -> int:
+    """The new node takes over the donor's `pgmesh.auto_identity` (the tables pgmesh made REPLICA IDENTITY
+    FULL, by name: the OIDs differ): the dump gave it those tables FULL already, so its own install did
+    not list them, and a primary key added later would have left them FULL there alone. How many."""
+    try:
+        cur = await donor.execute(
+            "SELECT format('%I.%I', n.nspname, c.relname) FROM pgmesh.auto_identity a"
+            " JOIN pg_catalog.pg_class c ON c.oid = a.relid JOIN pg_catalog.pg_namespace n"
+            " ON n.oid = c.relnamespace"
+        )
+        names = [str(row[0]) for row in await cur.fetchall()]
+        if not names:
+            return 0
+        cur = await new.execute(
+            "INSERT INTO pgmesh.auto_identity SELECT c.oid FROM unnest(%s::text[]) t"
+            " JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(t) AND c.relreplident = 'f'"
+            " ON CONFLICT DO NOTHING",
+            [names],
+        )
+        return cur.rowcount
+    except psycopg.Error as exc:
+        raise PgmeshError(f"cannot take over the donor's replica identities: {describe(exc)}",
+                          sqlstate=exc.sqlstate) from None

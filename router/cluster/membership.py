@@ -48,7 +48,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 import psycopg
@@ -59,7 +59,7 @@ from protocol.lsn import format_lsn, parse_lsn
 from router.applied import position_sql
 from router.cluster.checks import ADMIN_SETUP, InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
-from router.cluster.joining import pin_sources, unpin
+from router.cluster.joining import copy_auto_identity, pin_sources, unpin
 from router.cluster.part import one as _one
 from router.cluster.part import read_parted, unmark_parted, without_parted
 from router.cluster.partial import is_partial, reaches
@@ -100,7 +100,20 @@ class JoinReport(msgspec.Struct, frozen=True):
     bytes: int
     copy_seconds: float
     seconds: float
-    attempts: int = 1  # more when the join gave way to the application's locks and started again
+    attempts: int = 1  # more when the join started again with a new snapshot (a table rewritten...)
+    rounds: int = 1  # copies under the last snapshot: more when the join gave way to the application
+    truncated: tuple[str, ...] = ()  # not copied: truncated after the snapshot (the stream replays it)
+
+
+class _Attempt(NamedTuple):
+    """The attempt that copied: where the new node reads each source from, the snapshot's LSN, the copy's
+    report, what the schema restore left for later (router.cluster.sync.schema.SchemaRestore)."""
+
+    positions: dict[str, str]
+    snapshot_lsn: str
+    copied: Any
+    restore: Any
+    attempts: int
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,8 +231,9 @@ async def join_node(
     if is_partial(source_node):  # (router.cluster.partial)
         raise ConfigError(f"node {source_node.name} holds part of the data: it cannot be a donor")
     conns: dict[str, Conn] = {}
+    members: dict[str, Conn] = {}
     unreachable: list[str] = []
-    held = False
+    held = pinned = False
     for node in config.nodes:
         try:
             conns[node.name] = await _connect(node)
@@ -251,6 +265,7 @@ async def join_node(
         else:
             await uninstall(config, name)  # pgmesh objects of an earlier membership, if any
         await _mark(target, source_node.name)
+        pinned = True  # from here on, a join that fails removes its pins (they keep WAL on every member)
         report = await _join_attempts(
             config, new, source_node, others, conns, progress, fail_copy, (lock_wait_s, slot_wait_s)
         )
@@ -260,9 +275,15 @@ async def join_node(
             held = await _hold_router(config, members, busy)
         await _check_pins(members, config, name)
         await unmark_parted(config, name)
+        pinned = False  # installed: the pins keep the node out of the members until its positions are set
         for line in await install(config, checked):
             logger.info("%s", line)
-        for source, lsn in report[0].items():
+        from router.cluster.sync.schema import restore_defaults
+
+        restored = await restore_defaults(new, report.restore)  # they may call pgmesh's functions
+        logger.info("node %s: %d column defaults restored", name, restored)
+        await copy_auto_identity(conns[source_node.name], target)
+        for source, lsn in report.positions.items():
             await target.execute(
                 "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", [config.origin_name(source), lsn]
             )
@@ -271,6 +292,12 @@ async def join_node(
             )
         await unpin(members, name)  # a member now: its own positions hold the sources' slots
         await target.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(MARKER_SCHEMA)))
+    except BaseException:
+        if pinned:  # nothing of the new node is installed: its pins only keep WAL
+            with contextlib.suppress(PgmeshError):
+                await asyncio.shield(unpin(members, name))
+                logger.info("join of %s failed: its pins on %s removed", name, ", ".join(members))
+        raise
     finally:
         for conn in conns.values():
             await conn.close()
@@ -278,11 +305,12 @@ async def join_node(
             await ask_router(config, "POST", "/release")
     for line in await standby_names(config, waiting=True, only=[name]):  # last, as init (docs/synchronous.md)
         logger.info("%s", line)
-    positions, snapshot_lsn, copied, attempts = report
+    copied = report.copied.report
     return JoinReport(
-        node=name, donor=source_node.name, snapshot_lsn=snapshot_lsn, positions=positions,
+        node=name, donor=source_node.name, snapshot_lsn=report.snapshot_lsn, positions=report.positions,
         tables=len(copied.tables), rows=copied.rows, bytes=copied.bytes, copy_seconds=copied.seconds,
-        seconds=time.monotonic() - started, attempts=attempts,
+        seconds=time.monotonic() - started, attempts=report.attempts, rounds=report.copied.rounds,
+        truncated=report.copied.truncated,
     )
 
 
@@ -377,10 +405,11 @@ async def _join_attempts(
     progress: Callable[[Any], None] | None,
     fail_copy: bool,
     waits: tuple[float, float],
-) -> tuple[dict[str, str], str, Any, int]:
+) -> _Attempt:
     """`_copy_from_donor` until it succeeds, or fails in a way `retry_join` does not retry: an attempt
     that met a lock wait (it gave way to the application) is rolled back on the new node and started
     again with a new snapshot. Spark (its JVM) is kept between attempts."""
+    from router.cluster.sync.rounds import end_copy_sessions
     from router.cluster.sync.spark import reuse_spark
 
     reuse = reuse_spark()
@@ -398,13 +427,13 @@ async def _join_attempts(
                     raise
                 logger.warning("join %s, attempt %d: %s; starting again with a new snapshot",
                                new.name, attempt, exc)
-                await _end_copy_sessions(conns[new.name], _join_tag(config))
+                await end_copy_sessions(conns[new.name], _join_tag(config))
                 for line in await _clean_new_node(conns[new.name], config, new.name):
                     logger.info("node %s: %s", new.name, line)
                 await _mark(conns[new.name], donor.name)
                 await asyncio.sleep(min(attempt, 5) * 0.5)  # the application's statement runs meanwhile
                 continue
-            return (*found, attempt)
+            return _Attempt(*found, attempts=attempt)
     finally:
         await asyncio.to_thread(reuse.__exit__, None, None, None)  # stops Spark (seconds): off the loop
 
@@ -418,11 +447,11 @@ async def _copy_from_donor(
     progress: Callable[[Any], None] | None,
     fail_copy: bool,
     waits: tuple[float, float],
-) -> tuple[dict[str, str], str, Any]:
-    """One attempt: snapshot, locks and plan, positions, schema, rows (docs/join.md, "Locks")."""
-    from router.cluster.sync.copy import CopyAbort, copy_snapshot
-    from router.cluster.sync.locks import SnapshotLocks, give_way
-    from router.cluster.sync.schema import dump_and_restore_pre_data, restore_post_data
+) -> tuple[dict[str, str], str, Any, Any]:
+    """One attempt: snapshot, positions, then (router.cluster.sync.rounds) locks and plan, schema, rows
+    (docs/join.md, "Locks")."""
+    from router.cluster.sync.rounds import Rounds, copy_in_rounds
+    from router.cluster.sync.schema import restore_post_data
 
     tag = _join_tag(config)
     lock_wait_s, slot_wait_s = waits
@@ -432,62 +461,20 @@ async def _copy_from_donor(
         positions = await _positions(config, donor, others, conns[donor.name], created.consistent_point)
     snapshot = created.snapshot
     assert snapshot is not None
-    abort = CopyAbort()
-    watch = asyncio.create_task(give_way(donor.dsn, tag, abort, lock_wait_s=lock_wait_s, node=donor.name))
-    locks: SnapshotLocks | None = None
     with tempfile.TemporaryDirectory(prefix="pgmesh-join-") as tmp:
         try:
             await slot.close()  # the temporary slot goes; the holder keeps the snapshot
             tables = await replicated_tables(conns[donor.name], config)  # those in the snapshot are copied
             tables = [t for t in tables if reaches(new, f"{t[0]}.{t[1]}")]  # (a partial node's: its own)
-            # the tables as the snapshot sees them, locked (bounded wait) and planned in one session
-            locks = await asyncio.to_thread(
-                SnapshotLocks.open, donor.dsn, snapshot.name, tables, lock_wait_s=lock_wait_s,
-                application_name=f"{tag}-locks", node=donor.name,
-            )
-            restore = await dump_and_restore_pre_data(new, donor, snapshot.name, Path(tmp), tag, lock_wait_s)
-            abort.check()
-            if fail_copy:
-                raise PgmeshError("the copy was stopped (test hook)", node=new.name)
-            copied = await asyncio.to_thread(
-                copy_snapshot, donor.dsn, new.dsn, snapshot.name, locks.tables,
-                spark_master=config.sync.spark_master, partitions_per_table=config.sync.partitions_per_table,
-                spark_conf=config.sync.spark_conf, progress=progress, leaves=locks.leaves, abort=abort,
-                application_name=f"{tag}-copy", lock_wait_s=lock_wait_s,
-            )
-            abort.check()
-        except (PgmeshError, psycopg.Error) as exc:
-            if abort.error is not None and exc is not abort.error:
-                raise abort.error from None  # the join gave way: that is why this step failed
-            if isinstance(exc, psycopg.Error):  # a donor session's (its lock_timeout ran out...)
-                raise PgmeshError(f"reading the donor failed: {describe(exc)}", node=donor.name,
-                                  sqlstate=exc.sqlstate) from None
-            raise
+            job = Rounds(config, donor, new, conns[new.name], snapshot.name, tables, tag, lock_wait_s,
+                         Path(tmp))
+            done = await copy_in_rounds(job, progress, fail_copy)
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-            if locks is not None:
-                await asyncio.to_thread(locks.close)  # the application's statements go on
             await snapshot.close()
             await slot.close()
-        await restore_post_data(new, restore, Path(tmp))
+        await restore_post_data(new, done.restore, Path(tmp))
     await _copy_sequences(conns[donor.name], conns[new.name])
-    return positions, format_lsn(created.consistent_point), copied
-
-
-async def _end_copy_sessions(target: Conn, tag: str) -> None:
-    """End the copy's sessions left on the new node by a stopped attempt (a cancelled Spark task's
-    session ends when it notices its client went): their locks would hold up the clean-up."""
-    query = (
-        "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity"
-        " WHERE starts_with(application_name, %s) AND pid <> pg_backend_pid()"
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if await _one(target, query, [tag]) is None:
-            return
-        await asyncio.sleep(0.2)
+    return positions, format_lsn(created.consistent_point), done, done.restore
 
 
 async def _join_slot(
@@ -570,11 +557,41 @@ async def cmd_join(config: Config, node: str, *, donor: str | None = None, force
           f" {report.tables} tables, {report.rows:,} rows, {mb:,.1f} MB copied in {report.copy_seconds:.1f} s"
           f" ({rate:,.1f} MB/s); {report.seconds:.1f} s in all")
     if report.attempts > 1:
-        print(f"  {report.attempts} attempts: the join gave way to the application's locks and started again")
+        print(f"  {report.attempts} attempts: the join started again with a new snapshot (see the log)")
+    if report.rounds > 1:
+        print(f"  {report.rounds} rounds: the join gave way to the application's locks and copied again")
+    if report.truncated:
+        print(f"  not copied, truncated after the snapshot (the new node replays the TRUNCATE and what"
+              f" follows): {', '.join(report.truncated)}")
     for source, lsn in sorted(report.positions.items()):
         print(f"  reads {source} from {lsn}")
-    print("start `pgmesh run` with this config: the new node's links show catching up, then streaming")
+    print(await _next_step(config, report.node))
     return 0
+
+
+async def _next_step(config: Config, node: str, wait_s: float = 30.0) -> str:
+    """What to do after the join: nothing when a router answers on the admin listener (released by the
+    join, it starts again with the new node: its links are waited for, at most `wait_s`), else start
+    one."""
+    deadline = time.monotonic() + wait_s
+    answered = False
+    while True:
+        answer = await ask_router(config, "GET", "/status", limit=10.0)
+        if answer is None and not answered:
+            break  # no router runs
+        if answer is not None and answer[0] == 200:
+            answered = True
+            links = msgspec.json.decode(answer[1]).get("links", [])
+            if any(node in (link.get("source"), link.get("target")) for link in links):
+                return (f"the running router has taken node {node} in: its links catch up, then stream"
+                        " (`pgmesh status`)")
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    if answered:
+        return (f"a router answers on {config.admin.listen} but shows no link of node {node} after"
+                f" {wait_s:g} s: check its log and `pgmesh status`")
+    return "start `pgmesh run` with this config: the new node's links show catching up, then streaming"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -75,11 +75,17 @@ def find_pg_bindir(major: int | None = None) -> Path:
         raise LocalNodeError(str(exc)) from None
 
 
-def _bindirs(versions: Sequence[int | None]) -> list[Path]:
-    """One binary directory per requested major version (None: the default), each looked up once."""
-    found: dict[int | None, Path] = {}
+def _bindirs(versions: Sequence[int | Path | None]) -> list[Path]:
+    """One binary directory per requested major version (None: the default), each looked up once; a
+    `Path` is a binary directory asked for by itself (a minor release beside the installed one, e.g. a
+    15.20 unpacked from Debian's package), used when it holds a server."""
+    found: dict[int | Path | None, Path] = {}
     for major in versions:
-        if major not in found:
+        if isinstance(major, Path):
+            if pgbin.major_version(major) is None:
+                raise LocalNodeError(f"no PostgreSQL server (postgres, initdb, pg_ctl) in {major}")
+            found[major] = major
+        elif major not in found:
             found[major] = find_pg_bindir(major)
     return [found[major] for major in versions]
 
@@ -467,7 +473,7 @@ def _prepare_databases(nodes: Sequence[LocalNode]) -> None:
 def create_nodes(
     names: Sequence[str],
     *,
-    versions: Sequence[int | None] | None = None,
+    versions: Sequence[int | Path | None] | None = None,
     base_dir: Path | None = None,
     settings: Mapping[str, str] | None = None,
     password: str | None = None,
@@ -475,14 +481,15 @@ def create_nodes(
     """Create, configure and start one cluster per name, each with database `app`.
 
     `versions` gives each node's PostgreSQL major version, in the order of `names` (None, or no list:
-    the default binaries of `find_pg_bindir()`). `base_dir` is the parent of the per-node directories
-    (default: the system temp dir). `settings` override the postgresql.conf defaults; `password`
-    switches TCP auth to scram-sha-256 for `postgres`. On failure every node created so far is
-    destroyed and a LocalNodeError is raised (also when a requested version is not installed).
+    the default binaries of `find_pg_bindir()`; a `Path`: that binary directory). `base_dir` is the
+    parent of the per-node directories (default: the system temp dir). `settings` override the
+    postgresql.conf defaults; `password` switches TCP auth to scram-sha-256 for `postgres`. On failure
+    every node created so far is destroyed and a LocalNodeError is raised (also when a requested
+    version is not installed).
     """
     if len(set(names)) != len(names):
         raise LocalNodeError(f"node names must be distinct: {list(names)}")
-    wanted = [None] * len(names) if versions is None else list(versions)
+    wanted: list[int | Path | None] = [None] * len(names) if versions is None else list(versions)
     if len(wanted) != len(names):
         raise LocalNodeError(f"one version per node: {list(names)} but versions {wanted}")
     bindirs = _bindirs(wanted)

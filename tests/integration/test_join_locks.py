@@ -199,10 +199,30 @@ async def test_the_lock_holder_plans_under_its_locks_and_sees_the_snapshots_tabl
         finally:
             await asyncio.to_thread(locks.close)
         await execute(dsn, 'TRUNCATE "scratch"')  # once the holder is gone, the application goes on
-        with pytest.raises(PgmeshError, match="truncated or rewritten") as rewritten:
-            await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, [("public", "scratch")], lock_wait_s=1,
+        # truncated after the snapshot: not copied (the new node replays the TRUNCATE), not locked
+        wanted = [("public", "acct"), ("public", "scratch")]
+        locks = await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, wanted, lock_wait_s=1,
+                                        application_name="test-locks")
+        try:
+            assert locks.truncated == ["public.scratch"], locks.truncated
+            assert [t.name for t in locks.tables] == ["acct"] and [lf.name for lf in locks.leaves] == ["acct"]
+            await execute(dsn, 'TRUNCATE "scratch"')  # no longer waits for the join
+        finally:
+            await asyncio.to_thread(locks.close)
+        # VACUUM FULL moves the rows with their versions: the snapshot still sees them, copied as usual
+        await execute(dsn, 'VACUUM FULL "acct"')
+        locks = await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, [("public", "acct")],
+                                        lock_wait_s=1, application_name="test-locks")
+        try:
+            assert locks.truncated == [] and [lf.name for lf in locks.leaves] == ["acct"]
+        finally:
+            await asyncio.to_thread(locks.close)
+        # a rewriting ALTER TABLE: the snapshot's rows cannot be read any more, a new snapshot is needed
+        await execute(dsn, 'ALTER TABLE "acct" ALTER COLUMN "v" TYPE bigint')
+        with pytest.raises(PgmeshError, match="rewritten after the join's snapshot") as rewritten:
+            await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, [("public", "acct")], lock_wait_s=1,
                                     application_name="test-locks")
-        assert rewritten.value.sqlstate == "40001" and rewritten.value.relation == "public.scratch"
+        assert rewritten.value.sqlstate == "40001" and rewritten.value.relation == "public.acct"
         async with await psycopg.AsyncConnection.connect(dsn) as app:  # a lock held in an open transaction
             await app.execute('LOCK TABLE "big" IN ACCESS EXCLUSIVE MODE')
             with pytest.raises(PgmeshError, match="could not lock the tables to copy within 1 s") as late:

@@ -11,11 +11,22 @@ the holder never queues. The sessions that still need locks of their own (the sc
 tasks) wait at most `lock_timeout`, and `pgmesh join` gives way to an application session that waits
 for a lock of the join's (router.cluster.membership).
 
+A relation whose file is no longer the snapshot's was truncated or rewritten after the snapshot (neither
+is MVCC-safe: the snapshot sees the new file, whose rows it cannot see). One the snapshot sees empty and
+whose catalog rows are otherwise the snapshot's (columns, defaults, access method, persistence: nothing
+an ALTER TABLE that rewrites would change) was truncated: it needs no copy, since the TRUNCATE committed
+after the snapshot is in the stream the new node reads (the donor's own after L, another node's after
+P_X), and the new node replays it and what follows. Such tables are left out and no longer locked, so
+an application that truncates them every few seconds no longer meets the join (`truncated`). Any other
+(an ALTER TABLE that rewrote it) means a new snapshot (SQL state 40001). VACUUM FULL, CLUSTER and SET
+TABLESPACE keep the rows the snapshot sees, so a relation they moved is copied as usual.
+
 Owns: the holder session (REPEATABLE READ READ ONLY, `SET TRANSACTION SNAPSHOT`, `lock_timeout`), the
-LOCK statement, the check that each relation's file is still the snapshot's, reading columns (as the
-snapshot sees them: the schema the dump restores) and leaves with their COPY format
-(router.cluster.sync.copy.plan_leaves); and `give_way`, the watch that stops a join attempt when an
-application session has waited too long for one of the join's locks.
+LOCK statement, the check that each relation's file is still the snapshot's and what it means (above),
+reading columns (as the snapshot sees them: the schema the dump restores) and leaves with their COPY
+format (router.cluster.sync.copy.plan_leaves); and `give_way`, the watch that stops a join attempt (or
+round, router.cluster.membership) when an application session has waited too long for one of the
+join's locks.
 
 Must not: wait for a lock without a lock_timeout, write anything, decide whether a join attempt is
 tried again (router.errors.retry_join does), or put a DSN in a message.
@@ -52,13 +63,24 @@ FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamesp
 WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
 ORDER BY n.nspname, c.relname
 """
-# Relations whose file is no longer the one the snapshot knew: TRUNCATE or a rewriting ALTER TABLE
-# committed between the snapshot and the lock; the snapshot would see them empty (neither is MVCC-safe).
+# Relations whose file is no longer the one the snapshot knew: TRUNCATE, a rewriting ALTER TABLE, VACUUM
+# FULL... committed between the snapshot and the lock (`_changed`).
 _REWRITTEN_SQL: Final = """
-SELECT format('%%I.%%I', n.nspname, c.relname)
+SELECT c.oid::int8, n.nspname, c.relname
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
   AND c.relfilenode IS DISTINCT FROM pg_catalog.pg_relation_filenode(c.oid)
+"""
+# What a rewriting ALTER TABLE changes in a relation's catalog rows besides its file (a TRUNCATE changes
+# none of it): its columns' and defaults' row versions, its access method and persistence. Read under the
+# snapshot (the holder) and as committed now (a session of its own), and compared.
+_CATALOG_SQL: Final = """
+SELECT c.oid::int8, c.relam::int8, c.relpersistence::text,
+       array(SELECT a.attnum || ':' || a.xmin::text FROM pg_catalog.pg_attribute a
+             WHERE a.attrelid = c.oid AND a.attnum > 0 ORDER BY a.attnum)::text,
+       array(SELECT d.adnum || ':' || d.xmin::text FROM pg_catalog.pg_attrdef d
+             WHERE d.adrelid = c.oid ORDER BY d.adnum)::text
+FROM pg_catalog.pg_class c WHERE c.oid = ANY(%s::oid[])
 """
 
 
@@ -66,13 +88,16 @@ class SnapshotLocks:
     """The open holder: `tables` (what to copy, as the snapshot sees them) and `leaves` (the plan's
     input). Keep it open until the copy has ended; `close()` ends its transaction and its locks."""
 
-    __slots__ = ("_conn", "leaves", "pid", "tables")
+    __slots__ = ("_conn", "leaves", "pid", "tables", "truncated")
 
-    def __init__(self, conn: psycopg.Connection[Any], tables: list[CopyTable], leaves: list[Leaf]) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], tables: list[CopyTable], leaves: list[Leaf], truncated: list[str]
+    ) -> None:
         self._conn = conn
         self.pid = conn.info.backend_pid
         self.tables = tables
         self.leaves = leaves
+        self.truncated = truncated  # tables truncated after the snapshot: not copied, not locked
 
     @classmethod
     def open(
@@ -87,19 +112,31 @@ class SnapshotLocks:
     ) -> SnapshotLocks:
         """Import `snapshot`, lock `tables`, check and plan them. Blocking: run it in a thread.
 
-        Raises `PgmeshError` with SQL state 55P03 when a lock was not granted within `lock_wait_s`,
-        and 40001 when a table was truncated or rewritten after the snapshot: both mean "take a new
-        snapshot and start again" (`router.errors.retry_join`).
+        Tables truncated after the snapshot are left out (`truncated`; the holder then locks again
+        without them). Raises `PgmeshError` with SQL state 55P03 when a lock was not granted within
+        `lock_wait_s`, and 40001 when a table was rewritten (by ALTER TABLE) after the snapshot: both
+        mean "take a new snapshot and start again" (`router.errors.retry_join`).
         """
-        try:
-            conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
-        except psycopg.Error as exc:
-            raise PgmeshError(f"cannot connect: {describe(exc)}", node=node, sqlstate=exc.sqlstate) from None
-        try:
-            return cls(conn, *_lock_and_plan(conn, snapshot, tables, lock_wait_s, node))
-        except BaseException:
-            _close(conn)
-            raise
+        truncated: list[str] = []
+        wanted = list(tables)
+        while True:
+            try:
+                conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
+            except psycopg.Error as exc:
+                raise PgmeshError(f"cannot connect: {describe(exc)}", node=node,
+                                  sqlstate=exc.sqlstate) from None
+            try:
+                seen, leaves, emptied = _lock_and_plan(conn, dsn, snapshot, wanted, lock_wait_s, node)
+            except BaseException:
+                _close(conn)
+                raise
+            if not emptied:
+                return cls(conn, seen, leaves, truncated)
+            _close(conn)  # not to hold them: the application truncates them again meanwhile
+            truncated += [f"{schema}.{name}" for schema, name in emptied]
+            logger.info("node %s: %s truncated after the join's snapshot: not copied (the new node replays"
+                        " the TRUNCATE and what follows)", node, ", ".join(truncated[-len(emptied):]))
+            wanted = [t for t in wanted if tuple(t) not in emptied]
 
     def close(self) -> None:
         """End the holder's transaction: its locks go, and the application's waiting statements run."""
@@ -114,9 +151,9 @@ def _close(conn: psycopg.Connection[Any]) -> None:
 
 
 def _lock_and_plan(
-    conn: psycopg.Connection[Any], snapshot: str, tables: Sequence[tuple[str, str]], lock_wait_s: float,
-    node: str,
-) -> tuple[list[CopyTable], list[Leaf]]:
+    conn: psycopg.Connection[Any], dsn: str, snapshot: str, tables: Sequence[tuple[str, str]],
+    lock_wait_s: float, node: str,
+) -> tuple[list[CopyTable], list[Leaf], set[tuple[str, str]]]:
     conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(max(1, round(lock_wait_s * 1000)))))
     conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
     try:
@@ -133,7 +170,7 @@ def _lock_and_plan(
         logger.info("table %s.%s is not in the snapshot (created after it): its DDL and rows come from "
                     "the donor's stream", schema, name)
     if not seen:
-        return [], []
+        return [], [], set()
     relations = sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in seen)
     try:
         conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(relations))
@@ -148,15 +185,47 @@ def _lock_and_plan(
         ) from None
     leaves = plan_leaves(conn, seen, node=node)
     names_of_leaves = ([leaf.schema for leaf in leaves], [leaf.name for leaf in leaves])
-    rewritten = [row[0] for row in conn.execute(_REWRITTEN_SQL, names_of_leaves).fetchall()]
+    changed = {int(oid): (str(schema), str(name))
+               for oid, schema, name in conn.execute(_REWRITTEN_SQL, names_of_leaves).fetchall()}
+    if not changed:
+        return seen, leaves, set()
+    emptied, moved = _classify(conn, dsn, changed, node)
+    rewritten = sorted(f"{schema}.{name}" for schema, name in moved)
     if rewritten:
         raise PgmeshError(
-            "truncated or rewritten after the join's snapshot (by TRUNCATE or ALTER TABLE): "
-            + ", ".join(rewritten),
+            "rewritten after the join's snapshot (by ALTER TABLE): " + ", ".join(rewritten),
             node=node, relation=rewritten[0], sqlstate="40001",
             hint="the join tries again with a new snapshot",
         )
-    return seen, leaves
+    hit = {leaf.table for leaf in leaves if (leaf.schema, leaf.name) in emptied}
+    leaves = [leaf for leaf in leaves if (leaf.schema, leaf.name) not in emptied]
+    copied = {leaf.table for leaf in leaves}  # a table with a leaf left to copy stays (and locked)
+    return seen, leaves, {(seen[i].schema, seen[i].name) for i in hit - copied}
+
+
+def _classify(
+    conn: psycopg.Connection[Any], dsn: str, changed: dict[int, tuple[str, str]], node: str
+) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Of the relations whose file changed since the snapshot: those truncated and those rewritten by
+    ALTER TABLE (module docstring). The others (the snapshot still sees their rows: VACUUM FULL, CLUSTER,
+    SET TABLESPACE) are copied as usual."""
+    oids = list(changed)
+    then = {row[0]: row[1:] for row in conn.execute(_CATALOG_SQL, [oids]).fetchall()}
+    try:
+        with psycopg.connect(dsn, autocommit=True, application_name="pgmesh join catalog") as now_conn:
+            now = {row[0]: row[1:] for row in now_conn.execute(_CATALOG_SQL, [oids]).fetchall()}
+    except psycopg.Error as exc:
+        raise PgmeshError(f"cannot read the catalog: {describe(exc)}", node=node,
+                          sqlstate=exc.sqlstate) from None
+    emptied: set[tuple[str, str]] = set()
+    rewritten: set[tuple[str, str]] = set()
+    for oid, name in changed.items():
+        row = conn.execute(sql.SQL("SELECT NOT EXISTS (SELECT FROM ONLY {})").format(sql.Identifier(*name)))
+        if not (row.fetchone() or (False,))[0]:
+            continue  # its rows kept their versions: the snapshot sees them
+        same = then.get(oid) is not None and then.get(oid) == now.get(oid)
+        (emptied if same else rewritten).add(name)
+    return emptied, rewritten
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,8 +6,12 @@ Owns: finding pg_dump / pg_restore of the right major version (that of the newer
 node: a pg_dump refuses a server newer than itself, and its output must load into the new node; see
 `needed_major`, `choose_client_dir`), their environment (the connection as PG* variables, so no password
 shows on a command line), the TOC entries left out (pgmesh's event and tombstone triggers: `pgmesh init`
-installs them fresh), and turning a failed run into a `PgmeshError` (SQL state 55P03 when its
-lock_timeout ran out: the join starts again).
+installs them fresh) or held back (column defaults: one may call a function of pgmesh's schema, e.g.
+`pgmesh.snowflake_nextval` after `pgmesh sequences convert`, which exists on the new node only once
+`pgmesh init` installed it: `restore_defaults` runs them then), column options the new node does not
+accept (`pg_attribute.attoptions` such as Debian 15.20's `pg_attver`, which an 18 server refuses: they
+are dropped, `refused_options`), and turning a failed run into a `PgmeshError` (SQL state 55P03 when
+its lock_timeout ran out: the join starts again).
 
 Must not: put a DSN or a password on a command line or in a message, or wait for a lock on the donor
 without the lock_timeout it is given.
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 import psycopg.conninfo
+from psycopg import sql
 
 from router.cluster import pgbin
 from router.config import PGMESH_SCHEMA, NodeConfig
@@ -34,11 +39,15 @@ from router.errors import PgmeshError, describe
 
 __all__ = [
     "ClientDir",
+    "SchemaRestore",
     "choose_client_dir",
     "client_dir_for",
+    "drop_options",
     "dump_and_restore_pre_data",
     "find_client_dir",
     "needed_major",
+    "refused_options",
+    "restore_defaults",
     "restore_post_data",
     "run_tool",
     "server_major",
@@ -57,6 +66,21 @@ _ENV_KEYS: Final = {
 }
 # TOC entries of the donor's dump that pgmesh installs itself on the new node.
 _SKIP_TOC: Final = re.compile(r" (EVENT TRIGGER|TRIGGER \S+ \S+ pgmesh_tombstone) ")
+# Column defaults (pre-data): restored once pgmesh is installed (`restore_defaults`).
+_DEFAULT_TOC: Final = re.compile(r"^\d+; \d+ \d+ DEFAULT ")
+# The statement pg_dump writes for a column's options (pg_attribute.attoptions), one line each.
+_ATTOPTIONS_LINE: Final = re.compile(r"^(ALTER (?:FOREIGN )?TABLE ONLY .+ ALTER COLUMN .+ SET )\((.*)\);$")
+# Every option key the donor's user columns carry, with one value each (to try it on the new node).
+_OPTION_KEYS_SQL: Final = """
+SELECT split_part(o, '=', 1), min(substr(o, strpos(o, '=') + 1))
+FROM pg_catalog.pg_attribute a
+JOIN pg_catalog.pg_class c ON c.oid = a.attrelid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+CROSS JOIN LATERAL unnest(a.attoptions) o
+WHERE a.attnum > 0 AND NOT a.attisdropped AND n.nspname <> ALL(%s) AND n.nspname NOT LIKE 'pg\\_%%'
+GROUP BY 1 ORDER BY 1
+"""
+_PROBE: Final = "ALTER TABLE pgmesh_join_probe ALTER COLUMN c SET ({} = {})"
 
 
 class ClientDir(NamedTuple):
@@ -188,11 +212,19 @@ async def run_tool(
     return done.stdout
 
 
+class SchemaRestore(NamedTuple):
+    """What the pre-data restore leaves for later: the pg_restore command of the post-data part, and the
+    column defaults held back until pgmesh is installed on the new node (SQL, empty when none)."""
+
+    command: list[str]
+    defaults: str
+
+
 async def dump_and_restore_pre_data(
     new: NodeConfig, donor: NodeConfig, snapshot: str, tmp: Path, tag: str, lock_wait_s: float
-) -> list[str]:
+) -> SchemaRestore:
     """Dump the schema at the snapshot (its locks wait at most `lock_wait_s`), restore its pre-data part
-    on the new node; the pg_restore command for the post-data part (`restore_post_data`)."""
+    on the new node, column defaults and column options it refuses left out (module docstring)."""
     dump, listing = str(tmp / "schema.dump"), str(tmp / "schema.list")
     tools = await client_dir_for(new, donor)  # the dump and both restores: one version (the archive's)
     await run_tool(
@@ -204,17 +236,109 @@ async def dump_and_restore_pre_data(
     )
     toc = await run_tool([str(tools / "pg_restore"), "--list", dump], donor.dsn, "pg_restore --list",
                          donor.name)
-    kept = "\n".join(line for line in toc.splitlines() if not _SKIP_TOC.search(line))
-    await asyncio.to_thread(Path(listing).write_text, kept)
+    kept = [line for line in toc.splitlines() if not _SKIP_TOC.search(line)]
+    defaults = [line for line in kept if _DEFAULT_TOC.match(line)]
+    pre = "\n".join(line for line in kept if line not in defaults)
+    await asyncio.to_thread(Path(listing).write_text, pre)
+    defaults_sql = ""
+    if defaults:
+        held = str(tmp / "defaults.list")
+        await asyncio.to_thread(Path(held).write_text, "\n".join(defaults))
+        defaults_sql = await run_tool([str(tools / "pg_restore"), f"--use-list={held}", "--file=-", dump],
+                                      donor.dsn, "pg_restore of the column defaults", donor.name)
     restore = [
         str(tools / "pg_restore"), "--exit-on-error", "--single-transaction", f"--use-list={listing}",
         f"--dbname={_dbname(new.dsn)}",  # the rest of the connection comes through PG* variables
     ]
-    await run_tool([*restore, "--section=pre-data", dump], new.dsn, "restoring the schema", new.name)
-    return restore
+    refused = await refused_options(donor, new)
+    if refused:
+        await _restore_pre_data_without(new, tools, [*restore[:-1], "--section=pre-data", dump], refused, tmp)
+    else:
+        await run_tool([*restore, "--section=pre-data", dump], new.dsn, "restoring the schema", new.name)
+    return SchemaRestore(restore, _without_meta(defaults_sql))
 
 
-async def restore_post_data(new: NodeConfig, restore: list[str], tmp: Path) -> None:
+async def refused_options(donor: NodeConfig, new: NodeConfig) -> set[str]:
+    """The column option keys (`attoptions`) on the donor's user columns that the new node refuses: each
+    is tried there once, with a value the donor holds, on a temporary table in a transaction rolled back.
+    Debian's PostgreSQL 15.20 gives every column `pg_attver`, which other servers do not know."""
+    try:
+        async with await psycopg.AsyncConnection.connect(donor.dsn, autocommit=True) as conn:
+            cur = await conn.execute(_OPTION_KEYS_SQL, [["pg_catalog", "information_schema", PGMESH_SCHEMA]])
+            options = [(str(k), str(v)) for k, v in await cur.fetchall()]
+    except psycopg.Error as exc:
+        raise PgmeshError(f"reading column options failed: {describe(exc)}", node=donor.name,
+                          sqlstate=exc.sqlstate) from None
+    if not options:
+        return set()
+    refused: set[str] = set()
+    try:
+        async with await psycopg.AsyncConnection.connect(new.dsn, autocommit=True) as conn:
+            for key, value in options:
+                try:
+                    async with conn.transaction(force_rollback=True):
+                        await conn.execute("CREATE TEMPORARY TABLE pgmesh_join_probe (c int)")
+                        await conn.execute(sql.SQL(_PROBE).format(sql.Identifier(key), sql.Literal(value)))
+                except psycopg.errors.InvalidParameterValue:
+                    refused.add(key)
+    except psycopg.Error as exc:
+        raise PgmeshError(f"trying column options failed: {describe(exc)}", node=new.name,
+                          sqlstate=exc.sqlstate) from None
+    return refused
+
+
+def drop_options(script: str, refused: set[str]) -> tuple[str, int]:
+    """`script` (pg_restore's SQL) without the column options in `refused`; how many columns lost one."""
+    out, dropped = [], 0
+    for line in script.splitlines():
+        found = _ATTOPTIONS_LINE.match(line)
+        if found is not None:
+            options = [o for o in found.group(2).split(", ") if o.split("=", 1)[0] not in refused]
+            if len(options) < len(found.group(2).split(", ")):
+                dropped += 1
+                line = f"{found.group(1)}({', '.join(options)});" if options else ""
+        out.append(line)
+    return "\n".join(out) + "\n", dropped
+
+
+async def _restore_pre_data_without(
+    new: NodeConfig, tools: Path, restore: list[str], refused: set[str], tmp: Path
+) -> None:
+    """The pre-data part as SQL (pg_restore --file), without the refused column options, run by psql in
+    one transaction."""
+    script = await run_tool([*restore, "--file=-"], new.dsn, "pg_restore of the schema", new.name)
+    kept, dropped = drop_options(script, refused)
+    path = tmp / "pre-data.sql"
+    await asyncio.to_thread(path.write_text, kept)
+    logger.warning("node %s: column options %s left out of the schema copy on %d column(s): the node does"
+                   " not accept them", new.name, ", ".join(sorted(refused)), dropped)
+    psql = tools / "psql" if (tools / "psql").exists() else Path(shutil.which("psql") or "psql")
+    await run_tool([str(psql), "-X", "-q", "-v", "ON_ERROR_STOP=1", f"--dbname={_dbname(new.dsn)}",
+                    f"--file={path}"], new.dsn, "restoring the schema", new.name)
+
+
+def _without_meta(script: str) -> str:
+    """pg_restore's SQL without psql's meta-commands (`\\restrict`): for a driver to run."""
+    return "\n".join(line for line in script.splitlines() if not line.startswith("\\"))
+
+
+async def restore_post_data(new: NodeConfig, restore: SchemaRestore, tmp: Path) -> None:
     """Indexes, constraints and triggers on the new node, once its rows are in."""
-    await run_tool([*restore, "--section=post-data", str(tmp / "schema.dump")], new.dsn, "restoring indexes",
-                   new.name)
+    await run_tool([*restore.command, "--section=post-data", str(tmp / "schema.dump")], new.dsn,
+                   "restoring indexes", new.name)
+
+
+async def restore_defaults(new: NodeConfig, restore: SchemaRestore) -> int:
+    """The column defaults held back, once pgmesh is installed on the new node (they may call its
+    functions): one transaction, left on this node (`pgmesh.ddl_local`). How many."""
+    if not restore.defaults.strip():
+        return 0
+    try:
+        async with await psycopg.AsyncConnection.connect(new.dsn) as conn:
+            await conn.execute("SET LOCAL pgmesh.ddl_local = on")
+            await conn.execute(restore.defaults.encode())
+    except psycopg.Error as exc:
+        raise PgmeshError(f"restoring the column defaults failed: {describe(exc)}", node=new.name,
+                          sqlstate=exc.sqlstate,
+                          hint="run `pgmesh join` again (it starts over on the new node)") from None
+    return restore.defaults.count(" SET DEFAULT ")

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from router.cluster.sync import schema
-from router.cluster.sync.schema import ClientDir, choose_client_dir, find_client_dir, needed_major
+from router.cluster.sync.schema import (
+    ClientDir,
+    choose_client_dir,
+    drop_options,
+    find_client_dir,
+    needed_major,
+)
 from router.errors import PgmeshError
 
 
@@ -86,3 +92,20 @@ def test_the_version_probe_reads_pg_dump_and_needs_pg_restore(tmp_path: Path) ->
     assert schema._client_major(bindir) == 17
     (bindir / "pg_restore").unlink()
     assert schema._client_major(bindir) is None
+
+
+def test_column_options_the_new_node_refuses_are_dropped_and_the_others_kept() -> None:
+    script = "\n".join([
+        "CREATE TABLE public.acct (id integer NOT NULL, v text);",
+        "ALTER TABLE ONLY public.acct ALTER COLUMN id SET (pg_attver=26506696);",
+        "ALTER TABLE ONLY public.acct ALTER COLUMN v SET (n_distinct=-1, pg_attver=26506696);",
+        "ALTER TABLE ONLY public.\"odd, name\" ALTER COLUMN \"x\" SET (n_distinct=5);",
+    ])
+    kept, dropped = drop_options(script, {"pg_attver"})
+    assert dropped == 2
+    assert kept.splitlines() == [
+        "CREATE TABLE public.acct (id integer NOT NULL, v text);",
+        "",
+        "ALTER TABLE ONLY public.acct ALTER COLUMN v SET (n_distinct=-1);",
+        "ALTER TABLE ONLY public.\"odd, name\" ALTER COLUMN \"x\" SET (n_distinct=5);",
+    ]
