@@ -28,7 +28,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 
@@ -40,6 +40,7 @@ from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
 from router.apply.side import SideSession
+from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.cluster.clocks import LinkClock
 from router.config import Config, NodeConfig
@@ -120,6 +121,7 @@ class Applier(LinkView):
         self.user_paused = False
         self.drift: str | None = None  # held on schema drift (router.ddl.drift) until the schemas agree
         self._reread = False  # released from drift: the target's tables may have been fixed by hand
+        self.skip_lsn: int | None = None  # `pgmesh skip`: the transaction that ends there is left out
         self._large = LargeApply(self.link, self.link.run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
         # source's replication origin except while lanes run (then each takes it just to commit).
@@ -230,7 +232,25 @@ class Applier(LinkView):
             text = f"node {self.target.name}, LSN {format_lsn(lsn or 0)}: {describe(exc)}"
         self._resumed.clear()
         self._side.drop("the link paused on an error")
-        self.condition.move(LinkState.ERROR, f"applying {self.source}'s transaction: {text}")
+        at, skip = "", ""
+        if lsn is not None:  # the transaction by the LSN `pgmesh skip` takes (router.apply.skip)
+            at = f" ending at {format_lsn(lsn)}"
+            skip = (f"; to leave just this transaction out on {self.target.name}: `pgmesh skip --source"
+                    f" {self.source} --target {self.target.name} --lsn {format_lsn(lsn)}`")
+        self.condition.move(LinkState.ERROR, f"applying {self.source}'s transaction{at}: {text}{skip}")
+
+    async def skip(self, lsn: int, record: Callable[[], Awaitable[object]]) -> str:
+        """`pgmesh skip`: leave out the source's transaction that ends at `lsn` (router.apply.skip). A link
+        held on an error is stuck on one transaction: only that one may be named, and the link runs again.
+        `record` writes the skip on the target first (a restart remembers it); returns what will happen."""
+        stuck = self._held[0].end_lsn if self.condition.state is LinkState.ERROR and self._held else None
+        text = check_skip(lsn, link=self.name, target=self.target.name, applied=self.progress.applied,
+                          stuck=stuck)
+        await record()
+        self.skip_lsn = lsn
+        if stuck is not None:
+            self.resume()
+        return text
 
     async def _connect(self) -> None:
         link = self.link
@@ -243,6 +263,7 @@ class Applier(LinkView):
             self._held = []
         await link.load_tables()
         nodes, installed_at = await link.load_origins()
+        self.skip_lsn = await read_skip(link)
         self._careful.origin_nodes = nodes
         self._careful.mark = link.mark
         if installed_at is not None:
@@ -286,6 +307,8 @@ class Applier(LinkView):
                     release(txn)
             self.stats.skipped += len(self._held) - len(fresh)
             self._held = fresh
+            if fresh and self.skip_lsn is not None:
+                fresh = self._held = await self._skip(fresh, self.skip_lsn)
             if fresh:
                 await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
                 self._between.clear()
@@ -297,6 +320,34 @@ class Applier(LinkView):
             self._held = []
             if self._resumed.is_set():  # paused while the batch ran: it stays paused
                 self.condition.move(self._running(backlog=1000), keep_error=True)
+
+    async def _skip(self, fresh: list[Transaction], lsn: int) -> list[Transaction]:
+        """What is left to apply of `fresh` under a skip (router.apply.skip): those before the transaction
+        at `lsn` first (the rest back to the queue); that one left out; the skip dropped if none ends
+        there."""
+        at = due(fresh, lsn)
+        if at:
+            for txn in reversed(fresh[at:]):
+                self.queue.push_front(txn)
+            return fresh[:at]
+        if at is None:
+            return fresh
+        txn, self.skip_lsn = fresh[0], None
+        await self.link.take_origin()
+        if txn.end_lsn != lsn:
+            await drop_skip(self.link, lsn, txn)
+            return fresh
+        self._side.drop("a transaction is skipped")
+        self._between.clear()
+        try:
+            await skip_transaction(self.link, whole_transaction(txn))
+        finally:
+            self._between.set()
+        release(txn)
+        self.progress.on_applied(txn.end_lsn)
+        if self._on_applied is not None:  # (a synchronous source waits for it no more)
+            self._on_applied(self, txn)
+        return fresh[1:]
 
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""

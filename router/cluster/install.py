@@ -55,11 +55,13 @@ _INSTALL_LOCK: Final = 0x70676D657368  # "pgmesh"
 
 _LINKS_DDL: Final = sql.SQL(
     "CREATE TABLE IF NOT EXISTS {}.links (source text PRIMARY KEY, paused boolean NOT NULL DEFAULT false,"
-    " reason text, updated timestamptz NOT NULL DEFAULT now(), applied pg_lsn)"
+    " reason text, updated timestamptz NOT NULL DEFAULT now(), applied pg_lsn, skip_lsn pg_lsn)"
 )
 # `applied`: the applied mark (router.applied), empty until an applier first connects on 16+ (it starts
-# it from the origin there); an installation from before the mark gains the column, empty.
-_LINKS_MARK: Final = sql.SQL("ALTER TABLE {}.links ADD COLUMN IF NOT EXISTS applied pg_lsn")
+# it from the origin there); an installation from before the mark gains the column, empty. `skip_lsn`: the
+# transaction `pgmesh skip` leaves out (router.apply.skip), likewise.
+_LINKS_MARK: Final = sql.SQL("ALTER TABLE {}.links ADD COLUMN IF NOT EXISTS applied pg_lsn,"
+                             " ADD COLUMN IF NOT EXISTS skip_lsn pg_lsn")
 
 _DDL_AS_OWNER: Final = tuple(sql.SQL(text) for text in statements(__name__, "ddl_as_owner.sql"))
 

@@ -90,6 +90,12 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     return _run(cmd_resume(_config(args), args.target, source=args.source))
 
 
+def _cmd_skip(args: argparse.Namespace) -> int:
+    from router.ops.skip import cmd_skip
+
+    return _run(cmd_skip(_config(args), args.source, args.target, args.lsn))
+
+
 def _cmd_sequences(args: argparse.Namespace) -> int:
     from router.ops.control import cmd_sequences
 
@@ -259,6 +265,12 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--target", metavar="NODE", help="only links into this node (default: all)")
         command.add_argument("--source", metavar="NODE", help="only links from this node (default: all)")
         command.set_defaults(func=func)
+    skip = _with_config(sub, "skip", "leave out the one transaction a link is stuck on (by its LSN)")
+    skip.add_argument("--source", required=True, metavar="NODE", help="the link's source node")
+    skip.add_argument("--target", required=True, metavar="NODE", help="the node that leaves it out")
+    skip.add_argument("--lsn", required=True, metavar="X/Y",
+                      help="the LSN the transaction ends at, as the link's error and `pgmesh status` show it")
+    skip.set_defaults(func=_cmd_skip)
     return parser
 
 

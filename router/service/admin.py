@@ -1,9 +1,10 @@
 """The admin listener: the router's HTTP API on aiohttp's low-level server, inside the router's own loop.
 
 Owns: the routes (`GET /metrics`, `GET /healthz`, `GET /status`, `POST /pause` and `POST /resume`
-(`?target=NODE`, `?source=NODE`: the links into / from a node), and `POST /hold` / `POST /release` for a
-join while the router runs), how callback results and errors become responses, who may change state,
-where it listens and the bounds on what a client may send (docs/admin.md).
+(`?target=NODE`, `?source=NODE`: the links into / from a node), `POST /skip?source=A&target=B&lsn=X/Y`
+(`pgmesh skip`), and `POST /hold` / `POST /release` for a join while the router runs), how callback
+results and errors become responses, who may change state, where it listens and the bounds on what a
+client may send (docs/admin.md).
 
 Who may change state: every POST is refused when it carries an Origin header (a web page's, 403); over
 TCP it needs the router's token as `Authorization: Bearer` (401; router.service.admintoken); over the Unix
@@ -186,6 +187,7 @@ class AdminServer:
         "_resume",
         "_routes",
         "_runners",
+        "_skip",
         "_status",
         "_tls",
         "_token",
@@ -205,6 +207,7 @@ class AdminServer:
         health: Callable[[], tuple[bool, str]],
         hold: Callable[[str | None], Awaitable[object]] | None = None,
         release: Callable[[str | None], Awaitable[object]] | None = None,
+        skip: Callable[[str, str, str], Awaitable[object]] | None = None,
         read_timeout: float = READ_TIMEOUT,
         max_clients: int = MAX_CLIENTS,
         token: str | None = None,
@@ -235,6 +238,9 @@ class AdminServer:
             "/pause": ("POST", self._post_pause),
             "/resume": ("POST", self._post_resume),
         }
+        self._skip = skip
+        if skip is not None:  # (router.apply.skip)
+            self._routes["/skip"] = ("POST", self._post_skip)
         if hold is not None and release is not None:  # a router that can stop streaming for a join
             self._routes["/hold"] = ("POST", _calling(hold, "hold"))
             self._routes["/release"] = ("POST", _calling(release, "release"))
@@ -251,6 +257,7 @@ class AdminServer:
         health: Callable[[], tuple[bool, str]],
         hold: Callable[[str | None], Awaitable[object]] | None = None,
         release: Callable[[str | None], Awaitable[object]] | None = None,
+        skip: Callable[[str, str, str], Awaitable[object]] | None = None,
     ) -> AdminServer:
         """The listener `[admin]` describes, with the router's token (router.service.admintoken)."""
         section = config.admin
@@ -263,7 +270,7 @@ class AdminServer:
         tls = (str(Path(section.tls_cert).expanduser()), str(Path(section.tls_key).expanduser()))
         return cls(
             host, port, metrics=metrics, status=status, pause=pause, resume=resume, health=health,
-            hold=hold, release=release, token=router_token(config),
+            hold=hold, release=release, skip=skip, token=router_token(config),
             unix=str(Path(section.socket).expanduser()) if section.socket else None,
             tls=tls if section.tls_cert else None, read_timeout=section.header_timeout_ms / 1000,
         )
@@ -482,6 +489,16 @@ class AdminServer:
         target, source = _links_of(request)
         logger.info("admin: resume requested for %s", _links_text(target, source))
         return _json(200, await self._resume(target, source))
+
+    async def _post_skip(self, request: web.BaseRequest) -> web.Response:
+        names = ("source", "target", "lsn")
+        values = [request.query.getall(name, []) for name in names]
+        if set(request.query) - set(names) or any(len(v) != 1 or not v[0] for v in values):
+            raise _Reject(400, "give one source, one target and one lsn, and nothing else")
+        source, target, lsn = (v[0] for v in values)
+        logger.info("admin: skip requested on %s -> %s at %s", source, target, lsn)
+        assert self._skip is not None
+        return _json(200, await self._skip(source, target, lsn))
 
 
 def _calling(callback: Callable[[str | None], Awaitable[object]], what: str) -> _Handler:

@@ -24,6 +24,7 @@ import psycopg
 from protocol.lsn import format_lsn, parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
+from router.apply.skip import parse_skip, record_skip
 from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
 from router.cluster.part import members_only
@@ -346,6 +347,7 @@ class Router:
             self.admin = AdminServer.for_router(  # [admin]: listen, socket, TLS, the token
                 self.config, metrics=self.metrics, status=self.status, pause=self.pause,
                 resume=self.resume, health=self.health, hold=self.hold, release=self.release,
+                skip=self.skip,
             )
             await self.admin.start()
 
@@ -611,6 +613,19 @@ class Router:
                     continue
                 done.append(applier.name)
         return done
+
+    async def skip(self, source: str, target: str, lsn: str) -> str:
+        """`pgmesh skip` (router.apply.skip): the link source -> target leaves out the transaction that
+        ends at `lsn`, recorded on the target first; a refusal raises (the admin listener's 400)."""
+        self._check_nodes(source, target)
+        applier = self.appliers.get((source, target))
+        if applier is None:
+            raise LookupError(f"this router runs no link {source} -> {target}")
+        at, limit = parse_skip(lsn), self.config.replication.node_timeout_ms / 1000
+        query = self.targets[target].query
+        text = await applier.skip(at, lambda: record_skip(query, source, at, target, limit))
+        self.drift.poke()  # a DDL command left out may leave the schemas apart
+        return text
 
     def conflicts_decided(self) -> int:
         return self.reporter.conflicts_decided(self)

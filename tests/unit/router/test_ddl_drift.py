@@ -130,3 +130,31 @@ def test_release_keeps_an_operator_pause_and_an_error() -> None:
     assert (failed.state, failed.last_error) == (LinkState.SCHEMA_DRIFT, "drift")
     failed.release_drift()
     assert failed.state is LinkState.DOWN
+
+
+def test_what_fills_a_column_is_part_of_its_shape() -> None:
+    rows = [(T, "id", "bigint", True, ""), (T, "v", "text", False, "DEFAULT now()")]
+    assert shapes_from_rows(rows)[T] == (("id", "bigint", True), ("v", "text", False, "DEFAULT now()"))
+    found = compare({"a": shapes_from_rows(rows), "b": {T: BASE}, "c": {T: BASE}})
+    assert found[T].describe() == (
+        "table public.t differs on a: column v: text DEFAULT now() on a; text on b, c"
+    )
+
+
+def test_an_enum_in_another_order_is_drift_of_the_type() -> None:
+    def labels(text: str) -> dict[str, Shape]:
+        return shapes_from_rows([("type public.mood", "labels", text, False, "")])
+
+    found = compare({"a": labels("'sad', 'ok'"), "b": labels("'ok', 'sad'"), "c": labels("'sad', 'ok'")})
+    drift = found["type public.mood"]
+    assert (drift.kind, drift.table, drift.nodes) == ("type", "public.mood", ("b",))
+    assert drift.describe() == "type public.mood differs on b: labels: 'sad', 'ok' on a, c; 'ok', 'sad' on b"
+    assert drifted_nodes(found) == {"b": [drift]}
+
+
+def test_a_domain_missing_on_a_node_is_named_as_a_domain() -> None:
+    pos = shapes_from_rows([("domain public.pos", "definition", "integer", False, "CHECK ((VALUE > 0))")])
+    found = compare({"a": pos, "b": pos, "c": {}})
+    assert found["domain public.pos"].describe() == (
+        "domain public.pos differs on c: domain used on a, b; absent on c"
+    )
