@@ -29,9 +29,16 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
   the root otherwise, a DELETE of the rows within its bounds; tag TRUNCATE), replayed like DDL; a
   TRUNCATE of the root itself travels as pgoutput's Truncate alone;
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
-  cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY) and query strings that
-  mix DDL with transaction control (`ddl_statements` splits a query string into its top-level statements
-  as the server does: a function body, a DO block, a string or a comment is not transaction control);
+  cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY, DETACH PARTITION
+  CONCURRENTLY), query strings that mix DDL with transaction control or with statements that write rows
+  (the capture records the whole string, so the other nodes would write those rows a second time:
+  `ddl_writes`; `ddl_split`, in `sql/statements.sql`, splits a query string into its top-level statements
+  as the server does: a function body, a string or a comment is not a statement; a DO block's body is
+  looked into), ALTER COLUMN TYPE ... USING a non-immutable expression, and `ALTER TYPE ... ADD VALUE`
+  outside `pgmesh ddl` (labels added on two nodes at once would sort differently on each);
+- at `ddl_command_end`, an ADD COLUMN on an existing replicated table whose values each node would
+  compute itself (identity, serial, a default that is not immutable: `ddl_filled`) is refused, and a
+  partition detached from its root joins the publication when it matches `tables` (`ddl_detached`);
 - with `[ddl] mode = "locked"`, `ddl_capture` refuses a replicated command unless the session set
   `pgmesh.ddl = on` (`pgmesh ddl` does; `ALLOWED_SETTING`), or it is local or replayed by the router.
 
@@ -90,9 +97,12 @@ def glob_regex(patterns: Sequence[str]) -> str:
     return "^(" + "|".join(parts) + ")$" if parts else "^$.^"
 
 
-# known_columns and column_changes; the functions behind the event triggers (sql/*.sql, package data).
+# known_columns and column_changes; the functions behind the event triggers (sql/*.sql, package data):
+# those reading SQL text first (ddl_statements, a LANGUAGE sql function, names ddl_split when created)
 _TABLES: Final = tuple(sql.SQL(text) for text in statements(__name__, "columns.sql"))
-_FUNCTIONS: Final = tuple(sql.SQL(text) for text in statements(__name__, "capture.sql"))
+_FUNCTIONS: Final = tuple(
+    sql.SQL(text) for name in ("statements.sql", "capture.sql") for text in statements(__name__, name)
+)
 
 _EVENT_TRIGGERS: Final = (
     ("pgmesh_ddl_capture", "ddl_command_end", "ddl_capture"),

@@ -17,11 +17,28 @@ SET search_path = pg_catalog, pg_temp AS $body$
 $body$;
 
 -- The message's content is UTF-8 whatever the database's encoding (the text variant would carry the
--- server's bytes: LATIN1 on a LATIN1 database), as the router reads it.
-CREATE OR REPLACE FUNCTION {schema}.ddl_emit(content text) RETURNS void LANGUAGE sql SECURITY DEFINER
+-- server's bytes: LATIN1 on a LATIN1 database), as the router reads it. Every role may call this (the
+-- capture runs as the session's role), and the router replays the command as the role the message
+-- names (router/apply/link.py): so it names only a role this session may be (its login role, a role
+-- that role is a member of, any for a superuser), else it is refused. pg_logical_emit_message itself
+-- is not PUBLIC's on a pgmesh node (router/cluster/sql/ddl_as_owner.sql).
+CREATE OR REPLACE FUNCTION {schema}.ddl_emit(content text) RETURNS void LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT NULL::void FROM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl',
-                                                           pg_catalog.convert_to(content, 'UTF8'))
+DECLARE
+  author text := content::json ->> 'role';
+BEGIN
+  IF author IS DISTINCT FROM session_user::text
+     AND NOT (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = session_user)
+     AND (author IS NULL OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = author)
+          OR NOT pg_catalog.pg_has_role(session_user, author, 'MEMBER')) THEN
+    RAISE EXCEPTION 'pgmesh: DDL recorded as role % refused: session role % may not act as it', author,
+                    session_user
+      USING ERRCODE = '42501',
+            HINT = 'the other nodes replay DDL as the role that ran it: run it as a role this login may '
+                   'SET ROLE to (SECURITY DEFINER functions of other owners included)';
+  END IF;
+  PERFORM pg_catalog.pg_logical_emit_message(true, 'pgmesh.ddl', pg_catalog.convert_to(content, 'UTF8'));
+END
 $body$;
 
 -- Note that this node's schema changed (router/apply/applier.py reads it: SCHEMA_CHANGES in capture.py).
@@ -170,53 +187,23 @@ BEGIN
 END
 $body$;
 
--- The first thing a piece of SQL (ddl_split's code: no comments, strings written '') calls whose
--- volatility is among `kinds` ('v' volatile, 's' stable), going by any function of that name: a name
--- before '(' (not a type after '::'); with 's', also the SQL value functions that read the clock or the
--- session (CURRENT_TIMESTAMP, LOCALTIME, CURRENT_USER, ...). NULL when there is none.
-CREATE OR REPLACE FUNCTION {schema}.ddl_unstable(code text, kinds text) RETURNS text LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  m text[];
-  fn text;
-BEGIN
-  IF strpos(kinds, 's') > 0 THEN
-    m := regexp_match(code, '\m(current_timestamp|current_date|current_time|localtime|localtimestamp'
-                            '|current_user|current_role|session_user|current_catalog|current_schema)\M', 'i');
-    IF m IS NOT NULL THEN
-      RETURN upper(m[1]);
-    END IF;
-  END IF;
-  FOR m IN SELECT regexp_matches(code, '(::\s*)?(?:(?:[[:alpha:]_][[:alnum:]_$]*|"(?:[^"]|"")+")\s*\.\s*)?'
-                                       '([[:alpha:]_][[:alnum:]_$]*|"(?:[^"]|"")+")\s*\(', 'g') LOOP
-    CONTINUE WHEN m[1] IS NOT NULL;  -- a type modifier: '...'::timestamp(3)
-    fn := CASE WHEN m[2] LIKE '"%' THEN replace(substr(m[2], 2, length(m[2]) - 2), '""', '"') ELSE lower(m[2]) END;
-    IF EXISTS (SELECT 1 FROM pg_proc p WHERE p.proname = fn AND strpos(kinds, p.provolatile::text) > 0) THEN
-      RETURN fn || '()';
-    END IF;
-  END LOOP;
-  RETURN NULL;
-END
-$body$;
-
 -- Columns an ALTER TABLE just added to a replicated table (those known_columns does not list yet) whose
--- values the command computed on each node: an identity column (GENERATED ... AS IDENTITY, a sequence per
--- node), or a default that is not immutable (serial's nextval(), now(), CURRENT_TIMESTAMP, random(),
--- gen_random_uuid(), ...). Each node would fill the rows it holds with its own values, and rows in flight
--- from other nodes (also into an empty table) get their target's: refused where the command is typed,
--- whether the table has rows or not. A table created in this transaction is left alone: no other node
--- has it yet, so no row can be filled twice. A constant default and a STORED generated column (its
--- expression is immutable) give every node the same values.
+-- values the command computed on each node for the rows it holds: an identity column (GENERATED ... AS
+-- IDENTITY, a sequence per node), or a default that is not immutable (serial's nextval(), now(),
+-- CURRENT_TIMESTAMP, random(), gen_random_uuid(), ...). Each node would fill its rows with its own values
+-- (also rows inserted earlier in the same transaction: they reach the other nodes before the command):
+-- refused where the command is typed when the table has rows there. On an empty table it is allowed: no
+-- row is filled, and new rows get their values where they are inserted and travel with them (rows another
+-- node inserts while the command travels would still be filled there: docs/ddl.md says to run it behind
+-- `pgmesh ddl --wait`). A constant default and a STORED generated column (its expression is immutable)
+-- give every node the same values.
 CREATE OR REPLACE FUNCTION {schema}.ddl_filled(rel oid, qualified text) RETURNS void LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
   col record;
   what text;
+  filled boolean;
 BEGIN
-  IF (SELECT t.xmin FROM pg_type t JOIN pg_class c ON c.reltype = t.oid WHERE c.oid = rel)
-     = pg_current_xact_id()::xid THEN
-    RETURN;  -- created in this transaction
-  END IF;
   FOR col IN SELECT a.attname::text AS name, a.attidentity::text AS ident, a.attgenerated::text AS gen,
                     pg_get_expr(d.adbin, d.adrelid) AS expr
                FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
@@ -233,6 +220,10 @@ BEGIN
     ELSE
       CONTINUE;
     END IF;
+    IF filled IS NULL THEN
+      EXECUTE format('SELECT EXISTS (SELECT FROM %s)', rel::regclass) INTO filled;
+    END IF;
+    EXIT WHEN NOT filled;
     RAISE EXCEPTION 'pgmesh: ADD COLUMN % to table % refused: % and fills the rows there with that node''s '
                     'own values', col.name, qualified, what
       USING ERRCODE = '0A000',
@@ -491,219 +482,6 @@ BEGIN
                                           'subscription', 'event trigger')) THEN
     PERFORM pg_catalog.set_config('pgmesh.ddl_dropped', 'on', true);
   END IF;
-END
-$body$;
-
--- Each top-level statement of a query string, as the server splits it: `words`, its leading words (lower
--- case, at most four, joined by a space); `code`, its text with comments left out, each quoted string
--- written '' and each dollar-quoted one $$; `bodies`, what its dollar quotes held (a DO block's or a
--- function's body), one after the other. What stands in quotes, dollar quotes, quoted identifiers and
--- comments is skipped, and a ';' inside parentheses or inside the BEGIN ATOMIC ... END body of a CREATE
--- FUNCTION / PROCEDURE (counted as psql counts it) does not end a statement.
-CREATE OR REPLACE FUNCTION {schema}.ddl_split(q text, OUT words text, OUT code text, OUT bodies text)
-RETURNS SETOF record LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  ch text;
-  chars text[] := string_to_array(coalesce(q, '') || E'\n', NULL);
-  i int := 0;
-  seg int := 1;
-  dstart int := 0;
-  ascii_code int;
-  state text := 'code';
-  prev text := '';
-  word text := '';
-  lw text;
-  lead text[] := ARRAY[]::text[];
-  delim text := '';
-  tail text := '';
-  nest int := 0;
-  parens int := 0;
-  depth int := 0;
-  backslash boolean := current_setting('standard_conforming_strings') = 'off';
-  escaping boolean := false;
-BEGIN
-  q := coalesce(q, '') || E'\n';
-  code := '';
-  bodies := '';
-  FOREACH ch IN ARRAY chars LOOP
-    i := i + 1;
-    IF state = 'squote' THEN
-      IF ch = '''' THEN
-        state := 'squote_end';
-      ELSIF ch = E'\\' AND escaping THEN
-        state := 'squote_bs';
-      END IF;
-      CONTINUE;
-    ELSIF state = 'squote_bs' THEN
-      state := 'squote';
-      CONTINUE;
-    ELSIF state = 'squote_end' THEN
-      IF ch = '''' THEN
-        state := 'squote';
-        CONTINUE;
-      END IF;
-      state := 'code';
-      seg := i;
-    ELSIF state = 'dquote' THEN
-      IF ch = '"' THEN
-        state := 'dquote_end';
-      END IF;
-      CONTINUE;
-    ELSIF state = 'dquote_end' THEN
-      IF ch = '"' THEN
-        state := 'dquote';
-        CONTINUE;
-      END IF;
-      state := 'code';
-    ELSIF state = 'line' THEN
-      IF ch IN (E'\n', E'\r') THEN
-        state := 'code';
-        seg := i;
-      END IF;
-      CONTINUE;
-    ELSIF state = 'block' THEN
-      IF prev = '*' AND ch = '/' THEN
-        nest := nest - 1;
-        ch := '';
-        IF nest = 0 THEN
-          state := 'code';
-          seg := i + 1;
-          code := code || ' ';
-        END IF;
-      ELSIF prev = '/' AND ch = '*' THEN
-        nest := nest + 1;
-        ch := '';
-      END IF;
-      prev := ch;
-      CONTINUE;
-    ELSIF state = 'dollar' THEN
-      tail := right(tail || ch, length(delim));
-      IF tail = delim THEN
-        state := 'code';
-        bodies := bodies || substr(q, dstart, i - length(delim) + 1 - dstart) || E'\n';
-        seg := i + 1;
-      END IF;
-      CONTINUE;
-    ELSIF state = 'dtag' THEN
-      ascii_code := ascii(ch);
-      IF ch = '$' THEN
-        delim := delim || '$';
-        tail := '';
-        state := 'dollar';
-        code := code || substr(q, seg, i - length(delim) + 1 - seg) || '$$';
-        dstart := i + 1;
-        CONTINUE;
-      ELSIF ascii_code = 95 OR ascii_code BETWEEN 65 AND 90 OR ascii_code BETWEEN 97 AND 122
-            OR ascii_code >= 128 OR ascii_code BETWEEN 48 AND 57 AND delim <> '$' THEN
-        delim := delim || ch;
-        CONTINUE;
-      END IF;
-      state := 'code';  -- not a dollar quote ($1, ...)
-    END IF;
-    -- code: outside quotes and comments
-    ascii_code := ascii(ch);
-    IF ascii_code = 95 OR ascii_code BETWEEN 65 AND 90 OR ascii_code BETWEEN 97 AND 122 OR ascii_code >= 128
-       OR ascii_code BETWEEN 48 AND 57 OR ascii_code = 36 AND word <> '' THEN
-      word := word || ch;
-      prev := ch;
-      CONTINUE;
-    END IF;
-    IF word <> '' THEN
-      lw := lower(word);
-      IF cardinality(lead) < 4 THEN
-        lead := lead || lw;
-      END IF;
-      IF lead[1] = 'create' AND (lead[2] IN ('function', 'procedure')
-           OR lead[2] = 'or' AND lead[3] = 'replace' AND lead[4] IN ('function', 'procedure'))
-         AND parens = 0 THEN
-        IF lw = 'begin' OR lw = 'case' AND depth > 0 THEN
-          depth := depth + 1;
-        ELSIF lw = 'end' AND depth > 0 THEN
-          depth := depth - 1;
-        END IF;
-      END IF;
-      escaping := backslash OR lw = 'e' AND ch = '''';
-      word := '';
-    ELSE
-      escaping := backslash;
-    END IF;
-    IF ch = '''' THEN
-      state := 'squote';
-      code := code || substr(q, seg, i - seg) || '''''';
-    ELSIF ch = '"' THEN
-      state := 'dquote';
-    ELSIF ch = '$' THEN
-      state := 'dtag';
-      delim := '$';
-    ELSIF ch = '-' AND prev = '-' THEN
-      state := 'line';
-      code := code || substr(q, seg, i - 1 - seg);
-      ch := '';
-    ELSIF ch = '*' AND prev = '/' THEN
-      state := 'block';
-      code := code || substr(q, seg, i - 1 - seg);
-      nest := 1;
-      ch := '';
-    ELSIF ch = '(' THEN
-      parens := parens + 1;
-    ELSIF ch = ')' THEN
-      parens := greatest(parens - 1, 0);
-    ELSIF ch = ';' AND parens = 0 AND depth = 0 THEN
-      IF cardinality(lead) > 0 THEN
-        words := array_to_string(lead, ' ');
-        code := btrim(code || substr(q, seg, i - seg), E' \t\r\n');
-        RETURN NEXT;
-      END IF;
-      lead := ARRAY[]::text[];
-      code := '';
-      bodies := '';
-      seg := i + 1;
-    END IF;
-    prev := ch;
-  END LOOP;
-  IF cardinality(lead) > 0 THEN
-    words := array_to_string(lead, ' ');
-    code := btrim(code || CASE WHEN state = 'code' THEN substr(q, seg) ELSE '' END, E' \t\r\n');
-    RETURN NEXT;
-  END IF;
-END
-$body$;
-
--- The leading words of each top-level statement of a query string (ddl_split).
-CREATE OR REPLACE FUNCTION {schema}.ddl_statements(q text) RETURNS SETOF text LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
-  SELECT s.words FROM {schema}.ddl_split(q) s
-$body$;
-
--- What in a query string holding DDL would write rows a second time where the other nodes replay it
--- (the capture records the whole string, current_query(), and the rows travel too): the leading words of
--- its first such statement, or NULL. Beside the DDL: INSERT, UPDATE, DELETE, MERGE, COPY, TRUNCATE, CALL,
--- WITH, EXECUTE, EXPLAIN ANALYZE, a SELECT / VALUES calling a volatile function (other than set_config);
--- also alone: a DO block whose body holds INSERT, UPDATE, DELETE, MERGE, TRUNCATE, COPY or CALL. SET,
--- SHOW, RESET, LOCK, plain SELECTs and more DDL are harmless: the string is replayed once.
-CREATE OR REPLACE FUNCTION {schema}.ddl_writes(q text) RETURNS text LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
-DECLARE
-  s record;
-  n int := 0;
-  found text;
-BEGIN
-  FOR s IN SELECT * FROM {schema}.ddl_split(q) LOOP
-    n := n + 1;
-    IF s.words ~ '^do\M' AND EXISTS (
-         SELECT 1 FROM {schema}.ddl_split(s.bodies) b
-          WHERE b.code ~* '(^|\m(begin|then|else|loop)\M)\s*(insert|update|delete|merge|truncate|copy|call)\M') THEN
-      RETURN s.words || ' (a block that writes rows)';
-    END IF;
-    IF found IS NULL AND (s.words ~ '^(insert|update|delete|merge|copy|truncate|call|with|execute)\M'
-         OR s.words ~ '^explain\M.*\manalyze\M'
-         OR s.words ~ '^(select|values|table)\M'
-            AND {schema}.ddl_unstable(regexp_replace(s.code, '\mset_config\s*\(', '(', 'gi'), 'v') IS NOT NULL) THEN
-      found := s.words;
-    END IF;
-  END LOOP;
-  RETURN CASE WHEN n > 1 THEN found END;
 END
 $body$;
 
