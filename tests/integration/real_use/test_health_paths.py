@@ -12,15 +12,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from router.service.adminclient import admin_request
-from router.testing.mesh import wait_for
+from router.config import load_config
+from router.service.adminclient import admin_request, ask_router
+from router.testing.mesh import config_text, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.real_use.users import RouterProcess, pgmesh, psql, wait_identical
 
@@ -140,6 +144,125 @@ async def test_a_frozen_node_shows_down_within_the_node_timeout(mesh: MeshFactor
         await wait_identical(made.nodes)
     finally:
         await router.stop()
+
+
+def _lags(config: Path) -> dict[str, Any]:
+    status = json.loads(pgmesh(config, "status", "--json", check=True).stdout)
+    return {f"{lk['source']}->{lk['target']}": lk["lag_bytes"] for lk in status["links"]}
+
+
+async def test_status_never_counts_lag_from_0_0_and_says_it_without_a_router(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """A link that never applied anything (its origin at 0/0: a fresh cluster) with a one-row backlog:
+    before, `pgmesh status` showed the source's whole WAL position as its lag (tens of MB here, 209 MB in
+    the issue). Without a router, status showed lag 0 while writes went on; now the WAL written since."""
+    made = await mesh(nodes=3, schema=SCHEMA)
+    a = made.nodes[0]
+    router, config = await _started(tmp_path, made)
+    try:
+        pgmesh(config, "pause", "--target", "b", "--source", "a", check=True)
+        psql(a, "INSERT INTO kv VALUES (1, 'one row waits for b')")
+        await wait_for(lambda: (_lags(config)["a->b"] or 0) > 0, "a -> b to show its backlog", 30)
+        lags = _lags(config)
+        assert 0 < lags["a->b"] < 1_000_000, lags  # one row's WAL, not the WAL from 0/0
+        text = pgmesh(config, "status", check=True).stdout
+        assert re.search(r"a -> b\s+paused", text), text
+        pgmesh(config, "resume", check=True)
+        await wait_identical(made.nodes)
+    finally:
+        await router.stop()
+    psql(a, "INSERT INTO kv SELECT g, repeat('x', 100) FROM generate_series(100, 1099) g")  # no router
+    offline = pgmesh(config, "status", "--json", check=True).stdout
+    links = {f"{lk['source']}->{lk['target']}": lk for lk in json.loads(offline)["links"]}
+    assert links["a->b"]["lag_bytes"] > 100_000 and links["a->c"]["lag_bytes"] > 100_000, links
+    assert links["a->b"]["lag_seconds"] is None  # unknown without a router, not 0
+    text = pgmesh(config, "status", check=True).stdout
+    assert "router NOT running" in text and re.search(r"a -> b\s+down\s+\S+\s+-\s+\d{6,}\s+-", text), text
+    again = _run(config, tmp_path / "again.log")  # the same config: the same router log directory
+    try:
+        await _wait_healthy(router, 60)
+        await wait_identical(made.nodes)
+    finally:
+        again.terminate()
+        await asyncio.to_thread(again.wait, 60)
+
+
+def _run(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`pgmesh run --config CONFIG` as a process, its output in `log`."""
+    return subprocess.Popen([sys.executable, "-m", "router", "run", "--config", str(config)],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def test_what_the_router_logs_and_exports_and_what_conflicts_says(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """A hold and its release are logged (INFO; before: the hold at WARNING and no release); /metrics has
+    every link's error and retry counters at 0 (before: no sample until the first error, so rate() missed
+    it); `pgmesh conflicts` says how many there are in all, by table and type, and how to see more
+    (before: 100 rows, no total); a parted node is named as parted, not told to run init."""
+    made = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = made.nodes
+    for node in (a, b):  # the same keys on two nodes before the router runs: conflicts
+        psql(node, f"INSERT INTO kv SELECT g, '{node.name}' FROM generate_series(1, 30) g")
+    router, config = await _started(tmp_path, made)
+    try:
+        await wait_identical(made.nodes)
+        _, text = await _get(router, "/metrics")
+        for link in LINKS:
+            source, target = link.split("->")
+            for name in ("pgmesh_apply_errors_total", "pgmesh_apply_retries_total",
+                         "pgmesh_skipped_transactions_total"):
+                assert f'{name}{{source="{source}",target="{target}"}} 0.0' in text, (name, link, text)
+        loaded = load_config(config)
+        assert await ask_router(loaded, "POST", "/hold", limit=60) is not None
+        await wait_for(lambda: "held for a join" in router.output(), "the hold in the router's log", 30)
+        assert (await ask_router(loaded, "POST", "/release"))[0] == 200  # type: ignore[index]
+        await _wait_healthy(router, 60)
+        log = router.output()
+        assert re.search(r"INFO .*cluster \w+: held for a join \(replication waits; writes go on\) until"
+                         r" released", log), log
+        assert re.search(r"INFO .*cluster \w+: released after \d+\.\d s; streaming again", log), log
+        assert "WARNING router.service.supervisor: cluster" not in log, log
+    finally:
+        await router.stop()
+    done = pgmesh(config, "conflicts", "--limit", "5")
+    assert done.returncode == 0, done
+    assert len(done.stdout.splitlines()) == 6, done.stdout  # the header and the newest 5
+    recorded = re.search(r"^(\d+) conflict\(s\) recorded; 5 shown, (\d+) more: --limit \1 shows them all",
+                         done.stderr, re.M)
+    assert recorded and int(recorded.group(1)) >= 30, done.stderr
+    assert re.search(r"^\s+public\.kv\s+insert_exists\s+\d+$", done.stderr, re.M), done.stderr
+    parted = pgmesh(config, "part", "c", "--clean")
+    assert parted.returncode == 0, parted
+    done = pgmesh(config, "conflicts")
+    assert done.returncode == 0, done
+    assert "node c: parted from the cluster" in done.stderr and "pgmesh init" not in done.stdout + done.stderr
+    psql(c, "SELECT 1")  # c stays a database of its own
+
+
+class _Named:
+    def __init__(self, name: str, dsn: str) -> None:
+        self.name, self._dsn = name, dsn
+
+    def dsn(self) -> str:
+        return self._dsn
+
+
+async def test_a_missing_database_is_named_as_such(mesh: MeshFactory, tmp_path: Path) -> None:
+    """A dsn naming a database that does not exist on a running node: `pgmesh init` says so (before:
+    "check that node b is running")."""
+    made = await mesh(nodes=2, schema=SCHEMA, init=False)
+    a, b = made.nodes
+    wrong = b.dsn().replace(f"dbname={b.dbname}", "dbname=no_such_db")
+    assert wrong != b.dsn()
+    config = tmp_path / "pgmesh.toml"
+    config.write_text(config_text([a, _Named("b", wrong)], cluster="t"))
+    done = pgmesh(config, "init")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert 'database "no_such_db" named in its dsn does not exist there' in out, out
+    assert "check that node b is running" not in out, out
 
 
 def _server_pids(node: Any) -> list[int]:
