@@ -234,3 +234,31 @@ def test_status_renders_each_nodes_modes_and_warns_when_nodes_differ() -> None:
     (first,) = status_json(nodes[:1])
     assert first["node_id"] == 0
     assert (first["columns"][0]["mode"], first["columns"][0]["sequence"]) == ("snowflake", "public.t_id_seq")
+
+
+def standalone(increment: int = 1, last: int | None = 3) -> SequenceColumn:
+    """A sequence no column default names (the application calls nextval() on it itself)."""
+    return SequenceColumn("public", "invoice_no_seq", "", "bigint", "", None, "public", "invoice_no_seq",
+                          increment, 1, 2**63 - 1, "bigint", last, standalone=True)
+
+
+def test_a_sequence_no_default_names_has_a_mode_and_is_shown_and_converted_in_step_mode() -> None:
+    local, stepped = standalone(), standalone(100, 101)
+    assert (local.kind, local.label, local.key) == (
+        "standalone", "sequence public.invoice_no_seq", ("public", "invoice_no_seq", ""))
+    assert detect_mode(local) == Mode("local")
+    assert detect_mode(stepped) == Mode("step", 100, 1)
+    assert _step_problem("a", local) is None  # converted on the sequence itself, for every caller
+    nodes = [NodeSequences("a", 0, [local]), NodeSequences("b", 1, [stepped])]
+    text = render_status(nodes)
+    assert "none: callers run nextval() themselves  local (unconverted)" in text
+    assert disagreements(nodes) == ["sequence public.invoice_no_seq"]
+    assert "WARNING: sequence public.invoice_no_seq hand(s) out the same values on every node" in text
+    (first, _) = status_json(nodes)
+    assert first["columns"][0]["standalone"] is True and first["columns"][0]["table"] is None
+
+
+def test_local_columns_are_warned_of_only_on_a_cluster_of_several_nodes() -> None:
+    assert "hand(s) out the same values" not in render_status([NodeSequences("a", 0, [column()])])
+    both = [NodeSequences("a", 0, [column()]), NodeSequences("b", 1, [column()])]
+    assert "WARNING: public.t.id hand(s) out the same values on every node" in render_status(both)
