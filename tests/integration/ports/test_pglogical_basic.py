@@ -160,11 +160,12 @@ async def test_an_insert_older_than_a_truncate_that_arrives_after_it_goes(mesh: 
         await execute(a.dsn(), "TRUNCATE basic_dml")
         await execute(a.dsn(), "INSERT INTO basic_dml VALUES (3, 3, 'a, after its TRUNCATE', NULL)")
         await router.resume(None)
-        want = [(3, 3, "a, after its TRUNCATE", None)]
-        await wait_for(lambda: has(a.dsn(), ROWS, want), "b's older insert removed on a")
-        await wait_converged(m.nodes, ["basic_dml"], 15)
-        assert await fetch(b.dsn(), ROWS) == want
         lost = ("SELECT conflict_type, source, key, resolution, local_origin FROM pgmesh.conflict_history"
                 " WHERE conflict_type = 'write_truncated'")
-        assert await fetch(a.dsn(), lost) == [("write_truncated", "b", "2", "keep_local", "a")]
+        swept = [("write_truncated", "b", "2", "keep_local", "a")]
+        await wait_for(lambda: has(a.dsn(), lost, swept), "b's older insert removed on a, and recorded")
+        await wait_converged(m.nodes, ["basic_dml"], 15)
+        want = [(3, 3, "a, after its TRUNCATE", None)]
+        assert await fetch(a.dsn(), ROWS) == want
+        assert await fetch(b.dsn(), ROWS) == want
         healthy(router)

@@ -100,6 +100,12 @@ async def test_pgbench_without_n_on_three_nodes_at_once(mesh: MeshFactory, tmp_p
     try:
         runs = await asyncio.gather(*(pgbench_async(n, "-c", "2", "-T", "30") for n in made.nodes))
         committed = sum(_processed(done) for done in runs)
+
+        async def settled() -> bool:  # everything arrived, and every late older row was swept
+            return (await _counts(made.nodes, "SELECT count(*) FROM seen_rows") == [committed] * 3
+                    and await _counts(made.nodes, HISTORY) == await _counts(made.nodes, SHOULD_STAY))
+
+        await wait_for(settled, "every row everywhere, none older than the last TRUNCATE", 120)
         await wait_identical(made.nodes)
         # every transaction pgbench counted is seen once (the observer replicated)
         assert await _counts(made.nodes, "SELECT count(*) FROM seen_rows") == [committed] * 3
@@ -131,6 +137,11 @@ async def test_a_truncate_reaching_a_node_after_a_newer_insert(mesh: MeshFactory
         pgbench(a, "-t", "1")  # TRUNCATE pgbench_history, then one transaction
         psql(b, row.format(1002))  # newer than the TRUNCATE
         pgmesh(config, "resume", check=True)
+        lost = ("SELECT source, resolution FROM pgmesh.conflict_history"
+                " WHERE conflict_type = 'write_truncated'")
+        # c's row reaches a after a's TRUNCATE: removed there, and recorded (before that, a and b may look
+        # alike already: wait for it, not for the rows)
+        await wait_for(lambda: _has(a, lost, [("c", "keep_local")]), "c's older row removed on a", 60)
         await wait_identical(made.nodes)
         tids = "SELECT tid FROM pgbench_history ORDER BY tid"
         kept = await fetch(a.dsn(), tids)
@@ -138,9 +149,6 @@ async def test_a_truncate_reaching_a_node_after_a_newer_insert(mesh: MeshFactory
         for node in (b, c):
             assert await fetch(node.dsn(), tids) == kept
         assert await _counts(made.nodes, HISTORY) == await _counts(made.nodes, SHOULD_STAY)
-        lost = ("SELECT source, resolution FROM pgmesh.conflict_history"
-                " WHERE conflict_type = 'write_truncated'")
-        await wait_for(lambda: _has(a, lost, [("c", "keep_local")]), "c's older row recorded on a", 30)
         newer = "SELECT count(*) FROM pgmesh.conflict_history WHERE conflict_type = 'truncate_newer_rows'"
         assert await fetch(b.dsn(), newer) == [(1,)]
     finally:
