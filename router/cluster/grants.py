@@ -38,6 +38,9 @@ PGMESH_TABLE_PRIVILEGES: Final = ("SELECT", "INSERT", "UPDATE", "DELETE")
 ORIGIN_FUNCTIONS: Final = r"pg\_replication\_origin\_%"
 # behind the view pg_replication_origin_status: a SELECT of the view calls it as the caller
 ORIGIN_STATUS_FUNCTION: Final = "pg_show_replication_origin_status"
+# not PUBLIC's on a pgmesh node (router/cluster/sql/ddl_as_owner.sql): the appliers' applied marks and
+# the progress barriers (router.apply.link, router.progress) write messages
+EMIT_FUNCTION: Final = "pg_logical_emit_message"
 SET_PARAMETER_SINCE: Final = 150000  # GRANT SET ON PARAMETER
 SET_OPTION_SINCE: Final = 160000  # GRANT role TO role WITH SET
 PLUGINS_SQL: Final = "SELECT pg_catalog.current_setting('output_plugin_libraries', true)"
@@ -51,7 +54,7 @@ _ROLE_SQL: Final = "SELECT rolsuper, rolreplication, rolcanlogin FROM pg_catalog
 _ORIGIN_FUNCTIONS_SQL: Final = (
     "SELECT p.oid::regprocedure::text, pg_catalog.has_function_privilege(%s, p.oid, 'EXECUTE')"
     " FROM pg_catalog.pg_proc p WHERE p.pronamespace = 'pg_catalog'::regnamespace"
-    " AND (p.proname LIKE %s OR p.proname = %s)"
+    " AND (p.proname LIKE %s OR p.proname = %s OR p.proname = %s)"
     " ORDER BY 1"
 )
 # Every table, sequence and function of the pgmesh schema, and what the role may do with each.
@@ -90,10 +93,11 @@ def grant_statements(role: str, database: str, tables: Sequence[TableName], serv
         sql.SQL(  # every origin function of this server's version (their arguments differ across versions)
             "DO $grant$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid::regprocedure"
             " FROM pg_catalog.pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace"
-            " AND (proname LIKE {pattern} OR proname = {status}) LOOP"
+            " AND (proname LIKE {pattern} OR proname = {status} OR proname = {emit}) LOOP"
             " EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %I', f, {role}); END LOOP;"
             " END $grant$"
         ).format(pattern=sql.Literal(ORIGIN_FUNCTIONS), status=sql.Literal(ORIGIN_STATUS_FUNCTION),
+                 emit=sql.Literal(EMIT_FUNCTION),
                  role=sql.Literal(role)),
         sql.SQL("GRANT SELECT ON pg_catalog.pg_replication_origin_status TO {}").format(who),
     ]
@@ -173,7 +177,7 @@ async def _role_checks(conn: Conn, node: str, role: str) -> list[Check]:
             fix = f"ALTER ROLE {sql.Identifier(role).as_string(None)} WITH {attribute}"
             checks.append(_missing(node, f"role {role}", f"the {attribute} attribute", fix))
     who = sql.Identifier(role).as_string(None)
-    params = [role, ORIGIN_FUNCTIONS, ORIGIN_STATUS_FUNCTION]
+    params = [role, ORIGIN_FUNCTIONS, ORIGIN_STATUS_FUNCTION, EMIT_FUNCTION]
     functions = await (await conn.execute(_ORIGIN_FUNCTIONS_SQL, params)).fetchall()
     for function, ok in functions:
         if not ok:

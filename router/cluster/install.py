@@ -180,7 +180,8 @@ class _Created:
     Objects that were there before (an earlier init, another tool's slot) are never recorded, so never
     removed: undoing a second init leaves the first one's installation as it was."""
 
-    __slots__ = ("committed", "event_triggers", "identities", "origins", "publication", "schema", "slot")
+    __slots__ = ("before", "committed", "event_triggers", "identities", "origins", "publication", "schema",
+                 "slot")
 
     def __init__(self) -> None:
         self.committed = False  # the catalog transaction committed (else rolling back undid it)
@@ -190,6 +191,7 @@ class _Created:
         self.origins: list[str] = []
         self.slot = False
         self.identities: list[int] = []  # tables (oids) made REPLICA IDENTITY FULL
+        self.before: list[tuple[str, str]] = []  # pgmesh's objects there already: (what, how to remove it)
 
     @property
     def anything(self) -> bool:
@@ -262,6 +264,7 @@ async def _stage_node(
     # it: a session that holds the table long fails the install (nothing is left) instead.
     await conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{LOCK_TIMEOUT_S}s")))
     schema, publication, triggers, origins = await _pgmesh_objects(conn, config)
+    created.before = _found_before(config, schema, publication, triggers, origins)
     done = await _ensure_schema(conn)
     done += await _ensure_links(conn, config, node)
     done += await _ensure_publication(conn, config, tables)
@@ -423,6 +426,39 @@ async def _undo_node(config: Config, node: NodeConfig, created: _Created) -> lis
     return done
 
 
+def _found_before(
+    config: Config, schema: bool, publication: bool, triggers: set[str], origins: set[str]
+) -> list[tuple[str, str]]:
+    """pgmesh's objects a node held before this install (an earlier init, maybe of another cluster or
+    pgmesh version), each with the statement that removes it (the schema's takes its event triggers)."""
+    found: list[tuple[str, str]] = []
+    if schema:
+        drop = f"DROP SCHEMA {sql.Identifier(PGMESH_SCHEMA).as_string()} CASCADE"
+        found.append((f"schema {PGMESH_SCHEMA}", drop))
+    else:
+        found += [(f"event trigger {t}", f"DROP EVENT TRIGGER {sql.Identifier(t).as_string()}")
+                  for t in sorted(triggers)]
+    if publication:
+        name = config.publication_name
+        found.append((f"publication {name}", f"DROP PUBLICATION {sql.Identifier(name).as_string()}"))
+    found += [(f"replication origin {o}", f"SELECT pg_replication_origin_drop('{o}')")
+              for o in sorted(origins)]
+    return found
+
+
+def _stale_hint(created: Mapping[str, _Created], cause: PgmeshError) -> str | None:
+    """When the failed node held pgmesh's objects before: name them, and how to remove them."""
+    node = cause.node or ""
+    before = created[node].before if node in created else []
+    if not before:
+        return None
+    what, how = ", ".join(w for w, _ in before), "; ".join(s for _, s in before)
+    return (f"node {node} held pgmesh objects before this init ({what}), perhaps left by an earlier cluster"
+            " or pgmesh version, which this install could not bring up to date; if nothing uses them, remove"
+            f" them on node {node} ({how}; or `pgmesh part {node} --clean` with that cluster's config) and"
+            " run init again")
+
+
 async def _undo(config: Config, created: Mapping[str, _Created], cause: PgmeshError) -> PgmeshError:
     """Remove what this install created on every node; the error to raise says what is left, if any."""
     undone: list[str] = []
@@ -444,7 +480,7 @@ async def _undo(config: Config, created: Mapping[str, _Created], cause: PgmeshEr
     if not left:
         return PgmeshError(
             f"install failed, nothing of it is left on any node{what}: {bare}",
-            hint=cause.hint or "fix the cause, then run init again",
+            hint=cause.hint or _stale_hint(created, cause) or "fix the cause, then run init again",
         )
     return PgmeshError(
         f"install failed{what}, but what it created is left on {', '.join(left)}: {bare}",

@@ -26,3 +26,18 @@ END
 $body$;
 
 REVOKE ALL ON FUNCTION {schema}.ddl_as_owner(name, text) FROM PUBLIC;
+
+-- The router replays pgmesh.ddl messages (router/ddl/messages.py) as the role they name; any session could
+-- write one with pg_logical_emit_message, naming any role (a superuser: the command would run as one on
+-- every other node). So on a pgmesh node only superusers, pgmesh's ddl_emit (which names only a role
+-- its session may be) and the roles granted it (the router's: router/cluster/grants.py) may write messages.
+DO $body$
+DECLARE
+  f regprocedure;
+BEGIN
+  FOR f IN SELECT oid::regprocedure FROM pg_catalog.pg_proc
+            WHERE pronamespace = 'pg_catalog'::regnamespace AND proname = 'pg_logical_emit_message' LOOP
+    EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+  END LOOP;
+END
+$body$;

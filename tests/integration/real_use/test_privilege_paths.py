@@ -133,3 +133,45 @@ async def test_a_missing_database_is_named_as_missing(mesh: MeshFactory, tmp_pat
     assert done.returncode == 1
     assert "does not exist" in done.stdout and "node b is running" not in done.stdout.replace(
         "node b is running, but", ""), done.stdout
+
+
+async def test_a_message_naming_another_role_is_never_replayed_as_it(mesh: MeshFactory) -> None:
+    """The router replays a pgmesh.ddl message as the role it names: a role with no privilege at all must
+    not be able to write one naming `postgres` (it ran as a superuser on every other node)."""
+    m = await mesh(nodes=2, schema=SCHEMA)
+    a, b = m.nodes
+    for node in m.nodes:
+        psql(node, "CREATE ROLE mallory LOGIN; SET pgmesh.ddl_local = on;"
+                   " GRANT CREATE ON SCHEMA public TO mallory")
+    forged = ('{"sql": "CREATE ROLE mallory_super SUPERUSER LOGIN", "search_path": "public",'
+              ' "role": "postgres", "tag": "CREATE ROLE"}')
+    async with running_router(m.config):
+        raw = psql(a, f"SELECT pg_logical_emit_message(true, 'pgmesh.ddl', '{forged}')", user="mallory",
+                   check=False)
+        assert raw.returncode != 0 and "permission denied" in raw.stderr, raw.stdout + raw.stderr
+        through = psql(a, f"SELECT pgmesh.ddl_emit('{forged}')", user="mallory", check=False)
+        assert through.returncode != 0 and "refused" in through.stderr, through.stdout + through.stderr
+        # what mallory may do, it still may: DDL in its own name replicates
+        psql(a, "CREATE TABLE mallorys (id int PRIMARY KEY)", user="mallory")
+        psql(a, "INSERT INTO items VALUES (1, 'after')")
+        await wait_identical(m.nodes)
+    assert await fetch(b.dsn(), "SELECT count(*) FROM pg_roles WHERE rolname = 'mallory_super'") == [(0,)]
+
+
+async def test_an_install_failure_names_the_stale_objects_behind_it(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """A node with pgmesh's schema left by an earlier install of another shape: init fails, names what was
+    there and how to remove it; done as it says, init succeeds."""
+    m = await mesh(nodes=2, schema=SCHEMA, init=False)
+    b = m.nodes[1]
+    psql(b, "CREATE SCHEMA pgmesh; CREATE TABLE pgmesh.node_info (k text)")  # an older, other shape
+    config = m.write_config(tmp_path / "c.toml")
+    failed = pgmesh(config, "init")
+    assert failed.returncode != 0
+    said = failed.stdout + failed.stderr
+    assert "node b held pgmesh objects before this init (schema pgmesh)" in said, said
+    assert 'DROP SCHEMA "pgmesh" CASCADE' in said
+    psql(b, 'DROP SCHEMA "pgmesh" CASCADE')
+    done = pgmesh(config, "init")
+    assert done.returncode == 0, done.stdout + done.stderr
