@@ -141,10 +141,11 @@ async def test_a_table_that_matches_tables_but_is_not_published_is_not_skipped(
 ) -> None:
     """A table `tables = ["*.*"]` matches that is in no node's publication (as a detached partition was):
     compare without table names compares it all the same, says it is not replicated, and exits non-zero;
-    a row written on one node shows as a difference."""
+    a row written on one node shows as a difference; what compare says to do (init, then repair) brings
+    the table back."""
     m = await mesh(nodes=3, schema=KEYLESS + "CREATE TABLE loose (id int PRIMARY KEY, v text);",
                    admin_port=free_port())
-    a, _, _ = m.nodes
+    a, b, _ = m.nodes
     config = m.write_config(tmp_path / "pgmesh.toml")
     publication = m.config.publication_name
     async with running_router(m.config):
@@ -161,6 +162,16 @@ async def test_a_table_that_matches_tables_but_is_not_published_is_not_skipped(
         assert [(d["table"], d["key"]) for d in report["differences"]] == [("public.loose", "(1)")]
         named = await cli(config, "compare", "loose")
         assert named.returncode == 1 and "not replicated: public.loose" in named.stdout, named.stdout
+
+        # what compare says to do: init puts it back in the publication, repair copies what stayed on a
+        added = await cli(config, "init")
+        assert added.returncode == 0, added.stdout + added.stderr
+        fixed = await cli(config, "repair", "loose")
+        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+        psql(b, "INSERT INTO loose VALUES (2, 'from b, replicated again')")
+        await wait_identical(m.nodes)
+        final = await cli(config, "compare")
+        assert final.returncode == 0, final.stdout + final.stderr
 
 
 async def _count(node: Any, query: str) -> int:
