@@ -109,7 +109,7 @@ async def test_a_stopped_node_shows_in_healthz_and_link_states_and_comes_back(
         await wait_identical(made.nodes)
     finally:
         await router.stop()
-    log = router.output()  # (`pgmesh run` logs at INFO by default; RouterProcess says so too)
+    log = (tmp_path / "r.log").read_text()  # the whole log (`pgmesh run` logs at INFO by default)
     assert re.search(r"INFO .*cluster \w+: router running: nodes a, b, c; 6 links; admin on 127\.0\.0\.1:"
                      + str(router.port), log), log
     assert re.search(r"INFO .*cluster \w+: streaming stopped; slots confirmed to what the targets flushed"
@@ -186,6 +186,9 @@ async def test_status_never_counts_lag_from_0_0_and_says_it_without_a_router(
     finally:
         again.terminate()
         await asyncio.to_thread(again.wait, 60)
+    log = (tmp_path / "again.log").read_text()  # no --log-level: `pgmesh run` says when it starts and stops
+    assert re.search(r"INFO router\.service\.supervisor: cluster \w+: router running: nodes a, b, c", log)
+    assert re.search(r"INFO router\.service\.supervisor: cluster \w+: router stopped", log), log
 
 
 def _run(config: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -219,7 +222,7 @@ async def test_what_the_router_logs_and_exports_and_what_conflicts_says(
         await wait_for(lambda: "held for a join" in router.output(), "the hold in the router's log", 30)
         assert (await ask_router(loaded, "POST", "/release"))[0] == 200  # type: ignore[index]
         await _wait_healthy(router, 60)
-        log = router.output()
+        log = (tmp_path / "r.log").read_text()
         assert re.search(r"INFO .*cluster \w+: held for a join \(replication waits; writes go on\) until"
                          r" released", log), log
         assert re.search(r"INFO .*cluster \w+: released after \d+\.\d s; streaming again", log), log
