@@ -180,3 +180,28 @@ async def test_application_calling_nextval_itself_on_three_nodes(mesh: MeshFacto
         assert all(_lost(config).get(n.name, {}).get("public.invoices") == 4 for n in nodes), _lost(config)
     finally:
         await router.stop()
+
+
+async def test_a_publication_that_publishes_generated_columns(mesh: MeshFactory, tmp_path: Path) -> None:
+    """PostgreSQL 18: a DBA sets publish_generated_columns = stored on pgmesh's publication (say, for
+    another subscriber's sake). The rows then carry price_x2, which no INSERT or UPDATE may write: the
+    links apply them without it (the target computes it), single rows and a large COPY run alike."""
+    made = await mesh(nodes=3, schema=GENERATED_SCHEMA, versions=[18, 18, 18])
+    a, b, _ = made.nodes
+    for node in made.nodes:
+        psql(node, "SET pgmesh.ddl_local = on;"
+                   " ALTER PUBLICATION pgmesh_t SET (publish_generated_columns = stored)")
+        published = psql(node, "SELECT pubgencols FROM pg_publication WHERE pubname = 'pgmesh_t'").stdout
+        assert " s\n" in published, published
+    router, config = await _started(tmp_path, made)
+    try:
+        psql(a, "INSERT INTO items (id, name, price) VALUES (1, 'one', 5)")
+        psql(b, "INSERT INTO items (id, name, price, note) SELECT i, 'item ' || i, i, 'x' FROM"
+                " generate_series(2, 500) i")
+        psql(a, "UPDATE items SET price = price + 1 WHERE id <= 10")
+        await wait_identical(made.nodes)
+        assert _streaming(config), _status(config)["links"]
+        rows = psql(b, "SELECT price, price_x2 FROM items WHERE id = 1").stdout
+        assert "6 |       12" in rows, rows
+    finally:
+        await router.stop()
