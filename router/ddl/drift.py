@@ -224,8 +224,8 @@ class DriftWatch:
     """Compares the nodes' replicated tables when asked (`poke`) and while anything differs; hands every
     decided state to `on_change` (table -> drift; empty when the schemas agree)."""
 
-    __slots__ = ("_clock", "_nodes", "_on_change", "_pending", "_publication", "_slot", "_synced", "_wanted",
-                 "drifted", "idle_s", "recheck_s", "settle_s")
+    __slots__ = ("_clock", "_failing", "_nodes", "_on_change", "_pending", "_publication", "_slot", "_synced",
+                 "_wanted", "drifted", "idle_s", "recheck_s", "settle_s")
 
     def __init__(
         self,
@@ -250,6 +250,7 @@ class DriftWatch:
         self.recheck_s = recheck_s
         self.settle_s = settle_s
         self.idle_s = IDLE_S
+        self._failing: str | None = None  # why the last look failed (logged once, not at every look)
         self._clock = clock
         self._wanted = asyncio.Event()
         self._pending = False  # a difference seen, not yet decided (its barrier was not reached)
@@ -274,7 +275,13 @@ class DriftWatch:
                 raise
             except Exception as exc:  # a node down, a table dropped while read: look again later
                 self._pending = True
-                logger.debug("schema drift check: %s; looking again in %.0f s", exc, self.recheck_s)
+                failing, self._failing = self._failing, str(exc)
+                (logger.debug if failing == self._failing else logger.warning)(
+                    "schema drift check failed: %s; looking again every %.0f s", exc, self.recheck_s)
+            else:
+                if self._failing is not None:
+                    logger.info("schema drift check works again")
+                self._failing = None
 
     async def _shapes(self) -> dict[str, dict[str, Shape]]:
         return {
