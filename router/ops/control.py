@@ -48,6 +48,7 @@ __all__ = [
     "cmd_run",
     "cmd_sequences",
     "cmd_status",
+    "offline_lag",
     "parse_since",
     "read_conflicts",
     "render_conflicts",
@@ -99,7 +100,7 @@ async def offline_status(config: Config) -> StatusReport:
         except psycopg.Error as exc:
             sources.append(SourceStatus(node.name, "down", "?", "?", 0, 0, 0, 0, describe(exc)))
     divergence = config.divergent_resolvers()
-    links = _offline_lag(links, sources)
+    links = offline_lag(links, sources)
     return StatusReport(config.cluster.name, False, links, sources, divergence, clocks=clocks,
                         receive_only=[n.name for n in config.nodes if n.receive_only],
                         partial={n.name: describe_part(n) for n in config.nodes if describe_part(n)})
@@ -126,7 +127,7 @@ async def _offline_links(
     return out
 
 
-def _offline_lag(links: list[LinkStatus], sources: list[SourceStatus]) -> list[LinkStatus]:
+def offline_lag(links: list[LinkStatus], sources: list[SourceStatus]) -> list[LinkStatus]:
     """Without a router, each link's lag in bytes from the nodes themselves: the source's WAL written
     since what the target applied (or since the source's slot, when the target never applied any), an
     upper bound of what waits for it (its WAL holds other nodes' changes too); unknown ('-') when the

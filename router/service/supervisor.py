@@ -32,7 +32,7 @@ from router.config import Config
 from router.conflicts.pruning import TombstonePruner
 from router.conflicts.recorder import RECORDED_SQL, TombstoneRecorder
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
-from router.errors import ConfigError, PgmeshError, describe
+from router.errors import ConfigError, ConnectionLost, PgmeshError, describe
 from router.progress import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.lease import lease_for
@@ -556,7 +556,7 @@ class Router:
                 applier.link.drop()
         pump = self.pumps.get(name)
         if pump is not None:
-            pump.source.connection.abort()
+            pump.source.connection.abort(ConnectionLost(why, node=name))
 
     def _drift_changed(self, drift: Mapping[str, TableDrift]) -> None:
         """Hold the links into and out of every node a replicated table differs on; run the others."""
