@@ -64,8 +64,15 @@ _ENV_KEYS: Final = {
     "dbname": "PGDATABASE", "sslmode": "PGSSLMODE", "sslrootcert": "PGSSLROOTCERT", "sslcert": "PGSSLCERT",
     "sslkey": "PGSSLKEY", "passfile": "PGPASSFILE", "connect_timeout": "PGCONNECT_TIMEOUT",
 }
-# TOC entries of the donor's dump that pgmesh installs itself on the new node.
-_SKIP_TOC: Final = re.compile(r" (EVENT TRIGGER|TRIGGER \S+ \S+ pgmesh_tombstone) ")
+# TOC entries of the donor's dump that pgmesh installs itself on the new node: its event and tombstone
+# triggers, and the privileges on the server's functions that `pgmesh init` takes from PUBLIC
+# (router/cluster/sql/ddl_as_owner.sql) or the operator grants the router's role on each node
+# (router/cluster/grants.py: their signatures differ between versions, the role may not exist yet).
+_SKIP_TOC: Final = re.compile(
+    r" (EVENT TRIGGER |TRIGGER \S+ \S+ pgmesh_tombstone "
+    r"|ACL pg_catalog FUNCTION (pg_logical_emit_message|pg_replication_origin_\w+"
+    r"|pg_show_replication_origin_status)\()"
+)
 # Column defaults (pre-data): restored once pgmesh is installed (`restore_defaults`).
 _DEFAULT_TOC: Final = re.compile(r"^\d+; \d+ \d+ DEFAULT ")
 # The statement pg_dump writes for a column's options (pg_attribute.attoptions), one line each.

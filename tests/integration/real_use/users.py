@@ -69,6 +69,7 @@ SELECT 'constraint', n.nspname || '.' || c.relname || '.' || k.conname, pg_catal
 FROM pg_catalog.pg_constraint k JOIN pg_catalog.pg_class c ON c.oid = k.conrelid
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname NOT IN ('pgmesh', 'pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_%'
+  AND k.contype <> 'n'  -- 18 lists NOT NULL here too; the column facts compare it on every version
 UNION ALL
 SELECT 'index', i.schemaname || '.' || i.indexname, i.indexdef FROM pg_catalog.pg_indexes i
 WHERE i.schemaname NOT IN ('pgmesh', 'pg_catalog', 'information_schema') AND i.schemaname NOT LIKE 'pg\\_%'

@@ -109,3 +109,16 @@ def test_column_options_the_new_node_refuses_are_dropped_and_the_others_kept() -
         "ALTER TABLE ONLY public.acct ALTER COLUMN v SET (n_distinct=-1);",
         "ALTER TABLE ONLY public.\"odd, name\" ALTER COLUMN \"x\" SET (n_distinct=5);",
     ]
+
+
+def test_the_restore_leaves_out_what_pgmesh_init_puts_on_the_new_node() -> None:
+    toc = {
+        "3; 1 2 EVENT TRIGGER - pgmesh_ddl_capture postgres": True,
+        "6; 2620 1 TRIGGER public acct pgmesh_tombstone postgres": True,
+        "8; 0 0 ACL pg_catalog FUNCTION pg_logical_emit_message(boolean, text, bytea) postgres": True,
+        "9; 0 0 ACL pg_catalog FUNCTION pg_replication_origin_advance(text, pg_lsn) postgres": True,
+        "4; 0 0 ACL public TABLE acct postgres": False,
+        "7; 2620 1 TRIGGER public acct audit_trigger postgres": False,
+        "5; 0 0 ACL pg_catalog FUNCTION pg_read_file(text) postgres": False,
+    }
+    assert {line: bool(schema._SKIP_TOC.search(line)) for line in toc} == toc
