@@ -5,7 +5,8 @@
   drift naming the node and the type; the links into and out of it hold until it is fixed by hand.
 - A default, an identity, a generation expression or a domain's CHECK changed on one node is drift
   naming that node, the object and what differs.
-- A replicated DDL command that fails on one target (an index of that name already there) stops that link
+- A replicated DDL command that fails on one target (an index of that name already there), or a streamed
+  transaction c refuses (a CHECK only c has), stops that link
   for good; `pgmesh skip` at the LSN its error shows leaves out exactly that transaction, the history
   shows it, the link streams again; a wrong LSN is refused. With the router stopped, the skip is
   recorded on the target and taken when the router starts.
@@ -18,7 +19,7 @@ import re
 from pathlib import Path
 
 from router.service.supervisor import LinkStatus, Router
-from router.testing.mesh import Mesh, fetch, free_port, running_router, wait_for
+from router.testing.mesh import NODE_SETTINGS, Mesh, fetch, free_port, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.real_use.users import pgmesh, psql, wait_identical
 
@@ -213,3 +214,35 @@ async def test_skip_without_a_router_is_taken_when_it_starts(mesh: MeshFactory, 
         await wait_identical(m.nodes)
     [(source, _, resolution, at, _)] = await _skipped_history(c.dsn())
     assert (source, resolution, at) == ("a", "skipped", lsn)
+
+
+async def test_skip_leaves_out_a_streamed_transaction_and_only_it(mesh: MeshFactory, tmp_path: Path) -> None:
+    """A transaction over logical_decoding_work_mem (streamed, applied early or in parts) that c refuses (a
+    CHECK only c has): skipped at its LSN; c lacks exactly its rows, and what a wrote after it arrives."""
+    settings = {**NODE_SETTINGS, "logical_decoding_work_mem": "64kB"}
+    m = await mesh(nodes=3, schema=SKIP_SCHEMA, settings=settings, admin_port=free_port())
+    a, b, c = m.nodes
+    config = m.write_config(tmp_path / "pgmesh.toml")
+    async with running_router(m.config) as router:
+        psql(c, LOCAL + "ALTER TABLE t ADD CONSTRAINT only_on_c CHECK (v <> 'bad')")
+        psql(a, "INSERT INTO t SELECT g, 'bad' FROM generate_series(1, 5000) g")
+        psql(a, "INSERT INTO t VALUES (-1, 'after')")
+        await wait_for(lambda: _link(router).state == "error", "a -> c stopped on the CHECK", 60)
+        found = _SKIP_HINT.search(_link(router).last_error or "")
+        assert found is not None and "23514" in (_link(router).last_error or ""), _link(router).last_error
+        done = await asyncio.to_thread(pgmesh, config, "skip", "--source", "a", "--target", "c",
+                                       "--lsn", found.group(1))
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        await wait_for(lambda: _has(c.dsn(), "SELECT v FROM t WHERE id = -1", [("after",)]), "a's later row")
+        assert await fetch(c.dsn(), "SELECT count(*) FROM t") == [(1,)]
+        assert await fetch(b.dsn(), "SELECT count(*) FROM t") == [(5001,)]
+        [(source, table, _, at, held)] = await _skipped_history(c.dsn())
+        assert (source, table, at) == ("a", "public.t", found.group(1))
+        assert '"insert": 5000' in str(held), held
+        psql(c, "INSERT INTO t VALUES (-2, 'from c')")
+        await wait_for(lambda: _has(a.dsn(), "SELECT v FROM t WHERE id = -2", [("from c",)]), "c's row on a")
+        assert all(k.state in ("streaming", "catching up") for k in router.status().links)
+
+
+async def _has(dsn: str, query: str, rows: list[tuple[object, ...]]) -> bool:
+    return await fetch(dsn, query) == rows
