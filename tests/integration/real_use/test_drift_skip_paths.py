@@ -6,10 +6,10 @@
 - A default, an identity, a generation expression or a domain's CHECK changed on one node is drift
   naming that node, the object and what differs.
 - A replicated DDL command that fails on one target (an index of that name already there), or a streamed
-  transaction c refuses (a CHECK only c has), stops that link
-  for good; `pgmesh skip` at the LSN its error shows leaves out exactly that transaction, the history
-  shows it, the link streams again; a wrong LSN is refused. With the router stopped, the skip is
-  recorded on the target and taken when the router starts.
+  transaction c refuses (a CHECK only c has), stops that link for good; `pgmesh skip` at the LSN its
+  error shows leaves out exactly that transaction, the history shows it, the link streams again; a
+  wrong LSN is refused. With the router stopped, the skip is recorded on the target and taken when the
+  router starts.
 """
 
 from __future__ import annotations
