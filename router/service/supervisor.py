@@ -381,8 +381,8 @@ class Router:
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:
         """Held: slots released, admin still up. On release, re-read the config and rebuild."""
-        logger.info("cluster %s: held for a join (replication waits; writes go on) until released, at most"
-                    " %.0f s", self.config.cluster.name, self.hold_max_s)
+        logger.info("cluster %s: held for `pgmesh join` or `part` (replication waits; writes go on) until"
+                    " released, at most %.0f s", self.config.cluster.name, self.hold_max_s)
         since = time.monotonic()
         self._hold.clear()
         self._held.set()

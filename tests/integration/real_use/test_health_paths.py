@@ -219,12 +219,12 @@ async def test_what_the_router_logs_and_exports_and_what_conflicts_says(
                 assert f'{name}{{source="{source}",target="{target}"}} 0.0' in text, (name, link, text)
         loaded = load_config(config)
         assert await ask_router(loaded, "POST", "/hold", limit=60) is not None
-        await wait_for(lambda: "held for a join" in router.output(), "the hold in the router's log", 30)
+        await wait_for(lambda: "held for `pgmesh join`" in router.output(), "the hold in the log", 30)
         assert (await ask_router(loaded, "POST", "/release"))[0] == 200  # type: ignore[index]
         await _wait_healthy(router, 60)
         log = (tmp_path / "r.log").read_text()
-        assert re.search(r"INFO .*cluster \w+: held for a join \(replication waits; writes go on\) until"
-                         r" released", log), log
+        assert re.search(r"INFO .*cluster \w+: held for `pgmesh join` or `part` \(replication waits;"
+                         r" writes go on\) until released", log), log
         assert re.search(r"INFO .*cluster \w+: released after \d+\.\d s; streaming again", log), log
         assert "WARNING router.service.supervisor: cluster" not in log, log
     finally:
