@@ -9,8 +9,9 @@ after every hold (`read_pins`) and never confirms X's slot past the lowest pin o
 out of the router's members (the second answer of `read_pins`) until join has installed pgmesh on N and
 set its origins; join then deletes them (`unpin`) while the router still holds, and releases it.
 
-Rows of a join that stopped midway stay, and hold WAL on every node: the router warns at each start, the
-next `pgmesh join N` writes them again, `pgmesh part N` and a successful join delete them.
+A join that fails before it installs pgmesh on N deletes its rows as it exits. Rows of a join killed
+midway (or failing later) stay, and hold WAL on every node: the router warns at each start, the next
+`pgmesh join N` writes them again, `pgmesh part N` and a successful join delete them.
 
 A joined node also takes over the donor's `pgmesh.auto_identity` (`copy_auto_identity`), so that a primary
 key added later makes its tables REPLICA IDENTITY DEFAULT again there as on the others.

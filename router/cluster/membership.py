@@ -14,9 +14,12 @@
    SHARE locks on the copied tables and plans the copy in the same session, so TRUNCATE or ALTER
    TABLE on the donor waits for the copy, and the copy never queues behind them. Every join session
    waits at most JOIN_LOCK_WAIT_S for a lock; an application session that waits that long for one of
-   the join's makes the attempt stop, and the join starts again from a new snapshot (`retry_join`).
+   the join's makes the round stop, and the copy starts again under the same snapshot, leaving out the
+   tables truncated since (router.cluster.sync.rounds); a table rewritten by ALTER TABLE since makes
+   the join start again from a new snapshot (`retry_join`).
 3. The schema at S (`pg_dump --schema-only --snapshot`) is restored in two parts: pre-data before the
-   copy; indexes, constraints and triggers (post-data) after it. pgmesh's own schema, its event and
+   copy; indexes, constraints and triggers (post-data) after it; column defaults once pgmesh is
+   installed (step 5: one may call `pgmesh.snowflake_nextval`). pgmesh's own schema, its event and
    tombstone triggers and publications are left out: `pgmesh init` installs them fresh.
 4. The rows are copied by the PySpark batch of `router.cluster.sync.copy`: tasks that each import S and
    stream one ctid range of one table from `COPY ... TO STDOUT (FORMAT binary)` into `COPY ... FROM
@@ -29,7 +32,8 @@
    (docs/join.md).
 
 A join that stops midway leaves a marker (schema `pgmesh_join` on the new node): the next join
-cleans the new node first, without `--force`.
+cleans the new node first, without `--force`. One that fails before the install removes its pins
+(router.cluster.joining) from every member: they would keep WAL there.
 
 A node parted earlier (router.cluster.part) is a member again once joined: its part record is cleared
 in the last hold; other parted nodes the config still lists are left out of the join's `pgmesh init`.
@@ -106,8 +110,7 @@ class JoinReport(msgspec.Struct, frozen=True):
 
 
 class _Attempt(NamedTuple):
-    """The attempt that copied: where the new node reads each source from, the snapshot's LSN, the copy's
-    report, what the schema restore left for later (router.cluster.sync.schema.SchemaRestore)."""
+    """The attempt that copied: positions, snapshot LSN, copy (rounds.Copied), what the restore left."""
 
     positions: dict[str, str]
     snapshot_lsn: str
@@ -589,8 +592,7 @@ async def _next_step(config: Config, node: str, wait_s: float = 30.0) -> str:
             break
         await asyncio.sleep(0.5)
     if answered:
-        return (f"a router answers on {config.admin.listen} but shows no link of node {node} after"
-                f" {wait_s:g} s: check its log and `pgmesh status`")
+        return f"a router runs but shows no link of node {node} after {wait_s:g} s: see its log, status"
     return "start `pgmesh run` with this config: the new node's links show catching up, then streaming"
 
 
