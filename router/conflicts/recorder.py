@@ -85,9 +85,18 @@ BATCH_TRANSACTIONS: Final = 200  # transactions recorded together at most
 CHUNK_KEYS: Final = 50_000  # keys per statement
 RECORDED_SQL: Final = "SELECT position::text FROM pgmesh.tombstones_recorded"
 SWEEP_INTERVAL_S: Final = 1.0  # while the node holds a table tombstone: a sweep at least this often
+SWEEP_LOCK_TIMEOUT: Final = "200ms"  # a sweep waits this long for its table at most
 _POSITION_SQL: Final = (
     "WITH u AS (UPDATE pgmesh.tombstones_recorded SET position = $1::text::pg_lsn RETURNING 1)"
     " INSERT INTO pgmesh.tombstones_recorded SELECT $1::text::pg_lsn WHERE NOT EXISTS (SELECT 1 FROM u)"
+)
+# The recorder's commits never wait for a synchronous standby that is the router itself (it confirms the
+# node's transactions only once they are recorded): synchronous_standby_names set on the node by hand, not
+# through [replication] synchronous (`_connect`), may name it ($1: Config.standby_name) or be '*'
+_NOT_FOR_ITSELF_SQL: Final = (
+    "SELECT pg_catalog.set_config('synchronous_commit', 'local', false)"
+    " WHERE pg_catalog.current_setting('synchronous_standby_names')"
+    " ~ ('(^|[^a-z0-9_$])(' || $1 || '|\\*)($|[^a-z0-9_$])')"
 )
 # A TRUNCATE of the node's own ($1: the table as "schema.name", $2: the truncating transaction's xid8)
 _TABLE_TOMBSTONE_SQL: Final = (
@@ -225,6 +234,7 @@ class TombstoneRecorder:
             # for itself; docs/synchronous.md)
             mode = "local" if self.config.synchronous(self.node.name) > 0 else "on"
             await conn.execute(f"SET synchronous_commit = {mode}; SET pgmesh.recording = 'y'")
+            await conn.execute(_NOT_FOR_ITSELF_SQL, self.config.standby_name)
             await conn.execute(
                 "SELECT pg_catalog.set_config('pgmesh.target', $1, false),"
                 " pg_catalog.set_config('pgmesh.origin_prefix', $2, false)",
@@ -247,6 +257,7 @@ class TombstoneRecorder:
         if not tables and not truncates:
             self._recorded(end)  # nothing of these is this recorder's: up to here is recorded
             return
+        await conn.execute(_NOT_FOR_ITSELF_SQL, self.config.standby_name)
         current = int(await conn.fetchval(
             "SELECT pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())::text::bigint"))
         if truncates:
@@ -257,8 +268,9 @@ class TombstoneRecorder:
                     await conn.execute(_POSITION_SQL, format_lsn(end))
             logger.info("node %s: TRUNCATE of %s recorded as table tombstone(s)", self.node.name,
                         ", ".join(sorted(truncates)))
-            self._tombstoned = True
-            await self._sweep(conn)
+            # swept once this batch counts as recorded (run): a synchronous node's TRUNCATE holds its lock
+            # until the router confirms it, and the sweep needs the table
+            self._tombstoned, self._swept_at = True, 0.0
         for i, part in enumerate(sorted(tables, key=lambda d: d.table.name)):
             last = i == len(tables) - 1
             async with conn.transaction():
@@ -287,11 +299,18 @@ class TombstoneRecorder:
         """Each table tombstone's sweep; a tombstone the pruning horizon has passed goes with its last one."""
         rows = await conn.fetch(_TABLE_TOMBSTONES_SQL)
         for name, qualified, passed in rows:
-            async with conn.transaction():
-                removed = 0 if qualified is None else int(
-                    await conn.fetchval("SELECT pgmesh.truncate_sweep($1, $2)", name, qualified))
-                if passed or qualified is None:
-                    await conn.execute("DELETE FROM pgmesh.table_tombstones WHERE table_name = $1", name)
+            try:
+                async with conn.transaction():
+                    # never wait long for the table (a TRUNCATE on a synchronous node holds it until the
+                    # router confirms it; an application's long lock): the next sweep tries again
+                    await conn.execute(f"SET LOCAL lock_timeout = '{SWEEP_LOCK_TIMEOUT}'")
+                    removed = 0 if qualified is None else int(
+                        await conn.fetchval("SELECT pgmesh.truncate_sweep($1, $2)", name, qualified))
+                    if passed or qualified is None:
+                        await conn.execute("DELETE FROM pgmesh.table_tombstones WHERE table_name = $1", name)
+            except asyncpg.LockNotAvailableError:
+                logger.debug("node %s: %s is locked: swept next time", self.node.name, name)
+                continue
             if removed:
                 self.swept += removed
                 logger.info("node %s: %s: %d row(s) written by changes older than the table's TRUNCATE"

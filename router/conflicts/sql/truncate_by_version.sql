@@ -5,8 +5,8 @@
 -- that a change older than it arriving later goes too (the recorder's sweep, truncate_sweep).
 --
 -- Every table is locked first, ACCESS EXCLUSIVE as TRUNCATE locks it. When no row of any of them is newer
--- than the TRUNCATE (the usual case: nothing written since its commit time on this node, read from the
--- last committed transaction, or else one read of each table's commit times) it runs as the plain
+-- than the TRUNCATE (the usual case; one read of each table's commit times, stopping at the first newer
+-- row) it runs as the plain
 -- `TRUNCATE ... [RESTART IDENTITY] [CASCADE]` it was on the source. Otherwise the older rows are deleted,
 -- the tables in reverse order (tables a CASCADE reached come last in the list: referencing rows go first),
 -- sequences are not restarted (the newer rows keep their values), and each table that kept rows gets one
@@ -30,14 +30,14 @@ BEGIN
   FOR i IN 1 .. n LOOP
     EXECUTE format('LOCK TABLE %I.%I IN ACCESS EXCLUSIVE MODE', schemas[i], names[i]);
   END LOOP;
-  IF coalesce((pg_catalog.pg_last_committed_xact()).timestamp >= t_ts, true) THEN
-    FOR i IN 1 .. n LOOP
-      EXECUTE format('SELECT EXISTS (SELECT FROM %I.%I AS r WHERE pg_catalog.pg_xact_commit_timestamp(r.xmin)'
-                     ' >= $1 AND NOT {schema}.truncated(r.xmin, $1, $2))', schemas[i], names[i])
-         INTO found_newer USING t_ts, t_node;
-      newer := newer OR found_newer;
-    END LOOP;
-  END IF;
+  -- (not skipped when the node's last commit is older: an applied commit carries its source's time, which
+  -- can be older than a local commit before it)
+  FOR i IN 1 .. n LOOP
+    EXECUTE format('SELECT EXISTS (SELECT FROM %I.%I AS r WHERE pg_catalog.pg_xact_commit_timestamp(r.xmin)'
+                   ' >= $1 AND NOT {schema}.truncated(r.xmin, $1, $2))', schemas[i], names[i])
+       INTO found_newer USING t_ts, t_node;
+    newer := newer OR found_newer;
+  END LOOP;
   IF NOT newer THEN
     EXECUTE 'TRUNCATE ' || (SELECT string_agg(format('%I.%I', s, t), ', ' ORDER BY o)
                               FROM unnest(schemas, names) WITH ORDINALITY AS u(s, t, o))
