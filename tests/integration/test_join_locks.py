@@ -208,7 +208,7 @@ async def test_the_lock_holder_plans_under_its_locks_and_sees_the_snapshots_tabl
         locks = await asyncio.to_thread(SnapshotLocks.open, dsn, snapshot, wanted, lock_wait_s=1,
                                         application_name="test-locks")
         try:
-            assert locks.truncated == ["public.scratch"], locks.truncated
+            assert locks.truncated == [("public", "scratch")], locks.truncated
             assert [t.name for t in locks.tables] == ["acct"] and [lf.name for lf in locks.leaves] == ["acct"]
             await execute(dsn, 'TRUNCATE "scratch"')  # no longer waits for the join
         finally:

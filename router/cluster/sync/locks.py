@@ -91,7 +91,11 @@ class SnapshotLocks:
     __slots__ = ("_conn", "leaves", "pid", "tables", "truncated")
 
     def __init__(
-        self, conn: psycopg.Connection[Any], tables: list[CopyTable], leaves: list[Leaf], truncated: list[str]
+        self,
+        conn: psycopg.Connection[Any],
+        tables: list[CopyTable],
+        leaves: list[Leaf],
+        truncated: list[tuple[str, str]],
     ) -> None:
         self._conn = conn
         self.pid = conn.info.backend_pid
@@ -117,7 +121,7 @@ class SnapshotLocks:
         `lock_wait_s`, and 40001 when a table was rewritten (by ALTER TABLE) after the snapshot: both
         mean "take a new snapshot and start again" (`router.errors.retry_join`).
         """
-        truncated: list[str] = []
+        truncated: list[tuple[str, str]] = []
         wanted = list(tables)
         while True:
             try:
@@ -133,9 +137,10 @@ class SnapshotLocks:
             if not emptied:
                 return cls(conn, seen, leaves, truncated)
             _close(conn)  # not to hold them: the application truncates them again meanwhile
-            truncated += [f"{schema}.{name}" for schema, name in emptied]
+            truncated += sorted(emptied)
+            names = ", ".join(f"{schema}.{name}" for schema, name in sorted(emptied))
             logger.info("node %s: %s truncated after the join's snapshot: not copied (the new node replays"
-                        " the TRUNCATE and what follows)", node, ", ".join(truncated[-len(emptied):]))
+                        " the TRUNCATE and what follows)", node, names)
             wanted = [t for t in wanted if tuple(t) not in emptied]
 
     def close(self) -> None:
@@ -284,7 +289,7 @@ async def give_way(dsn: str, tag: str, abort: CopyAbort, *, lock_wait_s: float, 
                     f" {' '.join(str(query).split())[:80]!r}), which waited {waited:.0f} s for a lock the"
                     " join held",
                     node=node, relation=relation, sqlstate="55P03",
-                    hint="the join tries again with a new snapshot",
+                    hint="the join copies again, leaving out the tables truncated since its snapshot",
                 )
                 await asyncio.to_thread(abort.request, error)
             else:

@@ -73,7 +73,7 @@ async def copy_in_rounds(
 ) -> Copied:
     """Rounds until one copies everything it locked (module docstring)."""
     restore: SchemaRestore | None = None
-    truncated: list[str] = []
+    truncated: list[tuple[str, str]] = []
     rounds = idle = 0
     while True:
         rounds += 1
@@ -83,7 +83,7 @@ async def copy_in_rounds(
         )
         locks: SnapshotLocks | None = None
         try:
-            wanted = [t for t in job.tables if f"{t[0]}.{t[1]}" not in truncated]
+            wanted = [t for t in job.tables if tuple(t) not in truncated]
             locks = await asyncio.to_thread(  # the tables as the snapshot sees them, locked and planned
                 SnapshotLocks.open, job.donor.dsn, job.snapshot, wanted, lock_wait_s=job.lock_wait_s,
                 application_name=f"{job.tag}-locks", node=job.donor.name,
@@ -106,7 +106,9 @@ async def copy_in_rounds(
                 application_name=f"{job.tag}-copy", lock_wait_s=job.lock_wait_s,
             )
             abort.check()
-            return Copied(report, restore, tuple(truncated), rounds)
+            if rounds > 1:  # a task of a stopped round must not have written after it was stopped
+                await _check_counts(job.target, report, truncated, job.new.name)
+            return Copied(report, restore, tuple(f"{s}.{n}" for s, n in truncated), rounds)
         except (PgmeshError, psycopg.Error) as exc:
             if abort.error is None:
                 if isinstance(exc, psycopg.Error):  # a donor session's (its lock_timeout ran out...)
@@ -128,6 +130,24 @@ async def copy_in_rounds(
         await end_copy_sessions(job.target, job.tag)
         if locks is not None and restore is not None:
             await _empty(job.target, locks.tables, job.new.name)
+
+
+async def _check_counts(
+    target: Conn, report: CopyReport, truncated: Sequence[tuple[str, str]], node: str
+) -> None:
+    """After rounds that were stopped: the new node holds exactly the rows the last round copied, and
+    none of the tables left to the stream. A Spark task of a stopped round is killed within seconds,
+    but one that committed after the round's clean-up would have doubled rows: then a new snapshot."""
+    expected = {(t.schema, t.name): t.rows for t in report.tables} | {name: 0 for name in truncated}
+    for (schema, name), rows in expected.items():
+        cur = await target.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, name)))
+        found = int((await cur.fetchone() or (0,))[0])
+        if found != rows:
+            raise PgmeshError(
+                f"the new node holds {found} rows where the copy wrote {rows}: a stopped round's task wrote"
+                " after it was stopped", node=node, relation=f"{schema}.{name}", sqlstate="40001",
+                hint="the join tries again with a new snapshot",
+            )
 
 
 async def _empty(target: Conn, tables: Sequence[CopyTable], node: str) -> None:
