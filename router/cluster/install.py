@@ -142,7 +142,9 @@ async def _ensure_publication(conn: Conn, config: Config, tables: Sequence[Table
     return done
 
 
-async def _ensure_slot(conn: Conn, config: Config, node: str) -> list[str]:
+async def _ensure_slot(conn: Conn, config: Config, node: str, fresh: bool = False) -> list[str]:
+    """pgmesh's slot on the node; `fresh`: this install created pgmesh's schema there, so a slot of that
+    name is an earlier installation's, whose position is stale (the router would send on what it kept)."""
     name = config.slot_name
     cur = await conn.execute(
         "SELECT plugin, database, current_database() FROM pg_replication_slots WHERE slot_name = %s", [name]
@@ -154,6 +156,13 @@ async def _ensure_slot(conn: Conn, config: Config, node: str) -> list[str]:
                 f"slot {name} exists for plugin {row[0]!r} in database {row[1]!r}",
                 node=node,
                 hint=f"drop it (SELECT pg_drop_replication_slot('{name}')) or rename the cluster",
+            )
+        if fresh:
+            raise SlotError(
+                f"slot {name} is left from an earlier installation (pgmesh's schema was not there): its"
+                " position is stale, and the router would send on every change it kept since then",
+                node=node,
+                hint=f"drop it on node {node} (SELECT pg_drop_replication_slot('{name}')) and run init again",
             )
         return []
     if conn.info.server_version >= FAILOVER_SLOTS_SINCE:  # follows a failover to a physical standby
@@ -332,7 +341,7 @@ async def _install_nodes(
         created[name].committed = True
 
     async def slot(name: str, conn: Conn) -> list[str]:
-        done = await _ensure_slot(conn, config, name)
+        done = await _ensure_slot(conn, config, name, fresh=created[name].schema)
         created[name].slot = bool(done)
         return done
 

@@ -76,18 +76,21 @@ async def test_ddl_by_postgres_and_by_the_application_replicates_as_its_author(
         await wait_for(on_b, "postgres's DDL replayed on b")
         psql(b, "ALTER TABLE items ADD COLUMN by_app text DEFAULT 'x'", user="app")
         psql(b, "CREATE TABLE made_by_app (id int PRIMARY KEY, v text)", user="app")
+        # a migration as one query string, by postgres (replayed whole through pgmesh.ddl_as_owner)
+        psql(c, "CREATE TABLE made_by_postgres_2 (id int PRIMARY KEY); CREATE INDEX ON items (v)")
 
         async def everywhere() -> bool:
             found = [await fetch(n.dsn(), "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'made_by_%'")
                      for n in m.nodes]
-            return all(f == [(2,)] for f in found)
+            return all(f == [(3,)] for f in found)
 
-        await wait_for(everywhere, "both new tables on every node")
+        await wait_for(everywhere, "the new tables on every node")
         psql(c, "INSERT INTO made_by_postgres VALUES (1, 'c'); INSERT INTO made_by_app VALUES (1, 'c');"
                 " INSERT INTO items VALUES (2, 'c', 'p2', 'x2')")
         psql(b, "UPDATE items SET by_app = 'y' WHERE id = 1", user="app")
         await wait_identical(m.nodes)
-    want = [("items", "app"), ("made_by_app", "app"), ("made_by_postgres", "postgres")]
+    want = [("items", "app"), ("made_by_app", "app"), ("made_by_postgres", "postgres"),
+            ("made_by_postgres_2", "postgres")]
     for node in m.nodes:
         assert await owners(node) == want, node.name
     assert await fetch(c.dsn(), "SELECT id, by_postgres, by_app FROM items ORDER BY id") == [
@@ -173,5 +176,15 @@ async def test_an_install_failure_names_the_stale_objects_behind_it(
     assert "node b held pgmesh objects before this init (schema pgmesh)" in said, said
     assert 'DROP SCHEMA "pgmesh" CASCADE' in said
     psql(b, 'DROP SCHEMA "pgmesh" CASCADE')
+    # a slot of pgmesh's name left where pgmesh's schema is gone: its position is an earlier install's
+    a = m.nodes[0]
+    psql(a, f"SELECT pg_create_logical_replication_slot('{m.config.slot_name}', 'pgoutput')")
+    psql(a, "INSERT INTO items VALUES (1, 'kept by the stale slot')")
+    failed = pgmesh(config, "init")
+    said = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    assert f"slot {m.config.slot_name} is left from an earlier installation" in said, said
+    assert f"SELECT pg_drop_replication_slot('{m.config.slot_name}')" in said, said
+    psql(a, f"SELECT pg_drop_replication_slot('{m.config.slot_name}'); DELETE FROM items")
     done = pgmesh(config, "init")
     assert done.returncode == 0, done.stdout + done.stderr
