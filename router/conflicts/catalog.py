@@ -111,8 +111,9 @@ SELECT n.nspname, c.relname, c.relreplident::text,
         CROSS JOIN unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
         WHERE i.indrelid = c.oid AND i.indisreplident ORDER BY k.ord),
-  ARRAY(SELECT a.attname::text FROM pg_attribute a
-        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum),
+  ARRAY(SELECT a.attname::text FROM pg_attribute a  -- (generated ones follow the others: no key part)
+        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+        ORDER BY a.attnum),
   t.tgargs, t.tgenabled::text
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -133,7 +134,8 @@ def choose_key_columns(
     replident: str, primary: Sequence[str], identity: Sequence[str], columns: Sequence[str]
 ) -> tuple[str, ...] | None:
     """The columns tombstones key a table's rows by: its primary key, else its replica identity index,
-    else (REPLICA IDENTITY FULL) every column in attnum order; None when the table has no usable key."""
+    else (REPLICA IDENTITY FULL) every column in attnum order (`columns`: generated ones left out, the
+    decoded stream does not carry them); None when the table has no usable key."""
     if primary:
         return tuple(primary)
     if replident == "i" and identity:

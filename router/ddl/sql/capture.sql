@@ -349,8 +349,9 @@ BEGIN
      WHERE i.indrelid = rel AND i.indisreplident;
   END IF;
   IF key IS NULL THEN
-    SELECT array_agg(a.attname::text ORDER BY a.attnum) INTO key
-      FROM pg_attribute a WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped;
+    SELECT array_agg(a.attname::text ORDER BY a.attnum) INTO key  -- (not generated ones, as catalog.py)
+      FROM pg_attribute a
+     WHERE a.attrelid = rel AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '';
   END IF;
   IF NOT published THEN
     EXECUTE format('ALTER PUBLICATION %I ADD TABLE %I.%I', pub, nsp, tab);

@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from router.testing.mesh import wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.real_use.users import RouterProcess, pgmesh, psql, wait_identical
@@ -203,5 +205,36 @@ async def test_a_publication_that_publishes_generated_columns(mesh: MeshFactory,
         assert _streaming(config), _status(config)["links"]
         rows = psql(b, "SELECT price, price_x2 FROM items WHERE id = 1").stdout
         assert "6 |       12" in rows, rows
+    finally:
+        await router.stop()
+
+
+async def test_keyless_table_with_a_generated_column(mesh: MeshFactory, tmp_path: Path) -> None:
+    """A table without a key (init makes it REPLICA IDENTITY FULL) and with a generated column: a node's
+    own deletes are recorded as tombstones (its recorder keyed them by every column, the generated one
+    too, which the decoded stream does not carry: none was written, silently), and rows deleted, updated
+    and inserted again on three nodes end the same everywhere."""
+    made = await mesh(nodes=3, schema="CREATE TABLE moves (at int, qty int,"
+                                      " qty_x2 int GENERATED ALWAYS AS (qty * 2) STORED);")
+    a, b, c = made.nodes
+    router, config = await _started(tmp_path, made)
+    try:
+        psql(a, "INSERT INTO moves SELECT i, i FROM generate_series(1, 10) i")
+        await wait_identical(made.nodes)
+        deleted = psql(b, "DELETE FROM moves WHERE at <= 3", check=False)
+        if "Replica identity must not contain unpublished generated columns" in deleted.stderr:
+            # PostgreSQL 18 refuses every DELETE and UPDATE of a REPLICA IDENTITY FULL table whose
+            # generated column the publication leaves out (init made it FULL): open, see the report
+            pytest.xfail("18: a keyless table with a generated column refuses DELETE/UPDATE under FULL")
+        assert deleted.returncode == 0, deleted.stderr
+        psql(c, "UPDATE moves SET qty = 100 WHERE at = 9")
+        psql(a, "INSERT INTO moves VALUES (1, 1)")
+        await wait_identical(made.nodes)
+
+        def recorded() -> bool:
+            return any(r["node"] == "b" and r["tombstones"] == 3 for r in _status(config)["recorders"])
+
+        await wait_for(recorded, "node b's own 3 deletes recorded as tombstones", 30)
+        assert _streaming(config)
     finally:
         await router.stop()
