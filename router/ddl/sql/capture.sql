@@ -434,6 +434,29 @@ BEGIN
 END
 $body$;
 
+-- A query string holding replicated DDL and statements that write replicated rows (ddl_writes): the other
+-- nodes get those rows and, replaying the whole string, would write them a second time (a keyed table's
+-- link then stops on a duplicate key). Refused where it is typed, before its message is written.
+CREATE OR REPLACE FUNCTION {schema}.ddl_refuse_writes(tag text) RETURNS void LANGUAGE plpgsql AS $body$
+DECLARE
+  q text := pg_catalog.current_query();
+  what text;
+BEGIN
+  IF q !~ ';[[:space:]]*[^[:space:];]' AND q !~* '\mdo\M' THEN
+    RETURN;  -- one statement, not a DO block (the cheap test)
+  END IF;
+  what := {schema}.ddl_writes(q);
+  IF what IS NOT NULL THEN
+    RAISE EXCEPTION 'pgmesh: % refused: its query string also writes rows (%), and the other nodes, which '
+                    'get those rows and replay the whole string, would write them a second time', tag, what
+      USING ERRCODE = '0A000',
+            HINT = 'send the DDL and the statements that write rows as separate statements (psql -f, or one '
+                   'execute per statement from a driver), in one transaction if they belong together; a DO '
+                   'block is replayed whole, so keep its writes out of it';
+  END IF;
+END
+$body$;
+
 -- ddl_command_end: record the command in the transaction (unless it is local or replayed here); under
 -- [ddl] mode = "locked", refuse it unless it comes through `pgmesh ddl` (ddl_locked).
 -- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
@@ -485,6 +508,7 @@ BEGIN
     -- one message per statement, also when a query string holds several commands
     stamp := pg_catalog.statement_timestamp()::text || ' ' || pg_catalog.md5(pg_catalog.current_query());
     IF stamp IS DISTINCT FROM pg_catalog.current_setting('pgmesh.ddl_stamp', true) THEN
+      PERFORM {schema}.ddl_refuse_writes(tg_tag);
       PERFORM pg_catalog.set_config('pgmesh.ddl_stamp', stamp, true);
       PERFORM {schema}.ddl_emit(pg_catalog.json_build_object(
         'sql', pg_catalog.current_query(), 'search_path', pg_catalog.current_setting('search_path'),
@@ -599,19 +623,6 @@ BEGIN
                              '|prepare transaction)\M')) THEN
     RAISE EXCEPTION 'pgmesh: DDL sent in one query string with transaction control is not replicated'
       USING ERRCODE = '0A000', HINT = 'send BEGIN, each DDL statement and COMMIT as separate statements';
-  END IF;
-  -- DDL and writes in one string: the other nodes would get the rows and, replaying the string, write them
-  -- again (the first test is the cheap one: one statement, not a DO block)
-  IF q ~ ';[[:space:]]*[^[:space:];]' OR q ~* '\mdo\M' THEN
-    what := {schema}.ddl_writes(q);
-    IF what IS NOT NULL THEN
-      RAISE EXCEPTION 'pgmesh: % refused: its query string also writes rows (%), and the other nodes, which '
-                      'get those rows and replay the whole string, would write them a second time', tg_tag, what
-        USING ERRCODE = '0A000',
-              HINT = 'send the DDL and the statements that write rows as separate statements (psql -f, or one '
-                     'execute per statement from a driver), in one transaction if they belong together; a DO '
-                     'block is replayed whole, so keep its writes out of it';
-    END IF;
   END IF;
   IF tg_tag = 'ALTER TABLE' AND q ~* '\musing\M' THEN
     FOR what IN SELECT {schema}.ddl_unstable(substring(substring(s.code from '(?i)\mtype\M.*') from '(?i)\musing\M(.*)'),

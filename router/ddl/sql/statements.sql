@@ -216,30 +216,67 @@ BEGIN
 END
 $body$;
 
--- What in a query string holding DDL would write rows a second time where the other nodes replay it
--- (the capture records the whole string, current_query(), and the rows travel too): the leading words of
--- its first such statement, or NULL. Beside the DDL: INSERT, UPDATE, DELETE, MERGE, COPY, TRUNCATE, CALL,
--- WITH, EXECUTE, EXPLAIN ANALYZE, a SELECT / VALUES calling a volatile function (other than set_config);
--- also alone: a DO block whose body holds INSERT, UPDATE, DELETE, MERGE, TRUNCATE, COPY or CALL. SET,
--- SHOW, RESET, LOCK, plain SELECTs and more DDL are harmless: the string is replayed once.
-CREATE OR REPLACE FUNCTION {schema}.ddl_writes(q text) RETURNS text LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp AS $body$
+-- Whether one statement (ddl_split's code) writes rows the other nodes get as rows: INSERT, UPDATE,
+-- DELETE, MERGE, TRUNCATE or COPY ... FROM into a table of pgmesh's publication (or a partition of one),
+-- or into one that cannot be told (not there yet, made later in the string); CALL, WITH, EXECUTE, EXPLAIN
+-- ANALYZE and a SELECT / VALUES calling a volatile function (other than set_config) may write anything.
+-- A temporary, unlogged or excluded table's rows stay on each node: written again there, they are that
+-- node's own. No SET clause: names resolve under the session's search_path.
+CREATE OR REPLACE FUNCTION {schema}.ddl_written(words text, code text) RETURNS boolean LANGUAGE plpgsql STABLE
+AS $body$
+DECLARE
+  name_re text := '((?:"(?:[^"]|"")+"|[[:alnum:]_$]+)(?:\s*\.\s*(?:"(?:[^"]|"")+"|[[:alnum:]_$]+))?)';
+  m text[];
+  rel regclass;
+BEGIN
+  IF words ~ '^(call|with|execute)\M' OR words ~ '^explain\M.*\manalyze\M' THEN
+    RETURN true;
+  ELSIF words ~ '^(select|values|table)\M' THEN
+    RETURN {schema}.ddl_unstable(pg_catalog.regexp_replace(code, '\mset_config\s*\(', '(', 'gi'), 'v')
+           IS NOT NULL;
+  ELSIF words !~ '^(insert|update|delete|merge|copy|truncate)\M' THEN
+    RETURN false;
+  END IF;
+  m := pg_catalog.regexp_match(code, '^(?:insert\s+into|update|delete\s+from|merge\s+into|truncate(?:\s+table)?|copy)'
+                                     '(?:\s+only)?\s+' || name_re || '\s*(.*)$', 'i');
+  IF m IS NULL OR words ~ '^truncate\M' AND m[2] ~ '^,' THEN
+    RETURN true;
+  ELSIF words ~ '^copy\M' AND m[2] ~* '^(\([^)]*\)\s*)?to\M' THEN
+    RETURN false;  -- COPY ... TO reads
+  END IF;
+  rel := pg_catalog.to_regclass(m[1]);
+  RETURN rel IS NULL OR EXISTS (
+    SELECT 1 FROM pg_catalog.pg_publication_rel r JOIN pg_catalog.pg_publication p ON p.oid = r.prpubid
+     WHERE p.pubname = {schema}.ddl_setting('publication')
+       AND r.prrelid IN (rel, pg_catalog.pg_partition_root(rel)));
+END
+$body$;
+
+-- What in a query string holding replicated DDL would write rows a second time where the other nodes
+-- replay it (the capture records the whole string, current_query(), and the rows travel too): the leading
+-- words of its first such statement (ddl_written), or NULL. Beside the DDL, or alone in a DO block's
+-- body (the block runs again whole). SET, SHOW, RESET, LOCK, plain SELECTs and more DDL are harmless:
+-- the string is replayed once. No SET clause: names resolve under the session's search_path.
+CREATE OR REPLACE FUNCTION {schema}.ddl_writes(q text) RETURNS text LANGUAGE plpgsql STABLE AS $body$
 DECLARE
   s record;
+  b record;
   n int := 0;
   found text;
+  m text[];
 BEGIN
   FOR s IN SELECT * FROM {schema}.ddl_split(q) LOOP
     n := n + 1;
-    IF s.words ~ '^do\M' AND EXISTS (
-         SELECT 1 FROM {schema}.ddl_split(s.bodies) b
-          WHERE b.code ~* '(^|\m(begin|then|else|loop)\M)\s*(insert|update|delete|merge|truncate|copy|call)\M') THEN
-      RETURN s.words || ' (a block that writes rows)';
+    IF s.words ~ '^do\M' THEN
+      FOR b IN SELECT * FROM {schema}.ddl_split(s.bodies) LOOP
+        m := pg_catalog.regexp_match(b.code, '(?:^|\m(?:begin|then|else|loop)\M)\s*'
+                                             '((insert|update|delete|merge|truncate|copy|call)\M.*)$', 'i');
+        IF m IS NOT NULL AND {schema}.ddl_written(pg_catalog.lower(m[2]), m[1]) THEN
+          RETURN s.words || ' (a block that writes rows: ' || pg_catalog.lower(m[2]) || ')';
+        END IF;
+      END LOOP;
     END IF;
-    IF found IS NULL AND (s.words ~ '^(insert|update|delete|merge|copy|truncate|call|with|execute)\M'
-         OR s.words ~ '^explain\M.*\manalyze\M'
-         OR s.words ~ '^(select|values|table)\M'
-            AND {schema}.ddl_unstable(regexp_replace(s.code, '\mset_config\s*\(', '(', 'gi'), 'v') IS NOT NULL) THEN
+    IF found IS NULL AND {schema}.ddl_written(s.words, s.code) THEN
       found := s.words;
     END IF;
   END LOOP;

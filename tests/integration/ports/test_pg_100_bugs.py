@@ -50,8 +50,9 @@ async def test_100_temporary_and_unlogged_tables(mesh: MeshFactory) -> None:
 
 
 async def test_100_replica_identity_index_changed(mesh: MeshFactory) -> None:
-    """The replica identity moved from one unique index to another, then an update and a delete in the
-    same query string."""
+    """The replica identity moved from one unique index to another, then an update and a delete in one
+    query string (the ALTER on its own: in one query string with it, the other nodes would replay the
+    update and the delete besides getting their rows, so pgmesh refuses that string, docs/ddl.md)."""
     schema = """
     CREATE TABLE tab_replidentity_index(a int not null, b int not null);
     CREATE UNIQUE INDEX idx_replidentity_index_a ON tab_replidentity_index(a);
@@ -63,11 +64,10 @@ async def test_100_replica_identity_index_changed(mesh: MeshFactory) -> None:
     a, b = m.nodes
     rows = "SELECT * FROM tab_replidentity_index ORDER BY a"
     async with running_router(m.config) as router:
-        await execute(a.dsn(), """
-            ALTER TABLE tab_replidentity_index REPLICA IDENTITY USING INDEX idx_replidentity_index_b;
-            UPDATE tab_replidentity_index SET a = -a WHERE a = 1;
-            DELETE FROM tab_replidentity_index WHERE a = 2;
-        """)
+        await execute(a.dsn(), "ALTER TABLE tab_replidentity_index"
+                               " REPLICA IDENTITY USING INDEX idx_replidentity_index_b",
+                      "UPDATE tab_replidentity_index SET a = -a WHERE a = 1;"
+                      " DELETE FROM tab_replidentity_index WHERE a = 2")
         await rows_everywhere(m.nodes, rows, [(-1, 1)])
         await execute(b.dsn(), "INSERT INTO tab_replidentity_index VALUES (3, 3)")
         await execute(b.dsn(), "UPDATE tab_replidentity_index SET a = 30 WHERE b = 3")
