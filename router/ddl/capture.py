@@ -30,15 +30,17 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
   TRUNCATE of the root itself travels as pgoutput's Truncate alone;
 - an event trigger on `ddl_command_start` refusing, at the node where they are issued, commands that
   cannot be replayed inside a transaction (CREATE / DROP INDEX CONCURRENTLY, DETACH PARTITION
-  CONCURRENTLY), query strings that mix DDL with transaction control or with statements that write rows
-  (the capture records the whole string, so the other nodes would write those rows a second time:
-  `ddl_writes`; `ddl_split`, in `sql/statements.sql`, splits a query string into its top-level statements
-  as the server does: a function body, a string or a comment is not a statement; a DO block's body is
-  looked into), ALTER COLUMN TYPE ... USING a non-immutable expression, and `ALTER TYPE ... ADD VALUE`
-  outside `pgmesh ddl` (labels added on two nodes at once would sort differently on each);
-- at `ddl_command_end`, an ADD COLUMN on an existing replicated table whose values each node would
-  compute itself (identity, serial, a default that is not immutable: `ddl_filled`) is refused, and a
-  partition detached from its root joins the publication when it matches `tables` (`ddl_detached`);
+  CONCURRENTLY), query strings that mix DDL with transaction control (`ddl_split`, in
+  `sql/statements.sql`, splits a query string into its top-level statements as the server does: a
+  function body, a string or a comment is not a statement), and ALTER COLUMN TYPE ... USING a
+  non-immutable expression;
+- at `ddl_command_end`, where the command is typed, refusals of what would leave nodes apart: a query
+  string whose other statements write replicated rows (the capture records the whole string, so the
+  other nodes would write them a second time: `ddl_refuse_writes`; a DO block's body is looked into),
+  an ADD COLUMN whose values each node would compute itself for the rows it holds (identity, serial, a
+  default that is not immutable: `ddl_filled`), enum labels added outside `pgmesh ddl` (two nodes adding
+  at once would sort them differently: `ddl_enum_grew`); and, on every node, a partition detached from
+  its root joins the publication when it matches `tables` (`ddl_detached`);
 - with `[ddl] mode = "locked"`, `ddl_capture` refuses a replicated command unless the session set
   `pgmesh.ddl = on` (`pgmesh ddl` does; `ALLOWED_SETTING`), or it is local or replayed by the router.
 

@@ -2,7 +2,9 @@
 -- on sql_drop, ddl_refuse on ddl_command_start) and what they call. ddl_capture writes each replicated
 -- command as a transactional logical message with prefix 'pgmesh.ddl' (its JSON: router/ddl/messages.py);
 -- ddl_table puts a new or altered table of the replicated set into the publication with its tombstone
--- trigger. Installed (CREATE OR REPLACE, in order) by router/ddl/capture.py (install_ddl_capture), which
+-- trigger; ddl_refuse, ddl_refuse_writes, ddl_filled and ddl_enum_grew refuse, where the command is typed,
+-- what could not be replayed or would leave the nodes apart (reading SQL text with sql/statements.sql).
+-- Installed (CREATE OR REPLACE, in order) by router/ddl/capture.py (install_ddl_capture), which
 -- fills {schema} with pgmesh's schema, quoted as an identifier; the triggers' settings are rows 'ddl.*'
 -- of {schema}.node_info. Statements end with a ';' at the end of a line outside $body$ quotes.
 
