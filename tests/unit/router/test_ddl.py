@@ -9,6 +9,7 @@ import msgspec
 from protocol.messages import Column, Delete, Insert, Message, Relation, TupleData, Update
 from protocol.transactions import Transaction
 from router.ddl.capture import glob_regex
+from router.ddl.command import orders_itself
 from router.ddl.messages import DDL_PREFIX, DdlCommand, ddl_command, has_ddl
 from router.ddl.reconcile import reconcile
 
@@ -76,3 +77,11 @@ def test_nothing_to_fit_or_an_unexplained_column_gives_none() -> None:
     assert reconcile(insert, every, {"public.t": {"q": None}}) is None
     some = {("public", "t"): frozenset({"id", "v"})}
     assert reconcile(insert, some, {"public.t": {"x": None}}) is None  # z is missing and unexplained
+
+
+def test_enum_labels_always_go_behind_the_barrier_and_the_lock() -> None:
+    assert orders_itself("ALTER TYPE mood ADD VALUE 'x'")
+    assert orders_itself("alter type public.mood\n  add value if not exists 'y' before 'ok'")
+    assert orders_itself("DO $$ BEGIN ALTER TYPE m ADD VALUE 'z'; END $$")
+    assert not orders_itself("ALTER TYPE mood RENAME VALUE 'x' TO 'y'")
+    assert not orders_itself("ALTER TABLE t ADD COLUMN value int")
