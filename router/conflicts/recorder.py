@@ -46,10 +46,11 @@ the truncating transaction's xid: its commit time and origin are the TRUNCATE's 
 TRUNCATE records its own in the applying transaction, `pgmesh.truncate_by_version`). A change older than
 it that an applier wrote after it (it reached the node later, or before the tombstone was recorded) is
 removed by the sweep (`pgmesh.truncate_sweep`: every row of the table older than its tombstone goes,
-recorded as `write_truncated`), run right after recording and every `SWEEP_INTERVAL_S` while the node
-holds a table tombstone. A table tombstone goes once the pruning horizon (router.conflicts.pruning, kept
-in `pgmesh.node_info` as `tombstone_horizon`) has passed it, in the transaction of a last sweep: every
-change older than it had been applied on the node by then, so that sweep removed the last of them.
+recorded as `write_truncated`), run right after recording and every `SWEEP_INTERVAL_S` (one look at the
+node's table tombstones, usually none; the appliers record those of replicated TRUNCATEs). A table
+tombstone goes once the pruning horizon (router.conflicts.pruning, kept in `pgmesh.node_info` as
+`tombstone_horizon`) has passed it, in the transaction of a last sweep: every change older than it had
+been applied on the node by then, so that sweep removed the last of them.
 
 Must not: decide anything but the late decisions above, write to tables other than tombstones,
 table_tombstones, conflict_history, tombstones_recorded, the late deletes and the sweeps' deletes, or
@@ -176,8 +177,9 @@ class TombstoneRecorder:
         self.late = 0  # late decisions made
         self.replaced = 0  # of them, those that replaced the applier's record of the same change
         self.swept = 0  # rows older than their table's TRUNCATE removed (router.conflicts.sql truncate_sweep)
-        self._tombstoned = True  # the node may hold a table tombstone (sweep at the next pause)
-        self._swept_at = 0.0
+        self._swept_at = 0.0  # (monotonic) the last sweep; the next one comes SWEEP_INTERVAL_S later
+        self._sweep_pause = 0.0  # longer, while the node has no table of table tombstones (installed before)
+        self._sweep_error: str | None = None
         self._conn: asyncpg.Connection | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
 
@@ -270,7 +272,7 @@ class TombstoneRecorder:
                         ", ".join(sorted(truncates)))
             # swept once this batch counts as recorded (run): a synchronous node's TRUNCATE holds its lock
             # until the router confirms it, and the sweep needs the table
-            self._tombstoned, self._swept_at = True, 0.0
+            self._swept_at = 0.0
         for i, part in enumerate(sorted(tables, key=lambda d: d.table.name)):
             last = i == len(tables) - 1
             async with conn.transaction():
@@ -283,16 +285,21 @@ class TombstoneRecorder:
     async def _sweep_quietly(self) -> None:
         """A sweep (module docstring, TRUNCATE) when the node may hold a table tombstone; an error waits for
         the next one (the sweep is idempotent, and the table tombstone stays until a sweep passes it)."""
-        self._swept_at = time.monotonic()
-        if not self._tombstoned:
+        now = time.monotonic()
+        if now - self._swept_at < self._sweep_pause:
             return
+        self._swept_at, self._sweep_pause = now, 0.0
         try:
             await self._sweep(await self._connect())
+            self._sweep_error = None
         except asyncpg.UndefinedTableError:
-            self._tombstoned = False  # installed before table tombstones: nothing to sweep
+            self._sweep_pause = 60.0  # installed before table tombstones (`pgmesh init` adds them)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            logger.warning("node %s: sweeping the rows older than a TRUNCATE failed: %s; trying again in"
-                           " %.0f s", self.node.name, describe(exc), SWEEP_INTERVAL_S)
+            error = describe(exc)
+            log = logger.debug if error == self._sweep_error else logger.warning  # (once, not every second)
+            log("node %s: sweeping the rows older than a TRUNCATE failed: %s; trying again in %.0f s",
+                self.node.name, error, SWEEP_INTERVAL_S)
+            self._sweep_error = error
             await self.close()
 
     async def _sweep(self, conn: asyncpg.Connection) -> None:
@@ -315,7 +322,6 @@ class TombstoneRecorder:
                 self.swept += removed
                 logger.info("node %s: %s: %d row(s) written by changes older than the table's TRUNCATE"
                             " removed (conflict write_truncated)", self.node.name, name, removed)
-        self._tombstoned = bool(rows)
 
     def _recorded(self, end: int) -> None:
         self.progress.on_flushed(end)

@@ -169,3 +169,29 @@ async def test_an_insert_older_than_a_truncate_that_arrives_after_it_goes(mesh: 
         assert await fetch(a.dsn(), ROWS) == want
         assert await fetch(b.dsn(), ROWS) == want
         healthy(router)
+
+
+async def test_a_third_node_gets_the_truncate_before_an_older_insert(mesh: MeshFactory) -> None:
+    """Three nodes, links held: c inserts a row, then a truncates (later). b gets a's TRUNCATE first (only
+    a -> b resumed) and c's older insert after it: b never truncated anything itself, and still removes
+    that row (its appliers recorded the table tombstone; the recorder's sweep finds it), as a, where it
+    arrives after the TRUNCATE too, and c, where the TRUNCATE arrives after it."""
+    m = await mesh(nodes=3, schema=f"{BASIC_DML.replace('serial', 'int')}")
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO basic_dml VALUES (1, 1, 'before', NULL)")
+        await wait_converged(m.nodes, ["basic_dml"])
+        await router.pause(None)
+        await execute(c.dsn(), "INSERT INTO basic_dml VALUES (2, 2, 'c, before the TRUNCATE', NULL)")
+        await execute(a.dsn(), "TRUNCATE basic_dml")
+        await router.resume("b", "a")
+        await wait_for(lambda: has(b.dsn(), ROWS, []), "a's TRUNCATE on b")
+        await router.resume(None)
+        lost = "SELECT source, key FROM pgmesh.conflict_history WHERE conflict_type = 'write_truncated'"
+        for node in (a, b):
+            await wait_for(lambda node=node: has(node.dsn(), lost, [("c", "2")]),
+                           f"c's row removed on {node.name}, and recorded")
+        await wait_converged(m.nodes, ["basic_dml"], 15)
+        for node in m.nodes:
+            assert await fetch(node.dsn(), ROWS) == []
+        healthy(router)
