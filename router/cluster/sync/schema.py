@@ -315,7 +315,7 @@ async def _restore_pre_data_without(
     one transaction."""
     script = await run_tool([*restore, "--file=-"], new.dsn, "pg_restore of the schema", new.name)
     kept, dropped = drop_options(script, refused)
-    path = tmp / "pre-data.sql"
+    path = tmp / "pre-data.script"  # (a scratch file, not one of the package's SQL files)
     await asyncio.to_thread(path.write_text, kept)
     logger.warning("node %s: column options %s left out of the schema copy on %d column(s): the node does"
                    " not accept them", new.name, ", ".join(sorted(refused)), dropped)
