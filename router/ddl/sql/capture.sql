@@ -462,6 +462,34 @@ $body$;
 -- ddl_command_end: record the command in the transaction (unless it is local or replayed here); under
 -- [ddl] mode = "locked", refuse it unless it comes through `pgmesh ddl` (ddl_locked).
 -- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
+-- A schema renamed (ALTER SCHEMA ... RENAME), where it is typed and where it is replayed: its tables keep
+-- their oids, so nothing tells pgoutput that their names changed (a namespace rename invalidates no
+-- relation), and a walsender that sent a table's Relation message goes on naming the old schema, which
+-- no node has any more: every link would wait for that table for ever. A REPLICA IDENTITY set to what it
+-- is changes nothing but invalidates the table (relation_mark_replica_identity), so the next change of it
+-- sends its new name. Each table is then what ddl_table makes of it under its new name (it leaves the
+-- replicated set when the new name is outside the patterns).
+CREATE OR REPLACE FUNCTION {schema}.ddl_schema_renamed(nsp oid) RETURNS void LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
+DECLARE
+  t record;
+BEGIN
+  FOR t IN SELECT c.oid, n.nspname, c.relname, c.relreplident,
+                  (SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+                    WHERE x.indrelid = c.oid AND x.indisreplident) AS ident_index
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p'
+              AND (c.relnamespace = nsp OR c.relispartition AND pg_partition_root(c.oid) IN (
+                     SELECT r.oid FROM pg_class r WHERE r.relnamespace = nsp))
+            ORDER BY c.oid LOOP
+    EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY %s', t.nspname, t.relname,
+                   CASE t.relreplident WHEN 'f' THEN 'FULL' WHEN 'n' THEN 'NOTHING'
+                     WHEN 'i' THEN format('USING INDEX %I', t.ident_index) ELSE 'DEFAULT' END);
+    PERFORM {schema}.ddl_table(t.oid);
+  END LOOP;
+END
+$body$;
+
 CREATE OR REPLACE FUNCTION {schema}.ddl_capture() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
   cmd record;
@@ -497,6 +525,8 @@ BEGIN
     replicated := true;
     IF cmd.object_type IN ('table', 'table column') THEN
       PERFORM {schema}.ddl_table(cmd.objid);
+    ELSIF cmd.object_type = 'schema' AND tg_tag = 'ALTER SCHEMA' THEN
+      PERFORM {schema}.ddl_schema_renamed(cmd.objid);
     END IF;
   END LOOP;
   IF replicated AND tg_tag = 'ALTER TABLE' AND pg_catalog.current_query() ~* '\mdetach\s+partition\M' THEN
@@ -614,7 +644,10 @@ BEGIN
     RAISE EXCEPTION 'pgmesh: % CONCURRENTLY is not replicated (the other nodes replay DDL inside a '
                     'transaction)', tg_tag
       USING ERRCODE = '0A000',
-            HINT = 'run it without CONCURRENTLY, or run it on every node with SET pgmesh.ddl_local = on';
+            HINT = 'run it without CONCURRENTLY (`pgmesh ddl --wait`), or on every node as a statement of its '
+                   'own in a session with pgmesh.ddl_local on (psql -c ''SET pgmesh.ddl_local = on'' -c '
+                   '''CREATE INDEX CONCURRENTLY ...'': one string of both is one transaction, where '
+                   'CONCURRENTLY cannot run)';
   END IF;
   -- only the top-level statements count (not a function's body, a string or a comment); the first test
   -- is the cheap one that most DDL fails
