@@ -459,9 +459,6 @@ BEGIN
 END
 $body$;
 
--- ddl_command_end: record the command in the transaction (unless it is local or replayed here); under
--- [ddl] mode = "locked", refuse it unless it comes through `pgmesh ddl` (ddl_locked).
--- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
 -- A schema renamed (ALTER SCHEMA ... RENAME), where it is typed and where it is replayed: its tables keep
 -- their oids, so nothing tells pgoutput that their names changed (a namespace rename invalidates no
 -- relation), and a walsender that sent a table's Relation message goes on naming the old schema, which
@@ -490,6 +487,9 @@ BEGIN
 END
 $body$;
 
+-- ddl_command_end: record the command in the transaction (unless it is local or replayed here); under
+-- [ddl] mode = "locked", refuse it unless it comes through `pgmesh ddl` (ddl_locked).
+-- SECURITY INVOKER and no SET clause: current_user and search_path are the session's own.
 CREATE OR REPLACE FUNCTION {schema}.ddl_capture() RETURNS event_trigger LANGUAGE plpgsql AS $body$
 DECLARE
   cmd record;
