@@ -204,7 +204,8 @@ class TombstoneRecorder:
             conn, self._conn = self._conn, None
             try:
                 await asyncio.wait_for(conn.close(), 5)
-            except (TimeoutError, OSError, asyncpg.PostgresError):
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                    asyncpg.InternalClientError):
                 conn.terminate()
 
     async def _record_until_done(self, batch: list[Transaction]) -> None:
@@ -215,7 +216,8 @@ class TombstoneRecorder:
                     await self._record(batch)
                     self.error = None
                     return
-                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, PgmeshError) as exc:
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                        PgmeshError) as exc:
                     self.error = describe(exc)
                     logger.error("node %s: recording the tombstones of transactions up to %s failed: %s;"
                                  " retrying in %.1f s", self.node.name, format_lsn(batch[-1].end_lsn),
@@ -294,7 +296,9 @@ class TombstoneRecorder:
             self._sweep_error = None
         except asyncpg.UndefinedTableError:
             self._sweep_pause = 60.0  # installed before table tombstones (`pgmesh init` adds them)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError) as exc:
+            # (InternalClientError: "cannot switch to state ...", a session whose protocol state asyncpg
+            # lost after an operation on it was cancelled: closed, and opened again next time)
             error = describe(exc)
             log = logger.debug if error == self._sweep_error else logger.warning  # (once, not every second)
             log("node %s: sweeping the rows older than a TRUNCATE failed: %s; trying again in %.0f s",

@@ -145,7 +145,8 @@ async def test_init_creates_history_tombstones_guards_and_triggers_once(mesh: Me
         assert f"node {name}: created table pgmesh.tombstones" in mine
         assert (
             f"node {name}: created functions pgmesh.tombstone, pgmesh.expect_origin, pgmesh.expect_rows,"
-            " pgmesh.origin_node, pgmesh.remote_wins, pgmesh.remote_version, pgmesh.decide" in mine
+            " pgmesh.origin_node, pgmesh.remote_wins, pgmesh.remote_version, pgmesh.decide, pgmesh.truncated,"
+            " pgmesh.table_tombstone, pgmesh.truncate_by_version, pgmesh.truncate_sweep" in mine
         )
         assert f"node {name}: created tombstone trigger on public.ident (key b, a)" in mine
         assert f"node {name}: created tombstone trigger on sales.events (key id, day)" in mine

@@ -176,17 +176,22 @@ async def test_domain_with_function_check(mesh: MeshFactory) -> None:
 
 async def test_domain_and_rows_in_one_query_string(mesh: MeshFactory) -> None:
     """The original's exact shape: functions, domain, table and its rows in one query string (pglogical's
-    replicate_ddl_command). pgmesh replays the string whole on b (docs/ddl.md, "One query string with DDL
-    and DML"), so the rows are written there twice: by the replay and by replication, which meets them as
-    insert_exists conflicts of identical rows. The nodes converge; the conflicts are recorded."""
+    replicate_ddl_command). The other nodes would replay the string whole and write the rows a second
+    time, so it is refused where it is sent, with a hint (docs/ddl.md, "One query string with DDL and
+    DML"), and nothing of it is kept; the same statements sent one by one replicate once."""
     m = await mesh(nodes=2)
     a, b = m.nodes
     async with running_router(m.config) as router:
         rows = "INSERT INTO public.prime_tbl (num) VALUES(17), (31), (79)"
-        await execute(a.dsn(), ";\n".join([*PRIMES, rows]))
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="also writes rows") as refused:
+            await execute(a.dsn(), ";\n".join([*PRIMES, rows]))
+        assert "separate statements" in (refused.value.diag.message_hint or "")
+        assert await fetch(a.dsn(), exists("public.prime_tbl")) == [(False,)]
+        for statement in [*PRIMES, rows]:
+            await execute(a.dsn(), statement)
         await wait_for(lambda: has(b.dsn(), exists("public.prime_tbl"), [(True,)]), "prime_tbl on b")
         await execute(a.dsn(), "DELETE FROM public.prime_tbl WHERE num = 31")
         await wait_converged(m.nodes, ["prime_tbl"])
         assert await fetch(b.dsn(), "SELECT num FROM public.prime_tbl ORDER BY num") == [(17,), (79,)]
-        assert router.appliers[("a", "b")].conflicts == 3
+        assert router.appliers[("a", "b")].conflicts == 0
         healthy(router)
