@@ -111,17 +111,6 @@ async def _publication_tables(conn: Conn, name: str) -> set[TableName]:
     return {(s, t) for s, t in await cur.fetchall()}
 
 
-# PostgreSQL 18 refuses every UPDATE and DELETE of a REPLICA IDENTITY FULL table (a table without a key,
-# made FULL by init) whose stored generated column the publication leaves out ("Replica identity must
-# not contain unpublished generated columns"): on 18+ the publication sends them, and the appliers leave
-# them out of what they write (router.apply.link.LinkSession.fit: only the target computes them).
-_GENERATED = ", publish_generated_columns = stored"
-
-
-def _publishes_generated(conn: Conn) -> bool:
-    return conn.info.server_version >= 180000
-
-
 async def _ensure_publication(conn: Conn, config: Config, tables: Sequence[TableName]) -> list[str]:
     name = config.publication_name
     pub = sql.Identifier(name)
@@ -129,9 +118,8 @@ async def _ensure_publication(conn: Conn, config: Config, tables: Sequence[Table
     row = await cur.fetchone()
     if row is None:
         target = sql.SQL(" FOR TABLE {}").format(_table_list(tables)) if tables else sql.SQL("")
-        create = sql.SQL("CREATE PUBLICATION {}{} WITH (publish_via_partition_root = true{})")
-        generated = sql.SQL(_GENERATED if _publishes_generated(conn) else "")
-        await conn.execute(create.format(pub, target, generated))
+        create = sql.SQL("CREATE PUBLICATION {}{} WITH (publish_via_partition_root = true)")
+        await conn.execute(create.format(pub, target))
         return [f"created publication {name} for {len(tables)} tables"]
     if row[0]:
         raise PgmeshError(
@@ -144,11 +132,6 @@ async def _ensure_publication(conn: Conn, config: Config, tables: Sequence[Table
             sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)").format(pub)
         )
         done.append(f"set publish_via_partition_root on publication {name}")
-    if _publishes_generated(conn):
-        cur = await conn.execute("SELECT pubgencols::text FROM pg_publication WHERE pubname = %s", [name])
-        if (await cur.fetchone()) != ("s",):
-            await conn.execute(sql.SQL("ALTER PUBLICATION {} SET ({})").format(pub, sql.SQL(_GENERATED[2:])))
-            done.append(f"publication {name} publishes stored generated columns")
     current = await _publication_tables(conn, name)
     if current != set(tables):
         verb, listed = ("SET", tables) if tables else ("DROP", sorted(current))
