@@ -111,6 +111,9 @@ class Applier(LinkView):
         self._reloaded_for = -1  # the transaction that last made us re-read the target's tables
         self._schema_changes = -1  # the target's count of DDL commands when the careful path last looked
         self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
+        # the last failure came from `_held[0]` alone (not from several sent in one round trip, where the
+        # error does not say which one failed): only then may an error name it for `pgmesh skip`
+        self._alone = True
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
         # doubled after a clean batch, up to BATCH_TRANSACTIONS.
         self._batch_limit = BATCH_TRANSACTIONS
@@ -233,7 +236,10 @@ class Applier(LinkView):
         self._resumed.clear()
         self._side.drop("the link paused on an error")
         at, skip = "", ""
-        if lsn is not None:  # the transaction by the LSN `pgmesh skip` takes (router.apply.skip)
+        if not self._alone and len(self._held) > 1:  # several in one round trip: which one failed is unknown
+            at = (f"s ending at {format_lsn(self._held[0].end_lsn)} to {format_lsn(self._held[-1].end_lsn)}"
+                  f" ({len(self._held)}, sent together: which one failed is not known)")
+        elif lsn is not None:  # the transaction by the LSN `pgmesh skip` takes (router.apply.skip)
             at = f" ending at {format_lsn(lsn)}"
             skip = (f"; to leave just this transaction out on {self.target.name}: `pgmesh skip --source"
                     f" {self.source} --target {self.target.name} --lsn {format_lsn(lsn)}`")
@@ -244,6 +250,12 @@ class Applier(LinkView):
         held on an error is stuck on one transaction: only that one may be named, and the link runs again.
         `record` writes the skip on the target first (a restart remembers it); returns what will happen."""
         stuck = self._held[0].end_lsn if self.condition.state is LinkState.ERROR and self._held else None
+        if stuck is not None and not self._alone and len(self._held) > 1:  # never guess which one failed
+            raise PgmeshError(
+                f"link {self.name} is held on {len(self._held)} transactions sent together, and the error"
+                " does not say which of them failed; nothing skipped", node=self.target.name, lsn=lsn,
+                hint="fix the cause and `pgmesh resume`; skipping needs the one failing transaction alone",
+            )
         text = check_skip(lsn, link=self.name, target=self.target.name, applied=self.progress.applied,
                           stuck=stuck)
         await record()
@@ -469,6 +481,7 @@ class Applier(LinkView):
             if self._side.current is not None:
                 self._side.gate(batch)
             if self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0]):
+                self._alone = False
                 try:
                     run = await self._parallel.apply(batch)
                     await self.link.count_conflicts()
@@ -491,6 +504,7 @@ class Applier(LinkView):
         many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
         the batch back in smaller batches). Leaves what is still to apply in `_held`."""
         await self.link.take_origin()
+        self._alone = True
         if has_ddl(batch[0]) and not is_large(batch[0]):  # a large one runs its DDL in place
             try:
                 await self._apply_carefully(batch[0])
@@ -508,6 +522,7 @@ class Applier(LinkView):
                 done = 1
             else:
                 prelude, scripts = await self._scripts(batch)
+                self._alone = len(scripts) <= 1
                 notes = self.link.applied_note(batch[: len(scripts)])  # (16+: instead of echoes)
                 await self._send("".join(f"{p};\n" for p in prelude) + "\n".join(scripts) + notes)
                 done = len(scripts)
@@ -548,6 +563,7 @@ class Applier(LinkView):
         if not is_conflict(exc) or not held or self.link.conn is None:
             raise exc
         self.link.contest(held[0], exc)  # an insert that met its key: its table's inserts decide it in place
+        self._alone = True
         await self._apply_carefully(whole_transaction(held[0]))  # the transaction that met a conflict
         self._held = held[1:]
         self._batch_limit = max(16, self._batch_limit // 2)
