@@ -47,7 +47,7 @@ import psycopg
 
 from bench.harness.delay import DelayLinks
 from router.cluster.install import init_cluster
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.localnodes import LocalNode, LocalNodeSet
 from router.testing.mesh import converged, execute, fetch, wait_for
 from router.testing.proxy import TcpProxy

@@ -222,7 +222,7 @@ def decide(exc: BaseException) -> Action:
 # node's DDL can arrive before that DDL does (from a third node, still on its way).
 SCHEMA_WAIT_S: Final = 60.0
 # SQLSTATEs of a conflict met by the fast path (a guard fired, or a key is already there): the
-# transaction is rolled back and applied the careful way (router.apply.careful).
+# transaction is rolled back and applied the careful way (router.apply.careful.transaction).
 CONFLICT_STATES: Final = frozenset({"PGM01", "PGM02", "23505"})
 # The target's tables changed under a link (DDL run there): undefined column / table, datatype mismatch.
 # The link reads the target's tables again, once, and tries the transaction again.

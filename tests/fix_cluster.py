@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import psycopg
 import pytest
 
-from router.cluster import pgbin
+from router.nodes import pgbin
 from router.testing.localnodes import LocalNodeError, create_nodes, find_pg_bindir
 
 logger = logging.getLogger(__name__)

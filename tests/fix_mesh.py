@@ -44,7 +44,8 @@ def spare_versions(
     return list(versions)
 
 
-# On PostgreSQL 16+, once nothing is applying: a link whose applied mark (router.applied) is not where its
+# On PostgreSQL 16+, once nothing is applying: a link whose applied mark (router.progress.applied) is not
+# where its
 # origin is. Every set-up there sets both, so a difference means a path that set the origin up without the
 # mark (a restart would then re-apply what lies between) or a rollback that moved the origin.
 _MARKS_APART = """

@@ -22,7 +22,7 @@ import msgspec
 
 from bench.harness.nodes import CLUSTER, EXTRA_SCHEMA
 from bench.harness.system import System
-from router.config import Config
+from router.config.model import Config
 from router.service.supervisor import Router
 from router.testing.localnodes import LocalNode
 from router.testing.mesh import fetch, setup_mesh
@@ -42,7 +42,7 @@ class Pgmesh2(System):
     multimaster = True
     unsupported: ClassVar[dict[str, str]] = {}
     lanes: ClassVar[int] = 1  # replication.apply_lanes
-    log: ClassVar[bool] = True  # [log] enabled: the router's log of each source (router.stream.log)
+    log: ClassVar[bool] = True  # [log] enabled: the router's log of each source (router.stream.log.store)
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
         super().__init__(nodes)

@@ -7,7 +7,7 @@ pgmesh and the router (a process of its own). Measured, wall clock:
 - the floor: one server-side hash pass over the table on each node, the three at once
   (`SELECT bit_xor(hashtextextended((t.*)::text, 1))`: nothing can compare without reading every row);
 - `compare` of identical tables, the first of the run (the command's threads, Spark started only if the
-  rest is projected to take longer than its start: router.cluster.compare.lanes) and three more;
+  rest is projected to take longer than its start: router.ops.compare.lanes) and three more;
 - for reference, `compare` on Spark only with the JVM started for it (`spark_after_s = 0`, cold);
 - `compare` with `--diffs` rows changed on b in a session replication does not carry (found exactly?);
 - `repair` of them, and a last compare (nothing left?).
@@ -29,11 +29,11 @@ import psycopg
 
 from bench.faults import Cluster
 from bench.micro import emit
-from router.cluster.compare.job import compare_cluster
-from router.cluster.compare.repair import repair_cluster
+from router.cluster.copy.spark import reuse_spark
 from router.cluster.install import init_cluster
-from router.cluster.sync.spark import reuse_spark
-from router.config import parse_config
+from router.config.model import parse_config
+from router.ops.compare.job import compare_cluster
+from router.ops.compare.repair import repair_cluster
 from router.testing.localnodes import LocalNode, LocalNodeSet
 from router.testing.mesh import execute
 

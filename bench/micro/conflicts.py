@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import psycopg
 
 from protocol.lsn import parse_lsn
-from router.config import Config
+from router.config.model import Config
 from router.service.supervisor import Router
 from router.testing.localnodes import LocalNode, create_nodes
 from router.testing.mesh import setup_mesh

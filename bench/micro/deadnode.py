@@ -27,7 +27,7 @@ import psycopg
 from bench.faults import Cluster
 from bench.micro import emit
 from router.cluster.install import init_cluster
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.localnodes import LocalNode, LocalNodeSet
 from router.testing.mesh import converged, execute, fetch, wait_for
 

@@ -47,11 +47,11 @@ from bench.harness.workloads import SCHEMA
 from bench.micro import guards
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
-from router.applied import MARK_START, SOURCE_SETTING
 from router.apply.decide import Decisions
 from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_script
 from router.apply.statements import TargetTable
+from router.progress.applied import MARK_START, SOURCE_SETTING
 from router.stream.items import ORIGIN_NONE_SINCE
 from router.testing.localnodes import LocalNode, create_nodes
 from router.testing.mesh import execute, fetch
@@ -174,7 +174,7 @@ class Session:
         # the decision functions are this node's own, not DDL to replicate (as `make_functions`)
         self.conn.execute("SELECT pg_catalog.set_config('pgmesh.ddl_local', 'on', false)")
         self.sixteen = self.conn.info.server_version >= ORIGIN_NONE_SINCE
-        if self.sixteen:  # the applied mark (router.applied), as the applier's connection starts it
+        if self.sixteen:  # the applied mark (router.progress.applied), as the applier's connection starts it
             self.conn.execute("SELECT set_config(%s, %s, false)", [SOURCE_SETTING, source])
             self.conn.execute(MARK_START.replace("$1", "%s").replace("$2", "%s"), [origin, source])
         self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", [origin])

@@ -40,7 +40,7 @@ import msgspec
 import psycopg
 
 from router.apply.state import LinkState
-from router.config import Config
+from router.config.model import Config
 from router.service.supervisor import Router
 from router.testing.localnodes import LocalNode, create_nodes
 from router.testing.mesh import running_router, setup_mesh, wait_for

@@ -30,7 +30,7 @@ The table goes to stdout and, with --write, to bench/results/join.txt with the m
     .venv/bin/python -m bench.micro.join --tasks 4 --write  # 4 ctid ranges instead of the automatic choice
 
 Owns: the donor table, the three copy methods as timed here and join.txt. Must not: change how
-`pgmesh join` copies (it calls `router.cluster.sync` as the command does), or touch anything but the
+`pgmesh join` copies (it calls `router.cluster.copy` as the command does), or touch anything but the
 nodes it creates and destroys.
 """
 
@@ -51,9 +51,9 @@ from typing import Any
 import psycopg
 
 from bench.harness.nodes import client_env
-from router.cluster.sync.copy import CopyTable, copy_snapshot, reuse_spark
-from router.cluster.sync.spark import spark_session
-from router.cluster.sync.worker import run_partition
+from router.cluster.copy.initial import CopyTable, copy_snapshot, reuse_spark
+from router.cluster.copy.spark import spark_session
+from router.cluster.copy.worker import run_partition
 from router.testing.localnodes import LocalNode, create_nodes, find_pg_bindir
 
 NODE_SETTINGS = {

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psycopg
 
-from router.cluster.membership import join_node
+from router.ops.join import join_node
 from router.testing.localnodes import LocalNode, create_nodes
 from router.testing.mesh import NODE_SETTINGS, fetch, free_port, prepare_mesh, wait_converged
 

@@ -174,7 +174,7 @@ async def _inserts(a: LocalNode, b: LocalNode, rows: int, tombstones: int,
         await execute(a.dsn(), "DELETE FROM ins_tomb")
         deleted = time.perf_counter()
         # b applied them (an empty table is not enough: b may not have had the rows yet) and a recorded
-        # them (a's own deletes: by the router after their commit, router.conflicts.recorder)
+        # them (a's own deletes: by the router after their commit, router.apply.recorder)
         recorded = sql.SQL("SELECT count(*) >= %s FROM pgmesh.tombstones"
                            " WHERE table_name = 'public.ins_tomb'")
         for node in (b, a):

@@ -17,7 +17,7 @@ state); its helpers get the link's `LinkSession` (router.apply.link: the target 
 the target), never the applier, and what they decide for the loop comes back as a return value:
 `router.apply.large` (a transaction too big for a batch, in parts), `router.apply.lanes` (parallel
 apply), `router.apply.side` (a streamed transaction applied on a side session before its commit) and
-`router.apply.careful` (row by row, with conflicts). Its state and counters: `router.apply.state`.
+`router.apply.careful.transaction` (row by row, with conflicts). Its state and counters: `router.apply.state`.
 Beside it: `router.stream.linkqueue` (the queue it reads).
 """
 
@@ -34,7 +34,7 @@ import asyncpg
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
-from router.apply.careful import CarefulApplier
+from router.apply.careful.transaction import CarefulApplier
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
@@ -43,7 +43,7 @@ from router.apply.side import SideSession
 from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
 from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
 from router.cluster.clocks import LinkClock
-from router.config import Config, NodeConfig
+from router.config.model import Config, NodeConfig
 from router.ddl.capture import SCHEMA_CHANGES
 from router.ddl.messages import has_ddl
 from router.errors import (
@@ -62,7 +62,7 @@ from router.errors import (
     retry_unique,
     tables_changed,
 )
-from router.progress import LinkProgress
+from router.progress.positions import LinkProgress
 from router.stream.linkqueue import LinkQueue
 from router.stream.spool import materialize, release
 
@@ -149,7 +149,7 @@ class Applier(LinkView):
 
     async def finish(self) -> None:
         """Start no batch more; return once the one in the target's hands has committed or failed (the
-        router stopping: on 16+ a batch cut short moves the origin past what committed, router.applied)."""
+        router stopping: on 16+ a batch cut short moves the origin past what committed; progress.applied)."""
         self._resumed.clear()
         await self._between.wait()
 

@@ -9,7 +9,7 @@ a persistent function, shared by every session; not in pg_temp, whose drop when 
 under the session's replication origin and could move it past a transaction that never committed). On
 the target, in the applying transaction, it:
 
-1. reads the row by key `FOR UPDATE` with its version (router.apply.careful_sql.read_row_sql); when
+1. reads the row by key `FOR UPDATE` with its version (router.apply.careful.sql.read_row_sql); when
    there is none, takes the advisory locks every decision on a key takes (the table's, shared; the
    key's: the same as the careful path's, router.apply.statements.key_lock), so that appliers of other
    sources deciding the same absent key go one after the other, reads again, then reads the tombstone;
@@ -22,7 +22,8 @@ the target, in the applying transaction, it:
 No rollback, no replay, no extra round trip: a transaction with conflicts costs what its statements cost
 on the target (the first conflict after a quiet spell excepted: its batch is sent once more, with the
 remote version, `Decisions.remote`). What these functions do not decide raises SQLSTATE PGM01, and the
-transaction goes the careful way (router.apply.careful), as every conflict did before: custom and `error`
+transaction goes the careful way (router.apply.careful.transaction), as every conflict did before: custom and
+`error`
 resolvers, tables with delta columns or other unique keys than the primary key, an update that moves its
 row to another key, and re-creating a row whose unchanged TOASTed values pgoutput did not send.
 
@@ -41,7 +42,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from protocol.messages import Relation
-from router.apply.careful_sql import read_row_sql, read_tombstone_sql
+from router.apply.careful.sql import read_row_sql, read_tombstone_sql
 from router.apply.statements import (
     TABLE_ALIAS,
     TOMBSTONE_ALIAS,
@@ -53,7 +54,7 @@ from router.apply.statements import (
     typed,
     untouched,
 )
-from router.config import Config
+from router.config.model import Config
 
 __all__ = ["REMOTE_KEEP", "Decisions", "session_settings"]
 
@@ -339,7 +340,8 @@ _MOVED: Final = (
 
 
 def _key_text(table: TargetTable, values: Mapping[str, str]) -> str:
-    """The key (`values` by column) as text[], each value cast to its type and back (router.apply.careful
+    """The key (`values` by column) as text[], each value cast to its type and back
+    (router.apply.careful.transaction
     `_key_sql`)."""
     parts = [
         f"({typed(values.get(k, 'NULL'), table.compare.get(k, 'text'))})::text" for k in table.tombstone_key

@@ -18,7 +18,7 @@ from typing import Final
 
 import asyncpg
 
-from router.config import PGMESH_SCHEMA
+from router.config.model import PGMESH_SCHEMA
 from router.errors import ConnectionLost
 
 __all__ = ["FENCE", "Fence", "application_prefix"]

@@ -28,7 +28,6 @@ import asyncpg
 
 from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
-from router.applied import position_sql
 from router.apply.decide import Decisions
 from router.apply.link import LinkSession
 from router.apply.parallel import plan_lanes
@@ -38,6 +37,7 @@ from router.apply.scripts import transaction_segments
 from router.apply.sessions import LET_ORIGIN_GO
 from router.apply.statements import quote_literal
 from router.errors import ApplyError, describe
+from router.progress.applied import position_sql
 
 __all__ = ["LaneRun", "Lanes"]
 

@@ -29,17 +29,17 @@ import asyncpg
 from protocol.lsn import datetime_to_pg_us, parse_lsn
 from protocol.messages import Insert, Message, Relation
 from protocol.transactions import Transaction
-from router.applied import MARK_START, position_sql
 from router.apply.decide import Decisions, session_settings
 from router.apply.prepared import Prepared
 from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.sessions import open_session, take_origin
 from router.apply.state import LinkStats
 from router.apply.statements import TargetTable, UniqueIndex, quote_ident, quote_literal
-from router.config import Config, NodeConfig
+from router.config.model import Config, NodeConfig
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command
 from router.ddl.reconcile import Drift, reconcile
 from router.errors import ApplyError, describe, sqlstate_of
+from router.progress.applied import MARK_START, position_sql
 from router.stream.items import ORIGIN_NONE_SINCE
 from router.stream.seen import APPLIED_PREFIX, applied_content
 
@@ -125,7 +125,7 @@ class LinkSession:
         # the origin's set-up just before COMMIT (router.apply.scripts): on PostgreSQL 16+ a rollback
         # after it moves the origin; on 15 it goes with the first statement (one statement fewer)
         self.setup_last = True
-        # every set-up also sets the source's applied mark (router.applied): 16+, as `setup_last`
+        # every set-up also sets the source's applied mark (router.progress.applied): 16+, as `setup_last`
         self.mark = False
         self.decisions = Decisions(config)
         self.prepared = Prepared(self.decisions)
@@ -301,7 +301,7 @@ class LinkSession:
 
     async def origin_progress(self) -> int:
         """How far the target applied the source: its origin's progress, never past the applied mark
-        (router.applied); committed, not necessarily flushed."""
+        (router.progress.applied); committed, not necessarily flushed."""
         assert self.conn is not None
         row = await self.conn.fetchval(_PROGRESS, self.origin, self.source)
         return parse_lsn(row) if row else 0
@@ -514,7 +514,7 @@ _OURS = "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name LIKE 'pgm
 _RESET_DECIDED = "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
 _HISTORY_NOW = ("SELECT CASE WHEN pg_catalog.to_regclass('pgmesh.conflict_history') IS NOT NULL THEN"
                 " (SELECT pg_catalog.max(id) FROM pgmesh.conflict_history) END")
-# (not the tombstone recorders' late decisions, router.conflicts.recorder: their reason says "late")
+# (not the tombstone recorders' late decisions, router.apply.recorder: their reason says "late")
 # A lost insert: insert_exists between two different rows (a key collision of two fresh inserts; the
 # same row arriving again, every remote column equal to the local one, loses nothing).
 _HISTORY_SINCE = ("SELECT table_name, conflict_type, pg_catalog.count(*), pg_catalog.max(id),"

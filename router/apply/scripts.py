@@ -233,7 +233,7 @@ def moved_key_tombstone(relation: Relation, table: TargetTable, change: Update) 
     """An UPDATE that changes a table's primary key (pgoutput sends its old key: old_kind 'K') takes the
     old key away: the statement that makes the applying transaction that key's tombstone, as the DELETE
     trigger writes one (router.conflicts.catalog; the node's own key updates are recorded by
-    router.conflicts.recorder). None when the update keeps its key or the old key does not hold the
+    router.apply.recorder). None when the update keeps its key or the old key does not hold the
     tombstone key's columns. Run after the update, in its transaction: when the update does not apply
     (a conflict), the transaction goes to the careful path, which writes it where the update wins."""
     if change.old_kind != "K" or change.old is None or not table.pk:
@@ -322,7 +322,7 @@ def transaction_segments(
     own COMMIT). `setup_last` False (a PostgreSQL 15 target, where a rollback leaves the origin alone):
     the set-up goes with the first statement instead (in it, when that is a single guarded insert: one
     statement fewer). `mark` (a PostgreSQL 16+ target) has the set-up set the source's applied mark
-    (router.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
+    (router.progress.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
     (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
     prepares = prelude if prelude is not None else None

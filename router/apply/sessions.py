@@ -19,10 +19,10 @@ from typing import Any
 
 import asyncpg
 
-from router.applied import SOURCE_SETTING
 from router.apply.fence import FENCE
-from router.config import SYNCHRONOUS_COMMIT
-from router.dsn import asyncpg_args
+from router.config.model import SYNCHRONOUS_COMMIT
+from router.nodes.dsn import asyncpg_args
+from router.progress.applied import SOURCE_SETTING
 
 __all__ = ["LET_ORIGIN_GO", "SESSION_SETUP", "asyncpg_connect_args", "open_session", "take_origin"]
 
@@ -42,7 +42,7 @@ LET_ORIGIN_GO = ("SELECT pg_catalog.pg_replication_origin_session_reset()"
 
 
 def asyncpg_connect_args(dsn: str) -> dict[str, Any]:
-    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments, with libpq's meaning (`router.dsn`:
+    """libpq keyword/URI DSN -> asyncpg.connect keyword arguments, with libpq's meaning (`router.nodes.dsn`:
     several hosts, the PG* environment, sslmode up to verify-full, client certificates, passfile)."""
     return asyncpg_args(dsn)
 
@@ -53,7 +53,7 @@ async def open_session(
     """A new session on the target, set up as every applier session is (`SESSION_SETUP`, and
     `synchronous_commit`: `replication.apply_synchronous_commit`, checked by the config), with
     `pgmesh.installed_at` (see `pgmesh.expect_origin`) when known, and the source it applies (the
-    applied mark's, router.applied). Closed again if the set-up fails."""
+    applied mark's, router.progress.applied). Closed again if the set-up fails."""
     if synchronous_commit not in SYNCHRONOUS_COMMIT:
         raise ValueError(f"synchronous_commit {synchronous_commit!r}")
     args = asyncpg_connect_args(dsn)

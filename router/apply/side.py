@@ -35,7 +35,7 @@ from router.apply.sessions import LET_ORIGIN_GO, take_origin
 from router.apply.statements import quote_literal, xact_setup_sql
 from router.ddl.messages import has_ddl
 from router.errors import LostBeforeCommit, describe
-from router.progress import LinkProgress
+from router.progress.positions import LinkProgress
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
 from router.stream.spool import SpillFile

@@ -8,7 +8,8 @@ router started later, or a link that reconnects, still knows it: the applier rea
 that ends exactly there is not applied: one target transaction records it in `pgmesh.conflict_history`
 (conflict type and resolution `skipped`, the source, its LSN and commit time, and what it held: its
 changes counted per table and kind, its DDL commands), clears the skip and moves the source's origin
-past it (the set-up with the applied mark on 16+, router.applied), atomically (`skip_transaction`). One
+past it (the set-up with the applied mark on 16+, router.progress.applied), atomically (`skip_transaction`).
+One
 that ends past it means no transaction ends there: the skip is dropped with a warning and nothing is left
 out (`drop_skip`). A skip at or before what the target applied is refused, and so is one other than the
 transaction a link held on an error is stuck on (`check_skip`).
@@ -31,7 +32,7 @@ from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Trun
 from protocol.transactions import Transaction
 from router.apply.link import LinkSession
 from router.apply.statements import setup_statement
-from router.config import PGMESH_SCHEMA
+from router.config.model import PGMESH_SCHEMA
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command
 from router.errors import PgmeshError, describe
 from router.stream.spool import iter_raw_chunks

@@ -35,8 +35,8 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
-from router.applied import mark_cte
 from router.errors import ApplyError, SchemaMismatch
+from router.progress.applied import mark_cte
 
 __all__ = [
     "BOUNDED_KEY_COLUMNS", "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS",
@@ -72,7 +72,7 @@ FULL_ALIAS: Final = '"pgmesh_f"'  # the replicated table again, in a REPLICA IDE
 REMOTE_ALIAS: Final = '"pgmesh_r"'  # a remote row as a one-row VALUES, for unique indexes' expressions
 RESERVED_NAMES: Final = frozenset(
     {"pgmesh_t", "pgmesh_v", "pgmesh_ts", "pgmesh_c", "pgmesh_f", "pgmesh_w", "pgmesh_r"}
-)  # (and the row labels of router.apply.careful, and the columns "pgmesh_c<i>" of pgmesh_v)
+)  # (and the row labels of router.apply.careful.transaction, and the columns "pgmesh_c<i>" of pgmesh_v)
 
 
 def quote_ident(name: str) -> str:
@@ -361,7 +361,7 @@ KEY_LOCKS_MAX: Final = 64
 
 def key_lock(table: TargetTable, key_array: str, single: str | None = None) -> str:
     """The advisory lock on one key of `table` (`key_array`: SQL for its key as text[]). Every path
-    that decides a key takes exactly this lock (router.apply.careful, the guarded inserts here).
+    that decides a key takes exactly this lock (router.apply.careful.transaction, the guarded inserts here).
     `single`: SQL for the text of a one-column key, the same string as the array's (cheaper to build)."""
     name = quote_literal(table.name + ":")
     text = single if single is not None else f"pg_catalog.array_to_string({key_array}, ',')"
@@ -395,7 +395,8 @@ def tombstone_key(key_array: str, bounded: bool = False) -> str:
 
 
 def table_lock(table: TargetTable, *, exclusive: bool) -> str:
-    """The advisory lock on a whole table that decisions on its keys share (router.apply.careful)."""
+    """The advisory lock on a whole table that decisions on its keys share
+    (router.apply.careful.transaction)."""
     mode = "" if exclusive else "_shared"
     name = quote_literal(table.name)
     return f"SELECT pg_catalog.pg_advisory_xact_lock{mode}(pg_catalog.hashtext({name}), 0)"
@@ -470,7 +471,7 @@ def setup_statement(lsn: str, when: str, remote: str | None, mark: bool) -> str:
     """The origin's set-up for one applied transaction: `lsn` and `when` (SQL expressions) to
     `pg_replication_origin_xact_setup`, `remote` (an expression, or None) to `pgmesh.remote`. With `mark`
     (a PostgreSQL 16+ target, where a rollback after the set-up still moves the origin) the statement
-    first sets the source's applied mark to `lsn` (router.applied): every set-up there goes through here."""
+    first sets the source's applied mark to `lsn`: every set-up there goes through here."""
     setting = "" if remote is None else f", pg_catalog.set_config('pgmesh.remote', {remote}, true)"
     setup = f"SELECT pg_catalog.pg_replication_origin_xact_setup({lsn}, {when}){setting}"
     return f"{mark_cte(lsn)}{setup} FROM pgmesh_marked" if mark else setup

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 from protocol.lsn import datetime_to_pg_us
 from protocol.messages import KIND_UNCHANGED, Relation, Update
 from protocol.transactions import Transaction
-from router.apply.careful_sql import read_row_sql
+from router.apply.careful.sql import read_row_sql
 from router.apply.statements import TargetTable
 from router.apply.uniques import row_where
-from router.config import Config
+from router.config.model import Config
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
 
 __all__ = ["ReadSource", "whole_row"]

@@ -1,5 +1,5 @@
 """Where a remote row would collide with other rows on a secondary unique key, as SQL: the careful path's
-(router.apply.careful) WHERE clauses for `_unique_clash`, and the row matches it shares.
+(router.apply.careful.transaction) WHERE clauses for `_unique_clash`, and the row matches it shares.
 
 A plain unique key (a column list) collides where those columns equal the remote row's values. A unique
 index with a predicate or on expressions (`UNIQUE (b) WHERE u`, `UNIQUE (lower(email))`) collides only

@@ -33,7 +33,7 @@ from router.cluster.clocks import ClockLevel, Sample, connection_query, decides_
 from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
 from router.cluster.origins import origins_of_others
 from router.cluster.standbys import StandbyFacts, failover_finding, read_standbys
-from router.config import SYSTEM_SCHEMAS, Config, NodeConfig
+from router.config.model import SYSTEM_SCHEMAS, Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
 from router.conflicts.symmetry import asymmetry
 from router.errors import ConfigError, PgmeshError, describe

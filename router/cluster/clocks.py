@@ -31,7 +31,7 @@ import msgspec
 import psycopg
 
 from router.apply.state import LinkCondition, LinkState
-from router.config import ClocksSection, Config
+from router.config.model import ClocksSection, Config
 from router.conflicts.resolve import Resolver
 from router.errors import describe
 

@@ -26,7 +26,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.checks import Check, InitReport, TableName, connect, replicated_tables
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
 
 __all__ = ["OWNERS_SQL", "TABLE_PRIVILEGES", "check_run_role", "grant_statements", "run_role_of"]
@@ -39,7 +39,7 @@ ORIGIN_FUNCTIONS: Final = r"pg\_replication\_origin\_%"
 # behind the view pg_replication_origin_status: a SELECT of the view calls it as the caller
 ORIGIN_STATUS_FUNCTION: Final = "pg_show_replication_origin_status"
 # not PUBLIC's on a pgmesh node (router/cluster/sql/ddl_as_owner.sql): the appliers' applied marks and
-# the progress barriers (router.apply.link, router.progress) write messages
+# the progress barriers (router.apply.link, router.progress.positions) write messages
 EMIT_FUNCTION: Final = "pg_logical_emit_message"
 SET_PARAMETER_SINCE: Final = 150000  # GRANT SET ON PARAMETER
 SET_OPTION_SINCE: Final = 160000  # GRANT role TO role WITH SET
@@ -76,7 +76,7 @@ ORDER BY 1, 2, 3
 
 def run_role_of(node: NodeConfig) -> str:
     """The role the node's DSN connects as (libpq's meaning: the DSN, else PGUSER, else the OS user)."""
-    from router.dsn import libpq_params
+    from router.nodes.dsn import libpq_params
 
     return libpq_params(node.dsn).get("user", "")
 

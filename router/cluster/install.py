@@ -30,11 +30,11 @@ from psycopg import sql
 from router.cluster.checks import InitReport, TableName, check_cluster, connect
 from router.cluster.partial import ensure_partial
 from router.cluster.receive import ensure_receive_only
-from router.cluster.sqlfiles import statements
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
 from router.ddl.capture import install_ddl_capture
 from router.errors import ConfigError, PgmeshError, SlotError, describe
+from router.nodes.sqlfiles import statements
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = ["init_cluster", "install", "script_node", "uninstall"]
@@ -57,7 +57,8 @@ _LINKS_DDL: Final = sql.SQL(
     "CREATE TABLE IF NOT EXISTS {}.links (source text PRIMARY KEY, paused boolean NOT NULL DEFAULT false,"
     " reason text, updated timestamptz NOT NULL DEFAULT now(), applied pg_lsn, skip_lsn pg_lsn)"
 )
-# `applied`: the applied mark (router.applied), empty until an applier first connects on 16+ (it starts
+# `applied`: the applied mark (router.progress.applied), empty until an applier first connects on 16+ (it
+# starts
 # it from the origin there); an installation from before the mark gains the column, empty. `skip_lsn`: the
 # transaction `pgmesh skip` leaves out (router.apply.skip), likewise.
 _LINKS_MARK: Final = sql.SQL("ALTER TABLE {}.links ADD COLUMN IF NOT EXISTS applied pg_lsn,"
@@ -534,8 +535,8 @@ async def install(config: Config, report: InitReport) -> list[str]:
 
 async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
     """Check every node, then install; raises ConfigError with the report when a check failed. Nodes
-    recorded as parted (router.cluster.part) are left out: `pgmesh join` brings one back."""
-    from router.cluster.part import read_parted, without_parted  # (it uses `uninstall`, from here)
+    recorded as parted (router.ops.part) are left out: `pgmesh join` brings one back."""
+    from router.ops.part import read_parted, without_parted  # (it uses `uninstall`, from here)
 
     parted = sorted(await read_parted(config))
     config = without_parted(config, parted)

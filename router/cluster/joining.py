@@ -16,7 +16,7 @@ midway (or failing later) stay, and hold WAL on every node: the router warns at 
 A joined node also takes over the donor's `pgmesh.auto_identity` (`copy_auto_identity`), so that a primary
 key added later makes its tables REPLICA IDENTITY DEFAULT again there as on the others.
 
-Must not: decide positions (router.cluster.membership does). Join passes its own sessions; `read_pins`
+Must not: decide positions (router.ops.join does). Join passes its own sessions; `read_pins`
 connects to each node for the router, within a bound, and a node that does not answer pins nothing then.
 """
 
@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from protocol.lsn import format_lsn, parse_lsn
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
 
 __all__ = ["JOINING_DDL", "copy_auto_identity", "pin_sources", "read_pins", "unpin"]

@@ -3,7 +3,7 @@
 Under the node's `[[nodes]]`: `tables` (the replicated tables that reach it; unset: all), `rows` (per
 table, a row filter: an SQL boolean over the table's columns, NULL counting as false, as a publication's
 row filter) and `columns` (per table, the columns it holds; the others are NULL there). Only a receive-only
-node may hold part of the data (router.configpart): it sends nothing, so nothing it lacks can reach another
+node may hold part of the data (router.config.parts): it sends nothing, so nothing it lacks can reach another
 node, and every other node still holds everything.
 
 Where each part is enforced:
@@ -45,7 +45,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError
 
 __all__ = ["PART_TABLE", "TablePart", "ensure_partial", "is_partial", "reaches", "table_part"]

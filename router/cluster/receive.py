@@ -22,7 +22,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
-from router.config import PGMESH_SCHEMA, Config
+from router.config.model import PGMESH_SCHEMA, Config
 
 __all__ = ["RECEIVE_ONLY_KEY", "TRIGGER", "ensure_receive_only"]
 

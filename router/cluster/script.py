@@ -23,9 +23,9 @@ from psycopg.abc import Params, Query
 
 from router.cluster.checks import CONNECT_TIMEOUT_S, TableName, replicated_tables
 from router.cluster.grants import OWNERS_SQL, grant_statements, run_role_of
-from router.cluster.sqlfiles import statements
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.nodes.sqlfiles import statements
 from router.sequences.ids import EPOCH_MS, NODE_ID_KEY, plan_node_ids, read_node_id
 
 __all__ = ["print_sql"]

@@ -21,7 +21,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.checks import connect
-from router.config import Config, NodeConfig
+from router.config.model import Config, NodeConfig
 from router.errors import PgmeshError, describe
 
 __all__ = ["names_router", "standby_names"]

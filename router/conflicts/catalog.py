@@ -9,7 +9,7 @@ installation of:
   "deleted, at this version" (the deleting transaction's commit time and origin come from `xid`);
 - the `pgmesh_tombstone` AFTER DELETE trigger on every replicated table, enabled REPLICA (it fires for
   the router's replicated deletes, under `session_replication_role = replica`; the node's own deletes are
-  recorded by the router from its decoded stream, router.conflicts.recorder, off the application's write
+  recorded by the router from its decoded stream, router.apply.recorder, off the application's write
   path) or, where the stream does not carry the tombstone key, ALWAYS (`trigger_fires`);
 - `pgmesh.expect_origin(xid, oid)` and `pgmesh.expect_rows(bigint, bigint)`: guards the applier's
   statements call, raising SQLSTATE PGM01 / PGM02 when a row does not fit the change (a conflict).
@@ -36,9 +36,9 @@ from typing import Any, Final, NamedTuple
 import psycopg
 from psycopg import sql
 
-from router.cluster.sqlfiles import statements
-from router.config import PGMESH_SCHEMA
+from router.config.model import PGMESH_SCHEMA
 from router.errors import PgmeshError
+from router.nodes.sqlfiles import statements
 
 __all__ = [
     "TOMBSTONE_SETTINGS",
@@ -151,7 +151,7 @@ def trigger_fires(
     """When the tombstone trigger fires: REPLICA (only for the router's replicated deletes) when the
     decoded stream carries `key` for every delete (REPLICA IDENTITY FULL, DEFAULT with a primary key, or
     a replica identity index holding the key): the router records the node's own deletes from it
-    (router.conflicts.recorder). Else ALWAYS: the application's deletes pay the trigger. The same rule as
+    (router.apply.recorder). Else ALWAYS: the application's deletes pay the trigger. The same rule as
     ddl_table's in router/ddl/sql/capture.sql."""
     if replident == "f" or (replident == "d" and primary) or (replident == "i" and set(key) <= set(identity)):
         return "REPLICA"

@@ -45,7 +45,7 @@ horizon (short transactions, so the conflict path is never held long), and updat
 Table tombstones (a TRUNCATE's, `pgmesh.table_tombstones`) follow the same horizon, but go with a last
 sweep of their table, which needs the recorder's replication origin: the pruner writes each node's
 horizon into `pgmesh.node_info` (`tombstone_horizon`), and the node's tombstone recorder
-(router.conflicts.recorder) drops the table tombstones behind it.
+(router.apply.recorder) drops the table tombstones behind it.
 
 Must not: decide conflicts, write anything but `pgmesh.tombstones` deletions and the horizon, or prune on
 a node whose horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
@@ -65,10 +65,10 @@ import msgspec
 import psycopg
 
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime, unix_seconds_to_pg_us
-from router.applied import FLUSHED_SQL
-from router.config import PGMESH_SCHEMA, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import describe
-from router.progress import LinkProgress
+from router.progress.applied import FLUSHED_SQL
+from router.progress.positions import LinkProgress
 
 if TYPE_CHECKING:
     from router.service.metrics import Metrics
@@ -301,7 +301,7 @@ class TombstonePruner:
 
     async def _prune(self, node: NodeConfig, links: list[LinkReport], stats: PruneStats) -> None:
         prefix = self.config.origin_name("")
-        rows = await self._query(node, FLUSHED_SQL, [prefix, prefix])  # router.applied
+        rows = await self._query(node, FLUSHED_SQL, [prefix, prefix])  # router.progress.applied
         flushed = {r[0][len(prefix):]: parse_lsn(r[1]) for r in rows if r[1]}
         at = self.tracker.horizon_for(node.name, links, flushed)
         if at is not None:

@@ -192,7 +192,7 @@ def _custom(
 
     Both rows come in the same form: column name -> the column's text as PostgreSQL's output function
     writes it (None for NULL): the remote row as pgoutput sent it, the local row read with `::text`
-    (router.apply.careful_sql). Not typed values: see docs/conflicts.md "Custom resolvers" for why. A
+    (router.apply.careful.sql). Not typed values: see docs/conflicts.md "Custom resolvers" for why. A
     column pgoutput did not send (unchanged TOAST) is absent from the remote row. It returns a dict (the
     row to keep, values as text), "apply_remote", "keep_local" / None (skip) or "error".
     """

@@ -44,7 +44,7 @@ PostgreSQL 15's logical decoding carries no DDL, so pgmesh installs on every nod
 - with `[ddl] mode = "locked"`, `ddl_capture` refuses a replicated command unless the session set
   `pgmesh.ddl = on` (`pgmesh ddl` does; `ALLOWED_SETTING`), or it is local or replayed by the router.
 
-`pgmesh ddl` (a statement cluster-wide on purpose) is `router.ddl.command`.
+`pgmesh ddl` (a statement cluster-wide on purpose) is `router.ops.ddl`.
 
 Must not: apply DDL itself (the applier does, through `apply_ddl`), decide retry policy, or put a DSN
 into a message. Identifiers in SQL built here are quoted (`psycopg.sql` / `format('%I')`).
@@ -59,8 +59,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
-from router.cluster.sqlfiles import statements
-from router.config import PGMESH_SCHEMA, Config
+from router.config.model import PGMESH_SCHEMA, Config
+from router.nodes.sqlfiles import statements
 
 __all__ = ["ALLOWED_SETTING", "LOCAL_SETTING", "SCHEMA_CHANGES", "glob_regex", "install_ddl_capture"]
 

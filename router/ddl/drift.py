@@ -44,7 +44,7 @@ from typing import Any, Final
 import msgspec
 
 from protocol.lsn import format_lsn
-from router.progress import BARRIER_POSITION_SQL
+from router.progress.positions import BARRIER_POSITION_SQL
 
 __all__ = [
     "COLUMNS_SQL", "DriftWatch", "Query", "Shapes", "TableDrift", "compare", "drifted_nodes",
@@ -240,7 +240,7 @@ class DriftWatch:
         synced: Callable[[str], int] | None = None,
     ) -> None:
         """`synced(node)`: the position of `node` up to which every other node has flushed everything
-        (router.progress.SourceProgress.synced); without it, the node's slot's confirmed position (which
+        (progress.positions.SourceProgress.synced); without it, the node's slot's confirmed position (which
         the router's log may move past what the targets applied)."""
         self._nodes = dict(nodes)
         self._synced = synced

@@ -35,7 +35,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from router.config import load_config
+    from router.config.model import load_config
 
     return load_config(args.config)
 
@@ -117,19 +117,19 @@ def _cmd_conflicts(args: argparse.Namespace) -> int:
 
 
 def _cmd_ddl(args: argparse.Namespace) -> int:
-    from router.ddl.command import cmd_ddl
+    from router.ops.ddl import cmd_ddl
 
     return _run(cmd_ddl(_config(args), args.sql, node=args.node, wait=args.wait, limit=args.timeout))
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from router.cluster.compare.job import cmd_compare
+    from router.ops.compare.job import cmd_compare
 
     return _run(cmd_compare(_config(args), args.tables, as_json=args.json, limit=args.timeout))
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from router.cluster.sync.push import cmd_push
+    from router.cluster.copy.push import cmd_push
 
     return _run(cmd_push(_config(args), args.table, args.source, args.target, args.query))
 
@@ -141,20 +141,20 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
 
 def _cmd_repair(args: argparse.Namespace) -> int:
-    from router.cluster.compare.repair import cmd_repair
+    from router.ops.compare.repair import cmd_repair
 
     config = _config(args)
     return _run(cmd_repair(config, args.tables, source=args.source, as_json=args.json, limit=args.timeout))
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    from router.cluster.membership import cmd_join
+    from router.ops.join import cmd_join
 
     return _run(cmd_join(_config(args), args.node, donor=args.donor, force=args.force))
 
 
 def _cmd_part(args: argparse.Namespace) -> int:
-    from router.cluster.part import cmd_part
+    from router.ops.part import cmd_part
 
     return _run(cmd_part(_config(args), args.node, clean=args.clean))
 

@@ -25,13 +25,13 @@ import msgspec
 import psycopg
 
 from protocol.lsn import parse_lsn
-from router.applied import position_sql
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
-from router.cluster.part import members_of, read_parted
-from router.config import Config
-from router.configpart import describe_part
+from router.config.model import Config
+from router.config.parts import describe_part
 from router.errors import ConfigError, PgmeshError, describe
+from router.ops.part import members_of, read_parted
+from router.progress.applied import position_sql
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences
 from router.service.admin import ask_router
@@ -207,7 +207,7 @@ def render_status(report: StatusReport) -> str:
                 "; NOT SATISFIED: commits on it wait until k targets apply again (to stop waiting:"
                 " docs/synchronous.md, Stepping down)")
             )
-    for rec in report.recorders:  # router.conflicts.recorder: the node's own deletes as tombstones
+    for rec in report.recorders:  # router.apply.recorder: the node's own deletes as tombstones
         lines.append(
             f"tombstones {rec.node}: recorded to {rec.recorded_lsn}, {rec.tombstones} written,"
             f" {rec.late_decisions} late decisions" + (f", ERROR: {rec.last_error}" if rec.last_error else "")

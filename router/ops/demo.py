@@ -26,9 +26,9 @@ from typing import Any, NamedTuple, TextIO
 
 import psycopg
 
-from router.cluster import pgbin
 from router.cluster.install import init_cluster
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
+from router.nodes import pgbin
 from router.ops.control import render_status
 from router.service.supervisor import Router
 from router.testing.compare import same_everywhere

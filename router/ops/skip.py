@@ -22,11 +22,11 @@ import msgspec
 import psycopg
 
 from protocol.lsn import parse_lsn
-from router.applied import position_sql
 from router.apply.skip import check_skip, parse_skip, record_skip
-from router.cluster.part import members_of
-from router.config import Config
+from router.config.model import Config
 from router.errors import PgmeshError, describe
+from router.ops.part import members_of
+from router.progress.applied import position_sql
 from router.service.admin import ask_router
 
 __all__ = ["cmd_skip"]

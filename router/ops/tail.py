@@ -26,7 +26,7 @@ from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, TupleData, Update
 from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Change, Transaction
-from router.config import Config
+from router.config.model import Config
 from router.stream.items import SourceOptions
 from router.stream.seen import origin_nodes
 from router.stream.source import ReplicationSource

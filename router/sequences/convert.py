@@ -35,7 +35,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
-from router.config import PGMESH_SCHEMA, SEQUENCE_MODES, Config, split_table_name
+from router.config.model import PGMESH_SCHEMA, SEQUENCE_MODES, Config, split_table_name
 from router.errors import Action, ConfigError, PgmeshError, decide, describe
 from router.sequences.ids import (
     Mode,

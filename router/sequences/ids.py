@@ -33,9 +33,9 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.sqlfiles import statements
-from router.config import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
+from router.config.model import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
+from router.nodes.sqlfiles import statements
 
 __all__ = [
     "EPOCH_MS",

@@ -41,7 +41,7 @@ from typing import Any, Final
 import msgspec
 from aiohttp import web
 
-from router.config import Config
+from router.config.model import Config
 from router.errors import ConfigError, PgmeshError
 from router.service.adminclient import DEFAULT_HOST, admin_request, ask_router, bare_host, is_loopback
 from router.service.admintoken import router_token

@@ -21,7 +21,7 @@ from typing import Final
 import aiohttp
 from yarl import URL
 
-from router.config import Config
+from router.config.model import Config
 from router.errors import ConfigError
 from router.service.admintoken import client_token
 

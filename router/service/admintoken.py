@@ -19,7 +19,7 @@ import secrets
 from pathlib import Path
 from typing import Final
 
-from router.config import Config
+from router.config.model import Config
 from router.errors import ConfigError
 
 __all__ = ["TOKEN_ENV", "client_token", "router_token", "token_path"]

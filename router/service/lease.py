@@ -40,7 +40,7 @@ import asyncpg
 
 from router.apply.fence import FENCE, application_prefix
 from router.apply.sessions import asyncpg_connect_args
-from router.config import PGMESH_SCHEMA, Config
+from router.config.model import PGMESH_SCHEMA, Config
 from router.errors import describe
 from router.service.status import LeaseNode, LeaseStatus
 

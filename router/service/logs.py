@@ -1,4 +1,4 @@
-"""The router's log of every source (router.stream.log), as `pgmesh run` keeps them.
+"""The router's log of every source (router.stream.log.store), as `pgmesh run` keeps them.
 
 It opens each source's log at start (what an earlier run left is read back, a torn tail cut off) and
 places the links: one whose target lacks transactions the log holds reads them from it (and so does one
@@ -31,11 +31,11 @@ import msgspec
 import psycopg
 
 from protocol.lsn import format_lsn
-from router.config import Config
+from router.config.model import Config
 from router.errors import PgmeshError
-from router.progress import SourceProgress
+from router.progress.positions import SourceProgress
 from router.service.monitor import MonitorTarget
-from router.stream.log import SourceLog, write_durably
+from router.stream.log.store import SourceLog, write_durably
 from router.stream.spool import Spool
 
 __all__ = ["RouterLogs"]

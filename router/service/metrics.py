@@ -459,7 +459,7 @@ class Metrics:
         self.tombstones_recorded_total = counter(
             PREFIX + "tombstones_recorded_total",
             "Tombstones of the node's own deletes written by its recorder from its stream"
-            " (router.conflicts.recorder).",
+            " (router.apply.recorder).",
             ("node",),
         )
         self.tombstone_late_decisions_total = counter(

@@ -20,9 +20,9 @@ from typing import Any, Final
 import psycopg
 
 from protocol.lsn import parse_lsn
-from router.applied import FLUSHED_SQL
 from router.cluster.standbys import slot_names
-from router.config import Config, NodeConfig
+from router.config.model import Config, NodeConfig
+from router.progress.applied import FLUSHED_SQL
 from router.service.status import RetainedWal
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 

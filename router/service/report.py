@@ -14,13 +14,13 @@ import msgspec
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
 from router.apply.applier import Applier
+from router.apply.recorder import TombstoneRecorder
 from router.apply.state import LinkState, LinkStats
 from router.cluster.clocks import ClockWatch
-from router.config import Config
-from router.configpart import describe_part
-from router.conflicts.recorder import TombstoneRecorder
+from router.config.model import Config
+from router.config.parts import describe_part
 from router.ddl.drift import DriftWatch, drifted_nodes
-from router.progress import LinkProgress, SourceProgress
+from router.progress.positions import LinkProgress, SourceProgress
 from router.service.lease import Lease
 from router.service.logs import RouterLogs
 from router.service.metrics import Metrics, raise_to
@@ -35,7 +35,7 @@ from router.service.status import (
 )
 from router.service.synchronous import synchronous_status
 from router.stream.fanout import SourcePump
-from router.stream.log import SourceLog
+from router.stream.log.store import SourceLog
 from router.stream.source import ReplicationSource
 from router.stream.state import SourceState
 

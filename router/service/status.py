@@ -42,7 +42,7 @@ class RetainedWal(msgspec.Struct, frozen=True):
 
 
 class LogStatus(msgspec.Struct, frozen=True):
-    """The router's log of a source (router.stream.log, docs/scale.md)."""
+    """The router's log of a source (router.stream.log.store, docs/scale.md)."""
 
     bytes: int  # on disk
     cap_bytes: int
@@ -78,7 +78,7 @@ class SourceStatus(msgspec.Struct, frozen=True):
 
 
 class RecorderStatus(msgspec.Struct, frozen=True):
-    """One node's tombstone recorder (router.conflicts.recorder)."""
+    """One node's tombstone recorder (router.apply.recorder)."""
 
     node: str
     recorded_lsn: str  # durably recorded up to here
@@ -115,7 +115,7 @@ class StatusReport(msgspec.Struct, frozen=True):
     divergence: list[str] = msgspec.field(default_factory=list)  # allow_divergence: the settings it accepts
     schema_drift: list[str] = msgspec.field(default_factory=list)  # router.ddl.drift: tables that differ
     clocks: list[NodeClock] = msgspec.field(default_factory=list)  # router.cluster.clocks: offsets
-    recorders: list[RecorderStatus] = msgspec.field(default_factory=list)  # router.conflicts.recorder
+    recorders: list[RecorderStatus] = msgspec.field(default_factory=list)  # router.apply.recorder
     # the topology: nodes that receive only (router.cluster.receive); the others send to every node
     receive_only: list[str] = msgspec.field(default_factory=list)
     lease: LeaseStatus | None = None  # [ha] (router.service.lease)

@@ -24,16 +24,16 @@ import psycopg
 from protocol.lsn import format_lsn, parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
+from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.skip import parse_skip, record_skip
 from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
-from router.cluster.part import members_only
-from router.config import Config
+from router.config.model import Config
 from router.conflicts.pruning import TombstonePruner
-from router.conflicts.recorder import RECORDED_SQL, TombstoneRecorder
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, ConnectionLost, PgmeshError, describe
-from router.progress import LinkProgress, SourceProgress
+from router.ops.part import members_only
+from router.progress.positions import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.lease import lease_for
 from router.service.logs import MARK_KEY, RouterLogs
@@ -114,7 +114,7 @@ class Router:
         self._drift_targets: list[MonitorTarget] = []
         self.clocks = ClockWatch(config)  # each node's clock offset; the links' guard and hold
         self._ddl_seen = 0  # DDL commands replayed by every link, when the drift watch was last poked
-        # Each node's tombstone recorder (router.conflicts.recorder) and where it had got to at start
+        # Each node's tombstone recorder (router.apply.recorder) and where it had got to at start
         self.recorders: dict[str, TombstoneRecorder] = {}
         self._recorded: dict[str, int | None] = {}
         self._sysids: dict[str, str] = {}
@@ -159,12 +159,12 @@ class Router:
                 async with asyncio.timeout(timeout):
                     progress = await target.origin_progress()
                     held = await target.paused_sources()
-                    recorded = await target.query(RECORDED_SQL)  # router.conflicts.recorder
+                    recorded = await target.query(RECORDED_SQL)  # router.apply.recorder
                     ident = await target.query(_SYSTEM_ID_SQL)
                     mark, confirmed = (await target.query(_LOG_MARK_SQL, [self.config.slot_name]))[0]
             except psycopg.errors.UndefinedTable as exc:
                 raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
-            except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.applied)
+            except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.progress.applied)
                 raise ConfigError(
                     f"node {name}: pgmesh's objects here are older than this router ({describe(exc)});"
                     " run `pgmesh init`, which adds what is missing"
@@ -303,7 +303,7 @@ class Router:
                     if not await self.lease.acquire(stop):
                         break
                 self.pins, joining = await read_pins(self.config)  # node -> slot pinned (cluster.joining)
-                self.config = await members_only(self.config, self.targets, joining)  # (router.cluster.part)
+                self.config = await members_only(self.config, self.targets, joining)  # (router.ops.part)
                 flushed, paused, down = await self._load_state()
                 self._lost = []
                 self._build(flushed, paused, down)

@@ -4,7 +4,8 @@ what status shows of it.
 A node with k > 0 names the router's replication connection in its `synchronous_standby_names` (stock
 synchronous replication, set by `pgmesh init`): a commit there returns once the router reports its
 position flushed, which it does only once k targets have durably applied it and the slot may be
-confirmed that far (router.progress `SourceProgress.flush_position`). The progress tick alone would add
+confirmed that far (router.progress.positions `SourceProgress.flush_position`). The progress tick alone would
+add
 up to `status_interval_ms` to every such commit, so `CommitConfirm` confirms at each commit instead: the
 appliers' commits are durable when they return (their sessions commit with synchronous_commit local or
 stronger: `Config.apply_synchronous_commit`), so each one moves its link's flushed position at once, and
@@ -23,11 +24,11 @@ from collections.abc import Callable, Mapping
 from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
-from router.progress import SourceProgress
+from router.progress.positions import SourceProgress
 from router.service.logs import RouterLogs
 from router.service.monitor import MonitorTarget
 from router.service.status import SynchronousStatus
-from router.stream.log import SourceLog
+from router.stream.log.store import SourceLog
 from router.stream.source import ReplicationSource
 
 __all__ = ["CommitConfirm", "synchronous_status"]

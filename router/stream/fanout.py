@@ -3,7 +3,7 @@
 A `SourcePump` reads its node's `ReplicationSource` and hands every committed transaction, in commit
 order, to the queue of each link out of that node. A transaction that carries a replication origin was
 applied here by pgmesh (or another replicator): it is an echo and goes nowhere. Every other one that a
-target needs is first appended to the source's log (router.stream.log), before any link may wait. A link
+target needs is first appended to the source's log (router.stream.log.store), before any link may wait. A link
 whose queue is full reads the log instead (a feeder task fills its queue from the log, and hands it back
 to the fan-out once it read to the end) when other links can still take more (a slow or dead target must
 not stall the others) or when it applied nothing for `log_hold_s` (`check_stalled`, at every tick);
@@ -15,7 +15,7 @@ it is queued for holds one reference and its applier releases it; one nobody tak
 A streamed transaction announced before its commit (`EarlyStream`) goes to the side channel of every
 attached link (`LinkQueue.offer_side`, one reference each); its commit is handed out as any other.
 The source's own committed transactions that delete also go, in commit order, to the queue of its tombstone
-recorder (router.conflicts.recorder; backpressure when it is full, never a detach). Every echo also updates
+recorder (router.apply.recorder; backpressure when it is full, never a detach). Every echo also updates
 the source's `SeenVersions` (router.stream.seen), and every transaction handed
 out (announced, handed out at its first spill, or whole) carries its vector as it stood then
 (`Transaction.seen`, set in place: one shared tuple, no copy of the transaction).
@@ -35,11 +35,11 @@ from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.ddl.messages import has_ddl
-from router.progress import LinkProgress, SourceProgress
+from router.progress.positions import LinkProgress, SourceProgress
 from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
-from router.stream.log import SourceLog
+from router.stream.log.store import SourceLog
 from router.stream.seen import APPLIED_PREFIX, SeenVersions
 from router.stream.source import ReplicationSource
 from router.stream.spool import SpillFile, release
@@ -71,7 +71,7 @@ class SourcePump:
     ) -> None:
         """`origins`: replication origin name -> node name (router.stream.seen.origin_nodes), for
         the vector of what this source had applied from each node; without it, every `seen` stays ().
-        `log`: the source's log (router.stream.log); every transaction a target needs is appended to it
+        `log`: the source's log (router.stream.log.store); every transaction a target needs is appended to it
         while it grows, and a link whose queue is full reads from it instead of detaching (when another
         link needs the stream to move on, or when it applied nothing for `log_hold_s` seconds)."""
         self.source = source
@@ -378,7 +378,8 @@ class SourcePump:
                     return
                 while not queue.offer(txn):
                     await queue.wait_room()
-                    if link.log_from is None:  # the link restarted meanwhile (router.progress.restart_at)
+                    # the link restarted meanwhile (router.progress.positions.restart_at)
+                    if link.log_from is None:
                         release(txn)
                         return
                 link.log_from = txn.end_lsn  # a feeder started again (the pump restarts) goes on from here

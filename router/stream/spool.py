@@ -453,7 +453,8 @@ class Spool:
         return handle
 
     def adopt(self, node: str, xid: int, source: Path, changes: int, nbytes: int) -> SpillFile:
-        """A finished spill file made elsewhere (the router's log keeps them: router.stream.log), as one of
+        """A finished spill file made elsewhere (the router's log keeps them: router.stream.log.store), as
+        one of
         this spool's: linked into the spool (copied when it is on another file system). Nobody holds it."""
         path = self.path / f"{_UNSAFE.sub('_', node)}-{xid}-{next(self._seq)}.spill"
         try:

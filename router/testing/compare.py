@@ -1,7 +1,7 @@
 """Quick convergence checks: a fingerprint (row count and md5 of the sorted rows) per table per node.
 
 Good for the demo, tests and small tables; it reads each whole table through one connection. Large
-tables are compared by the PySpark job (`router/cluster/sync/`), not here. Never writes anything.
+tables are compared by the PySpark job (`router/cluster/copy/`), not here. Never writes anything.
 """
 
 from __future__ import annotations

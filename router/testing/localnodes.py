@@ -1,13 +1,13 @@
 """Throw-away local PostgreSQL clusters for `pgmesh demo` and the integration tests.
 
 Owns: one cached `initdb` template per process and binary directory (the binaries are
-`router.cluster.pgbin`'s, chosen per node by major version: `create_nodes(..., versions=[15, 18])`),
+`router.nodes.pgbin`'s, chosen per node by major version: `create_nodes(..., versions=[15, 18])`),
 copying it into per-node data directories, their configuration (postgresql.conf additions, pg_hba.conf), free
 loopback ports, and starting / stopping / crashing / destroying those servers with `pg_ctl`.
 
 Must not: touch any cluster it did not create, run the server as root (when euid is 0 every server-side
 command runs as the `postgres` OS user through `runuser`), talk the replication protocol, or import
-anything outside the standard library but `router.cluster.pgbin` (itself standard library only). It is
+anything outside the standard library but `router.nodes.pgbin` (itself standard library only). It is
 synchronous subprocess code, never called on the router's hot path.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from router.cluster import pgbin
+from router.nodes import pgbin
 from router.testing import ports
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class LocalNodeError(RuntimeError):
 
 def find_pg_bindir(major: int | None = None) -> Path:
     """The binary directory of PostgreSQL `major` (None: the default one, >= 15;
-    `router.cluster.pgbin.find_pg_bindir`); when there is none, a LocalNodeError saying where it looked."""
+    `router.nodes.pgbin.find_pg_bindir`); when there is none, a LocalNodeError saying where it looked."""
     try:
         return pgbin.find_pg_bindir(major)
     except pgbin.PgBinError as exc:

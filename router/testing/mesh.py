@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.install import init_cluster
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.service.supervisor import Router
 from router.testing.compare import fingerprints, same_everywhere
 
@@ -33,7 +33,7 @@ NODE_SETTINGS = {"deadlock_timeout": "100ms", "wal_sender_timeout": "10s"}
 
 
 def log_directory() -> str:
-    """A directory of its own for one cluster's router logs (router.stream.log), under one parent that
+    """A directory of its own for one cluster's router logs (router.stream.log.store), under one parent that
     goes when the process ends: clusters of one name in several tests must not share their logs."""
     global _LOGS
     if _LOGS is None:

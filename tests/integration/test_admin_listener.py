@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import Config
+from router.config.model import Config
 from router.ops.control import cmd_pause, cmd_resume
 from router.service.admin import admin_request
 from router.testing.mesh import execute, fetch, running_router, wait_for

@@ -1,4 +1,4 @@
-"""A transaction rolled back after its origin set-up is not taken for applied (router.applied).
+"""A transaction rolled back after its origin set-up is not taken for applied (router.progress.applied).
 
 On PostgreSQL 16+ such a rollback still moves the origin to the LSN the set-up gave it: a backend ends
 that way when the router is killed while a batch is in the server's hands, on SIGTERM (a fast shutdown,
@@ -17,11 +17,11 @@ import psycopg
 import pytest
 
 from protocol.lsn import parse_lsn
-from router.applied import MARK_START
 from router.apply.sessions import open_session, take_origin
 from router.apply.statements import setup_statement
 from router.cluster.install import init_cluster
 from router.errors import ConfigError
+from router.progress.applied import MARK_START
 from router.service.supervisor import Router
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

@@ -20,7 +20,7 @@ import pytest
 from router.cluster.checks import check_cluster
 from router.cluster.clocks import ClockLevel
 from router.cluster.install import init_cluster
-from router.config import ClocksSection
+from router.config.model import ClocksSection
 from router.errors import ConfigError
 from router.ops.control import offline_status, render_status
 from router.service.supervisor import Router

@@ -1,4 +1,4 @@
-"""`pgmesh compare` (router.cluster.compare) on a real 3-node mesh with the router running.
+"""`pgmesh compare` (router.ops.compare) on a real 3-node mesh with the router running.
 
 Divergences are made on purpose: rows changed on one node in a session whose changes replication does not
 carry (a replication origin of its own: the router forwards only a node's own changes). Compare must find
@@ -17,10 +17,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.compare.job import compare_cluster
-from router.cluster.compare.lanes import SPARK_AFTER_S
-from router.cluster.compare.repair import repair_cluster
 from router.ops.cli import main as pgmesh
+from router.ops.compare.job import compare_cluster
+from router.ops.compare.lanes import SPARK_AFTER_S
+from router.ops.compare.repair import repair_cluster
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

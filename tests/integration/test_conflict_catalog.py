@@ -27,7 +27,7 @@ import pytest
 from router.apply.statements import setup_statement
 from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster, install, uninstall
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.conflicts.catalog import TOMBSTONE_SETTINGS, tombstone_keys
 from router.errors import ConfigError
 from router.ops.control import cmd_conflicts

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from router.config import Config
+from router.config.model import Config
 from router.testing.localnodes import LocalNode
 from router.testing.mesh import Mesh, running_router, wait_converged
 from tests.fix_mesh import MeshFactory

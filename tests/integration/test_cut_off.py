@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from router.config import Config
+from router.config.model import Config
 from router.testing.mesh import execute, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.cluster.pgbin import major_version
-from router.config import parse_config
+from router.config.model import parse_config
+from router.nodes.pgbin import major_version
 from router.ops.cli import main as pgmesh
 from router.testing.mesh import (
     config_text,

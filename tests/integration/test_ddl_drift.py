@@ -11,9 +11,9 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.config import DdlSection
-from router.ddl.command import cmd_ddl
+from router.config.model import DdlSection
 from router.ops.control import render_status
+from router.ops.ddl import cmd_ddl
 from router.service.supervisor import Router
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

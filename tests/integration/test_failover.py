@@ -33,7 +33,7 @@ import psycopg
 import pytest
 
 from router.cluster.checks import check_cluster
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.mesh import Mesh, execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

@@ -19,7 +19,7 @@ import pytest
 
 from router.cluster.checks import Check, InitReport, check_cluster
 from router.cluster.install import init_cluster, install, uninstall
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.errors import ConfigError, PgmeshError, SlotError
 from router.testing.mesh import free_port
 

@@ -21,7 +21,7 @@ import pytest
 
 from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster, install
-from router.config import Config
+from router.config.model import Config
 from router.errors import ConfigError, PgmeshError
 from router.ops.control import cmd_init, render_status
 from router.testing.mesh import running_router, wait_for

@@ -1,4 +1,4 @@
-"""Node join and part over real nodes (router.cluster.membership, issue 6): writes never stop."""
+"""Node join and part over real nodes (router.ops.join, issue 6): writes never stop."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.membership import join_node
-from router.cluster.part import part_node
 from router.errors import PgmeshError
+from router.ops.join import join_node
+from router.ops.part import part_node
 from router.testing.mesh import (
     execute,
     fetch,

@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.membership import join_node
-from router.cluster.sync.locks import SnapshotLocks
+from router.cluster.copy.locks import SnapshotLocks
 from router.errors import PgmeshError
+from router.ops.join import join_node
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_cluster import NodeFactory
 from tests.fix_mesh import MeshFactory

@@ -1,4 +1,4 @@
-"""A join while the router keeps replicating among the existing nodes (router.cluster.membership,
+"""A join while the router keeps replicating among the existing nodes (router.ops.join,
 router.cluster.joining; issue 22, item 5): the router holds only while the join takes its snapshot and while
 it makes the new node a member; during the copy the existing links stream, the router may be killed and
 started again, and the new node still gets every transaction exactly once (docs/join.md).
@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.membership import join_node
+from router.ops.join import join_node
 from router.testing.mesh import execute, fetch, free_port, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import has, healthy, same_rows

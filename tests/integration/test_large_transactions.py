@@ -63,7 +63,7 @@ async def test_transaction_larger_than_the_memory_bound(mesh: MeshFactory) -> No
         assert source.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
         assert source.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
         # the router's log holds a spilled transaction's file until every target's flushed position (read
-        # at the next progress tick) passes it (router.stream.log): released then, not kept
+        # at the next progress tick) passes it (router.stream.log.store): released then, not kept
         await wait_for(lambda: router.spool.files == 0, "the spool file released after its transaction", 30)
     (count,) = await fetch(b.dsn(), "SELECT count(*) FROM big")
     assert count[0] == ROWS

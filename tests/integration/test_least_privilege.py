@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

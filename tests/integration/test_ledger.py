@@ -42,7 +42,8 @@ TRANSIENT = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailur
              psycopg.errors.LockNotAvailable)
 
 # What both tests below meet (found by the ledger run; the two-node case is its smallest form).
-# Found by this run (issue 18), fixed in router/apply/careful.py: a remote update of a delta column was
+# Found by this run (issue 18), fixed in router/apply/careful/transaction.py: a remote update of a delta
+# column was
 # applied as its new value, not local + (new - old), when the local row was last written by the same
 # source, so a local change merged under that source's origin was lost. Two nodes: a +10; b +100 (merged
 # on a: 1110, origin b); b +1000 (old 1100 != 1110, so careful; mine -> overwritten with 2100); a ended

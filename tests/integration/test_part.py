@@ -1,4 +1,4 @@
-"""`pgmesh part NODE` online (router.cluster.part): with the router running and the other nodes written to,
+"""`pgmesh part NODE` online (router.ops.part): with the router running and the other nodes written to,
 what the parted node committed reaches every other node first (the drain), the part is recorded in the
 cluster's own state (the router, `init` and a restart leave the node out with the config unchanged), and
 `--clean` leaves a database that keeps working on its own (its snowflake ids from its own sequence)."""
@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.cluster.part import part_node
 from router.errors import PgmeshError
 from router.ops.control import offline_status
+from router.ops.part import part_node
 from router.sequences.convert import convert_sequences
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from router.cluster.install import init_cluster
-from router.cluster.membership import join_node
-from router.config import Config
+from router.config.model import Config
 from router.errors import PgmeshError
 from router.ops.control import render_status
+from router.ops.join import join_node
 from router.testing.localnodes import LocalNode
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

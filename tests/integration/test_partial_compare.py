@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 import msgspec
 import psycopg
 
-from router.cluster.compare.job import compare_cluster
-from router.cluster.compare.repair import repair_cluster
 from router.cluster.install import init_cluster
-from router.config import Config
+from router.config.model import Config
+from router.ops.compare.job import compare_cluster
+from router.ops.compare.repair import repair_cluster
 from router.testing.localnodes import LocalNode
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

@@ -57,10 +57,10 @@ async def test_random_schedules_converge(mesh: MeshFactory) -> None:
 # - key update later than the other node's update: the node that made the key update gets the other
 #   node's update of the old key, found no row and no tombstone, and re-created the old key's row
 #   (update_missing), which the other node no longer has. Fixed: the tombstone recorder takes a local key
-#   update's old key as deleted (router.conflicts.recorder), so the older update loses to it;
+#   update's old key as deleted (router.apply.recorder), so the older update loses to it;
 # - key update earlier: the other node kept its newer row of the old key and skipped the whole key
 #   update, so the new key's row never appeared there. Fixed: a key update that loses on its old key
-#   still inserts its new key, decided as an insert (router.apply.careful, `_update`).
+#   still inserts its new key, decided as an insert (router.apply.careful.transaction, `_update`).
 UPDATE_V = "UPDATE t SET v = 1 WHERE id = 3"
 UPDATE_KEY = "UPDATE t SET id = 100 WHERE id = 3"
 KEY_UPDATE_CASES = {
@@ -113,7 +113,7 @@ async def test_unchanged_toast_value_in_a_conflict_converges(mesh: MeshFactory) 
 # (a non-locked relation's row is copied, not recomputed): the decision compared against the version
 # the row had before, and the local write, newer than the remote one, was overwritten on this node only.
 # Found by the property test (two of the eight bounded schedules, now and then); fixed in
-# router.apply.careful.
+# router.apply.careful.transaction.
 BLOCKED_READ = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                 " AND backend_type = 'client backend'")  # the router's (the local session is idle)
 
@@ -175,8 +175,9 @@ async def test_update_in_a_partition_of_a_full_identity_root_keeps_the_link(mesh
 # deletion) between the read and the insert is not seen, and the remote row comes back on this node
 # only. Found by the property test (a prepared INSERT, then a DELETE, of a hot key on b while a's older
 # update of it was applied on b); here the local insert holds the careful insert until the deletion.
-# Fixed in router.apply.careful: after the insert, the tombstone is read again, and a later one has the
-# transaction decided again (router.apply.careful_sql says why nothing can come later unseen).
+# Fixed in router.apply.careful.transaction: after the insert, the tombstone is read again, and a later one
+# has the
+# transaction decided again (router.apply.careful.sql says why nothing can come later unseen).
 INSERT_WAITING = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                 " AND backend_type = 'client backend'")  # the router's (the local session is idle)
 
@@ -224,7 +225,7 @@ async def test_local_insert_and_delete_during_a_careful_tombstone_write_keeps_th
         await local.execute("INSERT INTO t VALUES (1, 2)")
         await local.execute("DELETE FROM t WHERE id = 1")  # its tombstone, held until COMMIT
         async with running_router(m.config) as router:
-            # b's own deletions are recorded by the router from b's stream (router.conflicts.recorder),
+            # b's own deletions are recorded by the router from b's stream (router.apply.recorder),
             # not in the deleting transaction: a's older deletion is applied on b meanwhile
             applier = router.appliers[("a", "b")]
             await wait_for(lambda: applier.applied_transactions >= 1, "a's deletion applied on b")

@@ -1,4 +1,4 @@
-"""`pgmesh push TABLE --from A --to B [--query SQL]` (router.cluster.sync.push) into a live 3-node mesh:
+"""`pgmesh push TABLE --from A --to B [--query SQL]` (router.cluster.copy.push) into a live 3-node mesh:
 the pushed rows are written on B by key as B's own writes, so they replicate from there and every node
 converges on them; rows only on B stay; a query's rows go the same way; bad input fails naming node and
 table before anything is written."""
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster.compare.job import compare_cluster
-from router.cluster.sync.push import push
+from router.cluster.copy.push import push
 from router.errors import PgmeshError
 from router.ops.cli import main as pgmesh
+from router.ops.compare.job import compare_cluster
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
 from tests.integration.test_compare import unreplicated, writing

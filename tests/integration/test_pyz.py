@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import pgbin
+from router.nodes import pgbin
 
 ROOT = Path(__file__).resolve().parents[2]
 CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"

@@ -11,9 +11,9 @@ import msgspec
 import psycopg
 import pytest
 
+from router.cluster.copy.push import push
 from router.cluster.install import init_cluster
-from router.cluster.sync.push import push
-from router.config import Config
+from router.config.model import Config
 from router.ops.control import offline_status, render_status
 from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory

@@ -1,4 +1,4 @@
-"""The router's log (router.stream.log): a node that is down does not make the others keep their WAL.
+"""The router's log (router.stream.log.store): a node that is down does not make the others keep their WAL.
 
 With node c stopped, a and b go on writing. Their links into c fill their queues, then read the router's
 log of their source instead; every source's slot is confirmed as far as the log holds it durably, so a and
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from protocol.lsn import parse_lsn
-from router.ddl.command import barrier
 from router.errors import PgmeshError
+from router.ops.ddl import barrier
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

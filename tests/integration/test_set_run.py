@@ -118,7 +118,7 @@ async def test_acknowledged_inserts_are_on_every_node_once(mesh: MeshFactory) ->
         await router.resume(None)
         await converge(router, nodes, TABLES, 60)
         healthy(router)
-        # the links' decisions, and the tombstone recorders' late ones (router.conflicts.recorder: a remote
+        # the links' decisions, and the tombstone recorders' late ones (router.apply.recorder: a remote
         # change that met a key deleted just before, on a node that had not recorded that deletion yet)
         decided = router.conflicts_decided()
     acked = {(c.name, n) for c in clients for n in c.acked}

@@ -1,4 +1,4 @@
-"""The initial copy (`router.cluster.sync.copy.copy_snapshot`) between two real PostgreSQL nodes, on
+"""The initial copy (`router.cluster.copy.initial.copy_snapshot`) between two real PostgreSQL nodes, on
 local Spark.
 
 The donor holds a 200k-row table of mixed types (text, numeric, timestamptz, jsonb, bytea, an array,
@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.cluster.sync.copy import (
+from router.cluster.copy.initial import (
     CopyProgress,
     CopyReport,
     CopyTable,
@@ -27,8 +27,8 @@ from router.cluster.sync.copy import (
     read_leaves,
     reuse_spark,
 )
-from router.cluster.sync.plan import BlockRange, CopyTask
-from router.cluster.sync.worker import SNAPSHOT_HINT, CopyJob, TaskFailure, run_task
+from router.cluster.copy.plan import BlockRange, CopyTask
+from router.cluster.copy.worker import SNAPSHOT_HINT, CopyJob, TaskFailure, run_task
 from router.errors import PgmeshError
 from router.testing.localnodes import find_pg_bindir
 

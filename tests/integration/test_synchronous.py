@@ -16,10 +16,10 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.cluster.membership import join_node
 from router.cluster.synchronous import standby_names
 from router.errors import PgmeshError
 from router.ops.control import render_status
+from router.ops.join import join_node
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

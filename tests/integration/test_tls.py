@@ -20,9 +20,9 @@ import pytest
 
 from router.apply.sessions import open_session
 from router.cluster.checks import check_cluster
+from router.cluster.copy.push import push
 from router.cluster.install import init_cluster
-from router.cluster.sync.push import push
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.errors import PgmeshError
 from router.service.admin import admin_request
 from router.testing.localnodes import PG_OS_USER, LocalNode

@@ -31,7 +31,7 @@ async def churn(node: Any, base: int, peak: dict[str, int], nodes: list[Any],
     """Insert a batch of the node's own keys, delete it, again and again; note the tombstone peaks.
 
     Paced to the mesh: every 5 rounds it waits until the node's links have applied what it wrote. The
-    node's own deletes cost it no trigger now (router.conflicts.recorder), so unpaced it writes faster
+    node's own deletes cost it no trigger now (router.apply.recorder), so unpaced it writes faster
     than two cores apply it elsewhere: the tombstones then grow with the links' backlog, as they must
     (a lagging link may still bring a change older than them), not with what was deleted."""
     async with await psycopg.AsyncConnection.connect(node.dsn(), autocommit=True) as conn:

@@ -1,4 +1,4 @@
-"""The tombstone recorder on real nodes (router.conflicts.recorder): a node's own deletes cost the
+"""The tombstone recorder on real nodes (router.apply.recorder): a node's own deletes cost the
 application no trigger and are recorded from its stream (a spilled one too); a remote change that rewrote a
 deleted key before the recorder got there is decided late, as with the tombstone there, and recorded;
 where the stream does not carry the key, the trigger stays ALWAYS."""

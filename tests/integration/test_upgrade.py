@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.config import load_config
+from router.config.model import load_config
 from router.ops.control import fetch_status
 from router.testing.mesh import fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_cluster import require_versions

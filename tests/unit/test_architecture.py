@@ -37,16 +37,16 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("*", "_fields"): "NamedTuple._fields is public API despite the underscore",
     ("*", "_exit"): "os._exit in a child process after fork",
     # PySpark has no public way to end the JVM it launched (SparkSession.stop leaves it running).
-    ("router.cluster.sync.spark", "_gateway"): "py4j gateway of the JVM pyspark launched",
-    ("router.cluster.sync.spark", "_jvm"): "cleared with the gateway, as SparkContext.stop would",
+    ("router.cluster.copy.spark", "_gateway"): "py4j gateway of the JVM pyspark launched",
+    ("router.cluster.copy.spark", "_jvm"): "cleared with the gateway, as SparkContext.stop would",
 }
 
 
 # Public exception classes that live outside router/errors.py, each with its reason.
 ERRORS_ELSEWHERE: dict[str, str] = {
     "router.testing.localnodes.LocalNodeError": "the throw-away cluster harness imports only the stdlib",
-    "router.cluster.pgbin.PgBinError": "stdlib only: the harness uses it without the rest of pgmesh",
-    "router.cluster.sync.worker.TaskFailure": "a tagged record that survives Spark's wrapping of errors",
+    "router.nodes.pgbin.PgBinError": "stdlib only: the harness uses it without the rest of pgmesh",
+    "router.cluster.copy.worker.TaskFailure": "a tagged record that survives Spark's wrapping of errors",
 }
 
 

@@ -14,7 +14,7 @@
 -- change was made on top of it, and is applied without a record, as last_update_wins and node_priority
 -- would decide (router.conflicts.causality; docs/conflicts.md "Only concurrent writes are conflicts").
 -- `error` and custom resolvers are not decided here: SQLSTATE PGM01 sends the transaction to the careful
--- path (router.apply.careful), which decides them row by row in the router.
+-- path (router.apply.careful.transaction), which decides them row by row in the router.
 -- Each decision sets pgmesh.decided (undone with its transaction when that rolls back): the applier then
 -- counts the new history rows (router.apply.link.count_conflicts).
 -- Created, or replaced when its text changed (a fingerprint of it in the function's comment), by

@@ -1,5 +1,5 @@
 -- The node a replication origin id stands for on this node (0 or NULL: this node itself, the session's
--- pgmesh.target), as the careful path names it (router.apply.careful: `_node`).
+-- pgmesh.target), as the careful path names it (router.apply.careful.transaction: `_node`).
 -- Created, or replaced when its text changed (a fingerprint of it in the function's comment), by
 -- router/conflicts/catalog.py (install_conflict_catalog), which fills {schema} with pgmesh's schema,
 -- quoted as an identifier.

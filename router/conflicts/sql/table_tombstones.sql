@@ -2,7 +2,7 @@
 -- whose commit time and origin are the TRUNCATE's version. Every row and every change of the table older
 -- than it goes; newer ones stay (docs/conflicts.md, "TRUNCATE"). Written by the applier's
 -- truncate_by_version (a replicated TRUNCATE, in the applying transaction) and by the tombstone recorder
--- (router/conflicts/recorder.py: the node's own TRUNCATEs, from its decoded stream); swept and dropped by
+-- (router/apply/recorder.py: the node's own TRUNCATEs, from its decoded stream); swept and dropped by
 -- the recorder once the pruning horizon has passed it.
 -- Created once, when the table is missing, by router/conflicts/catalog.py (install_conflict_catalog),
 -- which fills {schema} with pgmesh's schema, quoted as an identifier.

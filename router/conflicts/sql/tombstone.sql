@@ -1,5 +1,5 @@
 -- Trigger function of pgmesh_tombstone (AFTER DELETE): records the deleted row's key in tombstones. Enabled
--- REPLICA where the node's own deletes are recorded from its decoded stream (router/conflicts/recorder.py:
+-- REPLICA where the node's own deletes are recorded from its decoded stream (router/apply/recorder.py:
 -- the stream carries the key), so it fires for the router's replicated deletes only; ALWAYS where the
 -- stream does not carry the key (a replica identity index other than the primary key). The recorder's own
 -- sessions set pgmesh.recording = 'y': the trigger then records nothing (the recorder writes the key itself).

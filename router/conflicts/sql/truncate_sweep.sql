@@ -2,7 +2,7 @@
 -- tombstone: rows a change older than the table's last TRUNCATE wrote after it, because that change reached
 -- this node after the TRUNCATE (or the node's own TRUNCATE was not recorded yet when it was applied). Each
 -- removed row is recorded in conflict_history (`write_truncated`: the change lost to the TRUNCATE). Run by
--- the tombstone recorder (router/conflicts/recorder.py), under its own replication origin (no echo),
+-- the tombstone recorder (router/apply/recorder.py), under its own replication origin (no echo),
 -- after it records a TRUNCATE of the node's own and every few seconds while a table tombstone stays.
 -- Returns the rows removed.
 -- Created, or replaced when its text changed (a fingerprint of it in the function's comment), by

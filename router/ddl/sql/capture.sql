@@ -374,7 +374,7 @@ BEGIN
                  'EXECUTE FUNCTION {schema}.tombstone(%s)',
                  nsp, tab, (SELECT string_agg(quote_literal(c), ', ') FROM unnest(key) AS c));
   -- REPLICA where the stream carries the key (the router records the node's own deletes from it,
-  -- router/conflicts/recorder.py), ALWAYS where it does not (router.conflicts.catalog.trigger_fires)
+  -- router/apply/recorder.py), ALWAYS where it does not (router.conflicts.catalog.trigger_fires)
   fires := CASE WHEN ident = 'f' OR ident = 'd' AND EXISTS (
                   SELECT 1 FROM pg_index i WHERE i.indrelid = rel AND i.indisprimary)
                   OR ident = 'i' AND key <@ (

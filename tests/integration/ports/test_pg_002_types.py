@@ -2,7 +2,7 @@
 enums, composites (as keys too, nested, in arrays), ranges, hstore and a domain whose CHECK calls an SQL
 function. The original's inserts, updates and deletes run on node a and b must hold its expected rows;
 then writes on b reach a, and the same rows updated, deleted and inserted on both nodes while the links
-are paused take the conflict path (router.apply.careful) with these types; both nodes end equal.
+are paused take the conflict path (router.apply.careful.transaction) with these types; both nodes end equal.
 
 Differences from the original: tst_dom_constr has no key, so it gets REPLICA IDENTITY FULL (pgmesh
 asks for a key or a full identity); the expected rows are read with `concat` (NULL shows as nothing,

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from router.cluster.install import init_cluster
-from router.cluster.membership import join_node
+from router.ops.join import join_node
 from router.testing.mesh import NODE_SETTINGS, converged, execute, fetch, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports import types

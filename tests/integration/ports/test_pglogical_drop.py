@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.cluster.part import part_node
+from router.ops.part import part_node
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import healthy

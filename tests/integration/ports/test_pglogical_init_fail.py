@@ -13,7 +13,7 @@ import pytest
 
 from router.cluster.checks import check_cluster
 from router.cluster.install import init_cluster, install
-from router.config import parse_config
+from router.config.model import parse_config
 from router.errors import ConfigError
 from router.testing.mesh import execute, fetch
 from tests.fix_mesh import MeshFactory

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import healthy

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from router.cluster.install import init_cluster
-from router.cluster.pgbin import find_pg_bindir
+from router.nodes.pgbin import find_pg_bindir
 from router.testing.mesh import execute, fetch, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import healthy

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from router.ddl.command import cmd_ddl
+from router.ops.ddl import cmd_ddl
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import has, healthy, same_rows

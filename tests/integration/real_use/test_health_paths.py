@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from router.config import load_config
+from router.config.model import load_config
 from router.service.adminclient import admin_request, ask_router
 from router.testing.mesh import config_text, wait_for
 from tests.fix_mesh import MeshFactory

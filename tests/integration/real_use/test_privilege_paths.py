@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from router.config import parse_config
+from router.config.model import parse_config
 from router.testing.mesh import fetch, running_router, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.real_use.users import pgmesh, psql, wait_identical

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import uvloop
 
-from router.config import parse_config
+from router.config.model import parse_config
 from router.errors import ConfigError
 from router.service.admin import AdminServer, admin_request
 from router.service.metrics import Metrics

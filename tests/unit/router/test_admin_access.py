@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.errors import ConfigError
 from router.service.admin import AdminServer, admin_request, ask_router
 from router.service.adminclient import client_tls

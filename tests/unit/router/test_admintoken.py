@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import Config, parse_config
+from router.config.model import Config, parse_config
 from router.service.admin import AdminServer, admin_request
 from router.service.admintoken import TOKEN_ENV, client_token, router_token, token_path
 from router.service.metrics import Metrics

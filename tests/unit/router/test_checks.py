@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from router.cluster.checks import NodeFacts, _node_checks
-from router.config import parse_config
+from router.config.model import parse_config
 
 CONFIG = """
 [cluster]

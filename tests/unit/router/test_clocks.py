@@ -22,7 +22,7 @@ from router.cluster.clocks import (
     node_clock,
     sample,
 )
-from router.config import ClocksSection, Config, parse_config
+from router.config.model import ClocksSection, Config, parse_config
 from router.errors import ConfigError
 
 CONFIG = """\

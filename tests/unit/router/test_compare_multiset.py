@@ -1,11 +1,11 @@
-"""Tables without a key in `pgmesh compare` (router.cluster.compare.multiset) and what the reports' exit
+"""Tables without a key in `pgmesh compare` (router.ops.compare.multiset) and what the reports' exit
 codes say: pure."""
 
 from __future__ import annotations
 
-from router.cluster.compare.job import CompareReport, Divergence
-from router.cluster.compare.multiset import buckets_for, multiset_differences, row_text
-from router.cluster.compare.repair import Fix, RepairReport
+from router.ops.compare.job import CompareReport, Divergence
+from router.ops.compare.multiset import buckets_for, multiset_differences, row_text
+from router.ops.compare.repair import Fix, RepairReport
 
 
 def test_rows_whose_copies_differ_are_named_with_their_copies_per_node() -> None:

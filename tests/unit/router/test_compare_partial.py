@@ -1,11 +1,12 @@
-"""`pgmesh compare` with partial nodes (router.cluster.compare.plan, .worker): what is compared where, and
+"""`pgmesh compare` with partial nodes (router.ops.compare.plan, .worker): what is compared where, and
 the per-node SQL (the reference reads through the partial node's filter, both hash its columns); pure."""
 
 from __future__ import annotations
 
-from router.cluster.compare.job import CompareReport, Divergence
-from router.cluster.compare.plan import CompareTable, RangeTask, compared_on, integer_ranges
-from router.cluster.compare.worker import (
+from router.config.model import NodeConfig
+from router.ops.compare.job import CompareReport, Divergence
+from router.ops.compare.plan import CompareTable, RangeTask, compared_on, integer_ranges
+from router.ops.compare.worker import (
     CompareJob,
     bucket_sql,
     range_sql,
@@ -13,7 +14,6 @@ from router.cluster.compare.worker import (
     row_hashes_sql,
     rows_sql,
 )
-from router.config import NodeConfig
 
 ORDERS = CompareTable("public", "orders", ("id",), "integer")
 CUSTOMERS = CompareTable("public", "customers", ("id",), "integer")

@@ -1,4 +1,4 @@
-"""`router.config`: decoding, defaults, derived names, the replicated-set globs, and one-line errors."""
+"""`router.config.model`: decoding, defaults, derived names, the replicated-set globs, and one-line errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import Config, ConflictSection, TableSection, load_config, parse_config
+from router.config.model import Config, ConflictSection, TableSection, load_config, parse_config
 from router.conflicts.resolve import ConflictType, Policy, Resolver
 from router.errors import ConfigError
 

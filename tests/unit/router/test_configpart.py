@@ -1,11 +1,11 @@
-"""`router.configpart`: a partial node's `tables`, `rows`, `columns` checked at parse, and described."""
+"""`router.config.parts`: a partial node's `tables`, `rows`, `columns` checked at parse, and described."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.config import parse_config
-from router.configpart import describe_part
+from router.config.model import parse_config
+from router.config.parts import describe_part
 from router.errors import ConfigError
 from tests.unit.router.test_config import MINIMAL
 

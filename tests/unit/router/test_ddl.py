@@ -9,9 +9,9 @@ import msgspec
 from protocol.messages import Column, Delete, Insert, Message, Relation, TupleData, Update
 from protocol.transactions import Transaction
 from router.ddl.capture import glob_regex
-from router.ddl.command import orders_itself
 from router.ddl.messages import DDL_PREFIX, DdlCommand, ddl_command, has_ddl
 from router.ddl.reconcile import reconcile
+from router.ops.ddl import orders_itself
 
 REL = Relation(1, "public", "t", "d", (Column("id", 23, -1, True), Column("x", 23, -1, False),
                                       Column("z", 23, -1, False), Column("v", 25, -1, False)))

@@ -8,10 +8,10 @@ import pytest
 
 from router.apply.applier import Applier
 from router.apply.state import LinkState
-from router.config import parse_config
+from router.config.model import parse_config
 from router.ddl.drift import Shape, compare, drifted_nodes, shapes_from_rows
 from router.errors import ConfigError
-from router.progress import LinkProgress
+from router.progress.positions import LinkProgress
 from router.service.metrics import LINK_STATES
 from router.stream.linkqueue import LinkQueue
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.cluster.pgbin import Found
+from router.nodes.pgbin import Found
 from router.ops.demo import DemoServer, choose_server
 
 DEBIAN_15 = Found("pg_config --bindir", Path("/usr/lib/postgresql/15/bin"), 15)

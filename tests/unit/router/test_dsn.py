@@ -1,4 +1,4 @@
-"""`router.dsn`: a DSN with libpq's meaning turned into asyncpg's arguments, and a node's password_file
+"""`router.nodes.dsn`: a DSN with libpq's meaning turned into asyncpg's arguments, and a node's password_file
 (no server; the same against TLS servers: tests/integration/test_tls.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import psycopg.conninfo
 import pytest
 
-from router.config import parse_config
-from router.dsn import asyncpg_args, libpq_params, password_file_dsn
+from router.config.model import parse_config
 from router.errors import ConfigError
+from router.nodes.dsn import asyncpg_args, libpq_params, password_file_dsn
 from tests.fix_certs import Certs, make_certs
 
 _PG_VARS = ("PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGPASSWORD", "PGPASSFILE", "PGSSLMODE",

@@ -10,7 +10,7 @@ import msgspec
 
 from router.cluster.checks import Check, InitReport, NodeFacts, _node_checks
 from router.cluster.standbys import StandbyFacts, slot_names
-from router.config import parse_config
+from router.config.model import parse_config
 
 CONFIG = parse_config("""
 [cluster]

@@ -9,7 +9,7 @@ import re
 
 from protocol.messages import Column, Delete, Insert, Relation, TupleData, Update
 from protocol.transactions import Transaction
-from router.apply.careful import read_row_sql, read_tombstone_sql, row_where, write_row_sql
+from router.apply.careful.transaction import read_row_sql, read_tombstone_sql, row_where, write_row_sql
 from router.apply.prepared import Prepared
 from router.apply.scripts import CopyRun, transaction_segments
 from router.apply.statements import KEY_LOCKS_MAX, RESERVED_NAMES, TABLE_ALIAS, TargetTable, identity_match

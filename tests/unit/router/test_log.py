@@ -1,4 +1,5 @@
-"""The router's log of a source (router.stream.log): append, read back, group fsync, truncation, recovery.
+"""The router's log of a source (router.stream.log.store): append, read back, group fsync, truncation,
+recovery.
 
 Files live in pytest's tmp_path; transactions are built by hand (one-row ones, and one big enough to be
 logged in pieces and read back through the spool).
@@ -14,7 +15,7 @@ import pytest
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Spill, Transaction
 from router.errors import PgmeshError
-from router.stream.log import SourceLog
+from router.stream.log.store import SourceLog
 from router.stream.spool import SpillFile, Spool, iter_chunks, release
 
 REL = Relation(16384, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25, -1, False)), 77)

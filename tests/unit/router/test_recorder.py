@@ -1,8 +1,8 @@
-"""The tombstone recorder's pure parts (router.conflicts.recorder), without a server."""
+"""The tombstone recorder's pure parts (router.apply.recorder), without a server."""
 
 from __future__ import annotations
 
-from router.conflicts.recorder import full_xid
+from router.apply.recorder import full_xid
 
 
 def test_full_xid_is_the_one_nearest_the_next_xid() -> None:

@@ -1,4 +1,4 @@
-"""`router.cluster.sync.schema`: which pg_dump and pg_restore a join runs (issue 19, 15 to 18).
+"""`router.cluster.copy.schema`: which pg_dump and pg_restore a join runs (issue 19, 15 to 18).
 
 The rule: a pg_dump refuses a server newer than itself (the donor), and the new node must load its
 output, so the tools are of the newer of the two servers' major versions, or newer still. Fake bin
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster.sync import schema
-from router.cluster.sync.schema import (
+from router.cluster.copy import schema
+from router.cluster.copy.schema import (
     ClientDir,
     choose_client_dir,
     drop_options,

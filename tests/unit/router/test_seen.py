@@ -16,9 +16,9 @@ import pytest
 
 from protocol.messages import Message
 from protocol.transactions import Transaction
-from router.config import ClusterSection, Config, NodeConfig
+from router.config.model import ClusterSection, Config, NodeConfig
 from router.conflicts.causality import sequential
-from router.progress import LinkProgress, SourceProgress
+from router.progress.positions import LinkProgress, SourceProgress
 from router.stream.fanout import SourcePump
 from router.stream.items import EarlyStream, SourceOptions
 from router.stream.linkqueue import LinkQueue

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.config import parse_config
+from router.config.model import parse_config
 from router.errors import ConfigError, PgmeshError
 from router.sequences.convert import _snowflake_problem, _step_problem
 from router.sequences.ids import (

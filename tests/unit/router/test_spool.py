@@ -36,7 +36,7 @@ from protocol.messages import (
 from protocol.transactions import Change, Spill, SpilledChange, Transaction, TransactionAssembler
 from router.ddl.messages import DDL_PREFIX, has_ddl
 from router.errors import PgmeshError
-from router.progress import LinkProgress, SourceProgress
+from router.progress.positions import LinkProgress, SourceProgress
 from router.stream.fanout import SourcePump
 from router.stream.linkqueue import LinkQueue
 from router.stream.source import ReplicationSource

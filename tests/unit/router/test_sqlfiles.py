@@ -1,7 +1,7 @@
 """The SQL pgmesh installs lives in `.sql` files shipped as package data (issue 16).
 
 Owns: that every `.sql` file a module of `router/` names (a string constant `<name>.sql`, read with
-`router.cluster.sqlfiles.statements(__name__, ...)` from `sql/` in the module's package) exists, is
+`router.nodes.sqlfiles.statements(__name__, ...)` from `sql/` in the module's package) exists, is
 matched by `[tool.setuptools.package-data]` in pyproject.toml (so a wheel ships it), is found through
 the installed package (`importlib.resources`), and splits into statements; that no `.sql` file lies
 unused; that placeholders are only the ones the modules fill, through `psycopg.sql`, quoted; and the
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from psycopg import sql
 
-from router.cluster.sqlfiles import split, statements
+from router.nodes.sqlfiles import split, statements
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUTER = ROOT / "router"

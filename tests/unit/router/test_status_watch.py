@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 
-from router.config import parse_config
+from router.config.model import parse_config
 from router.ops.control import cmd_status
 from router.testing.mesh import free_port
 

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from router.cluster.sync.plan import (
+from router.cluster.copy.plan import (
     SMALL_TABLE_BYTES,
     TASK_BYTES,
     BlockRange,
@@ -17,9 +17,9 @@ from router.cluster.sync.plan import (
     plan_tasks,
     task_count,
 )
-from router.cluster.sync.progress import CopyProgress, ProgressBar
-from router.cluster.sync.spark import local_parallelism, with_retries
-from router.cluster.sync.worker import TaskFailure, between, copy_in_sql, copy_out_sql
+from router.cluster.copy.progress import CopyProgress, ProgressBar
+from router.cluster.copy.spark import local_parallelism, with_retries
+from router.cluster.copy.worker import TaskFailure, between, copy_in_sql, copy_out_sql
 
 BLOCK = 8192
 MB = 1024 * 1024

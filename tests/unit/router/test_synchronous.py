@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.cluster.synchronous import names_router
-from router.config import parse_config
+from router.config.model import parse_config
 
 CONFIG = """\
 [cluster]
