@@ -28,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.checks import InitReport, TableName, check_cluster, connect
+from router.cluster.members import read_parted, without_parted
 from router.cluster.partial import ensure_partial
 from router.cluster.receive import ensure_receive_only
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
@@ -536,7 +537,6 @@ async def install(config: Config, report: InitReport) -> list[str]:
 async def init_cluster(config: Config) -> tuple[InitReport, list[str]]:
     """Check every node, then install; raises ConfigError with the report when a check failed. Nodes
     recorded as parted (router.ops.part) are left out: `pgmesh join` brings one back."""
-    from router.ops.part import read_parted, without_parted  # (it uses `uninstall`, from here)
 
     parted = sorted(await read_parted(config))
     config = without_parted(config, parted)

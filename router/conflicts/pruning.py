@@ -59,7 +59,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 import psycopg
@@ -70,15 +70,13 @@ from router.errors import describe
 from router.progress.applied import FLUSHED_SQL
 from router.progress.positions import LinkProgress
 
-if TYPE_CHECKING:
-    from router.service.metrics import Metrics
-
 __all__ = [
     "BATCHES",
     "BATCH_ROWS",
     "SOURCE_SQL",
     "HorizonTracker",
     "LinkReport",
+    "PruneMetrics",
     "PruneStats",
     "TombstonePruner",
     "horizon",
@@ -130,6 +128,15 @@ def link_safe_time(applied: tuple[int, int] | None, flushed: int | None, caught_
         best = applied[1] if best is None else max(best, applied[1])
     return best
 
+
+
+class PruneMetrics(Protocol):
+    """The metric families the pruner sets (router.service.metrics.Metrics has them): prometheus_client's
+    labelled gauges and counter, by node."""
+
+    tombstones: Any
+    tombstones_pruned_total: Any
+    tombstone_horizon_age_seconds: Any
 
 class Link(Protocol):
     """What the pruner reads of a link's applier: its source and target, whether it runs (applies
@@ -235,7 +242,7 @@ class TombstonePruner:
         nodes: Sequence[NodeConfig],
         links: Callable[[], Mapping[tuple[str, str], Link]],
         *,
-        metrics: Metrics | None = None,
+        metrics: PruneMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`nodes`: the members; `links`: the router's appliers by (source, target), as they are now

@@ -27,10 +27,10 @@ import psycopg
 from protocol.lsn import parse_lsn
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
+from router.cluster.members import members_of, read_parted
 from router.config.model import Config
 from router.config.parts import describe_part
 from router.errors import ConfigError, PgmeshError, describe
-from router.ops.part import members_of, read_parted
 from router.progress.applied import position_sql
 from router.sequences import ids as sequences
 from router.sequences.convert import convert_sequences

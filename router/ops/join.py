@@ -63,6 +63,8 @@ from protocol.lsn import format_lsn, parse_lsn
 from router.cluster.checks import ADMIN_SETUP, InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.cluster.joining import copy_auto_identity, pin_sources, unpin
+from router.cluster.members import one as _one
+from router.cluster.members import read_parted, unmark_parted, without_parted
 from router.cluster.partial import is_partial, reaches
 from router.cluster.synchronous import standby_names
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
@@ -74,8 +76,6 @@ from router.errors import (
     describe,
     retry_join,
 )
-from router.ops.part import one as _one
-from router.ops.part import read_parted, unmark_parted, without_parted
 from router.progress.applied import position_sql
 from router.service.admin import ask_router
 from router.stream.items import SourceOptions

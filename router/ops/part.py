@@ -25,40 +25,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
-import msgspec
 import psycopg
-from psycopg import sql
 
 from protocol.lsn import format_lsn
-from router.cluster.checks import ADMIN_SETUP
 from router.cluster.install import uninstall
 from router.cluster.joining import unpin
-from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
+from router.cluster.members import PARTED_DDL, one
+from router.cluster.members import connect as _connect
+from router.config.model import Config
 from router.errors import PgmeshError, describe
-from router.ops.ddl import barrier
+from router.ops.barrier import barrier
 from router.progress.applied import position_sql
 from router.progress.positions import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
-__all__ = [
-    "DRAIN_ROUNDS", "cmd_part", "members_of", "members_only", "one", "part_node", "read_parted",
-    "unmark_parted", "without_parted",
-]
+__all__ = ["DRAIN_ROUNDS", "cmd_part", "part_node"]
 
 logger = logging.getLogger(__name__)
 
 Conn = psycopg.AsyncConnection[Any]
 
 DRAIN_ROUNDS: Final = 3
-PARTED_DDL: Final = sql.SQL(
-    "CREATE TABLE IF NOT EXISTS {}.parted (node text PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
-).format(sql.Identifier(PGMESH_SCHEMA))
-_PARTED_SQL: Final = (
-    "SELECT node FROM pgmesh.parted WHERE pg_catalog.to_regclass('pgmesh.parted') IS NOT NULL"
-)
 # NODE's slot, read without consuming: each transaction's rows (pgoutput v1, binary), from its confirmed
 # position on. A message's first byte is its type: B(egin), O(rigin), I/U/D/T (rows), C(ommit).
 _PEEK_SQL: Final = (
@@ -66,86 +56,6 @@ _PEEK_SQL: Final = (
     " 'proto_version', '1', 'publication_names', %s)"
 )
 _ROW_TYPES: Final = frozenset(b"IUDT")
-
-
-async def _connect(node: NodeConfig, wait_s: int = 10) -> Conn:
-    try:
-        conn = await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=wait_s, application_name="pgmesh part"
-        )
-        await conn.execute(ADMIN_SETUP)
-        return conn
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-
-
-async def one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | None = None) -> Any:
-    """The first column of the first row `query` returns on `conn` (None: no row)."""
-    cur = await conn.execute(query, params)  # type: ignore[arg-type]
-    row = await cur.fetchone()
-    return None if row is None else row[0]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Membership: who is parted
-
-
-async def read_parted(config: Config, wait_s: int = 5) -> set[str]:
-    """The nodes of `config` recorded as parted on any node that answers within `wait_s` (a node down
-    says nothing)."""
-    async def ask(node: NodeConfig) -> set[str]:
-        try:
-            async with asyncio.timeout(wait_s):
-                conn = await _connect(node, wait_s)
-                async with conn:
-                    cur = await conn.execute(_PARTED_SQL)
-                    return {str(r[0]) for r in await cur.fetchall()}
-        except (PgmeshError, psycopg.Error, TimeoutError, OSError):
-            return set()
-
-    parted: set[str] = set().union(*await asyncio.gather(*(ask(n) for n in config.nodes)))
-    return parted & set(config.node_names)
-
-
-async def members_of(config: Config) -> Config:
-    """`config` without the nodes recorded as parted (what compare, repair, ddl, sequences and the offline
-    status work on: a parted node the config still lists is no longer compared, waited for or changed)."""
-    parted = await read_parted(config)
-    return without_parted(config, parted) if parted else config
-
-
-def without_parted(config: Config, parted: Iterable[str]) -> Config:
-    """`config` without the nodes in `parted`."""
-    gone = set(parted)
-    return msgspec.structs.replace(config, nodes=[n for n in config.nodes if n.name not in gone])
-
-
-async def members_only(config: Config, targets: dict[str, Any], joining: Iterable[str] = ()) -> Config:
-    """The router's config without the parted nodes (at its start, and after a hold: a part just ran) and
-    the `joining` ones (router.cluster.joining); their entries in `targets` (name -> something with
-    `async close()`) are closed and removed."""
-    parted = await read_parted(config)
-    if parted:
-        logger.info("nodes parted, left out: %s (`pgmesh join` brings one back)", ", ".join(sorted(parted)))
-    parted |= set(joining) & set(config.node_names)
-    if not parted:
-        return config
-    for name in parted:
-        target = targets.pop(name, None)
-        if target is not None:
-            await target.close()
-    return without_parted(config, parted)
-
-
-async def unmark_parted(config: Config, name: str) -> None:
-    """`pgmesh join NAME`: NAME is a member again on every node that answers."""
-    for node in config.nodes:
-        try:
-            async with await _connect(node) as conn:
-                if await one(conn, "SELECT pg_catalog.to_regclass('pgmesh.parted')") is not None:
-                    await conn.execute("DELETE FROM pgmesh.parted WHERE node = %s", [name])
-        except (PgmeshError, psycopg.Error):
-            continue
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import psycopg
 
 from protocol.lsn import parse_lsn
 from router.apply.skip import check_skip, parse_skip, record_skip
+from router.cluster.members import members_of
 from router.config.model import Config
 from router.errors import PgmeshError, describe
-from router.ops.part import members_of
 from router.progress.applied import position_sql
 from router.service.admin import ask_router
 

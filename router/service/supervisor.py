@@ -28,11 +28,11 @@ from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.skip import parse_skip, record_skip
 from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
+from router.cluster.members import members_only
 from router.config.model import Config
 from router.conflicts.pruning import TombstonePruner
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, ConnectionLost, PgmeshError, describe
-from router.ops.part import members_only
 from router.progress.positions import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.lease import lease_for

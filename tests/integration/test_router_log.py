@@ -22,7 +22,7 @@ import pytest
 
 from protocol.lsn import parse_lsn
 from router.errors import PgmeshError
-from router.ops.ddl import barrier
+from router.ops.barrier import barrier
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 

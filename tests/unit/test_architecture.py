@@ -2,8 +2,10 @@
 
 Walks the AST of every module under `router/`, `protocol/` and `bench/`; nothing is imported or run.
 
-- no import cycle among `router/` modules (module-level imports; a deferred import inside a function
-  is how a command keeps PySpark or the JVM off start-up, and does not count);
+- no import cycle among `router/` modules, counting imports inside functions too (a deferred import
+  keeps PySpark or the JVM off start-up, never a way around a circle);
+- the layer order (`LAYERS`): a module imports only from its own layer or those below it, inside
+  functions too; the command line's per-command imports (`router.ops.cli`, `router.__main__`) sit on top;
 - `router/apply/` does not import the replication I/O shell (`router.stream.connection`) or the source
   (`router.stream.source`): an applier only sees whole transactions;
 - nothing in `router/`, `protocol/` or `bench/` imports `tests`;
@@ -100,14 +102,58 @@ ALL = {name: path for package in PACKAGES for name, path in modules(package)}
 ROUTER = {name: path for name, path in ALL.items() if name.split(".")[0] == "router"}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(top_level_only: bool = False) -> dict[str, set[str]]:
     return {
-        name: {m for m in imports(name, path, True) if m in ROUTER} - {name} for name, path in ROUTER.items()
+        name: {m for m in imports(name, path, top_level_only) if m in ROUTER} - {name}
+        for name, path in ROUTER.items()
     }
 
 
+# The layers, lowest first: a module may import its own layer and those below (longest prefix decides).
+# `router.conflicts.resolve` is pure rules the config names its resolvers by; the rest of `conflicts`
+# (the catalog, pruning) sits with ddl and sequences. `router.testing` (throw-away clusters) is above the
+# service it runs and below `router.ops` only for `pgmesh demo` (see the test after the next).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("router.errors", "router.failpoints"),
+    ("router.conflicts.resolve", "router.config", "router.nodes"),
+    ("router.progress",),
+    ("router.stream",),
+    ("router.ddl", "router.sequences", "router.conflicts"),
+    ("router.apply",),
+    ("router.cluster",),
+    ("router.service",),
+    ("router.testing",),
+    ("router.ops",),
+    ("router.__main__",),
+)
+
+
+def layer_of(module: str) -> int:
+    best, found = -1, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), rank
+    return found
+
+
+def test_every_router_module_has_a_layer() -> None:
+    assert not [name for name in ROUTER if name != "router" and layer_of(name) < 0]
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    """Counting imports inside functions: a deferred import is still an arrow."""
+    up = sorted(
+        f"{name} ({layer_of(name)}) imports {dep} ({layer_of(dep)})"
+        for name, deps in graph().items()
+        for dep in deps
+        if dep != "router" and name != "router" and layer_of(dep) > layer_of(name)
+    )
+    assert not up, "imports up the layers:\n" + "\n".join(up)
+
+
 def test_no_import_cycle_among_router_modules() -> None:
-    edges = graph()
+    edges = graph()  # imports inside functions count
     # Packages' __init__ re-exports are edges too; a cycle is any strongly connected set of two or more.
     index: dict[str, int] = {}
     low: dict[str, int] = {}

@@ -34,9 +34,11 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.copy.spark import local_parallelism, spark_session
+from router.cluster.members import members_of
 from router.cluster.partial import is_partial, reaches
 from router.config.model import Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.ops.barrier import barrier
 from router.ops.compare.lanes import SPARK_AFTER_LOCAL_S, SPARK_AFTER_S, run_shared
 from router.ops.compare.multiset import counts_sql
 from router.ops.compare.plan import (
@@ -56,8 +58,6 @@ from router.ops.compare.worker import (
     row_hashes_sql,
     run_partition,
 )
-from router.ops.ddl import barrier
-from router.ops.part import members_of
 from router.progress.positions import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 

@@ -39,6 +39,7 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.members import members_of
 from router.cluster.partial import is_partial, reaches, table_part
 from router.config.model import Config
 from router.conflicts.resolve import ConflictType, Outcome, Version, resolve
@@ -46,7 +47,6 @@ from router.errors import PgmeshError, describe
 from router.ops.compare.copies import Copies, insert_columns, overriding, winner_copies, write_copies
 from router.ops.compare.job import CompareReport, Divergence, compare_cluster
 from router.ops.compare.worker import SESSION_SQL, kept, row_hash
-from router.ops.part import members_of
 from router.service.admin import ask_router
 
 __all__ = ["RepairReport", "cmd_repair", "repair_cluster", "repair_origin"]
