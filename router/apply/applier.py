@@ -34,6 +34,7 @@ import asyncpg
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
+from router import failpoints
 from router.apply.careful.transaction import CarefulApplier
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
@@ -464,6 +465,8 @@ class Applier(LinkView):
             await asyncio.sleep(0)  # the task sends the query
             if not task.done():
                 self._build_ahead()
+            if failpoints.ARMED:  # a test's: the batch sent, its result not read (router.failpoints)
+                await failpoints.hit("apply.batch_sent")
             if await task == "SELECT 1":  # a decision function decided a conflict
                 await self.link.count_conflicts()
         finally:

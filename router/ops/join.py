@@ -60,6 +60,7 @@ import psycopg.conninfo
 from psycopg import sql
 
 from protocol.lsn import format_lsn, parse_lsn
+from router import failpoints
 from router.cluster.checks import ADMIN_SETUP, InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.cluster.joining import copy_auto_identity, pin_sources, unpin
@@ -462,6 +463,8 @@ async def _copy_from_donor(
     async with _quiet(config, members, donor.name, new.name):
         created, slot = await _join_slot(donor, tag, slot_wait_s, conns[donor.name])
         positions = await _positions(config, donor, others, conns[donor.name], created.consistent_point)
+    if failpoints.ARMED:  # a test's: snapshot and positions taken, the copy not started (router.failpoints)
+        await failpoints.hit("join.after_snapshot")
     snapshot = created.snapshot
     assert snapshot is not None
     with tempfile.TemporaryDirectory(prefix="pgmesh-join-") as tmp:

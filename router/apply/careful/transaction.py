@@ -33,6 +33,7 @@ from protocol.messages import (
     Update,
 )
 from protocol.transactions import Transaction
+from router import failpoints
 from router.apply.careful.rows import ConflictRecord, Row
 from router.apply.careful.rows import keyless as _keyless
 from router.apply.careful.rows import new_row_values as _new_row
@@ -173,6 +174,8 @@ class CarefulApplier:
                 format_lsn(txn.end_lsn),
                 pg_us_to_datetime(txn.commit_time),
             )
+            if failpoints.ARMED:  # a test's: the set-up sent, COMMIT not yet (router.failpoints)
+                await failpoints.hit("apply.before_commit")
         for record in records:
             key = (record.table, record.conflict.value)
             self.counts[key] = self.counts.get(key, 0) + 1

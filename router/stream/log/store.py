@@ -49,6 +49,7 @@ from typing import cast
 from protocol.lsn import format_lsn
 from protocol.messages import Relation
 from protocol.transactions import Change, Transaction
+from router import failpoints
 from router.errors import PgmeshError
 from router.stream.log.files import fsync_all, write_durably
 from router.stream.log.format import (
@@ -460,6 +461,8 @@ class SourceLog:
         seq = self._segments[-1].seq + 1 if self._segments else 1
         path = self.directory / f"{seq:010d}.seg"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if failpoints.ARMED:  # a test's: the new segment created, its header not written (router.failpoints)
+            failpoints.hit_now("log.segment_switch")
         header = bytearray(SEGMENT_HEADER.pack(MAGIC, self.since or 0, 0))
         struct.pack_into(">I", header, 16, zlib.crc32(header[:16]))
         os.write(fd, header)
