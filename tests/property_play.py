@@ -167,7 +167,7 @@ async def run_session(dsn: str, name: str, txs: Sequence[Transaction], tally: Ta
 def link_trouble(router: Router) -> list[str]:
     """Links or sources that stopped on an error, or links held paused."""
     bad = [f"link {name}: {a.state.value}: {a.last_error}" for name, a in router.appliers.items()
-           if a.state in (LinkState.ERROR, LinkState.PAUSED) or a.errors]
+           if a.state in (LinkState.ERROR, LinkState.PAUSED) or a.stats.errors]
     bad += [f"source {p.node}: {p.source.last_error}" for p in router.pumps.values()
             if p.source.state.name == "ERROR"]
     return bad
@@ -215,7 +215,7 @@ async def wait_healthy_and_converged(
             return
         if time.monotonic() > deadline:
             report = "\n".join(f"  link {name}: {a.state.value}, {a.pending} pending,"
-                                f" {a.conflicts} conflicts, {a.retries} retries"
+                                f" {a.stats.conflicts} conflicts, {a.stats.retries} retries"
                                 for name, a in sorted(router.appliers.items()))
             diff = await differences(dsns, tables)
             raise ScheduleFailed(f"nodes still differ after {limit:.0f} s\n{report}\n{diff}")

@@ -124,7 +124,7 @@ class Reporter:
         """Conflicts decided since the start: by the links, and late by the tombstone recorders (each is
         one row of pgmesh.conflict_history on the node that decided it; a late decision that replaced a
         link's record of the same change counts once)."""
-        return (sum(applier.conflicts for applier in router.appliers.values())
+        return (sum(applier.stats.conflicts for applier in router.appliers.values())
                 + sum(recorder.late - recorder.replaced for recorder in router.recorders.values()))
 
     def health(self, router: Router) -> tuple[bool, str]:

@@ -36,7 +36,6 @@ from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
 from router.ddl.messages import has_ddl
 from router.progress.positions import LinkProgress, SourceProgress
-from router.stats import StatView
 from router.stream.items import EarlyStream
 from router.stream.linkqueue import LinkQueue
 from router.stream.log.store import SourceLog
@@ -53,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 class SourcePump:
     """Reads one source and feeds its links' queues; counts into the source's `stats`."""
-
-    echoes = StatView()  # transactions that carried an origin, so went nowhere
-    transactions = StatView()  # transactions fanned out to the links
 
     def __init__(
         self,

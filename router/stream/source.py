@@ -49,7 +49,6 @@ from protocol.pgoutput import Decoder, raw_insert, raw_insert_run
 from protocol.replication import XLogData, parse_copy_data
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router.errors import ConnectionLost, SourceError
-from router.stats import StatView
 from router.stream.connection import ReplicationConnection
 from router.stream.items import EarlyStream, SourceOptions, StreamSettings, SystemInfo
 from router.stream.slots import SlotCreated, SlotInfo, check_slot_name
@@ -72,19 +71,6 @@ Item = Transaction | Message | EarlyStream
 
 class ReplicationSource:
     """The decoded stream from one node's slot, over its replication connection."""
-
-    # One counter off `stats` (read `stats` whole for several).
-    reconnects = StatView()
-    bytes_received = StatView()
-    status_updates_sent = StatView()
-    transactions_out = StatView()
-    echo_rows_skipped = StatView()
-    raw_inserts = StatView()
-    spills = StatView()
-    spilled_changes = StatView()
-    spill_peak_bytes = StatView()
-    early_transactions = StatView()
-    early_streams = StatView()
 
     def __init__(
         self,

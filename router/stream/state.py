@@ -4,7 +4,7 @@
 `TRANSITIONS` says, as data, which state may follow which; `Lifecycle` holds one source's state and last
 error and is the one place that changes them (`Lifecycle.to`: checks the move against the table, logs it
 once, records the error). `SourceStats` holds the counters of one source and of its fan-out, read whole
-by the supervisor and the metrics (`router.stats.StatView` reads one counter off the owner).
+by the supervisor and the metrics (one counter is read off the owner's `stats`: `source.stats.spills`).
 
 Must not: do I/O, decide when a state changes (the connection, the source and the supervisor do), or
 reset a counter (they only grow while the router runs).

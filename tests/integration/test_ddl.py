@@ -104,7 +104,8 @@ async def test_ddl_from_every_node_under_writes_converges(mesh: MeshFactory) -> 
         stop = asyncio.Event()
         writers = [asyncio.create_task(writer(n, (i + 1) * 1_000_000, stop)) for i, n in enumerate(nodes)]
         try:
-            await wait_for(lambda: all(p.transactions > 20 for p in router.pumps.values()), "writes flowing")
+            await wait_for(lambda: all(p.stats.transactions > 20 for p in router.pumps.values()),
+                           "writes flowing")
             for (node, statement, check), want in zip(steps, expected, strict=True):
                 await execute(node.dsn(), statement)
                 await everywhere(nodes, check, [(want,)])
@@ -115,7 +116,7 @@ async def test_ddl_from_every_node_under_writes_converges(mesh: MeshFactory) -> 
         await wait_converged(nodes, ["t", "n", "s2"], 120)
         assert all(applier.last_error is None for applier in router.appliers.values())
         ddl_transactions = sum(1 for _, statement, _ in steps if not statement.startswith("INSERT"))
-        assert sum(applier.ddl_applied for applier in router.appliers.values()) == ddl_transactions * 2
+        assert sum(applier.stats.ddl_applied for applier in router.appliers.values()) == ddl_transactions * 2
     assert all(w > 20 for w in written), written
     dumps = [schema_dump(n.dsn(), pg_dump_for(nodes)) for n in nodes]
     assert dumps[0] == dumps[1] == dumps[2], "schemas differ"

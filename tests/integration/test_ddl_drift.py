@@ -117,7 +117,7 @@ async def test_ddl_in_flight_is_not_drift(mesh: MeshFactory) -> None:
         await router.pause("c")  # c lags: a's DDL reaches b, not c
         await execute(a.dsn(), "ALTER TABLE t ADD COLUMN w int")
         await wait_for(lambda: _is(column_type(b.dsn(), "w"), "integer"), "a's DDL on b")
-        await wait_for(lambda: router.appliers[("a", "b")].ddl_applied == 1, "the replay counted")
+        await wait_for(lambda: router.appliers[("a", "b")].stats.ddl_applied == 1, "the replay counted")
         await router.resume("c")
         await wait_for(lambda: _is(column_type(c.dsn(), "w"), "integer"), "a's DDL on c")
         await execute(b.dsn(), "INSERT INTO t VALUES (1, 'b', 1)")

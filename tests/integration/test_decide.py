@@ -64,7 +64,7 @@ async def test_a_conflict_is_decided_in_the_round_trip_and_recorded_alike(mesh: 
             return await fetch(a.dsn(), query) == await fetch(b.dsn(), query)
 
         await wait_for(same, "both nodes alike")
-        await wait_for(lambda: all(x.conflicts >= 2 for x in router.appliers.values()), "decided")
+        await wait_for(lambda: all(x.stats.conflicts >= 2 for x in router.appliers.values()), "decided")
         assert await fetch(a.dsn(), "SELECT id, v FROM t ORDER BY id") == [(1, "b"), (2, "b")]
         for node in (a, b):
             history = await fetch(node.dsn(), "SELECT key, conflict_type, resolution FROM"
@@ -126,7 +126,8 @@ async def test_an_insert_meeting_its_key_goes_carefully_once_then_is_decided_in_
             await execute(b.dsn(), f"INSERT INTO t VALUES ({key}, 'b')")
             await router.resume(None)
             await wait_for(same, f"both nodes alike after key {key}")
-            await wait_for(lambda k=key: all(x.conflicts >= k for x in router.appliers.values()), "decided")
+            await wait_for(lambda k=key: all(x.stats.conflicts >= k for x in router.appliers.values()),
+                           "decided")
             # the first on each link went the careful way; the second was decided by the statement
             assert all(sum(x._careful.counts.values()) == 1 for x in router.appliers.values())
             assert all("public.t" in x.link.decisions.contested for x in router.appliers.values())
@@ -155,7 +156,7 @@ async def test_a_conflict_after_a_quiet_spell_is_decided_with_the_remote_version
         await execute(b.dsn(), "UPDATE t SET v = 'b' WHERE id = 7")
         times = {a.name: await fetch(a.dsn(), committed), b.name: await fetch(b.dsn(), committed)}
         await router.resume(None)
-        await wait_for(lambda: all(x.conflicts >= 1 for x in router.appliers.values()), "decided")
+        await wait_for(lambda: all(x.stats.conflicts >= 1 for x in router.appliers.values()), "decided")
         assert all(x._careful.counts == {} for x in router.appliers.values())  # in the statement
         assert all(x.link.decisions.remote for x in router.appliers.values())
     query = "SELECT id, v FROM t ORDER BY id"

@@ -46,11 +46,11 @@ async def test_plain_transaction_is_applied_while_it_arrives(mesh: MeshFactory) 
             "UPDATE big SET v = 'after' WHERE id = 7",
         )
         await wait_converged(nodes, ["big"], limit=240)
-        assert router.pumps["a"].source.early_transactions >= 1
+        assert router.pumps["a"].source.stats.early_transactions >= 1
         for target in ("b", "c"):
             applier = router.appliers[("a", target)]
-            assert applier.early_transactions >= 1, f"a -> {target} waited for the commit"
-            assert applier.abandoned_transactions == 0
+            assert applier.stats.early_transactions >= 1, f"a -> {target} waited for the commit"
+            assert applier.stats.abandoned_transactions == 0
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
     for node in (b, c):
         (row,) = await fetch(node.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 7) FROM big")
@@ -68,17 +68,17 @@ async def test_transaction_lost_before_its_commit_is_applied_once(mesh: MeshFact
                                " FROM generate_series(1, 600000) AS i")
 
         def started() -> bool:
-            return applier.early_transactions >= 1 or applier.applied_transactions >= 1
+            return applier.stats.early_transactions >= 1 or applier.stats.applied_transactions >= 1
 
         await wait_for(started, "a -> b to start on the big transaction", limit=120)
         killed: list[Any] = await fetch(
             a.dsn(), "SELECT pg_terminate_backend(pid) FROM pg_stat_replication"
                      " WHERE application_name LIKE 'pgmesh%'")
         await wait_converged(nodes, ["big"], limit=300)
-        lost = applier.abandoned_transactions
+        lost = applier.stats.abandoned_transactions
         print(f"walsenders terminated: {len(killed)}; abandoned: {lost};"
-              f" handed out early: {source.early_transactions}")
-        if applier.applied_transactions and not lost:
+              f" handed out early: {source.stats.early_transactions}")
+        if applier.stats.applied_transactions and not lost:
             pytest.skip("the commit had already arrived when the walsender was terminated")
         assert lost >= 1
         await wait_for(lambda: router.spool.files == 0, "the spool files to go")
@@ -103,9 +103,9 @@ async def test_conflict_inside_a_transaction_applied_early(
     async with running_router(config) as router:
         await wait_converged(nodes, ["big"], limit=240)
         applier = router.appliers[("a", "b")]
-        assert applier.conflicts >= 1
-        print(f"early: {router.pumps['a'].source.early_transactions}, applied early: "
-              f"{applier.early_transactions}")
+        assert applier.stats.conflicts >= 1
+        print(f"early: {router.pumps['a'].source.stats.early_transactions}, applied early: "
+              f"{applier.stats.early_transactions}")
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
     for node in nodes:
         rows = await fetch(node.dsn(), "SELECT count(*) FROM pgmesh.conflict_history"

@@ -66,7 +66,8 @@ async def writing_open_transaction(dsn: str) -> bool:
 async def side_started(router: Router, targets: Sequence[Any]) -> None:
     for node in targets:
         applier = router.appliers[("a", node.name)]
-        await wait_for(lambda applier=applier: applier.early_streams >= 1, f"a -> {node.name} to start early")
+        await wait_for(lambda applier=applier: applier.stats.early_streams >= 1,
+                       f"a -> {node.name} to start early")
         await wait_for(lambda node=node: writing_open_transaction(node.dsn()),
                        f"{node.name} to hold the open transaction", limit=120)
 
@@ -89,20 +90,22 @@ async def test_streamed_transaction_is_applied_before_its_commit(mesh: MeshFacto
         await wait_converged(nodes, ["big", "small"], limit=240)
         for node in (b, c):
             applier = router.appliers[("a", node.name)]
-            assert applier.early_streams_committed == 1, (node.name, applier.early_streams_dropped)
-            assert applier.early_streams_dropped == 0
+            stats = applier.stats
+            assert stats.early_streams_committed == 1, (node.name, stats.early_streams_dropped)
+            assert stats.early_streams_dropped == 0
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
         # what the side sessions wrote came back from b and c as echoes, not as their own
         for (source, target), applier in router.appliers.items():
-            assert applier.conflicts == 0, (source, target)
+            assert applier.stats.conflicts == 0, (source, target)
             if source != "a":
-                assert applier.applied_transactions == 0, (source, target)
+                assert applier.stats.applied_transactions == 0, (source, target)
         # PostgreSQL 16+ (origin 'none'): no echo is decoded or sent, not even of the side sessions' rows
         # written under the early origin; the side session's pgmesh.applied note stands for its echo
         ((version,),) = await fetch(b.dsn(), "SELECT current_setting('server_version_num')::int")
         for node in (b, c):
             pump = router.pumps[node.name]
-            assert pump.echoes >= 1 if version < 160000 else pump.echoes == 0, (node.name, pump.echoes)
+            echoes = pump.stats.echoes
+            assert echoes >= 1 if version < 160000 else echoes == 0, (node.name, echoes)
             await wait_for(lambda pump=pump: dict(pump.seen.snapshot).get("a", 0) >= datetime_to_pg_us(when),
                            f"{node.name}'s seen vector to hold a's commit")
 
@@ -133,12 +136,12 @@ async def test_rolled_back_streamed_transaction_leaves_nothing(mesh: MeshFactory
             await writer.execute(BIG)
             await side_started(router, [b])
             await writer.rollback()
-        await wait_for(lambda: applier.early_streams_dropped == 1, "b to give it up")
+        await wait_for(lambda: applier.stats.early_streams_dropped == 1, "b to give it up")
         await wait_for(lambda: not_writing(b.dsn()), "b's side transaction to end")
         await execute(a.dsn(), "INSERT INTO small VALUES (1, 'after')")
         await wait_converged(nodes, ["big", "small"])
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-        assert applier.early_streams_committed == 0
+        assert applier.stats.early_streams_committed == 0
     assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(0,)]
 
 
@@ -156,11 +159,11 @@ async def test_earlier_commit_on_the_same_table_rolls_the_side_back(mesh: MeshFa
             await writer.execute(BIG)
             await side_started(router, [b])
             await execute(a.dsn(), f"INSERT INTO big VALUES ({ROWS + 1}, 'first')")
-            await wait_for(lambda: applier.early_streams_dropped == 1, "b to give the side one up")
+            await wait_for(lambda: applier.stats.early_streams_dropped == 1, "b to give the side one up")
             await wait_for(lambda: fetch_count(b.dsn(), "big", 1), "the small one on b")
             await writer.commit()
         await wait_converged(nodes, ["big"], limit=240)
-        assert applier.early_streams_committed == 0
+        assert applier.stats.early_streams_committed == 0
     assert await fetch(b.dsn(), "SELECT count(*) FROM big") == [(ROWS + 1,)]
 
 
@@ -180,7 +183,7 @@ async def test_subtransaction_rolled_back_inside_a_streamed_transaction(mesh: Me
             await writer.execute(f"INSERT INTO big VALUES ({ROWS + 1}, 'kept')")
             await writer.commit()
         await wait_converged(nodes, ["big"], limit=240)
-        assert applier.early_streams_committed == 0 and applier.early_streams_dropped == 1
+        assert applier.stats.early_streams_committed == 0 and applier.stats.early_streams_dropped == 1
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
     rows = await fetch(b.dsn(), "SELECT count(*), count(*) FILTER (WHERE v = 'gone') FROM big")
     assert rows == [(ROWS + 1, 0)]
@@ -210,5 +213,5 @@ async def test_side_waits_for_a_table_while_the_commit_before_it_runs(mesh: Mesh
             await wait_for(lambda: applier.pending >= 3, "t1 and the streamed commit queued behind t0")
             await holder.rollback()
         await wait_converged(nodes, ["big", "small"], limit=120)
-        assert applier.early_streams_committed == 1, applier.early_streams_dropped
+        assert applier.stats.early_streams_committed == 1, applier.stats.early_streams_dropped
     assert await fetch(b.dsn(), "SELECT count(*) FROM small") == [(3,)]

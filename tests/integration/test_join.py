@@ -69,7 +69,8 @@ async def test_join_a_fourth_node_under_writes_then_part_it(mesh: MeshFactory) -
     writers = [asyncio.create_task(writer(n, (i + 1) * 1_000_000, stop, i)) for i, n in enumerate(nodes[:3])]
     try:
         async with running_router(three, reload=lambda: four) as router:
-            await wait_for(lambda: all(p.transactions > 50 for p in router.pumps.values()), "writes flowing")
+            await wait_for(lambda: all(p.stats.transactions > 50 for p in router.pumps.values()),
+                           "writes flowing")
             # d joins while the router runs: it holds (replication waits, writes go on everywhere) and
             # b changes a table mid-join
             join = asyncio.create_task(join_node(four, "d", donor="a"))
@@ -80,7 +81,7 @@ async def test_join_a_fourth_node_under_writes_then_part_it(mesh: MeshFactory) -
             # released: the router re-read the config and streams to and from d
             await wait_for(lambda: router.running and ("d", "a") in router.appliers, "the router with d")
             writers.append(asyncio.create_task(writer(d, 4_000_000, stop, 3)))
-            await wait_for(lambda: router.appliers[("d", "a")].applied_transactions > 20, "d's writes")
+            await wait_for(lambda: router.appliers[("d", "a")].stats.applied_transactions > 20, "d's writes")
             stop.set()
             written = await asyncio.gather(*writers)
             await wait_converged(nodes, TABLES, 240)
@@ -107,7 +108,7 @@ async def test_join_a_fourth_node_under_writes_then_part_it(mesh: MeshFactory) -
     writers = [asyncio.create_task(writer(n, (i + 5) * 1_000_000, stop, i)) for i, n in enumerate(nodes[:3])]
     async with running_router(three) as router:
         pumps = router.pumps.values()
-        await wait_for(lambda: all(p.transactions > 20 for p in pumps), "writes among a, b, c")
+        await wait_for(lambda: all(p.stats.transactions > 20 for p in pumps), "writes among a, b, c")
         stop.set()
         await asyncio.gather(*writers)
         await wait_converged(nodes[:3], TABLES, 120)

@@ -93,7 +93,8 @@ async def test_join_gives_way_to_truncate_and_alter_on_the_donor(mesh: MeshFacto
                asyncio.create_task(writer(b, 2_000_000, stop, 1))]
     try:
         async with running_router(two, reload=lambda: three) as router:
-            await wait_for(lambda: all(p.transactions > 20 for p in router.pumps.values()), "writes flowing")
+            await wait_for(lambda: all(p.stats.transactions > 20 for p in router.pumps.values()),
+                           "writes flowing")
             join = asyncio.create_task(join_node(three, "c", donor="a"))
             # 1. as soon as the join holds its snapshot's locks, the application truncates a donor table:
             #    the join's next lock (schema dump, copy planning, copy) queues behind the TRUNCATE
@@ -125,7 +126,7 @@ async def test_join_gives_way_to_truncate_and_alter_on_the_donor(mesh: MeshFacto
             assert report.truncated == ("public.scratch",), report
             await wait_for(lambda: router.running and ("c", "a") in router.appliers, "the router with c")
             writers.append(asyncio.create_task(writer(c, 3_000_000, stop, 2)))
-            await wait_for(lambda: router.appliers[("c", "a")].applied_transactions > 20, "c's writes")
+            await wait_for(lambda: router.appliers[("c", "a")].stats.applied_transactions > 20, "c's writes")
             stop.set()
             await asyncio.gather(*writers)
             await wait_converged(nodes, TABLES, 240)

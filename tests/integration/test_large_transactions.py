@@ -57,11 +57,12 @@ async def test_transaction_larger_than_the_memory_bound(mesh: MeshFactory) -> No
         await wait_converged(nodes, ["big"], limit=240)
         grew_mb = (peak_rss_kb() - before) / 1024
         applier = router.appliers[("a", "b")]
-        assert applier.copied_transactions >= 1 and applier.copied_rows > ROWS * 0.9  # short runs: INSERT
+        stats = applier.stats
+        assert stats.copied_transactions >= 1 and stats.copied_rows > ROWS * 0.9  # short runs: INSERT
         source = router.pumps["a"].source
-        assert source.spills > 0, "nothing spilled"
-        assert source.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
-        assert source.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
+        assert source.stats.spills > 0, "nothing spilled"
+        assert source.stats.raw_inserts > ROWS // 2  # to disk and into COPY undecoded
+        assert source.stats.spill_peak_bytes <= (1 << 20) + 64 * 1024  # the bound, plus one message at most
         # the router's log holds a spilled transaction's file until every target's flushed position (read
         # at the next progress tick) passes it (router.stream.log.store): released then, not kept
         await wait_for(lambda: router.spool.files == 0, "the spool file released after its transaction", 30)
@@ -87,7 +88,7 @@ async def test_copy_meets_a_conflict(mesh: MeshFactory) -> None:
         await wait_converged(nodes, ["plain", "marked"])
         applier = router.appliers[("a", "b")]
         # (counted once the applier has the commit's answer, which may come after the rows show)
-        await wait_for(lambda: applier.conflicts >= 2, "a -> b to count both conflicts")
+        await wait_for(lambda: applier.stats.conflicts >= 2, "a -> b to count both conflicts")
     for node in nodes:
         rows = await fetch(node.dsn(), "SELECT table_name, conflict_type FROM pgmesh.conflict_history"
                                        " WHERE conflict_type = 'insert_exists' ORDER BY 1")
@@ -108,15 +109,15 @@ async def test_copy_kept_with_tombstones(mesh: MeshFactory) -> None:
         await execute(b.dsn(), "DELETE FROM marked WHERE id >= 5000")  # ten tombstones on each node
         await wait_converged(nodes, ["marked"])
         applier = router.appliers[("a", "b")]
-        before = applier.copied_rows
+        before = applier.stats.copied_rows
         await execute(a.dsn(), "INSERT INTO marked SELECT i, 'a' FROM generate_series(1, 1000) AS i")
         await wait_converged(nodes, ["marked"])
-        assert applier.copied_rows - before == 1000  # COPY, not row-by-row guarded INSERTs
+        assert applier.stats.copied_rows - before == 1000  # COPY, not row-by-row guarded INSERTs
         # a key with a tombstone among the rows: a's insert is newer than b's delete and wins
-        copied = applier.copied_rows
+        copied = applier.stats.copied_rows
         await execute(a.dsn(), "INSERT INTO marked SELECT i, 'a' FROM generate_series(4500, 5004) AS i")
         await wait_converged(nodes, ["marked"])
-        assert applier.copied_rows == copied  # undone: the guarded INSERTs decided
+        assert applier.stats.copied_rows == copied  # undone: the guarded INSERTs decided
     (count,) = await fetch(b.dsn(), "SELECT count(*) FROM marked WHERE id BETWEEN 5000 AND 5004")
     assert count[0] == 5
 
@@ -162,8 +163,8 @@ async def test_ddl_inside_a_large_transaction(mesh: MeshFactory, monkeypatch: py
         await execute(a.dsn(), *transaction(1, 1))
         await wait_equal(nodes, tables[:3], limit=240)
         applier = router.appliers[("a", "b")]
-        assert applier.last_error is None and applier.ddl_applied == 1 and applier.conflicts == 0
-        assert router.pumps["a"].source.early_transactions == 1
+        assert applier.last_error is None and applier.stats.ddl_applied == 1 and applier.stats.conflicts == 0
+        assert router.pumps["a"].source.stats.early_transactions == 1
     (row,) = await fetch(b.dsn(), "SELECT count(*), sum(w1) FROM big")
     assert row == (6000, sum(range(1, 6001)))
     # the same shape again, where B holds one key of the rows after the DDL: decided the careful way
@@ -174,7 +175,7 @@ async def test_ddl_inside_a_large_transaction(mesh: MeshFactory, monkeypatch: py
         applier = router.appliers[("a", "b")]
         # (the schema drift watch may still hold its view from while the DDL was half applied: next check)
         await wait_for(lambda: applier.last_error is None, "the link to run without an error", 60)
-        assert applier.conflicts >= 1
+        assert applier.stats.conflicts >= 1
         await wait_for(lambda: router.spool.files == 0, "the spool file to go")
     (row,) = await fetch(b.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 12500), sum(w2) FROM plain")
     assert row == (6000, "a", sum(range(10001, 13001)))  # A's insert committed later: last update wins

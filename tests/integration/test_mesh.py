@@ -86,12 +86,12 @@ async def test_three_nodes_converge_with_original_origin_and_commit_time(mesh: M
         ((version,),) = await fetch(nodes[0].dsn(), "SELECT current_setting('server_version_num')::int")
         if version < 160000:
             # What pgmesh applied on a node comes back in that node's stream as an echo: not decoded.
-            assert all(pump.source.echo_rows_skipped > 0 for pump in router.pumps.values())
+            assert all(pump.source.stats.echo_rows_skipped > 0 for pump in router.pumps.values())
             assert all(s.echoes > 0 for s in status.sources)
         else:
             # 16+ (origin 'none'): no echo at all; the appliers' pgmesh.applied notes tell each node's
             # seen vector the newest commit of every other node applied there
-            assert all(pump.source.echo_rows_skipped == 0 for pump in router.pumps.values())
+            assert all(pump.source.stats.echo_rows_skipped == 0 for pump in router.pumps.values())
             assert all(s.echoes == 0 for s in status.sources)
             for target in nodes:
                 for source in nodes:

@@ -64,7 +64,7 @@ async def test_large_and_careful_transactions_reach_the_seen_vector(mesh: MeshFa
         big = KEY_LOCKS_MAX * 4
         await execute(a.dsn(), f"INSERT INTO t SELECT g, 'big' FROM generate_series(1, {big}) g")
         await wait_converged(m.nodes, ["t"], limit=60)
-        assert router.appliers[("a", "b")].copied_transactions == 1  # the large path
+        assert router.appliers[("a", "b")].stats.copied_transactions == 1  # the large path
         await seen_holds(router, b, a, await commit_time(a, 1))
         await router.pause(None)
         await execute(a.dsn(), "INSERT INTO t VALUES (0, 'a')")
@@ -72,7 +72,7 @@ async def test_large_and_careful_transactions_reach_the_seen_vector(mesh: MeshFa
         from_a, from_b = await commit_time(a, 0), await commit_time(b, 0)
         await router.resume(None)
         await wait_converged(m.nodes, ["t"], limit=60)
-        assert router.appliers[("a", "b")].conflicts == router.appliers[("b", "a")].conflicts == 1
+        assert router.appliers[("a", "b")].stats.conflicts == router.appliers[("b", "a")].stats.conflicts == 1
         ((version,),) = await fetch(a.dsn(), "SELECT current_setting('server_version_num')::int")
         if version >= 160000:  # (on 15 a change decided against may write nothing: no echo, known less)
             await seen_holds(router, b, a, from_a)

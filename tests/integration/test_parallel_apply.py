@@ -63,12 +63,12 @@ async def test_backlog_keeps_rows_and_source_order(mesh: MeshFactory, lanes: int
         await wait_converged(nodes, ["kv", "log"])
         applier = router.appliers[("a", "b")]
         await wait_for(lambda: applier.pending == 0, "the link a -> b to drain")
-        assert applier.conflicts + router.appliers[("b", "a")].conflicts > 0
+        assert applier.stats.conflicts + router.appliers[("b", "a")].stats.conflicts > 0
         if lanes > 1:
-            assert applier.parallel_batches > 0, "the lanes never ran"
-            assert applier.parallel_transactions > 0
+            assert applier.stats.parallel_batches > 0, "the lanes never ran"
+            assert applier.stats.parallel_transactions > 0
         else:
-            assert applier.scripts_ahead > 0, "no script was built ahead"
+            assert applier.stats.scripts_ahead > 0, "no script was built ahead"
     (chain,) = await fetch(b.dsn(), "SELECT v FROM kv WHERE id = 1")
     assert chain[0] == 200  # 100 updates of the chain, 100 of the two-key transactions
     rows = await fetch(b.dsn(), "SELECT data FROM pg_logical_slot_get_changes('order_check', NULL, NULL)")

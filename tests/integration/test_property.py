@@ -80,7 +80,7 @@ async def test_key_update_against_concurrent_update_converges(mesh: MeshFactory,
     for node, statement in KEY_UPDATE_CASES[case]:  # the router is stopped: both commit before either applies
         await execute(dsn[node], statement)
     async with running_router(m.config) as router:
-        await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+        await wait_for(lambda: all(x.stats.applied_transactions >= 1 for x in router.appliers.values()),
                        "each node's update applied on the other")
         rows = {n.name: await fetch(n.dsn(), "SELECT id, v FROM t ORDER BY id") for n in m.nodes}
         assert await converged(m.nodes, ["t"]), rows
@@ -101,7 +101,7 @@ async def test_unchanged_toast_value_in_a_conflict_converges(mesh: MeshFactory) 
     await execute(a.dsn(), "UPDATE t SET big = 'small' WHERE id = 1")  # router stopped: both commit first
     await execute(b.dsn(), "UPDATE t SET v = 1 WHERE id = 1")  # later: wins, big left as it was
     async with running_router(m.config) as router:
-        await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+        await wait_for(lambda: all(x.stats.applied_transactions >= 1 for x in router.appliers.values()),
                        "each node's update applied on the other")
         rows = {n.name: await fetch(n.dsn(), "SELECT id, left(big, 8), v FROM t") for n in m.nodes}
         assert await converged(m.nodes, ["t"]), rows
@@ -197,7 +197,7 @@ async def test_local_insert_and_delete_during_a_careful_insert_converges(mesh: M
             await wait_for(lambda: _has(b.dsn(), INSERT_WAITING, [(1,)]), "the careful insert to wait")
             await local.execute("DELETE FROM t WHERE id = 1")
             await local.execute("COMMIT")  # the newest version of row 1: deleted, on every node
-            await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+            await wait_for(lambda: all(x.stats.applied_transactions >= 1 for x in router.appliers.values()),
                            "each node's transaction applied on the other")
             rows = {n.name: await fetch(n.dsn(), "SELECT id, v FROM t ORDER BY id") for n in m.nodes}
             assert await converged(m.nodes, ["t"]), rows
@@ -228,9 +228,9 @@ async def test_local_insert_and_delete_during_a_careful_tombstone_write_keeps_th
             # b's own deletions are recorded by the router from b's stream (router.apply.recorder),
             # not in the deleting transaction: a's older deletion is applied on b meanwhile
             applier = router.appliers[("a", "b")]
-            await wait_for(lambda: applier.applied_transactions >= 1, "a's deletion applied on b")
+            await wait_for(lambda: applier.stats.applied_transactions >= 1, "a's deletion applied on b")
             await local.execute("COMMIT")  # the newest deletion of row 1: b's own
-            await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+            await wait_for(lambda: all(x.stats.applied_transactions >= 1 for x in router.appliers.values()),
                            "each node's transaction applied on the other")
             origin = "SELECT (pg_xact_commit_timestamp_origin(xid::xid)).roident FROM pgmesh.tombstones"
             # b's local deletion, not a's older one (the recorder keeps the newer of the two)

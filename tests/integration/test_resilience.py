@@ -121,7 +121,7 @@ async def test_locks_and_deadlocks_on_target_are_retried(mesh: MeshFactory) -> N
                 return int(rows[0][0]) > 0
 
             await wait_for(applier_waits, "the applier to wait for the held row lock")
-            retries_before = router.appliers[("a", "b")].retries
+            retries_before = router.appliers[("a", "b")].stats.retries
             victim = "applier"
             await holder.execute("UPDATE kv SET note = 'deadlock' WHERE id = 1")  # closes the cycle
         except psycopg.errors.DeadlockDetected:
@@ -131,7 +131,7 @@ async def test_locks_and_deadlocks_on_target_are_retried(mesh: MeshFactory) -> N
             await holder.close()
         await wait_converged(nodes, TABLES)
         if victim == "applier":
-            assert router.appliers[("a", "b")].retries > retries_before
+            assert router.appliers[("a", "b")].stats.retries > retries_before
     rows = await fetch(b.dsn(), "SELECT id, v, note FROM kv ORDER BY id")
     assert rows == [(1, 1, None), (2, 1, None)]
 

@@ -107,7 +107,7 @@ async def test_crash_restart_resumes_without_loss_or_repeat(node: Any) -> None:
         await items.aclose()
         await source.close()
     assert seen == list(range(1, 61))
-    assert source.reconnects >= 1
+    assert source.stats.reconnects >= 1
 
 
 async def test_slot_confirmed_flush_equals_caller_position(node: Any) -> None:
@@ -125,8 +125,8 @@ async def test_slot_confirmed_flush_equals_caller_position(node: Any) -> None:
             return info is not None and info.confirmed_flush_lsn == lsn
 
         await wait_for(lambda: confirmed_is(target), "confirmed_flush_lsn == caller's position")
-        sent = source.status_updates_sent
-        await wait_for(lambda: source.status_updates_sent > sent + 3, "more status updates")
+        sent = source.stats.status_updates_sent
+        await wait_for(lambda: source.stats.status_updates_sent > sent + 3, "more status updates")
         assert await confirmed_is(target)  # several updates later it has not moved past the caller
         source.confirm(txns[3].end_lsn)  # going backwards is ignored
         assert source.confirmed_lsn == target
@@ -182,7 +182,7 @@ async def test_keepalives_answered_while_caller_does_not_consume(node: Any) -> N
         await wait_for(replied_long_after, "status replies 6 s (3x wal_sender_timeout) into the pause")
         (big,) = await take(items, 1)
         assert big.row_count == 200_000
-        assert source.reconnects == 0 and await _walsender_pid(node) == pid
+        assert source.stats.reconnects == 0 and await _walsender_pid(node) == pid
         assert ids_of(first) == [1]
     finally:
         await items.aclose()
@@ -276,7 +276,7 @@ async def test_link_cut_and_restored_through_proxy(node: Any, tcp_proxy: Any) ->
         await items.aclose()
         await source.close()
     assert seen == list(range(1, 21))
-    assert source.reconnects >= 1
+    assert source.stats.reconnects >= 1
 
 
 async def test_clear_errors(node: Any, pg_nodes: Any) -> None:
@@ -328,7 +328,7 @@ async def test_stalled_link_detected_by_receive_timeout(node: Any, tcp_proxy: An
         proxy.blackhole()
         await insert_each(node.dsn(), range(6, 11))
         reader = asyncio.ensure_future(take(items, 5))
-        await wait_for(lambda: source.reconnects >= 1, "the source to give up on the stalled link")
+        await wait_for(lambda: source.stats.reconnects >= 1, "the source to give up on the stalled link")
         proxy.restore()
         for txn in await asyncio.wait_for(reader, 60):
             seen += ids_of(txn)

@@ -110,14 +110,14 @@ async def test_huge_transaction_spills_within_the_bound(node: Any, tmp_path: Pat
     largest_message = 64  # an Insert of (int, 'row number N') in binary: well under this
     assert txn.streamed is streaming
     assert txn.row_count == ROWS and txn.spilled + len(txn.changes) == ROWS + 1  # + the Relation
-    assert source.spills >= (ROWS * 20) // BOUND  # about 30 bytes a row
-    assert source.spill_peak_bytes <= BOUND + largest_message  # never more than the bound + one message
+    assert source.stats.spills >= (ROWS * 20) // BOUND  # about 30 bytes a row
+    assert source.stats.spill_peak_bytes <= BOUND + largest_message  # never more than the bound + one message
     assert watch.held <= BOUND + largest_message and txn.nbytes <= BOUND
     handle = txn.spill
     assert isinstance(handle, SpillFile) and handle.path.exists()
     assert handle.path.parent.parent == tmp_path
     assert ids_in_order(txn, 7_000) == list(range(1, ROWS + 1))
-    assert source.raw_inserts > ROWS // 2  # after the first spill, rows stay the server's bytes
+    assert source.stats.raw_inserts > ROWS // 2  # after the first spill, rows stay the server's bytes
     handle.acquire(2)  # two links took it
     release(txn)
     assert handle.path.exists()
@@ -129,8 +129,8 @@ async def test_huge_transaction_spills_within_the_bound(node: Any, tmp_path: Pat
     logger.warning(
         "spill test (%s): %d rows in %.2f s (%.0f rows/s incl. decode and spill), %d spills, %d bytes on"
         " disk, held at most %d bytes, peak RSS growth %d kB",
-        "streamed" if streaming else "whole", ROWS, elapsed, ROWS / elapsed, source.spills,
-        spool.bytes_written, max(watch.held, source.spill_peak_bytes), growth,
+        "streamed" if streaming else "whole", ROWS, elapsed, ROWS / elapsed, source.stats.spills,
+        spool.bytes_written, max(watch.held, source.stats.spill_peak_bytes), growth,
     )
     assert growth < 32_000  # kB; held in memory, the decoded rows alone take about 60 MB (300 bytes each)
 
@@ -156,7 +156,8 @@ async def test_restart_in_the_middle_drops_the_partial_file(
     try:
         async with await psycopg.AsyncConnection.connect(node.dsn()) as writer:
             await writer.execute(WORKLOAD.replace(str(ROWS), str(half)))  # not committed yet
-            await wait_for(lambda: source.spills >= 3 and not source._assembler.idle, "open one spilling")
+            await wait_for(lambda: source.stats.spills >= 3 and not source._assembler.idle,
+                           "open one spilling")
             (partial,) = [h.path for h in spool._open.values()]
             assert partial.exists()
             if how == "rewind":
@@ -166,7 +167,7 @@ async def test_restart_in_the_middle_drops_the_partial_file(
                 await wait_for(lambda: source.state == "reconnecting", "the source to notice the cut")
                 proxy.restore()
             await wait_for(lambda: not partial.exists(), "the partial file to go")
-            await wait_for(lambda: spool.files_written == 2 and source.spills >= 6, "the new spills")
+            await wait_for(lambda: spool.files_written == 2 and source.stats.spills >= 6, "the new spills")
             await writer.execute(f"INSERT INTO big SELECT i, 'row number ' || i FROM"
                                  f" generate_series({half + 1}, {ROWS}) AS i")
             await writer.commit()
@@ -178,5 +179,5 @@ async def test_restart_in_the_middle_drops_the_partial_file(
     assert txn.streamed and txn.row_count == ROWS
     assert isinstance(txn.spill, SpillFile) and txn.spill.path != partial and spool.files == 1
     assert ids_in_order(txn, 50_000) == list(range(1, ROWS + 1))
-    assert (source.reconnects >= 1) if how == "reconnect" else True
+    assert (source.stats.reconnects >= 1) if how == "reconnect" else True
     spool.close()

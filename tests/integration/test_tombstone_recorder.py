@@ -123,7 +123,7 @@ async def test_a_key_update_takes_the_old_key_away_on_every_node(mesh: MeshFacto
     await execute(c, "UPDATE t SET v = 1 WHERE id = 3")  # router stopped: both commit before either applies
     await execute(b, "UPDATE t SET id = 100 WHERE id = 3")  # later
     async with running_router(m.config) as router:
-        await wait_for(lambda: all(x.applied_transactions >= 1 for (s, _), x in router.appliers.items()
+        await wait_for(lambda: all(x.stats.applied_transactions >= 1 for (s, _), x in router.appliers.items()
                                    if s != "a"), "b's and c's updates applied everywhere")
         await wait_converged(m.nodes, ["t"])
     for dsn in (a, b, c):
@@ -148,7 +148,7 @@ async def test_replicated_insert_waiting_on_a_local_insert_then_delete_converges
             await wait_for(lambda: _count_is(b, waiting, 1), "a's insert waiting on b's uncommitted key")
             await local.execute("DELETE FROM t WHERE id = 1")
             await local.execute("COMMIT")  # the newest change of key 1: its deletion, on b
-            await wait_for(lambda: all(x.applied_transactions >= 1 for x in router.appliers.values()),
+            await wait_for(lambda: all(x.stats.applied_transactions >= 1 for x in router.appliers.values()),
                            "each node's transaction applied on the other")
             await wait_converged(m.nodes, ["t"])
             assert router.recorders["b"].late == 1  # decided by the recorder, late

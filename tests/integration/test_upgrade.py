@@ -142,7 +142,8 @@ async def test_upgrade_15_to_18_join_under_writes_move_clients_part_the_old_node
             # step 4: clients move to c and d; for a while all four take writes, then the 15 nodes' stop
             tasks += [asyncio.create_task(w.run()) for w in new]
             await wait_for(lambda: all(w.written > 30 for w in new), "writes on c and d")
-            await wait_for(lambda: router.appliers[("c", "a")].applied_transactions > 20, "c's writes on a")
+            await wait_for(lambda: router.appliers[("c", "a")].stats.applied_transactions > 20,
+                           "c's writes on a")
             for w in old:
                 w.stop.set()
             await wait_for(lambda: all(w.written > 60 for w in new), "c and d alone take the writes")

@@ -70,7 +70,7 @@ async def test_a_conflict_between_15_and_18_has_one_winner_recorded_on_both(mesh
         await execute(a.dsn(), """UPDATE "notes" SET "written_on" = 'a (15)' WHERE "id" = 2""")
         await router.resume(None)
         await wait_converged(m.nodes, ["notes"], limit=60)
-        await wait_for(lambda: all(x.conflicts >= 2 for x in router.appliers.values()), "both decided")
+        await wait_for(lambda: all(x.stats.conflicts >= 2 for x in router.appliers.values()), "both decided")
         assert all(applier.last_error is None for applier in router.appliers.values())
     history = 'SELECT "key", "conflict_type", "remote_origin" FROM pgmesh.conflict_history ORDER BY "key"'
     for node, other in ((a, b), (b, a)):
@@ -104,7 +104,7 @@ async def test_ddl_from_15_reaches_18_and_back(mesh: MeshFactory) -> None:
         every = ["id", "written_on", "from_15", "from_18"]
         await wait_for(lambda: _has_columns(a, every), "18's column on 15")
         await wait_converged(m.nodes, ["notes"], limit=60)
-        assert sum(applier.ddl_applied for applier in router.appliers.values()) == 2
+        assert sum(applier.stats.ddl_applied for applier in router.appliers.values()) == 2
         assert all(applier.last_error is None for applier in router.appliers.values())
     expected = [(1, 15, "eighteen"), (2, 150, "eighteen"), (3, 180, "eighteen"), (4, 181, "set on 18")]
     for node in m.nodes:

@@ -26,7 +26,7 @@ ROWS2 = "SELECT tableoid::regclass::text, a, b FROM tab2 ORDER BY a"
 
 
 def _ddl_applied(router: Any) -> int:
-    return sum(applier.ddl_applied for applier in router.appliers.values())
+    return sum(applier.stats.ddl_applied for applier in router.appliers.values())
 
 
 async def test_013_partition(mesh: MeshFactory) -> None:

@@ -51,7 +51,7 @@ async def test_conflict_secondary_unique(mesh: MeshFactory) -> None:
         await execute(b.dsn(), "INSERT INTO secondary_unique_pred (a, b, check_unique) VALUES (6, 2, false)")
         rows = await same_rows(a, b, ROWS, "row 6 on a")
         assert rows[-1] == (6, 2, False), rows
-        assert sum(applier.conflicts for applier in router.appliers.values()) == 0
+        assert sum(applier.stats.conflicts for applier in router.appliers.values()) == 0
 
         # at once on both nodes (links held): 9 (a, inside the predicate) and 10 (b, outside it) share
         # b = 30 and both stay

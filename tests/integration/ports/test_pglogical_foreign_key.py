@@ -91,5 +91,5 @@ async def test_delete_at_once_with_a_referencing_insert(mesh: MeshFactory) -> No
                    " WHERE NOT EXISTS (SELECT FROM public.f1k_products p WHERE p.product_no = o.product_no)")
         for node in m.nodes:
             assert await fetch(node.dsn(), orphans) == [(30,)]
-        assert sum(applier.conflicts for applier in router.appliers.values()) == 0
+        assert sum(applier.stats.conflicts for applier in router.appliers.values()) == 0
         healthy(router)

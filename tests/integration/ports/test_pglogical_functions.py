@@ -193,5 +193,5 @@ async def test_domain_and_rows_in_one_query_string(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "DELETE FROM public.prime_tbl WHERE num = 31")
         await wait_converged(m.nodes, ["prime_tbl"])
         assert await fetch(b.dsn(), "SELECT num FROM public.prime_tbl ORDER BY num") == [(17,), (79,)]
-        assert router.appliers[("a", "b")].conflicts == 0
+        assert router.appliers[("a", "b")].stats.conflicts == 0
         healthy(router)

@@ -110,8 +110,8 @@ async def test_huge_tx_ddl_outside(mesh: MeshFactory) -> None:
         )
         await equal_everywhere(router, m.nodes, ["a_huge"])
         assert await count(b, "a_huge") == 2 * ROWS
-        assert router.pumps["a"].source.spills > 0 and router.pumps["b"].source.spills > 0
-        assert router.pumps["a"].source.spill_peak_bytes <= SPILL_BOUND + 64 * 1024
+        assert router.pumps["a"].source.stats.spills > 0 and router.pumps["b"].source.stats.spills > 0
+        assert router.pumps["a"].source.stats.spill_peak_bytes <= SPILL_BOUND + 64 * 1024
         await execute(b.dsn(), "UPDATE a_huge SET data = 'from b' WHERE id % 1000 = 0")
         await equal_everywhere(router, m.nodes, ["a_huge"])
         await execute(b.dsn(), f"DELETE FROM a_huge WHERE id > {ROWS}")  # its own rows, in one transaction
@@ -133,8 +133,9 @@ async def test_huge_tx_ddl_inside(mesh: MeshFactory, settings: dict[str, str]) -
         await execute(a.dsn(), "BEGIN", huge_table("b_huge"), fill("b_huge", 1, ROWS), "COMMIT")
         await equal_everywhere(router, m.nodes, ["b_huge"])
         assert await count(b, "b_huge") == ROWS
-        assert router.pumps["a"].source.spills > 0, "nothing spilled: the test no longer crosses the bound"
-        assert router.appliers[("a", "b")].ddl_applied == 1
+        assert router.pumps["a"].source.stats.spills > 0, (
+            "nothing spilled: the test no longer crosses the bound")
+        assert router.appliers[("a", "b")].stats.ddl_applied == 1
         await execute(b.dsn(), "UPDATE b_huge SET data1 = 'b' WHERE id <= 10",
                       f"INSERT INTO b_huge (id, id1) VALUES ({ROWS + 1}, 0)")
         await equal_everywhere(router, m.nodes, ["b_huge"])
@@ -216,7 +217,7 @@ async def test_one_million_narrow_rows(mesh: MeshFactory) -> None:
         await execute(a.dsn(), 'INSERT INTO "narrow" SELECT generate_series(1, 1000000)')
         await equal_everywhere(router, m.nodes, ["narrow"], limit=480)
         assert await count(b, "narrow") == 1_000_000
-        assert router.pumps["a"].source.spill_peak_bytes <= SPILL_BOUND + 64 * 1024
+        assert router.pumps["a"].source.stats.spill_peak_bytes <= SPILL_BOUND + 64 * 1024
         # (rows A wrote, changed on B: each is an origin_differs conflict, decided row by row)
         await execute(b.dsn(), 'DELETE FROM "narrow" WHERE "id" % 100000 = 0',
                       'UPDATE "narrow" SET "id" = -"id" WHERE "id" % 100000 = 1')
@@ -237,7 +238,7 @@ async def test_few_big_toasted_rows(mesh: MeshFactory, settings: dict[str, str])
     async with running_router(m.config) as router:
         await execute(a.dsn(), f'INSERT INTO "toasty" SELECT i, 0, {big} FROM generate_series(1, 6) AS i')
         await equal_everywhere(router, m.nodes, ["toasty"])
-        assert router.pumps["a"].source.spills > 0, "nothing spilled"
+        assert router.pumps["a"].source.stats.spills > 0, "nothing spilled"
         await execute(a.dsn(), "BEGIN", 'UPDATE "toasty" SET "n" = "n" + 1',
                       f'INSERT INTO "toasty" SELECT i, 0, {big} FROM generate_series(7, 10) AS i', "COMMIT")
         await equal_everywhere(router, m.nodes, ["toasty"])
@@ -268,7 +269,7 @@ async def seen_on_b(router: Any, a: Any, tables: list[str]) -> None:
     pump = router.pumps["b"]
     await wait_for(lambda: dict(pump.seen.snapshot).get("a", 0) >= datetime_to_pg_us(when),
                    "B's seen vector to hold A's transaction", 60)
-    assert pump.echoes == 0, pump.echoes
+    assert pump.stats.echoes == 0, pump.stats.echoes
 
 
 async def b_streamed(b: Any, echoes: bool) -> None:
@@ -302,7 +303,8 @@ async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFact
             await execute(a.dsn(), huge_table("s_huge"), fill("s_huge", 1, 10))
             await equal_everywhere(router, m.nodes, ["s_huge"])
             if echoes:
-                await wait_for(lambda: pump.echoes >= 1, "B's echo of A's rows", 60)  # (the DDL's was empty)
+                # (the DDL's was empty)
+                await wait_for(lambda: pump.stats.echoes >= 1, "B's echo of A's rows", 60)
             else:
                 await seen_on_b(router, a, ["s_huge"])
             await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows, "COMMIT")
@@ -311,13 +313,13 @@ async def test_streamed_echo_of_a_transaction_that_opens_with_ddl(mesh: MeshFact
         await equal_everywhere(router, m.nodes, ["s_huge"])
         if echoes:
             expected = 2 if path == "truncate" else 1
-            await wait_for(lambda: pump.echoes + pump.transactions >= expected, "B's echo of A's transaction",
-                           60)
+            await wait_for(lambda: pump.stats.echoes + pump.stats.transactions >= expected,
+                           "B's echo of A's transaction", 60)
         else:
             await seen_on_b(router, a, ["s_huge"])
-        assert pump.transactions == 0, "B's echo of A's transaction was taken for B's own"
+        assert pump.stats.transactions == 0, "B's echo of A's transaction was taken for B's own"
         link = router.appliers[("a", "b")]
-        assert link.ddl_applied == 1
+        assert link.stats.ddl_applied == 1
         assert (link.stats.copied_transactions > 0) == (path != "careful"), "not the path meant"
         await b_streamed(b, echoes)
 
@@ -338,10 +340,10 @@ async def test_streamed_echo_of_a_truncate_applied_the_careful_way(mesh: MeshFac
                       "INSERT INTO \"u\" VALUES (1, 'a')")
         await equal_everywhere(router, m.nodes, ["s_huge", "u"])
         if echoes:
-            await wait_for(lambda: pump.echoes >= 2, "B's echoes of A's rows", 60)
+            await wait_for(lambda: pump.stats.echoes >= 2, "B's echoes of A's rows", 60)
         else:
             await seen_on_b(router, a, ["s_huge", "u"])
-        before = pump.echoes
+        before = pump.stats.echoes
         await router.pause(None)
         await execute(b.dsn(), "UPDATE \"u\" SET \"v\" = 'b' WHERE \"id\" = 1")
         await execute(a.dsn(), "BEGIN", 'TRUNCATE "s_huge"', rows,
@@ -349,10 +351,10 @@ async def test_streamed_echo_of_a_truncate_applied_the_careful_way(mesh: MeshFac
         await router.resume(None)
         await equal_everywhere(router, m.nodes, ["s_huge", "u"])
         if echoes:
-            await wait_for(lambda: pump.echoes > before, "B's echo of A's transaction", 60)
+            await wait_for(lambda: pump.stats.echoes > before, "B's echo of A's transaction", 60)
         else:
             await seen_on_b(router, a, ["s_huge", "u"])
-        assert pump.transactions == 1, "B's echo of A's transaction was taken for B's own"  # B's update
+        assert pump.stats.transactions == 1, "B's echo of A's transaction was taken for B's own"  # B's update
         await b_streamed(b, echoes)
         assert await fetch(b.dsn(), 'SELECT v FROM "u"') == [("a, later",)]
 
@@ -372,5 +374,5 @@ async def test_conflict_over_a_toasted_row(mesh: MeshFactory) -> None:
     await execute(a.dsn(), 'UPDATE "toasty" SET "n" = 1')
     async with running_router(m.config) as router:
         links = router.appliers.values()
-        await wait_for(lambda: all(link.conflicts >= 1 for link in links), "each link to decide it", 60)
+        await wait_for(lambda: all(link.stats.conflicts >= 1 for link in links), "each link to decide it", 60)
         assert await converged(m.nodes, ["toasty"])

@@ -41,7 +41,7 @@ async def test_multiple_upstreams(mesh: MeshFactory) -> None:
         assert await fetch(b.dsn(), ROWS) == [
             *((i, f"key{i}", f"data{i}") for i in range(1, 7)), (7, "key7", "data7 from b")]
         # each change was applied once per other node: no conflict (an echo would be one)
-        assert sum(applier.conflicts for applier in router.appliers.values()) == 0
+        assert sum(applier.stats.conflicts for applier in router.appliers.values()) == 0
 
         for node in m.nodes:
             assert await fetch(node.dsn(), "SELECT plugin, slot_type, active FROM pg_replication_slots") == [

@@ -115,7 +115,7 @@ async def test_concurrent_updates_of_a_toasted_row(mesh: MeshFactory) -> None:
         await execute(a.dsn(), "UPDATE toasted SET other = 'a, later'")
         await router.resume(None)
         decided = "the conflict decided on both nodes"
-        await wait_for(lambda: all(x.conflicts for x in router.appliers.values()), decided)
+        await wait_for(lambda: all(x.stats.conflicts for x in router.appliers.values()), decided)
         await wait_converged(m.nodes, ["toasted"], 15)
         assert await fetch(b.dsn(), ROWS) == [(1, "a, later", 8, "123456789012", 3000)]
         healthy(router)

@@ -140,7 +140,7 @@ async def test_every_transaction_handed_out_carries_the_vector_of_the_echoes_bef
     echo = "pgmesh_capture_origin"
     items = [one, txn(20, 150, echo), two, three, txn(60, 50, echo), four]
     await run_items(pump, items)
-    assert pump.echoes == 2 and pump.transactions == 4
+    assert pump.stats.echoes == 2 and pump.stats.transactions == 4
     for queue in pump.queues.values():
         handed = [await queue.get() for _ in range(4)]
         assert handed == [one, two, three, four]  # the same objects, stamped in place
@@ -154,7 +154,7 @@ async def test_captured_transactions_after_the_echo_carry_its_origin_time(captur
     pump = pump_of(source)
     out = feed_all(source, frames_of(capture))
     await run_items(pump, out)
-    handed = [await pump.queues["b"].get() for _ in range(pump.transactions)]
+    handed = [await pump.queues["b"].get() for _ in range(pump.stats.transactions)]
     txns = [t for t in out if isinstance(t, Transaction)]
     echo = next(i for i, t in enumerate(txns) if t.origin is not None)
     assert echo > 0 and txns[echo].commit_time == CAPTURE_TIME

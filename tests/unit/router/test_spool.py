@@ -298,7 +298,7 @@ async def test_fanout_deletes_what_nobody_takes(tmp_path: Path) -> None:
     txn, _ = spilled_transaction(spool, "n1", 1000)
     echo = msgspec.structs.replace(txn, origin="pgmesh_n2")
     await pump._dispatch(echo)
-    assert isinstance(txn.spill, SpillFile) and txn.spill.deleted and pump.echoes == 1
+    assert isinstance(txn.spill, SpillFile) and txn.spill.deleted and pump.stats.echoes == 1
     assert not any(len(q) for q in pump.queues.values())
 
 
