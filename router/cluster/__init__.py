@@ -1,7 +1,11 @@
-"""The cluster's membership and what pgmesh puts on its nodes: `checks` (pre-flight of `pgmesh init`),
-`install` (objects installed and removed), `membership` (join and part), `sync/` (the PySpark initial
-copy, imported only by `pgmesh join`), `pgbin` (finding PostgreSQL's programs), `sqlfiles` (the .sql
-files shipped as package data), `clocks` (each node's clock offset from the router's, the links' hold).
+"""A library about nodes, below the service and the operator commands: `facts` (what a node tells
+`pgmesh init`, read once), `checks` (init's pre-flight checks, pure rules on those facts), `install`
+(what pgmesh puts on a node and removes), `script` (`init --print-sql`), `grants` (the run role's
+privileges), `keys` (a table's key and unique indexes, compared by shape), `origins` (other replication
+origins on a node), `standbys` (physical standbys and failover), `synchronous` (synchronous_standby_names),
+`partial` and `receive` (nodes that hold part of the data or only receive), `members` (the parted record),
+`joining` (a joining node's record and slot pins), `clocks` (each node's clock offset from the router's)
+and `copy/` (the PySpark initial copy, imported only by `pgmesh join`).
 
-Must not: stream or apply changes.
+Must not: stream or apply changes, or import the service or the operator commands.
 """

@@ -1,19 +1,19 @@
-"""Whether a node can take part: the pre-flight checks of `pgmesh init`.
+"""Whether a node can take part: the pre-flight checks of `pgmesh init`, pure rules on what was read.
 
-Owns reading each node once (settings, role, slots and WAL senders in use, the candidate tables with
-their columns, key and replica identity) and the checks, pure functions of what was read: server
-version, the settings logical replication and commit timestamps need, free slots and WAL senders, the
-role's privileges, and that every replicated table exists on every node with the same columns, a key,
-and the same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`:
-compared by shape, never by name), that tables with delta columns can have them, and that each custom
-resolver decides alike whichever side is local (`router.conflicts.symmetry`), and a standby's failover
+Owns the checks, pure functions of each node's facts (`router.cluster.facts`): server version, the
+settings logical replication and commit timestamps need, free slots and WAL senders, the role's
+privileges, and that every replicated table exists on every node with the same columns, a key, and the
+same primary key, unique constraints and indexes and replica identity (`router.cluster.keys`: compared by
+shape, never by name), that tables with delta columns can have them, and that each custom resolver
+decides alike whichever side is local (`router.conflicts.symmetry`), and a standby's failover
 (`router.cluster.standbys`). The report (`InitReport`) renders one block per node, one line per check,
-and what to do under each problem or warning.
-Also the admin connection `pgmesh init` uses (`connect`), shared with `router.cluster.install`.
+and what to do under each problem or warning. `check_cluster` reads every node and checks it; a node that
+cannot be read is a failed check.
 
-Must not: write anything to a node (installing is `router.cluster.install`'s), stream or apply
-changes, decide retry policy (that is `router.errors.decide`), or ever put a DSN or a password into a
-message (psycopg errors go through `describe`).
+Must not: read a node itself (that is `router.cluster.facts`), write anything to a node (installing is
+`router.cluster.install`'s), stream or apply changes, decide retry policy (that is
+`router.errors.decide`), or ever put a DSN or a password into a message (psycopg errors go through
+`describe`).
 Identifiers are always quoted with `psycopg.sql.Identifier`.
 """
 
@@ -23,21 +23,31 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.clocks import ClockLevel, Sample, connection_query, decides_by_time, level_of, measure
-from router.cluster.keys import IDENTITY_GONE, TableKeys, key_diff, read_keys
-from router.cluster.origins import origins_of_others
-from router.cluster.standbys import StandbyFacts, failover_finding, read_standbys
-from router.config.model import SYSTEM_SCHEMAS, Config, NodeConfig
+from router.cluster.clocks import ClockLevel, decides_by_time, level_of
+from router.cluster.facts import (
+    CHECK_LOCK_WAIT_S,
+    NodeFacts,
+    TableFacts,
+    TableName,
+    connect,
+    read_node,
+    replicated_tables,
+)
+from router.cluster.keys import IDENTITY_GONE, key_diff
+from router.cluster.standbys import failover_finding
+from router.config.model import Config, NodeConfig
 from router.conflicts.resolve import ConflictType, load_custom
 from router.conflicts.symmetry import asymmetry
 from router.errors import ConfigError, PgmeshError, describe
 
+# NodeFacts, TableName, connect and replicated_tables live in router.cluster.facts; named here too for the
+# modules that import them with the checks
 __all__ = [
     "Check",
     "InitReport",
@@ -50,39 +60,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Conn = psycopg.AsyncConnection[Any]
-TableName = tuple[str, str]
-
 MIN_VERSION_NUM: Final = 150000
-CONNECT_TIMEOUT_S: Final = 10
-CHECK_LOCK_WAIT_S: Final = 10  # the longest the checks wait for a lock on a table they read
-APPLICATION_NAME: Final = "pgmesh init"
-# pgmesh's bookkeeping never waits for the router, a synchronous standby that may be down or held by it
-ADMIN_SETUP: Final = "SET synchronous_commit = local"
 OK_MARK: Final = "✓"
 FAIL_MARK: Final = "✗"
 WARN_MARK: Final = "!"
-_SETTINGS: Final = (
-    "server_version", "server_version_num", "wal_level", "track_commit_timestamp", "max_replication_slots",
-    "max_active_replication_origins", "max_wal_senders", "output_plugin_libraries",
-)
 _RESTART: Final = "in postgresql.conf (or ALTER SYSTEM SET) and restart the server"
 # Types a delta column may have (format_type names, without a typmod).
 _DELTA_TYPES: Final = frozenset({"smallint", "integer", "bigint", "numeric", "real", "double precision"})
-
-# Ordinary and partitioned tables outside the system schemas. Partitions are left out: a partitioned
-# table stands for its partitions (the publication publishes via the partition root).
-_TABLES_SQL: Final = """
-SELECT n.nspname, c.relname, c.relpersistence::text, c.relreplident::text,
-       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate),
-       a.attname, format_type(a.atttypid, a.atttypmod)
-FROM pg_class c
-JOIN pg_namespace n ON n.oid = c.relnamespace
-LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
-  AND n.nspname <> ALL(%s) AND n.nspname NOT LIKE 'pg\\_%%'
-ORDER BY n.nspname, c.relname, a.attnum
-"""
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -139,47 +123,8 @@ class InitReport(msgspec.Struct, frozen=True):
         return "\n".join(lines)
 
 
-class TableFacts(msgspec.Struct, frozen=True):
-    persistence: str
-    replident: str
-    has_pk: bool
-    columns: dict[str, str]
-    keys: TableKeys = TableKeys()
-
-
-class NodeFacts(msgspec.Struct, frozen=True):
-    """What one node told us, read once; the checks are pure functions of these."""
-
-    settings: dict[str, str]
-    user: str
-    superuser: bool
-    slots_used: int
-    own_slot: tuple[str, str, bool] | None  # (plugin, database, active)
-    database: str
-    walsenders: int
-    tables: dict[TableName, TableFacts]
-    publication_all_tables: bool = False  # a publication of pgmesh's name exists FOR ALL TABLES
-    standby: StandbyFacts = StandbyFacts()  # its physical standbys (router.cluster.standbys)
-    clock: Sample | None = None  # the node's clock against this host's (router.cluster.clocks)
-    origins_used: int = 0  # replication origins with progress here that are not pgmesh's
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Connecting
-
-
-async def connect(node: NodeConfig) -> Conn:
-    """An autocommit admin connection; a DSN that does not parse is reported without echoing it."""
-    try:
-        conn = await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, application_name=APPLICATION_NAME
-        )
-    except psycopg.ProgrammingError:
-        raise PgmeshError(
-            "the dsn is not a valid libpq connection string", node=node.name, hint="fix its dsn in the config"
-        ) from None
-    await conn.execute(ADMIN_SETUP)
-    return conn
+# Reading every node (router.cluster.facts): a node that cannot be read is a failed check
 
 
 _MISSING_DATABASE: Final = re.compile(r'database "(.+?)" does not exist')  # the server's FATAL (3D000)
@@ -197,68 +142,6 @@ def _connect_hint(node: str, exc: BaseException) -> str:
     return f"check that node {node} is running and reachable at the host and port of its dsn"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reading a node
-
-
-async def _table_facts(conn: Conn) -> dict[TableName, TableFacts]:
-    """Every candidate table of the node with its columns (name -> type), key and replica identity."""
-    found: dict[TableName, TableFacts] = {}
-    cur = await conn.execute(_TABLES_SQL, [sorted(SYSTEM_SCHEMAS)])
-    for schema, table, persistence, replident, has_pk, column, type_ in await cur.fetchall():
-        facts = found.get((schema, table))
-        if facts is None:
-            facts = found[(schema, table)] = TableFacts(persistence, replident, has_pk, {})
-        if column is not None:
-            facts.columns[column] = type_
-    keys = await read_keys(conn, sorted(SYSTEM_SCHEMAS))
-    return {t: msgspec.structs.replace(f, keys=keys.get(t, TableKeys())) for t, f in found.items()}
-
-
-async def replicated_tables(conn: Conn, config: Config) -> list[TableName]:
-    """The tables of the connected node that `config` replicates, as sorted (schema, table) pairs."""
-    return sorted(t for t in await _table_facts(conn) if config.replicates(*t))
-
-
-async def _read_node(conn: Conn, config: Config) -> NodeFacts:
-    cur = await conn.execute("SELECT name, setting FROM pg_settings WHERE name = ANY(%s)", [list(_SETTINGS)])
-    settings: dict[str, str] = {name: value for name, value in await cur.fetchall()}
-    cur = await conn.execute(
-        "SELECT current_user, (SELECT rolsuper FROM pg_roles WHERE rolname = current_user),"
-        " current_database(), (SELECT count(*) FROM pg_replication_slots),"
-        " (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender')"
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    user, superuser, database, slots_used, walsenders = row
-    cur = await conn.execute(
-        "SELECT plugin, coalesce(database, ''), active FROM pg_replication_slots WHERE slot_name = %s",
-        [config.slot_name],
-    )
-    own = await cur.fetchone()
-    cur = await conn.execute(
-        "SELECT puballtables FROM pg_publication WHERE pubname = %s", [config.publication_name]
-    )
-    publication = await cur.fetchone()
-    standby = await read_standbys(conn, config.slot_name)
-    tables = {t: f for t, f in (await _table_facts(conn)).items() if config.replicates(*t)}
-    clock = await measure(connection_query(conn))
-    return NodeFacts(
-        settings=settings,
-        user=user,
-        superuser=bool(superuser),
-        slots_used=int(slots_used),
-        origins_used=await origins_of_others(conn, config.pgmesh_origins()),
-        own_slot=(own[0] or "", own[1], bool(own[2])) if own else None,
-        publication_all_tables=bool(publication and publication[0]),
-        standby=standby,
-        database=database,
-        walsenders=int(walsenders),
-        tables=tables,
-        clock=clock,
-    )
-
-
 async def _probe(config: Config, node: NodeConfig) -> NodeFacts | Check:
     """The node's facts, or a failed `connect` check saying why it could not be read."""
     try:
@@ -269,10 +152,7 @@ async def _probe(config: Config, node: NodeConfig) -> NodeFacts | Check:
         return Check(node.name, "connect", False, describe(exc), hint=_connect_hint(node.name, exc))
     try:
         async with conn:
-            # reading keys takes ACCESS SHARE locks: a session holding a table exclusively must not make the
-            # checks (init's, join's) wait on it without bound
-            await conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{CHECK_LOCK_WAIT_S}s")))
-            return await _read_node(conn, config)
+            return await read_node(conn, config)  # waits at most CHECK_LOCK_WAIT_S for a lock
     except psycopg.errors.LockNotAvailable as exc:
         hint = f"a session on node {node.name} holds a table exclusively for more than {CHECK_LOCK_WAIT_S} s"
         detail = f"reading the catalog waited too long: {describe(exc)}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import psycopg
 from psycopg import sql
@@ -28,10 +28,9 @@ from psycopg import sql
 from router.cluster.checks import Check, InitReport, TableName, connect, replicated_tables
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.nodes.connect import Conn
 
 __all__ = ["OWNERS_SQL", "TABLE_PRIVILEGES", "check_run_role", "grant_statements", "run_role_of"]
-
-Conn = psycopg.AsyncConnection[Any]
 
 TABLE_PRIVILEGES: Final = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")
 PGMESH_TABLE_PRIVILEGES: Final = ("SELECT", "INSERT", "UPDATE", "DELETE")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Final
 
 import psycopg
 from psycopg import sql
@@ -35,14 +35,13 @@ from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.conflicts.catalog import install_conflict_catalog
 from router.ddl.capture import install_ddl_capture
 from router.errors import ConfigError, PgmeshError, SlotError, describe
+from router.nodes.connect import Conn
 from router.nodes.sqlfiles import statements
 from router.stream.slots import FAILOVER_SLOTS_SINCE
 
 __all__ = ["init_cluster", "install", "script_node", "uninstall"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 # How long installing waits for a lock (a user table's, for its trigger) before it gives up, undone.
 LOCK_TIMEOUT_S: Final = 10

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 import psycopg
 from psycopg import sql
@@ -33,12 +33,11 @@ from psycopg import sql
 from protocol.lsn import format_lsn, parse_lsn
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.nodes.connect import Conn
 
 __all__ = ["JOINING_DDL", "copy_auto_identity", "pin_sources", "read_pins", "unpin"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 JOINING_DDL: Final = sql.SQL(
     "CREATE TABLE IF NOT EXISTS {}.joining (node text PRIMARY KEY, pin pg_lsn NOT NULL,"

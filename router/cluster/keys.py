@@ -20,14 +20,13 @@ take part (the checks do, from `key_diff`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-import psycopg
+
+from router.nodes.connect import Conn
 
 __all__ = ["IDENTITY_GONE", "TableKeys", "key_diff", "read_keys"]
-
-Conn = psycopg.AsyncConnection[Any]
 
 # One row per (table, live unique index), or one row with NULL index columns for a table without any.
 # indnullsnotdistinct is read through to_jsonb: a server without it (before 15) reads false, not an error.

@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.checks import ADMIN_SETUP
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
-from router.errors import PgmeshError, describe
+from router.errors import PgmeshError
+from router.nodes.connect import connect, one
 
-__all__ = [
-    "PARTED_DDL", "connect", "members_of", "members_only", "one", "read_parted", "unmark_parted",
-    "without_parted",
-]
+__all__ = ["PARTED_DDL", "members_of", "members_only", "read_parted", "unmark_parted", "without_parted"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 PARTED_DDL: Final = sql.SQL(
     "CREATE TABLE IF NOT EXISTS {}.parted (node text PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
@@ -37,31 +32,13 @@ _PARTED_SQL: Final = (
 )
 
 
-async def connect(node: NodeConfig, wait_s: int = 10, purpose: str = "pgmesh part") -> Conn:
-    try:
-        conn = await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=wait_s, application_name=purpose
-        )
-        await conn.execute(ADMIN_SETUP)
-        return conn
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
-
-
-async def one(conn: Conn, query: str | sql.Composable, params: Sequence[Any] | None = None) -> Any:
-    """The first column of the first row `query` returns on `conn` (None: no row)."""
-    cur = await conn.execute(query, params)  # type: ignore[arg-type]
-    row = await cur.fetchone()
-    return None if row is None else row[0]
-
-
 async def read_parted(config: Config, wait_s: int = 5) -> set[str]:
     """The nodes of `config` recorded as parted on any node that answers within `wait_s` (a node down
     says nothing)."""
     async def ask(node: NodeConfig) -> set[str]:
         try:
             async with asyncio.timeout(wait_s):
-                conn = await connect(node, wait_s)
+                conn = await connect(node, purpose="pgmesh part", wait_s=wait_s, admin=True)
                 async with conn:
                     cur = await conn.execute(_PARTED_SQL)
                     return {str(r[0]) for r in await cur.fetchall()}
@@ -106,7 +83,7 @@ async def unmark_parted(config: Config, name: str) -> None:
     """`pgmesh join NAME`: NAME is a member again on every node that answers."""
     for node in config.nodes:
         try:
-            async with await connect(node) as conn:
+            async with await connect(node, purpose="pgmesh part", admin=True) as conn:
                 if await one(conn, "SELECT pg_catalog.to_regclass('pgmesh.parted')") is not None:
                     await conn.execute("DELETE FROM pgmesh.parted WHERE node = %s", [name])
         except (PgmeshError, psycopg.Error):

@@ -47,10 +47,9 @@ from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import ConfigError
+from router.nodes.connect import Conn
 
 __all__ = ["PART_TABLE", "TablePart", "ensure_partial", "is_partial", "reaches", "table_part"]
-
-Conn = psycopg.AsyncConnection[Any]
 
 PART_TABLE: Final = "part"  # pgmesh.part: this node's filtered tables (read by pgmesh.decide)
 ROWS_TRIGGER: Final = "pgmesh_part_rows"

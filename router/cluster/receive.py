@@ -17,16 +17,14 @@ Must not: decide anything about links (the supervisor does), or put a DSN in a m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
-import psycopg
 from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA, Config
+from router.nodes.connect import Conn
 
 __all__ = ["RECEIVE_ONLY_KEY", "TRIGGER", "ensure_receive_only"]
-
-Conn = psycopg.AsyncConnection[Any]
 
 RECEIVE_ONLY_KEY: Final = "receive_only"
 TRIGGER: Final = "pgmesh_receive_only"

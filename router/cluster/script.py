@@ -21,10 +21,11 @@ import psycopg
 from psycopg import sql
 from psycopg.abc import Params, Query
 
-from router.cluster.checks import CONNECT_TIMEOUT_S, TableName, replicated_tables
+from router.cluster.checks import TableName, replicated_tables
 from router.cluster.grants import OWNERS_SQL, grant_statements, run_role_of
 from router.config.model import PGMESH_SCHEMA, Config, NodeConfig
 from router.errors import PgmeshError, describe
+from router.nodes.connect import CONNECT_TIMEOUT_S
 from router.nodes.sqlfiles import statements
 from router.sequences.ids import EPOCH_MS, NODE_ID_KEY, plan_node_ids, read_node_id
 

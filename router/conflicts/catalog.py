@@ -31,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
-import psycopg
 from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA
 from router.errors import PgmeshError
+from router.nodes.connect import Conn
 from router.nodes.sqlfiles import statements
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Conn = psycopg.AsyncConnection[Any]
 TableName = tuple[str, str]
 
 TRIGGER_NAME: Final = "pgmesh_tombstone"

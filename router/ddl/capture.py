@@ -54,19 +54,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
-import psycopg
 from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA, Config
+from router.nodes.connect import Conn
 from router.nodes.sqlfiles import statements
 
 __all__ = ["ALLOWED_SETTING", "LOCAL_SETTING", "SCHEMA_CHANGES", "glob_regex", "install_ddl_capture"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 LOCAL_SETTING: Final = "pgmesh.ddl_local"  # SET pgmesh.ddl_local = on: DDL that stays on this node
 # `[ddl] mode = "locked"`: DDL is replicated only from a session with pgmesh.ddl = on (`pgmesh ddl`); a

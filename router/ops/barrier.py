@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import msgspec
-import psycopg
 
 from protocol.lsn import format_lsn, parse_lsn
 from router.cluster.members import members_of
-from router.config.model import Config, NodeConfig
-from router.errors import PgmeshError, describe
+from router.config.model import Config
+from router.errors import PgmeshError
+from router.nodes.connect import connect
 from router.progress.positions import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 from router.service.status import StatusReport
 
 __all__ = ["barrier"]
-
-Conn = psycopg.AsyncConnection[Any]
-
-
-async def _connect(node: NodeConfig) -> Conn:
-    try:
-        return await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh ddl"
-        )
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
 
 async def barrier(
@@ -47,7 +35,7 @@ async def barrier(
     if wanted:
         return await _wait_synced(config, limit, wanted)
     config = await members_of(config)  # a parted node is not waited for
-    conns = {node.name: await _connect(node) for node in config.nodes}
+    conns = {node.name: await connect(node, purpose="pgmesh ddl") for node in config.nodes}
     try:
         wanted = {}
         for name, conn in conns.items():

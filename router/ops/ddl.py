@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any
 
 import psycopg
 
@@ -32,11 +31,10 @@ from router.cluster.members import members_of
 from router.config.model import Config, NodeConfig
 from router.ddl.capture import ALLOWED_SETTING
 from router.errors import PgmeshError, describe
+from router.nodes.connect import Conn, connect
 from router.ops.barrier import barrier
 
 __all__ = ["CLUSTER_LOCK", "cmd_ddl", "orders_itself"]
-
-Conn = psycopg.AsyncConnection[Any]
 
 # pg_advisory_lock(classid, objid) of `pgmesh ddl` runs that wait ("pgmesh", "ddl" in ASCII)
 CLUSTER_LOCK = (0x70676D65, 0x64646C)
@@ -49,15 +47,6 @@ def orders_itself(statement: str) -> bool:
     """Whether `statement` must run behind the barrier and the cluster lock whatever the mode (it adds
     enum labels; a comment that looks so only makes it wait)."""
     return _ORDERED.search(statement) is not None
-
-
-async def _connect(node: NodeConfig) -> Conn:
-    try:
-        return await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=10, application_name="pgmesh ddl"
-        )
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
 
 async def cmd_ddl(
@@ -73,7 +62,7 @@ async def cmd_ddl(
     if not wait:
         await _run(target, statement)
         return 0
-    holder = await _connect((await members_of(config)).nodes[0])
+    holder = await connect((await members_of(config)).nodes[0], purpose="pgmesh ddl")
     try:
         await _lock(holder, limit)
         await barrier(config, limit)
@@ -103,7 +92,7 @@ async def _lock(holder: Conn, limit: float) -> None:
 
 
 async def _run(target: NodeConfig, statement: str) -> None:
-    async with await _connect(target) as conn:
+    async with await connect(target, purpose="pgmesh ddl") as conn:
         try:
             # the locked capture trigger lets this session's DDL through (a guard, not a boundary); so
             # does the refusal of ADD VALUE typed directly

@@ -61,10 +61,9 @@ from psycopg import sql
 
 from protocol.lsn import format_lsn, parse_lsn
 from router import failpoints
-from router.cluster.checks import ADMIN_SETUP, InitReport, check_cluster, replicated_tables
+from router.cluster.checks import InitReport, check_cluster, replicated_tables
 from router.cluster.install import install, uninstall
 from router.cluster.joining import copy_auto_identity, pin_sources, unpin
-from router.cluster.members import one as _one
 from router.cluster.members import read_parted, unmark_parted, without_parted
 from router.cluster.partial import is_partial, reaches
 from router.cluster.synchronous import standby_names
@@ -74,9 +73,10 @@ from router.errors import (
     JOIN_SLOT_WAIT_S,
     ConfigError,
     PgmeshError,
-    describe,
     retry_join,
 )
+from router.nodes.connect import Conn, connect
+from router.nodes.connect import one as _one
 from router.progress.applied import position_sql
 from router.service.admin import ask_router
 from router.stream.items import SourceOptions
@@ -86,8 +86,6 @@ from router.stream.source import ReplicationSource
 __all__ = ["JoinReport", "cmd_join", "join_node"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 MARKER_SCHEMA: Final = "pgmesh_join"
 QUIET_ROUNDS: Final = 3  # holds to find the donor caught up with the pinned slots
@@ -122,20 +120,6 @@ class _Attempt(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------------------
 # Small pieces
-
-
-async def _connect(node: NodeConfig, purpose: str = "pgmesh join") -> Conn:
-    """A session that waits at most JOIN_LOCK_WAIT_S for any lock (it never queues behind the application
-    for longer)."""
-    try:
-        conn = await psycopg.AsyncConnection.connect(
-            node.dsn, autocommit=True, connect_timeout=10, application_name=purpose,
-            options=f"-c lock_timeout={round(JOIN_LOCK_WAIT_S * 1000)}",
-        )
-        await conn.execute(ADMIN_SETUP)
-        return conn
-    except psycopg.Error as exc:
-        raise PgmeshError(f"cannot connect: {describe(exc)}", node=node.name, sqlstate=exc.sqlstate) from None
 
 
 async def _router_streaming(conns: dict[str, Conn], config: Config) -> list[str]:
@@ -240,7 +224,10 @@ async def join_node(
     held = pinned = False
     for node in config.nodes:
         try:
-            conns[node.name] = await _connect(node)
+            # a session that never queues behind the application for a lock longer than JOIN_LOCK_WAIT_S
+            conns[node.name] = await connect(
+                node, purpose="pgmesh join", lock_wait_s=JOIN_LOCK_WAIT_S, admin=True
+            )
         except PgmeshError as exc:
             unreachable.append(f"{node.name} ({exc.message})")
     try:

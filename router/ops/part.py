@@ -26,17 +26,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import psycopg
 
 from protocol.lsn import format_lsn
 from router.cluster.install import uninstall
 from router.cluster.joining import unpin
-from router.cluster.members import PARTED_DDL, one
-from router.cluster.members import connect as _connect
+from router.cluster.members import PARTED_DDL
 from router.config.model import Config
 from router.errors import PgmeshError, describe
+from router.nodes.connect import Conn, connect, one
 from router.ops.barrier import barrier
 from router.progress.applied import position_sql
 from router.progress.positions import BARRIER_POSITION_SQL
@@ -45,8 +45,6 @@ from router.service.admin import ask_router
 __all__ = ["DRAIN_ROUNDS", "cmd_part", "part_node"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 DRAIN_ROUNDS: Final = 3
 # NODE's slot, read without consuming: each transaction's rows (pgoutput v1, binary), from its confirmed
@@ -158,7 +156,7 @@ async def part_node(config: Config, name: str, *, clean: bool = False, limit: fl
     held = False
     for node in config.nodes:
         try:
-            conns[node.name] = await _connect(node)
+            conns[node.name] = await connect(node, purpose="pgmesh part", admin=True)
         except PgmeshError as exc:
             if node.name != name:
                 unreachable.append(f"{node.name} ({exc.message})")

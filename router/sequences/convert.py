@@ -37,6 +37,7 @@ from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA, SEQUENCE_MODES, Config, split_table_name
 from router.errors import Action, ConfigError, PgmeshError, decide, describe
+from router.nodes.connect import Conn
 from router.sequences.ids import (
     Mode,
     SequenceColumn,
@@ -54,7 +55,6 @@ __all__ = ["convert_sequences"]
 
 logger = logging.getLogger(__name__)
 
-Conn = psycopg.AsyncConnection[Any]
 ColumnKey = tuple[str, str, str]  # (schema, table, column)
 
 LOCK_TIMEOUT: Final = "10s"

@@ -35,6 +35,7 @@ from psycopg import sql
 
 from router.config.model import PGMESH_SCHEMA, SYSTEM_SCHEMAS, Config, NodeConfig
 from router.errors import ConfigError, PgmeshError, describe
+from router.nodes.connect import ADMIN_SETUP, Conn, Failure, connect
 from router.nodes.sqlfiles import statements
 
 __all__ = [
@@ -66,7 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Conn = psycopg.AsyncConnection[Any]
 ColumnKey = tuple[str, str, str]  # (schema, table, column)
 
 EPOCH_MS: Final = 1_735_689_600_000  # 2025-01-01 00:00:00 UTC, in Unix milliseconds
@@ -78,7 +78,6 @@ COUNTER_MODULUS: Final = 1 << COUNTER_BITS
 NODE_ID_KEY: Final = "node_id"
 LOCAL_DDL_SETTING: Final = "pgmesh.ddl_local"
 APPLICATION_NAME: Final = "pgmesh sequences"
-CONNECT_TIMEOUT_S: Final = 10
 _COMMENT_PREFIX: Final = "pgmesh sequences "
 _LITERAL: Final = r"'(?:[^']|'')+'::regclass"
 _NEXTVAL_RE: Final = re.compile(rf"^nextval\({_LITERAL}\)$")
@@ -322,21 +321,7 @@ async def set_local(conn: Conn) -> None:
 
 async def _connect(node: NodeConfig, *, autocommit: bool) -> Conn:
     """A connection to one node; failures name the node, never the DSN."""
-    try:
-        return await psycopg.AsyncConnection.connect(
-            node.dsn,
-            autocommit=autocommit,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            application_name=APPLICATION_NAME,
-        )
-    except psycopg.ProgrammingError:
-        raise PgmeshError("the dsn is not a valid libpq connection string", node=node.name) from None
-    except (psycopg.Error, OSError) as exc:
-        raise PgmeshError(
-            f"cannot connect: {describe(exc)}",
-            node=node.name,
-            hint=f"every node must be reachable; check that node {node.name} is running",
-        ) from None
+    return await connect(node, purpose=APPLICATION_NAME, autocommit=autocommit, failure=Failure.UNREACHABLE)
 
 
 async def connect_all(config: Config, *, autocommit: bool) -> dict[str, Conn]:
@@ -350,7 +335,7 @@ async def connect_all(config: Config, *, autocommit: bool) -> dict[str, Conn]:
     failures = [r for r in results if isinstance(r, BaseException)]
     for name, conn in [] if failures else conns.items():  # synchronous > 0 (docs/synchronous.md): never
         if config.synchronous(name):  # wait for the router, which may not be running
-            await conn.execute("SET synchronous_commit = local")
+            await conn.execute(ADMIN_SETUP)
             if not autocommit:
                 await conn.commit()
     if failures:

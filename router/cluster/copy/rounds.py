@@ -35,12 +35,11 @@ from router.cluster.copy.locks import SnapshotLocks, give_way
 from router.cluster.copy.schema import SchemaRestore, dump_and_restore_pre_data
 from router.config.model import Config, NodeConfig
 from router.errors import JOIN_ATTEMPTS, PgmeshError, describe
+from router.nodes.connect import Conn
 
 __all__ = ["Copied", "Rounds", "copy_in_rounds", "end_copy_sessions"]
 
 logger = logging.getLogger(__name__)
-
-Conn = psycopg.AsyncConnection[Any]
 
 
 class Rounds(NamedTuple):
