@@ -37,8 +37,8 @@ POINTS: Final[dict[str, str]] = {
     "apply.before_commit": "router.apply.careful.transaction: the origin's set-up sent, its COMMIT not yet"
     " (on PostgreSQL 16+ a rollback here moves the origin: router.progress.applied)",
     "apply.batch_sent": "router.apply.applier: a batch sent to the target, its result not read yet",
-    "log.segment_switch": "router.stream.log.store: a new segment file created, its header not written"
-    " (synchronous: raise or kill only)",
+    "log.segment_switch": "router.stream.log.store: a switch from a full segment, the new segment file"
+    " created, its header not written (not a log's first segment; synchronous: raise or kill only)",
     "join.after_snapshot": "router.ops.join: the join's snapshot and positions taken, the router"
     " released, the copy not started (the new node's stream starts from those positions)",
 }
