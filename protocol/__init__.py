@@ -5,6 +5,15 @@ decoding output (proto_version 1 to 4, as PostgreSQL 15-18 send it; no two-phase
 relation cache and assembles whole transactions. It never touches a socket, a clock or an event loop: it
 imports only the standard library and msgspec, so the router, the tests and the benchmarks can all drive
 it with plain bytes.
+
+  replication.py   the streaming replication CopyData framing (both directions)
+  pgoutput.py      the decoder of pgoutput's binary messages
+  messages.py      those messages as frozen data
+  relations.py     the relation cache: what each relation id means right now
+  transactions.py  the assembler: messages in, whole committed transactions out
+  changes.py       the kinds of change a transaction carries, and one `{change kind: handler}` table
+  lsn.py           WAL positions and PostgreSQL timestamps
+  errors.py        the errors this layer raises
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@ Walks the AST of every module under `router/`, `protocol/` and `bench/`; nothing
   module's own private names and the short allow-list below are the only private reads;
 - every error class of `router/` lives in `router/errors.py`, but for a module's private control-flow
   signals (`_Name`, never raised out of their module) and the short allow-list below.
+- every package of `router/` and `protocol/` names each of its modules and subpackages in its
+  `__init__` docstring (its face), as a word: "`large`" or "large.py".
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,6 +298,29 @@ def test_error_classes_live_in_router_errors() -> None:
             if not cls.startswith("_") and f"{name}.{cls}" not in ERRORS_ELSEWHERE:
                 bad.append(f"{name}.{cls}")
     assert not bad, f"error classes outside router/errors.py: {bad}"
+
+
+def package_faces() -> Iterator[tuple[str, str, list[str]]]:
+    """(package, its `__init__` docstring, its modules and subpackages) for `router/` and `protocol/`."""
+    for package in ("router", "protocol"):
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            folder = init.parent
+            members = [p.stem for p in folder.glob("*.py") if p.name != "__init__.py"]
+            members += [d.name for d in folder.iterdir() if (d / "__init__.py").is_file()]
+            name = ".".join(folder.relative_to(ROOT).parts)
+            yield name, ast.get_docstring(parse(init)) or "", sorted(members)
+
+
+def test_every_package_names_its_modules() -> None:
+    """A package's face: a reader finds each module's place from the folder's `__init__` docstring."""
+    unnamed = {
+        package: missing
+        for package, doc, members in package_faces()
+        if (missing := [m for m in members if not re.search(rf"(?<!\w){re.escape(m)}(?!\w)", doc)])
+    }
+    assert not unnamed, "modules not named in their package's __init__ docstring:\n" + "\n".join(
+        f"{package}: {', '.join(missing)}" for package, missing in sorted(unnamed.items())
+    )
 
 
 def test_the_rules_see_the_tree() -> None:
