@@ -1,7 +1,7 @@
 """Where a key is in a TOML file's text: the line a config error names (best effort, text only).
 
 Owns the lookup from a msgspec error path (`$.nodes[1].name`) to a line of the file. Must not decode TOML
-or know the config's keys (router.config.model does).
+or know the config's keys (router.config.sections and router.config.messages do).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The checks of a node's part of the data (`tables`, `rows`, `columns` under `[[nodes]]`) that need no
-server: router.config.model runs them at parse; router.cluster.partial checks the rest on the node at init.
+server: router.config.rules runs them at parse; router.cluster.partial checks the rest on the node at init.
 
-Must not: import router.config.model (it imports this), or connect anywhere.
+Must not: import router.config.model or router.config.rules (they import this), or connect anywhere.
 """
 
 from __future__ import annotations

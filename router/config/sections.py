@@ -1,0 +1,223 @@
+"""The sections of `config.toml` as msgspec types that carry their own constraints.
+
+Owns each `[section]`'s keys, defaults and the bounds and vocabularies of single values (`Annotated[int,
+msgspec.Meta(ge=...)]`, `Literal[...]`, patterns), so msgspec refuses a bad value at decode and its path
+names the key. The vocabularies (resolvers, conflict types, modes) are spelled once here.
+
+Must not: check one value against another (router.config.rules does), word an error (router.config.messages
+does), import router.config.model (it imports this), or connect anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final, Literal, get_args
+
+import msgspec
+
+from router.conflicts.resolve import ConflictType, Resolver
+
+__all__ = [
+    "CONFLICT_TYPES",
+    "DDL_MODES",
+    "DEFAULT_SCHEMA",
+    "NAME_PATTERN",
+    "RESOLVER_NAMES",
+    "SEQUENCE_MODES",
+    "SYNCHRONOUS_COMMIT",
+    "AdminSection",
+    "ClocksSection",
+    "ClusterSection",
+    "ConflictSection",
+    "ConflictTypeName",
+    "DdlSection",
+    "HaSection",
+    "LogSection",
+    "Name",
+    "ReplicationSection",
+    "ResolverName",
+    "SequencesSection",
+    "SyncSection",
+    "TableSection",
+    "split_table_name",
+]
+
+# The cluster's and the nodes' names: they end up in slot, publication and origin names.
+NAME_PATTERN: Final = r"^[a-z][a-z0-9_]{0,29}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+
+# replication.apply_synchronous_commit: PostgreSQL's values (its aliases true/false/yes/no/1/0 are left out)
+SynchronousCommit = Literal["off", "local", "remote_write", "on", "remote_apply"]
+SYNCHRONOUS_COMMIT: Final[tuple[str, ...]] = get_args(SynchronousCommit)
+SequenceMode = Literal["snowflake", "step"]
+SEQUENCE_MODES: Final[tuple[str, ...]] = get_args(SequenceMode)
+DdlMode = Literal["replicated", "locked"]
+DDL_MODES: Final[tuple[str, ...]] = get_args(DdlMode)
+NewTableWithoutKey = Literal["full", "warn", "refuse"]
+
+# Resolver names a config may use; "custom" is spelled as the function itself ("module:function").
+RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
+CONFLICT_TYPES: Final = tuple(t.value for t in ConflictType)
+_CUSTOM: Final = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+ResolverName = Annotated[
+    str, msgspec.Meta(pattern=rf"^(?:{'|'.join(map(re.escape, RESOLVER_NAMES))})\Z|^{_CUSTOM}")
+]
+ConflictTypeName = Annotated[str, msgspec.Meta(pattern=rf"^(?:{'|'.join(map(re.escape, CONFLICT_TYPES))})\Z")]
+
+DEFAULT_SCHEMA: Final = "public"
+# `schema.table`, or a bare `table` (schema public): neither part empty, no second dot
+TableName = Annotated[str, msgspec.Meta(pattern=r"^[^.]+(?:\.[^.]+)?\Z")]
+
+
+class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: Name
+
+
+class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which tables replicate, and how the appliers behave."""
+
+    tables: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["*.*"])
+    exclude: list[str] = msgspec.field(default_factory=list)
+    apply_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    queue_max_transactions: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    # per link: MB of transactions' payload held in memory (the rest waits in the log)
+    queue_max_mb: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # Sessions per link applying independent transactions at once, committed in source order.
+    apply_lanes: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    # The appliers' sessions' synchronous_commit. "off" (as the native apply worker) loses nothing: a
+    # source's slot is confirmed only up to what the target has flushed. "on", "remote_write",
+    # "remote_apply" make each applied transaction wait for its flush (and for the target's synchronous
+    # standbys, when it has some) before the next one; "local" ignores the standbys.
+    apply_synchronous_commit: SynchronousCommit = "off"
+    # A commit on a node returns only once this many other nodes have durably applied it (0: asynchronous).
+    # Stock synchronous replication: the node's synchronous_standby_names names the router's replication
+    # connection (`Config.standby_name`), set by `pgmesh init`; docs/synchronous.md. Its bounds depend on
+    # the number of nodes (router.config.rules).
+    synchronous: int = 0
+    status_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 1_000
+    # A node that does not answer the router's progress query within this long is taken for cut off:
+    # its links show "down" and the router drops its sessions to it (router.service.supervisor)
+    node_timeout_ms: Annotated[int, msgspec.Meta(ge=100)] = 10_000
+    replicate_ddl: bool = True  # capture DDL with an event trigger and run it on the other nodes
+    # a table without a key: "full" (REPLICA IDENTITY FULL, replicated), "warn" (a new one left local,
+    # with a warning) or "refuse" (an error)
+    new_table_without_key: NewTableWithoutKey = "full"
+    # Per open transaction: MB of change payload (as received) kept in memory before the rest spills to
+    # disk; 0: never. Inserts are held as the server's bytes (about 2x that in the router); updates and
+    # deletes decoded (about 9x for rows of a few narrow columns).
+    spill_mb: Annotated[int, msgspec.Meta(ge=0)] = 8  # payload bytes; about 2x (inserts) to 9x (decoded rows)
+    spool_dir: str = ""  # where spilled transactions go ("": the system's temporary directory)
+    # Start applying a transaction that spills before its commit arrives: one the server decoded after
+    # its commit is handed out at its first spill; one it streams while still in progress is applied on
+    # a second session per link from its first spill and committed in its place in commit order.
+    early_apply: bool = True
+
+
+class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # HOST:PORT (router.config.rules checks the port); beyond loopback only with TLS and the token
+    # (docs/admin.md)
+    listen: str = "127.0.0.1:8787"
+    # the token POST requests need (router.service.admintoken): "" = admin.token in the state directory
+    token_file: str = ""
+    socket: str = ""  # a Unix socket made 0600 for the router's user: its POSTs need no token ("": none)
+    tls_cert: str = ""  # PEM certificate and key: HTTPS on listen (both or neither; checked at start)
+    tls_key: str = ""
+    # a request must arrive whole within this after connecting (checked at start: router.service.admin)
+    header_timeout_ms: int = 10_000
+
+
+class SequencesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[sequences]`: how `pgmesh sequences convert` makes ids unique across nodes (docs/sequences.md)."""
+
+    mode: SequenceMode = "snowflake"  # "snowflake" (bigint ids: time, node id, counter) or "step"
+    # step mode: each node's values are node_id mod step, so step > every node id (router.config.rules)
+    step: int = 100
+
+
+class DdlSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[ddl]`: how DDL may run (docs/ddl.md). "replicated": DDL run on any node is replayed on the others;
+    "locked": the nodes refuse DDL on replicated objects unless it comes through `pgmesh ddl` (drain, run
+    on one node, wait until replayed everywhere). Installed on the nodes by `pgmesh init`."""
+
+    mode: DdlMode = "replicated"
+
+
+class ClocksSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[clocks]`: how far a node's clock may be from the router's (router.cluster.clocks, docs/conflicts.md
+    "Clocks"). Beyond warn_offset_ms the router logs a warning; beyond max_offset_ms `pgmesh init` fails
+    and the links into and out of the node that decide conflicts by commit times hold until it is back
+    under."""
+
+    warn_offset_ms: Annotated[int, msgspec.Meta(ge=1)] = 50
+    max_offset_ms: int = 500  # at least warn_offset_ms (router.config.rules)
+
+
+class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[conflicts]`: the cluster-wide resolver, and per conflict type overrides in `[conflicts.types]`."""
+
+    resolver: ResolverName = Resolver.LAST_UPDATE_WINS.value
+    node_priority: list[str] = msgspec.field(default_factory=list)  # first listed wins
+    # node_priority: versions within one window are ordered by rank (only 0 for now: router.config.rules)
+    window_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # conflict type -> resolver
+    types: dict[ConflictTypeName, ResolverName] = msgspec.field(default_factory=dict)
+    allow_divergence: bool = False  # accept keep_local / apply_remote / first_update_wins (status says so)
+    # Tombstone pruning (router.conflicts.pruning): the margin behind the links' safe times, and how often
+    tombstone_margin_ms: Annotated[int, msgspec.Meta(ge=0)] = 60_000
+    tombstone_prune_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 10_000
+
+
+class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `[[tables]]` entry: a table's own resolver, per-type overrides and delta columns."""
+
+    name: TableName  # schema.table; a bare name means schema public
+    resolver: ResolverName | None = None
+    delta_columns: list[str] = msgspec.field(default_factory=list)  # non-empty, distinct (rules)
+    types: dict[ConflictTypeName, ResolverName] = msgspec.field(default_factory=dict)
+
+    @property
+    def qualified(self) -> tuple[str, str]:
+        """(schema, table) of `name`."""
+        return split_table_name(self.name)
+
+
+class SyncSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[sync]`: the initial copy of `pgmesh join` (a PySpark batch)."""
+
+    spark_master: str = "local[*]"  # any Spark master URL; local[*] needs no Spark cluster
+    partitions_per_table: int = 0  # 0: from each table's size
+    spark_conf: dict[str, str] = msgspec.field(default_factory=dict)  # e.g. "spark.driver.memory" = "2g"
+
+
+class LogSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[log]`: the router's log of each source (router.stream.log.store, docs/scale.md)."""
+
+    enabled: bool = True
+    # "": $PGMESH_STATE_DIR, else $XDG_STATE_HOME/pgmesh, else ~/.local/state/pgmesh; then /<cluster>/<node>
+    directory: str = ""
+    # per source; when reached, links that fall behind re-read the source (WAL kept); at least two
+    # segments (router.config.rules)
+    cap_mb: Annotated[int, msgspec.Meta(ge=2)] = 10_240
+    segment_mb: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # group fsync: appends wait at most this long to be made durable together
+    fsync_ms: Annotated[int, msgspec.Meta(ge=0)] = 20
+    # with every link of a source behind (no other link to keep moving for), a link whose queue is full
+    # and that applies nothing for this long goes to the log (its source moves on, its slot is confirmed)
+    hold_s: Annotated[int, msgspec.Meta(ge=0)] = 10
+
+
+class HaSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[ha]`: standby routers; one at a time applies, holding a lease on a majority (docs/ha.md)."""
+
+    enabled: bool = False
+    name: str = ""  # this router's name in the lease ("": the host name); the process adds a suffix
+    lease_s: float = 10.0  # how long a lease lasts unrenewed; renewed every lease_s / 3
+    drift: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.01  # bound on two clocks' rates (1%)
+    # the holder stops this long before its lease could expire anywhere (bounds: router.config.rules)
+    margin_s: float = 1.0
+
+
+def split_table_name(name: str) -> tuple[str, str]:
+    """`"schema.table"` -> (schema, table); a bare `"table"` means schema public."""
+    schema, sep, table = name.partition(".")
+    return (schema, table) if sep else (DEFAULT_SCHEMA, name)
