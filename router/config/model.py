@@ -1,33 +1,36 @@
 """`config.toml`: the cluster's configuration, decoded and validated with msgspec.
 
-Owns the whole (`Config`: the sections of router.config.sections and the `[[nodes]]`), the names pgmesh
+Owns the whole (`Config`: the `[[nodes]]` and the sections of router.config.sections), the names pgmesh
 derives from it (slot, publication and origin names), which conflict policy applies to a (table, conflict
 type), and `parse_config` / `load_config`: TOML text -> msgspec (which refuses what the types declare) ->
 router.config.rules (what weighs one value against another) -> a `Config`, or one `ConfigError` line
-naming the key and its line in the file (router.config.messages). The config is passed to whoever needs
-it; nothing here is global, nothing here connects anywhere, and a custom resolver ("module:function") is
-only named here, never imported (the applier loads it).
+naming the key and its line in the file (router.config.messages). Callers import the sections' names from
+here too. The config is passed to whoever needs it; nothing here is global, nothing here connects
+anywhere, and a custom resolver ("module:function") is only named here, never imported (the applier
+loads it).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated
 
 import msgspec
 
 from router.config.messages import decode_error, rule_error
-from router.config.rules import check, resolvers_in_effect
+from router.config.rules import check, divergent_resolvers
 from router.config.sections import (
     CONFLICT_TYPES,
     DDL_MODES,
     DEFAULT_SCHEMA,
+    JOIN_SCHEMA,
+    PGMESH_SCHEMA,
     RESOLVER_NAMES,
     SEQUENCE_MODES,
     SYNCHRONOUS_COMMIT,
+    SYSTEM_SCHEMAS,
     AdminSection,
     ClocksSection,
     ClusterSection,
@@ -35,14 +38,14 @@ from router.config.sections import (
     DdlSection,
     HaSection,
     LogSection,
-    Name,
+    NodeConfig,
     ReplicationSection,
     SequencesSection,
     SyncSection,
     TableSection,
     split_table_name,
 )
-from router.conflicts.resolve import ConflictType, Policy, Resolver, can_diverge
+from router.conflicts.resolve import ConflictType, Policy, Resolver
 from router.errors import ConfigError
 
 # The sections' names are re-exported: callers import them from here.
@@ -73,29 +76,6 @@ __all__ = [
     "parse_config",
     "split_table_name",
 ]
-
-PGMESH_SCHEMA: Final = "pgmesh"
-# the marker of a join in progress on the new node (router.ops.join)
-JOIN_SCHEMA: Final = "pgmesh_join"
-SYSTEM_SCHEMAS: Final = frozenset(
-    {"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, JOIN_SCHEMA}
-)
-
-
-class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: Name
-    dsn: Annotated[str, msgspec.Meta(pattern=r"\S")]  # not blank
-    # receives from every other node and sends to none (router.cluster.receive: local writes refused)
-    receive_only: bool = False
-    # a file holding the node's password alone (a mounted secret), read through a private .pgpass copy
-    # named by the dsn's passfile (router.nodes.dsn.password_file_dsn)
-    password_file: str = ""
-    # overrides [replication] synchronous for commits on this node (docs/synchronous.md)
-    synchronous: int | None = None  # between 0 and the other nodes (router.config.rules)
-    # a receive-only node's part of the data (router.cluster.partial): these tables, rows, columns only
-    tables: list[str] | None = None
-    rows: dict[str, str] = msgspec.field(default_factory=dict)
-    columns: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -180,13 +160,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def replicates(self, schema: str, table: str) -> bool:
         """Whether `schema.table` is in the replicated set."""
-        if schema in SYSTEM_SCHEMAS or schema.startswith("pg_"):
-            return False
-        qualified = f"{schema}.{table}"
-        rep = self.replication
-        if not any(_match(p, qualified) for p in rep.tables):
-            return False
-        return not any(_match(p, qualified) for p in rep.exclude)
+        return self.replication.replicates(schema, table)
 
     def log_directory(self, node: str) -> Path:
         """Where the router keeps `node`'s log."""
@@ -229,26 +203,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def divergent_resolvers(self) -> list[str]:
         """Every resolver setting that can leave nodes with different rows, as `key = resolver (where)`
         (empty for a cluster that converges; non-empty only with `allow_divergence = true`)."""
-        found = []
-        for key, value in resolvers_in_effect(self.conflicts, self.tables):
-            if value not in RESOLVER_NAMES:
-                continue
-            kind = key.rpartition(".types.")[2] if ".types." in key else None
-            if not can_diverge(Resolver(value), ConflictType(kind) if kind else None):
-                continue
-            index = key.partition("[")[2].partition("]")[0]
-            where = self.tables[int(index)].name if key.startswith("tables[") else "every table"
-            found.append(f"{key} = {value} ({where})")
-        return found
+        return divergent_resolvers(self.conflicts, self.tables)
 
     def delta_columns(self, schema: str, table: str) -> tuple[str, ...]:
         """The table's delta columns (changes add up instead of overwriting); () for none."""
         entry = self.table(schema, table)
         return tuple(entry.delta_columns) if entry is not None else ()
-
-
-def _match(pattern: str, qualified: str) -> bool:
-    return fnmatch.fnmatchcase(qualified, pattern if "." in pattern else f"*.{pattern}")
 
 
 def parse_config(text: str, *, source: str = "config.toml") -> Config:
@@ -262,7 +222,11 @@ def parse_config(text: str, *, source: str = "config.toml") -> Config:
     except msgspec.ValidationError as exc:
         raise decode_error(exc, raw, text, source) from None
     try:
-        check(config)
+        check(
+            nodes=config.nodes, replication=config.replication, admin=config.admin,
+            conflicts=config.conflicts, tables=config.tables, sequences=config.sequences,
+            clocks=config.clocks, ddl=config.ddl, log=config.log, ha=config.ha,
+        )
     except ConfigError as exc:
         raise rule_error(exc, text, source) from None
     if any(node.password_file for node in config.nodes):

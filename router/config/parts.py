@@ -6,24 +6,7 @@ Must not: import router.config.model or router.config.rules (they import this), 
 
 from __future__ import annotations
 
-from typing import Protocol
-
-
-class NodeConfig(Protocol):
-    """What this module reads of router.config.model.NodeConfig (which it may not import: config imports
-    this)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def receive_only(self) -> bool: ...
-    @property
-    def tables(self) -> list[str] | None: ...
-    @property
-    def rows(self) -> dict[str, str]: ...
-    @property
-    def columns(self) -> dict[str, list[str]]: ...
-
+from router.config.sections import NodeConfig
 
 __all__ = ["describe_part", "part_problem"]
 

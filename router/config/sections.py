@@ -1,8 +1,9 @@
-"""The sections of `config.toml` as msgspec types that carry their own constraints.
+"""The sections of `config.toml` (and its `[[nodes]]`) as msgspec types that carry their own constraints.
 
 Owns each `[section]`'s keys, defaults and the bounds and vocabularies of single values (`Annotated[int,
 msgspec.Meta(ge=...)]`, `Literal[...]`, patterns), so msgspec refuses a bad value at decode and its path
-names the key. The vocabularies (resolvers, conflict types, modes) are spelled once here.
+names the key. The vocabularies (resolvers, conflict types, modes) and the schemas that never replicate
+are spelled once here; `ReplicationSection.replicates` says which tables do.
 
 Must not: check one value against another (router.config.rules does), word an error (router.config.messages
 does), import router.config.model (it imports this), or connect anywhere.
@@ -10,6 +11,7 @@ does), import router.config.model (it imports this), or connect anywhere.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Annotated, Final, Literal, get_args
 
@@ -21,10 +23,13 @@ __all__ = [
     "CONFLICT_TYPES",
     "DDL_MODES",
     "DEFAULT_SCHEMA",
+    "JOIN_SCHEMA",
     "NAME_PATTERN",
+    "PGMESH_SCHEMA",
     "RESOLVER_NAMES",
     "SEQUENCE_MODES",
     "SYNCHRONOUS_COMMIT",
+    "SYSTEM_SCHEMAS",
     "AdminSection",
     "ClocksSection",
     "ClusterSection",
@@ -34,6 +39,7 @@ __all__ = [
     "HaSection",
     "LogSection",
     "Name",
+    "NodeConfig",
     "ReplicationSection",
     "ResolverName",
     "SequencesSection",
@@ -64,6 +70,13 @@ ResolverName = Annotated[
 ]
 ConflictTypeName = Annotated[str, msgspec.Meta(pattern=rf"^(?:{'|'.join(map(re.escape, CONFLICT_TYPES))})\Z")]
 
+# Schemas that never replicate: the system's and pgmesh's own.
+PGMESH_SCHEMA: Final = "pgmesh"
+# the marker of a join in progress on the new node (router.ops.join)
+JOIN_SCHEMA: Final = "pgmesh_join"
+SYSTEM_SCHEMAS: Final = frozenset(
+    {"pg_catalog", "information_schema", "pg_toast", PGMESH_SCHEMA, JOIN_SCHEMA}
+)
 DEFAULT_SCHEMA: Final = "public"
 # `schema.table`, or a bare `table` (schema public): neither part empty, no second dot
 TableName = Annotated[str, msgspec.Meta(pattern=r"^[^.]+(?:\.[^.]+)?\Z")]
@@ -71,6 +84,24 @@ TableName = Annotated[str, msgspec.Meta(pattern=r"^[^.]+(?:\.[^.]+)?\Z")]
 
 class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: Name
+
+
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `[[nodes]]` entry."""
+
+    name: Name
+    dsn: Annotated[str, msgspec.Meta(pattern=r"\S")]  # not blank
+    # receives from every other node and sends to none (router.cluster.receive: local writes refused)
+    receive_only: bool = False
+    # a file holding the node's password alone (a mounted secret), read through a private .pgpass copy
+    # named by the dsn's passfile (router.nodes.dsn.password_file_dsn)
+    password_file: str = ""
+    # overrides [replication] synchronous for commits on this node (docs/synchronous.md)
+    synchronous: int | None = None  # between 0 and the other nodes (router.config.rules)
+    # a receive-only node's part of the data (router.cluster.partial): these tables, rows, columns only
+    tables: list[str] | None = None
+    rows: dict[str, str] = msgspec.field(default_factory=dict)
+    columns: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -111,6 +142,15 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # its commit is handed out at its first spill; one it streams while still in progress is applied on
     # a second session per link from its first spill and committed in its place in commit order.
     early_apply: bool = True
+
+    def replicates(self, schema: str, table: str) -> bool:
+        """Whether `schema.table` replicates: matched by `tables`, not by `exclude`, not a system schema."""
+        if schema in SYSTEM_SCHEMAS or schema.startswith("pg_"):
+            return False
+        qualified = f"{schema}.{table}"
+        if not any(_match(p, qualified) for p in self.tables):
+            return False
+        return not any(_match(p, qualified) for p in self.exclude)
 
 
 class AdminSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -221,3 +261,7 @@ def split_table_name(name: str) -> tuple[str, str]:
     """`"schema.table"` -> (schema, table); a bare `"table"` means schema public."""
     schema, sep, table = name.partition(".")
     return (schema, table) if sep else (DEFAULT_SCHEMA, name)
+
+
+def _match(pattern: str, qualified: str) -> bool:
+    return fnmatch.fnmatchcase(qualified, pattern if "." in pattern else f"*.{pattern}")
