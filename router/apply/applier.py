@@ -36,14 +36,14 @@ from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
 from router import failpoints
 from router.apply.careful.transaction import CarefulApplier
+from router.apply.clock import LinkClockView, NoClock
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
 from router.apply.side import SideSession
 from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
-from router.apply.state import LinkCondition, LinkState, LinkStats, LinkView
-from router.cluster.clocks import LinkClock
+from router.apply.state import RUNNING, LinkCondition, LinkHold, LinkState, LinkStats, LinkView, Liveness
 from router.config.model import Config, NodeConfig
 from router.ddl.capture import SCHEMA_CHANGES
 from router.ddl.messages import has_ddl
@@ -76,6 +76,8 @@ BATCH_BYTES = 4 << 20
 
 logger = logging.getLogger(__name__)
 
+_STOPS = frozenset({LinkHold.PAUSE, LinkHold.DRIFT})  # holds that stop the loop (clock skew waits in it)
+
 
 class Applier(LinkView):
     """Applies one source's transactions to one target, in order, exactly once."""
@@ -90,7 +92,7 @@ class Applier(LinkView):
         *,
         on_applied: Callable[[Applier, Transaction], None] | None = None,
         clock: Callable[[], float] = time.time,
-        target_clock: LinkClock | None = None,
+        target_clock: LinkClockView | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -104,15 +106,15 @@ class Applier(LinkView):
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
         self._clock = clock
-        # the target's clock offset from the router's, and the clock-skew hold (router.cluster.clocks)
-        self._target_clock = target_clock or LinkClock(None, source, target.name)
+        # the target's clock offset from the router's, and the clock-skew hold (router.service.clocks)
+        self._target_clock: LinkClockView = target_clock if target_clock is not None else NoClock()
         self._on_applied = on_applied
         self._schema = SchemaWait()  # since when a missing table / column is awaited
         self.schema_wait = SCHEMA_WAIT_S
         self._reloaded_for = -1  # the transaction that last made us re-read the target's tables
         self._schema_changes = -1  # the target's count of DDL commands when the careful path last looked
-        self._held: list[Transaction] = []  # taken from the queue, not yet known to be applied
-        # the last failure came from `_held[0]` alone (not from several sent in one round trip, where the
+        self._in_hand: list[Transaction] = []  # taken from the queue, not yet known to be applied
+        # the last failure came from `_in_hand[0]` alone (not from several sent in one round trip, where the
         # error does not say which one failed): only then may an error name it for `pgmesh skip`
         self._alone = True
         # Transactions per round trip: halved after a conflict (the rest of a batch is sent again),
@@ -122,9 +124,7 @@ class Applier(LinkView):
         self._resumed.set()
         self._between = asyncio.Event()  # no batch in the target's hands (`finish`)
         self._between.set()
-        self.user_paused = False
-        self.drift: str | None = None  # held on schema drift (router.ddl.drift) until the schemas agree
-        self._reread = False  # released from drift: the target's tables may have been fixed by hand
+        self._reread = False  # out of a schema drift hold: the target's tables may have been fixed by hand
         self.skip_lsn: int | None = None  # `pgmesh skip`: the transaction that ends there is left out
         self._large = LargeApply(self.link, self.link.run_ddl)
         # Parallel apply (router.apply.lanes): sessions besides the main one; the main session holds the
@@ -140,13 +140,23 @@ class Applier(LinkView):
 
     # ------------------------------------------------------------ control
 
+    # A link's holds (router.apply.state): the operator's pause (`pause` / `resume`), schema drift (the
+    # supervisor reports it: `add_hold` / `drop_hold`) and clock skew (`_wait_out_skew`, and the clock
+    # watch at each refresh). The loop runs (`_resumed`) unless the link is on an error, paused or drifted.
+
+    @property
+    def user_paused(self) -> bool:
+        return LinkHold.PAUSE in self.condition.holds
+
+    @property
+    def drift(self) -> str | None:
+        """Why the link holds on schema drift (router.ddl.drift) until the schemas agree, or None."""
+        return self.condition.holds.get(LinkHold.DRIFT)
+
     def pause(self, reason: str = "paused by the operator") -> None:
-        self.user_paused = True
         self._resumed.clear()
         self._side.drop("the link was paused")  # holds no transaction open while paused
-        if self.condition.state is LinkState.ERROR:
-            return  # held already: its error stays in view (TRANSITIONS)
-        self.condition.move(LinkState.PAUSED, None if reason.startswith("paused by") else reason)
+        self.condition.add_hold(LinkHold.PAUSE, None if reason.startswith("paused by") else reason)
 
     async def finish(self) -> None:
         """Start no batch more; return once the one in the target's hands has committed or failed (the
@@ -155,45 +165,56 @@ class Applier(LinkView):
         await self._between.wait()
 
     def resume(self) -> None:
-        self.user_paused = False
-        if self.drift is not None:  # the router re-checks the schemas; `release_drift` runs it again
-            self.condition.move(LinkState.SCHEMA_DRIFT, self.drift)
-            return
-        # a paused link runs again at once when connected, else it is down until it is (other states stay)
-        state, running = self.condition.state, self._running() if self.link.connected else LinkState.DOWN
-        self.condition.move(running if state is LinkState.PAUSED else state, None)
-        self._resumed.set()
+        """`pgmesh resume`: the pause goes, the error shown is cleared, and a link on an error connects
+        again; one held on schema drift stays held (the router re-checks the schemas: `drop_hold`)."""
+        liveness, paused = self.condition.liveness, self.user_paused
+        if liveness is Liveness.ERROR:
+            liveness = Liveness.CONNECTING
+        elif paused and liveness in RUNNING:
+            liveness = self._running()
+        self.condition.to(liveness, None)
+        self.condition.drop_hold(LinkHold.PAUSE)
+        self._gate()
 
-    def hold_for_drift(self, reason: str) -> None:
-        """Apply nothing (the source's slot is confirmed no further) while the schemas differ."""
-        self.drift = reason
-        self._resumed.clear()
-        self._side.drop("the link holds on schema drift")
-        if self.condition.state is not LinkState.ERROR:  # an error stays in view until resumed
-            self.condition.move(LinkState.SCHEMA_DRIFT, reason)
+    def add_hold(self, hold: LinkHold, reason: str) -> None:
+        """A watcher holds the link: schema drift applies nothing (the source's slot is confirmed no
+        further) while the schemas differ; an error stays in view until resumed."""
+        if hold in _STOPS:
+            self._resumed.clear()
+            self._side.drop(f"the link holds on {hold.value}")
+        self.condition.add_hold(hold, reason)
 
-    def release_drift(self) -> None:
-        """The schemas agree again: run, unless the operator paused the link or an error holds it."""
-        if self.drift is None:
+    def drop_hold(self, hold: LinkHold) -> None:
+        """The watcher's hold is over: run, unless the operator paused the link or an error holds it."""
+        condition = self.condition
+        if hold not in condition.holds:
             return
-        self.drift, self._reread = None, True
-        if self.condition.state is LinkState.SCHEMA_DRIFT:
-            running = self._running() if self.link.connected else LinkState.DOWN
-            self.condition.move(LinkState.PAUSED if self.user_paused else running, None)
-        if not self.user_paused and self.condition.state is not LinkState.ERROR:
+        if condition.shows(hold):  # what it showed goes, its reason with it
+            liveness = condition.liveness
+            condition.to(self._running() if liveness in RUNNING else liveness, None)
+        condition.drop_hold(hold)
+        if hold is LinkHold.DRIFT:
+            self._reread = True
+        self._gate()
+
+    def _gate(self) -> None:
+        """Let the loop run unless the link is on an error, paused or held on schema drift."""
+        if self.condition.liveness is Liveness.ERROR or not _STOPS.isdisjoint(self.condition.holds):
+            self._resumed.clear()
+        else:
             self._resumed.set()
 
-    def _running(self, backlog: int = 0) -> LinkState:
-        return LinkState.CATCHING_UP if len(self.queue) > backlog else LinkState.STREAMING
+    def _running(self, backlog: int = 0) -> Liveness:
+        return Liveness.CATCHING_UP if len(self.queue) > backlog else Liveness.STREAMING
 
     @property
     def pending(self) -> int:
-        """Transactions held for this link: queued, plus those in hand."""
-        return len(self.queue) + len(self._held)
+        """Transactions waiting for this link: queued, plus those in hand."""
+        return len(self.queue) + len(self._in_hand)
 
     def oldest_pending_commit_time(self) -> int | None:
-        if self._held:
-            return self._held[0].commit_time
+        if self._in_hand:
+            return self._in_hand[0].commit_time
         return self.queue.oldest_commit_time()
 
     @property
@@ -219,41 +240,42 @@ class Applier(LinkView):
                 await self._disconnect()
                 if action is Action.RETRY:
                     self.stats.retries += 1
-                    self.condition.move(LinkState.DOWN, describe(exc))
+                    self.condition.to(Liveness.DOWN, describe(exc))
                     logger.debug("link %s: retrying in %.1f s", self.name, backoff)
                     await asyncio.sleep(backoff * (0.5 + random.random() / 2))
                     backoff = min(backoff * 2, 10.0)
                 else:
-                    self.hold(exc)
+                    self.fail(exc)
 
-    def hold(self, exc: Exception) -> None:
-        """Pause this link with the error; `resume()` retries the same transaction."""
+    def fail(self, exc: Exception) -> None:
+        """Stop this link on the error (state "error"); `resume()` retries the same transaction."""
         self.stats.errors += 1
-        lsn = self._held[0].end_lsn if self._held else None
+        lsn = self._in_hand[0].end_lsn if self._in_hand else None
         if isinstance(exc, PgmeshError):
             text = str(exc.at(node=self.target.name, lsn=lsn))
         else:
             text = f"node {self.target.name}, LSN {format_lsn(lsn or 0)}: {describe(exc)}"
         self._resumed.clear()
         self._side.drop("the link paused on an error")
-        at, skip = "", ""
-        if not self._alone and len(self._held) > 1:  # several in one round trip: which one failed is unknown
-            at = (f"s ending at {format_lsn(self._held[0].end_lsn)} to {format_lsn(self._held[-1].end_lsn)}"
-                  f" ({len(self._held)}, sent together: which one failed is not known)")
+        at, skip, in_hand = "", "", self._in_hand
+        if not self._alone and len(in_hand) > 1:  # several in one round trip: which one failed is unknown
+            at = (f"s ending at {format_lsn(in_hand[0].end_lsn)} to {format_lsn(in_hand[-1].end_lsn)}"
+                  f" ({len(in_hand)}, sent together: which one failed is not known)")
         elif lsn is not None:  # the transaction by the LSN `pgmesh skip` takes (router.apply.skip)
             at = f" ending at {format_lsn(lsn)}"
             skip = (f"; to leave just this transaction out on {self.target.name}: `pgmesh skip --source"
                     f" {self.source} --target {self.target.name} --lsn {format_lsn(lsn)}`")
-        self.condition.move(LinkState.ERROR, f"applying {self.source}'s transaction{at}: {text}{skip}")
+        self.condition.to(Liveness.ERROR, f"applying {self.source}'s transaction{at}: {text}{skip}")
 
     async def skip(self, lsn: int, record: Callable[[], Awaitable[object]]) -> str:
         """`pgmesh skip`: leave out the source's transaction that ends at `lsn` (router.apply.skip). A link
         held on an error is stuck on one transaction: only that one may be named, and the link runs again.
         `record` writes the skip on the target first (a restart remembers it); returns what will happen."""
-        stuck = self._held[0].end_lsn if self.condition.state is LinkState.ERROR and self._held else None
-        if stuck is not None and not self._alone and len(self._held) > 1:  # never guess which one failed
+        on_error = self.condition.liveness is Liveness.ERROR
+        stuck = self._in_hand[0].end_lsn if on_error and self._in_hand else None
+        if stuck is not None and not self._alone and len(self._in_hand) > 1:  # never guess which one failed
             raise PgmeshError(
-                f"link {self.name} is held on {len(self._held)} transactions sent together, and the error"
+                f"link {self.name} is held on {len(self._in_hand)} transactions sent together, and the error"
                 " does not say which of them failed; nothing skipped", node=self.target.name, lsn=lsn,
                 hint="fix the cause and `pgmesh resume`; skipping needs the one failing transaction alone",
             )
@@ -267,13 +289,14 @@ class Applier(LinkView):
 
     async def _connect(self) -> None:
         link = self.link
+        self.condition.to(Liveness.CONNECTING, keep_error=True)  # shown "down" (with why) until it runs
         if self.progress.restart_at(await link.open()):
             logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
                            self.name, format_lsn(self.progress.applied))
             self.queue.clear()
-            for txn in self._held:
+            for txn in self._in_hand:
                 release(txn)
-            self._held = []
+            self._in_hand = []
         await link.load_tables()
         nodes, installed_at = await link.load_origins()
         self.skip_lsn = await read_skip(link)
@@ -281,8 +304,7 @@ class Applier(LinkView):
         self._careful.mark = link.mark
         if installed_at is not None:
             self._careful.installed_at = installed_at
-        if self._resumed.is_set():  # (paused while it connected: it stays paused)
-            self.condition.move(self._running(), None)
+        self.condition.to(self._running(), None)  # (paused while it connected: shown paused)
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))
 
@@ -307,21 +329,21 @@ class Applier(LinkView):
     async def _apply_loop(self) -> None:
         while True:
             await self._resumed.wait()
-            if not self._held:
-                self._held = [await self.queue.get()]
+            if not self._in_hand:
+                self._in_hand = [await self.queue.get()]
             await self._resumed.wait()  # paused while it waited for the queue
             if self._reread:
                 self._reread = False
                 await self.link.reload_tables()
             self._take_more()
-            fresh = [t for t in self._held if t.end_lsn > self.progress.applied]
-            for txn in self._held:
+            fresh = [t for t in self._in_hand if t.end_lsn > self.progress.applied]
+            for txn in self._in_hand:
                 if txn.end_lsn <= self.progress.applied:
                     release(txn)
-            self.stats.skipped += len(self._held) - len(fresh)
-            self._held = fresh
+            self.stats.skipped += len(self._in_hand) - len(fresh)
+            self._in_hand = fresh
             if fresh and self.skip_lsn is not None:
-                fresh = self._held = await self._skip(fresh, self.skip_lsn)
+                fresh = self._in_hand = await self._skip(fresh, self.skip_lsn)
             if fresh:
                 await self._delay(fresh[-1] if self.apply_delay <= 0 else fresh[0])
                 self._between.clear()
@@ -330,9 +352,8 @@ class Applier(LinkView):
                 finally:
                     self._between.set()
                     self._side.main_done()
-            self._held = []
-            if self._resumed.is_set():  # paused while the batch ran: it stays paused
-                self.condition.move(self._running(backlog=1000), keep_error=True)
+            self._in_hand = []
+            self.condition.to(self._running(backlog=1000), keep_error=True)  # (paused meanwhile: shown so)
 
     async def _skip(self, fresh: list[Transaction], lsn: int) -> list[Transaction]:
         """What is left to apply of `fresh` under a skip (router.apply.skip): those before the transaction
@@ -364,25 +385,39 @@ class Applier(LinkView):
 
     def _take_more(self) -> None:
         """Join what is already queued (and due, under an apply delay) to the transactions in hand."""
-        room = self._batch_limit - len(self._held)
+        room = self._batch_limit - len(self._in_hand)
         if room <= 0 or not len(self.queue) or self.apply_delay > 0:
             return  # (under a delay, one at a time: each waits for its own due time)
-        self._held.extend(self.queue.take(room))
+        self._in_hand.extend(self.queue.take(room))
 
     async def _delay(self, txn: Transaction) -> None:
         """Hold `txn` until its commit time plus the apply delay has passed on the *target's* clock (the
         router's plus the target's measured offset): never apply a commit time that is still in the future
         there, so a local write after it always commits later (docs/conflicts.md, Clocks). Held while
-        the source's or target's clock is beyond [clocks] max_offset_ms (router.cluster.clocks).
+        the source's or target's clock is beyond [clocks] max_offset_ms (router.service.clocks).
         """
         clocks = self._target_clock
-        if await clocks.hold(self.condition):
+        if await self._wait_out_skew():
             await self._resumed.wait()  # paused (or held on drift) while it was held
         due = pg_us_to_datetime(txn.commit_time).timestamp() + self.apply_delay
         wait = due - (self._clock() + clocks.offset())
         while wait > 0:
             await asyncio.sleep(wait)
             wait = due - (self._clock() + clocks.offset())  # the offset may have been measured anew
+
+    async def _wait_out_skew(self) -> bool:
+        """Wait while the link is held for clock skew, the hold in view; True if it waited. No commit time
+        is applied before the clocks were first measured."""
+        clocks = self._target_clock
+        await clocks.measured()
+        waited = False
+        while (reason := clocks.skewed()) is not None:
+            waited = True
+            self.condition.add_hold(LinkHold.CLOCK, reason)
+            await clocks.next_round()
+        if waited:
+            self.condition.drop_hold(LinkHold.CLOCK)
+        return waited
 
     def _script(self, txn: Transaction, prelude: list[str]) -> str:
         link = self.link
@@ -474,13 +509,13 @@ class Applier(LinkView):
                 task.cancel()
 
     async def _apply_batch(self, batch: list[Transaction]) -> None:
-        """Apply `batch` (the transactions in hand, `_held`) a step at a time: each step applies the first
+        """Apply `batch` (the transactions in hand, `_in_hand`) a step at a time: each step applies the first
         of them (several in lanes, or one alone, or a run in one round trip) and leaves the rest in hand."""
         assert self.link.conn is not None
-        self._held = batch
+        self._in_hand = batch
         sequential = False  # a lane failed: the next step goes without lanes
-        while self._held:
-            batch = self._held
+        while self._in_hand:
+            batch = self._in_hand
             if self._side.current is not None:
                 self._side.gate(batch)
             if self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0]):
@@ -496,7 +531,7 @@ class Applier(LinkView):
                 if run.applied:
                     for txn in batch[: run.applied]:
                         self._applied(txn)
-                    self._held = batch[run.applied :]
+                    self._in_hand = batch[run.applied :]
                     sequential = run.failed  # the transaction that failed goes the careful way, alone
                     continue
             sequential = False
@@ -505,7 +540,7 @@ class Applier(LinkView):
     async def _apply_first(self, batch: list[Transaction]) -> None:
         """One step without lanes: the batch's first transaction with DDL or a large one alone, else as
         many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
-        the batch back in smaller batches). Leaves what is still to apply in `_held`."""
+        the batch back in smaller batches). Leaves what is still to apply in `_in_hand`."""
         await self.link.take_origin()
         self._alone = True
         if has_ddl(batch[0]) and not is_large(batch[0]):  # a large one runs its DDL in place
@@ -515,7 +550,7 @@ class Applier(LinkView):
                 await self._after_failure()
                 await self.link.reload_tables()
                 raise
-            self._held = batch[1:]
+            self._in_hand = batch[1:]
             return
         try:
             if is_large(batch[0]):
@@ -534,8 +569,9 @@ class Applier(LinkView):
             await self._after_conflict(exc)
         except LostBeforeCommit as lost:
             await self._after_failure()  # rolls back what was applied of it
-            if self._held and (self._held[0] is lost.txn or self._held[0] is whole_transaction(lost.txn)):
-                release(self._held.pop(0))
+            first = self._in_hand[0] if self._in_hand else None
+            if first is not None and (first is lost.txn or first is whole_transaction(lost.txn)):
+                release(self._in_hand.pop(0))
             self.stats.abandoned_transactions += 1
             logger.info("link %s: transaction %s (commit at %s) lost by the source before its commit"
                         " arrived; rolled back on %s, it will be applied when resent", self.name,
@@ -546,33 +582,33 @@ class Applier(LinkView):
         else:
             for txn in batch[:done]:
                 self._applied(txn)
-            self._held = batch[done:]
+            self._in_hand = batch[done:]
             self._batch_limit = min(BATCH_TRANSACTIONS, self._batch_limit * 2)
 
     async def _after_conflict(self, exc: asyncpg.PostgresError) -> None:
         """The batch failed on the target (rolled back): read the tables again if DDL changed them here
         (once per transaction), or apply the transaction that met a conflict the careful way; else raise."""
-        held = self._held
-        if tables_changed(exc) and held and held[0].end_lsn != self._reloaded_for:
+        in_hand = self._in_hand
+        if tables_changed(exc) and in_hand and in_hand[0].end_lsn != self._reloaded_for:
             # DDL run on the target itself since the tables were read: read them again, once
-            self._reloaded_for = held[0].end_lsn
+            self._reloaded_for = in_hand[0].end_lsn
             await self.link.reload_tables()
             return
         if remote_version_missing(exc) and self.link.needed_remote():
             return  # sent again, with the remote version
-        if decision_function_lost(exc) and held and held[0].end_lsn != self._reloaded_for:
-            self._reloaded_for = held[0].end_lsn  # once per transaction, as a reload; then sent again
+        if decision_function_lost(exc) and in_hand and in_hand[0].end_lsn != self._reloaded_for:
+            self._reloaded_for = in_hand[0].end_lsn  # once per transaction, as a reload; then sent again
             return
-        if not is_conflict(exc) or not held or self.link.conn is None:
+        if not is_conflict(exc) or not in_hand or self.link.conn is None:
             raise exc
-        self.link.contest(held[0], exc)  # an insert that met its key: its table's inserts decide it in place
+        self.link.contest(in_hand[0], exc)  # an insert that met its key: its table's inserts decide it here
         self._alone = True
-        await self._apply_carefully(whole_transaction(held[0]))  # the transaction that met a conflict
-        self._held = held[1:]
+        await self._apply_carefully(whole_transaction(in_hand[0]))  # the transaction that met a conflict
+        self._in_hand = in_hand[1:]
         self._batch_limit = max(16, self._batch_limit // 2)
-        for txn in reversed(self._held[self._batch_limit :]):
+        for txn in reversed(self._in_hand[self._batch_limit :]):
             self.queue.push_front(txn)  # back to the queue, in order: sent in smaller batches
-        self._held = self._held[: self._batch_limit]
+        self._in_hand = self._in_hand[: self._batch_limit]
 
     def conflict_counts(self) -> dict[tuple[str, str], int]:
         """(table, conflict type) -> conflicts decided on this link since start (from its history)."""
@@ -628,11 +664,11 @@ class Applier(LinkView):
             await link.deallocate_stale()
             done = await link.origin_progress()
             # one handed out before its commit counts by its whole self (it commits only once whole)
-            self._held = [whole_transaction(t) for t in self._held]
-            for txn in self._held:
+            self._in_hand = [whole_transaction(t) for t in self._in_hand]
+            for txn in self._in_hand:
                 if txn.end_lsn <= done:
                     self._applied(txn)
-            self._held = [t for t in self._held if t.end_lsn > done]
+            self._in_hand = [t for t in self._in_hand if t.end_lsn > done]
 
     def _applied(self, txn: Transaction) -> None:
         release(txn)

@@ -1,12 +1,17 @@
-"""A link's state and counters: where it is (`LinkState`, moved only by `LinkCondition.move`, along the
-allowed `TRANSITIONS`) and what it did (`LinkStats`, one struct per link that the supervisor reads whole
-for `pgmesh status` and the metrics).
+"""A link's state and counters: whether it is alive (`Liveness`, moved only by `LinkCondition.to`, along
+the allowed `TRANSITIONS`), what holds it (`LinkHold`: a set beside it), what the operator sees
+(`LinkState`, derived from the two by `shown`) and what it did (`LinkStats`, one struct per link that the
+supervisor reads whole for `pgmesh status` and the metrics).
+
+Only the applier moves its liveness; the watchers (the clock watch, the schema drift check, the
+operator's pause through the supervisor) report a hold to it (`LinkCondition.add_hold` /
+`drop_hold`) and never set a state.
 
 `LinkView` lets the applier answer `applier.state` and `applier.last_error` as it always has; its
 counters are read whole or one by one off `applier.stats`. Nothing writes through it.
 
 Must not: do I/O, decide what a failure means (router.errors), or keep anything but the state, the
-last error and the counters.
+holds, the last error and the counters.
 """
 
 from __future__ import annotations
@@ -14,86 +19,169 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
-__all__ = ["TRANSITIONS", "LinkCondition", "LinkState", "LinkStats", "LinkView"]
+__all__ = [
+    "RUNNING",
+    "TRANSITIONS",
+    "LinkCondition",
+    "LinkHold",
+    "LinkState",
+    "LinkStats",
+    "LinkView",
+    "Liveness",
+    "shown",
+]
 
 logger = logging.getLogger(__name__)
 
 
+class Liveness(enum.Enum):
+    """Where the applier's own loop is with its target."""
+
+    CONNECTING = "connecting"  # (re)opening its target session; shown "down" until it runs
+    STREAMING = "streaming"
+    CATCHING_UP = "catching up"
+    DOWN = "down"  # failed, retried after a backoff
+    ERROR = "error"  # failed for good: stopped until `pgmesh resume`
+
+
+class LinkHold(enum.Enum):
+    """What holds a link that is otherwise able to run. The router's own hold (`POST /hold`, a join)
+    is not one of them: it stops every link, and builds them again when released."""
+
+    PAUSE = "pause"  # `pgmesh pause` (or paused on the target when the router started)
+    DRIFT = "schema drift"  # the nodes' replicated tables differ (router.ddl.drift)
+    CLOCK = "clock skew"  # a node's clock is beyond [clocks] max_offset_ms (router.service.clocks)
+
+
 class LinkState(enum.Enum):
+    """What `pgmesh status`, /status, the metrics and `applier.state` show: see `shown`."""
+
     STREAMING = "streaming"
     PAUSED = "paused"
     CATCHING_UP = "catching up"
     DOWN = "down"
     ERROR = "error"
-    SCHEMA_DRIFT = "schema drift"  # the nodes' replicated tables differ (router.ddl.drift): held
-    CLOCK_SKEW = "clock skew"  # a node's clock is beyond [clocks] max_offset_ms (router.cluster.clocks): held
+    SCHEMA_DRIFT = "schema drift"  # held on schema drift
+    CLOCK_SKEW = "clock skew"  # held on clock skew
 
 
-_S = LinkState
-_RUNNING: Final = frozenset({_S.STREAMING, _S.CATCHING_UP})
-# Where a link may go from each state. Every state may fail (DOWN: retried; ERROR: held until
-# `pgmesh resume`). The operator may pause a link in any state but ERROR: a link held on an error stays
-# in ERROR, its error in view, until it is resumed (pausing it only keeps it held after that).
-# STREAMING <-> CATCHING_UP follow the backlog after each batch. A link runs again (STREAMING or
-# CATCHING_UP) from DOWN, PAUSED or ERROR when it (re)connects, and from PAUSED also at once when it is
-# resumed while connected. SCHEMA_DRIFT holds a link whose source or target has a replicated table whose
-# columns differ from the other nodes' (router.ddl.drift), from any state but ERROR (an ERROR link moves
-# there when it is resumed while the drift lasts), and runs it again once the schemas agree. CLOCK_SKEW
-# holds a running link that decides by commit times while its source's or target's clock is too far from
-# the router's (router.cluster.clocks), and runs it again (STREAMING) once it is back under the bound.
-_ANY: Final = frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.PAUSED, _S.SCHEMA_DRIFT, _S.CLOCK_SKEW})
-TRANSITIONS: Final[Mapping[LinkState, frozenset[LinkState]]] = {
-    _S.DOWN: _ANY,
-    _S.STREAMING: _ANY,
-    _S.CATCHING_UP: _ANY,
-    _S.PAUSED: _ANY,
-    _S.SCHEMA_DRIFT: _ANY,
-    _S.CLOCK_SKEW: _ANY,
-    _S.ERROR: frozenset({*_RUNNING, _S.DOWN, _S.ERROR, _S.SCHEMA_DRIFT}),
+_L = Liveness
+RUNNING: Final = frozenset({_L.STREAMING, _L.CATCHING_UP})
+# Where the liveness may go from each state. A link that connects runs (STREAMING or CATCHING_UP, which
+# follow the backlog after each batch) or fails; a running one fails (DOWN: retried; ERROR: stopped). A
+# link DOWN runs again only through CONNECTING, and one on an ERROR only once `pgmesh resume` sends it
+# to CONNECTING: nothing runs straight out of DOWN or ERROR, and nothing reconnects while it runs.
+TRANSITIONS: Final[Mapping[Liveness, frozenset[Liveness]]] = {
+    _L.DOWN: frozenset({_L.DOWN, _L.CONNECTING, _L.ERROR}),
+    _L.CONNECTING: frozenset({*RUNNING, _L.CONNECTING, _L.DOWN, _L.ERROR}),
+    _L.STREAMING: frozenset({*RUNNING, _L.DOWN, _L.ERROR}),
+    _L.CATCHING_UP: frozenset({*RUNNING, _L.DOWN, _L.ERROR}),
+    _L.ERROR: frozenset({_L.ERROR, _L.CONNECTING}),
 }
 
-# How a move into each state is logged: level, what the link does, what comes after the error.
-_LOG: Final[Mapping[LinkState, tuple[int, str, str]]] = {
-    _S.DOWN: (logging.WARNING, "is down", "; retrying"),
-    _S.ERROR: (logging.ERROR, "paused", " (fix it, then `pgmesh resume`)"),
-    _S.PAUSED: (logging.INFO, "paused", ""),
+_S = LinkState
+# What the operator sees, first match wins: an ERROR stays in view whatever holds the link (until it is
+# resumed); then schema drift (re-checked while it lasts), the operator's pause, and clock skew, which
+# shows only on a link that runs (one down or connecting shows "down").
+_HOLDS_SHOWN: Final[tuple[tuple[LinkHold, LinkState, frozenset[Liveness]], ...]] = (
+    (LinkHold.DRIFT, _S.SCHEMA_DRIFT, frozenset(Liveness)),
+    (LinkHold.PAUSE, _S.PAUSED, frozenset(Liveness)),
+    (LinkHold.CLOCK, _S.CLOCK_SKEW, RUNNING),
+)
+_LIVENESS_SHOWN: Final[Mapping[Liveness, LinkState]] = {
+    _L.CONNECTING: _S.DOWN, _L.DOWN: _S.DOWN, _L.ERROR: _S.ERROR,
+    _L.STREAMING: _S.STREAMING, _L.CATCHING_UP: _S.CATCHING_UP,
+}
+
+
+class Shown(NamedTuple):
+    state: LinkState
+    error: str | None
+    why: Liveness | LinkHold  # what put it there (how a move into it is logged)
+
+
+def shown(liveness: Liveness, error: str | None, holds: Mapping[LinkHold, str | None]) -> Shown:
+    """The state and last error the operator sees, from the liveness (and its error) and the holds (and
+    their reasons)."""
+    if liveness is not _L.ERROR:
+        for hold, state, under in _HOLDS_SHOWN:
+            if hold in holds and liveness in under:
+                return Shown(state, holds[hold], hold)
+    return Shown(_LIVENESS_SHOWN[liveness], error, liveness)
+
+
+# How a move into each shown state is logged, by what put it there: level, what the link does, what
+# comes after the error; None: not logged (a link connecting shows "down" but is no news).
+_LOG: Final[Mapping[Liveness | LinkHold, tuple[int, str, str] | None]] = {
+    _L.DOWN: (logging.WARNING, "is down", "; retrying"),
+    _L.ERROR: (logging.ERROR, "paused", " (fix it, then `pgmesh resume`)"),
+    _L.CONNECTING: None,
+    _L.STREAMING: (logging.DEBUG, "streaming", ""),
+    _L.CATCHING_UP: (logging.DEBUG, "catching up", ""),
+    LinkHold.PAUSE: (logging.INFO, "paused", ""),
     # router.ddl.drift logs the drift once, naming node, table and column (not once per link)
-    _S.SCHEMA_DRIFT: (logging.DEBUG, "holds on schema drift", ""),
-    # router.cluster.clocks logs the skew once per node (not once per link)
-    _S.CLOCK_SKEW: (logging.DEBUG, "holds on clock skew", ""),
-    _S.STREAMING: (logging.DEBUG, "streaming", ""),
-    _S.CATCHING_UP: (logging.DEBUG, "catching up", ""),
+    LinkHold.DRIFT: (logging.DEBUG, "holds on schema drift", ""),
+    # router.service.clocks logs the skew once per node (not once per link)
+    LinkHold.CLOCK: (logging.DEBUG, "holds on clock skew", ""),
 }
 
 
 class LinkCondition:
-    """Where one link is (`state`) and the error that stopped it last (`last_error`)."""
+    """One link's liveness (with the error that moved it last) and its holds (each with its reason); what
+    the operator sees of them is `state` and `last_error`."""
 
-    __slots__ = ("last_error", "name", "state")
+    __slots__ = ("_shown", "error", "holds", "liveness", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.state = LinkState.DOWN
-        self.last_error: str | None = None
+        self.liveness = Liveness.DOWN
+        self.error: str | None = None
+        self.holds: dict[LinkHold, str | None] = {}
+        self._shown = shown(self.liveness, self.error, self.holds)
 
-    def move(self, state: LinkState, error: str | None = None, *, keep_error: bool = False) -> None:
-        """The one way to change the state: checks the transition, records `error` (or keeps the last
-        one with `keep_error`) and logs the change once."""
-        if state not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"link {self.name}: no move from {self.state.value} to {state.value}")
-        if keep_error:
-            error = self.last_error
-        moved = state is not self.state
-        if not moved and error == self.last_error:
+    @property
+    def state(self) -> LinkState:
+        return self._shown.state
+
+    @property
+    def last_error(self) -> str | None:
+        return self._shown.error
+
+    def shows(self, why: Liveness | LinkHold) -> bool:
+        """Whether what the operator sees comes from `why` (a hold shown, or the liveness)."""
+        return self._shown.why is why
+
+    def to(self, liveness: Liveness, error: str | None = None, *, keep_error: bool = False) -> None:
+        """The one way to change the liveness: checks the transition, records `error` (or keeps the last
+        one with `keep_error`) and logs what the operator sees change, once."""
+        if liveness not in TRANSITIONS[self.liveness]:
+            raise RuntimeError(f"link {self.name}: no move from {self.liveness.value} to {liveness.value}")
+        self.liveness, self.error = liveness, self.error if keep_error else error
+        self._show()
+
+    def add_hold(self, hold: LinkHold, reason: str | None = None) -> None:
+        """A watcher (or the operator) holds the link, saying why (None: nothing to add)."""
+        self.holds[hold] = reason
+        self._show()
+
+    def drop_hold(self, hold: LinkHold) -> None:
+        if self.holds.pop(hold, False) is not False:
+            self._show()
+
+    def _show(self) -> None:
+        was, now = self._shown, shown(self.liveness, self.error, self.holds)
+        self._shown = now
+        moved = now.state is not was.state
+        if not moved and now.error == was.error:
             return
-        self.state, self.last_error = state, error
-        if moved or error is not None:  # an error cleared (`pgmesh resume`) is no news
-            level, what, after = _LOG[state]
-            logger.log(level, "link %s %s%s%s", self.name, what, f": {error}" if error else "", after)
+        log = _LOG[now.why]
+        if log is not None and (moved or now.error is not None):  # an error cleared is no news
+            level, what, after = log
+            logger.log(level, "link %s %s%s%s", self.name, what, f": {now.error}" if now.error else "", after)
 
 
 class LinkStats(msgspec.Struct):

@@ -17,7 +17,7 @@ only while it holds the lease:
 - **Fence** (`_take`): on each node it takes over, after the row names it, the router terminates the
   applying sessions of every other holder (router.apply.fence) and the walsender on the cluster's slot,
   and waits for them to end; only then may its own applying sessions open there (`FENCE.claimed`).
-- **Release** (`release`, a clean stop): the row expires at once, so a standby takes over at its next poll.
+- **Release** (`give_up`, a clean stop): the row expires at once, so a standby takes over at its next poll.
 
 Must not: apply, stream, or decide what stopping means (the supervisor does); hold a row past a failed
 acquisition.
@@ -180,7 +180,7 @@ class Lease:
         FENCE.claimed.add(self.config.node(node).dsn)
         return True
 
-    # ---------------------------------------------------------------- acquire, keep, release
+    # ---------------------------------------------------------------- acquire, keep, give up
 
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Wait as a standby until this router holds the lease (True), or `stop` is set (False)."""
@@ -240,7 +240,7 @@ class Lease:
         fenced = [n for n, ok in (await self._each(won, self._take)).items() if ok is True]
         if self.clock() >= self.valid_until or len(fenced) < self.quorum:
             self.why = f"term {term}: fenced {len(fenced)} nodes before the deadline; trying again"
-            await self.release()
+            await self.give_up()
             return False
         self.role, self.why = "active", f"term {term} on {', '.join(sorted(won))}"
         logger.warning("lease: this router (%s) holds term %d on %s: it applies", self.holder, term,
@@ -294,7 +294,7 @@ class Lease:
         logger.error("lease: this router (%s) stops applying: %s", self.holder, self.why)
         self.lost.set()
 
-    async def release(self) -> None:
+    async def give_up(self) -> None:
         """Let the lease go now (a clean stop, after every applier stopped): a standby takes over at once."""
         if self._keeper is not None:
             self._keeper.cancel()

@@ -38,25 +38,27 @@ _STANDBY_SQL: Final = (
     " (SELECT pg_catalog.json_object_agg(slot_name, restart_lsn::text) FROM pg_catalog.pg_replication_slots"
     "  WHERE slot_type = 'physical')"
 )
-_SAMPLES_MAX: Final = 1000  # an older sample dropped only delays a release: later ones are higher
+_SAMPLES_MAX: Final = 1000  # an older sample dropped only delays a position: later ones are higher
 
 
 class StandbyGate:
-    """Origin positions read on a node, released once its standbys have the WAL they were read at.
+    """Origin positions read on a node, let through once its standbys have the WAL they were read at.
 
-    `release(positions, wal_flush, standby_flush)`: `positions` were read before the node's WAL was
+    `let_through(positions, wal_flush, standby_flush)`: `positions` were read before the node's WAL was
     flushed to `wal_flush` (so their commits are at or below it); `standby_flush` is the least that the
     standbys have flushed (None: no standby to wait for, the positions pass as they are). Returns, per
     source, the newest positions whose `wal_flush` every standby has reached (0 before any).
     """
 
-    __slots__ = ("_released", "_samples")
+    __slots__ = ("_samples", "_through")
 
     def __init__(self) -> None:
         self._samples: deque[tuple[int, dict[str, int]]] = deque(maxlen=_SAMPLES_MAX)
-        self._released: dict[str, int] = {}
+        self._through: dict[str, int] = {}
 
-    def release(self, positions: dict[str, int], wal_flush: int, standby_flush: int | None) -> dict[str, int]:
+    def let_through(
+        self, positions: dict[str, int], wal_flush: int, standby_flush: int | None
+    ) -> dict[str, int]:
         if standby_flush is None:
             self._samples.clear()
             self._keep(positions)
@@ -64,11 +66,11 @@ class StandbyGate:
         self._samples.append((wal_flush, positions))
         while self._samples and self._samples[0][0] <= standby_flush:
             self._keep(self._samples.popleft()[1])
-        return {source: min(lsn, self._released.get(source, 0)) for source, lsn in positions.items()}
+        return {source: min(lsn, self._through.get(source, 0)) for source, lsn in positions.items()}
 
     def _keep(self, positions: dict[str, int]) -> None:
         for source, lsn in positions.items():
-            self._released[source] = max(lsn, self._released.get(source, 0))
+            self._through[source] = max(lsn, self._through.get(source, 0))
 
 
 # pgmesh's slot on a node: WAL it keeps (from its restart_lsn to the node's WAL end), and PostgreSQL's own
@@ -126,14 +128,14 @@ class MonitorTarget:
         )
         positions = {r[0][len(prefix):]: parse_lsn(r[1]) if r[1] else 0 for r in rows}
         if self.conn is None or self.conn.info.server_version < FAILOVER_SLOTS_SINCE:
-            return self.gate.release(positions, 0, None)  # no synchronized_standby_slots before 17
+            return self.gate.let_through(positions, 0, None)  # no synchronized_standby_slots before 17
         flushed, listed, slots = (await self.query(_STANDBY_SQL))[0]  # read after: at or above positions
         names = slot_names(str(listed))
         if not names:
-            return self.gate.release(positions, 0, None)
+            return self.gate.let_through(positions, 0, None)
         found = json.loads(slots) if isinstance(slots, str) else (slots or {})
         standby = min((parse_lsn(found[n]) if found.get(n) else 0 for n in names), default=0)
-        return self.gate.release(positions, parse_lsn(flushed), standby)
+        return self.gate.let_through(positions, parse_lsn(flushed), standby)
 
     async def read_retained(self, slot: str) -> RetainedWal | None:
         """What pgmesh's slot `slot` keeps of the node's WAL (None: no such slot, e.g. a node being

@@ -16,11 +16,11 @@ from protocol.lsn import format_lsn, pg_us_to_datetime
 from router.apply.applier import Applier
 from router.apply.recorder import TombstoneRecorder
 from router.apply.state import LinkState, LinkStats
-from router.cluster.clocks import ClockWatch
 from router.config.model import Config
 from router.config.parts import describe_part
 from router.ddl.drift import DriftWatch, drifted_nodes
 from router.progress.positions import LinkProgress, SourceProgress
+from router.service.clocks import ClockWatch
 from router.service.lease import Lease
 from router.service.logs import RouterLogs
 from router.service.metrics import Metrics, raise_to

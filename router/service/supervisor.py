@@ -1,13 +1,16 @@
 """`pgmesh run`: the router. Owns every long-lived task, the progress tick and the ordered shutdown.
 
-It builds, from the config and from what the nodes say (origin progress, paused links), one
-`ReplicationSource` + `SourcePump` per node and one `Applier` per link (source -> target), all in one
+It builds its parts through `Wiring` (router.service.wiring: from the config and from what the nodes say,
+one `ReplicationSource` + `SourcePump` per node and one `Applier` per link) and runs them all in one
 `TaskGroup` on one event loop. A tick every `status_interval_ms` reads each target's flushed origin
 positions, confirms each source's slot up to the least durable of its links (never further), and
 re-attaches detached links by re-reading their source; a node with `synchronous` = k > 0 is confirmed
-at each commit too, and only as far as k targets applied (router.service.synchronous). Stopping
-(SIGTERM, Ctrl-C) stops the sources first, then the appliers, then does a last shielded progress tick so
-the slots are confirmed as far as the targets durably got.
+at each commit too, and only as far as k targets applied (router.service.synchronous). A hold (`POST
+/hold`, a join) stops streaming until released, then builds everything again. Stopping (SIGTERM,
+Ctrl-C) stops the sources first, then the appliers, then does a last shielded progress tick so the
+slots are confirmed as far as the targets durably got.
+
+Must not: build a part itself (router.service.wiring does), or move a link's state (the appliers do).
 """
 
 from __future__ import annotations
@@ -16,39 +19,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import msgspec
 import psycopg
 
-from protocol.lsn import format_lsn, parse_lsn
+from protocol.lsn import format_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
-from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.skip import parse_skip, record_skip
-from router.cluster.clocks import ClockWatch
 from router.cluster.joining import read_pins
 from router.cluster.members import members_only
 from router.config.model import Config
-from router.conflicts.pruning import TombstonePruner
-from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, ConnectionLost, PgmeshError, describe
-from router.progress.positions import LinkProgress, SourceProgress
 from router.service.admin import AdminServer
 from router.service.lease import lease_for
-from router.service.logs import MARK_KEY, RouterLogs
 from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
 from router.service.report import Reporter
 from router.service.status import LinkStatus, SourceStatus, StatusReport
-from router.service.synchronous import CommitConfirm
 from router.service.tasks import cancel_all, freeze_startup_objects
+from router.service.wiring import Wiring
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
-from router.stream.linkqueue import LinkQueue
-from router.stream.seen import origin_nodes
-from router.stream.source import ReplicationSource
-from router.stream.spool import Spool
 
 __all__ = ["LinkStatus", "Router", "SourceStatus", "StatusReport"]
 
@@ -58,13 +50,8 @@ logger = logging.getLogger(__name__)
 STOP_WAIT_S = 5.0
 HOLD_MAX_S = 600.0  # a join holds for well under a second each time (docs/join.md)
 
-_SYSTEM_ID_SQL = "SELECT system_identifier::text FROM pg_catalog.pg_control_system()"
-# the router log this node's slot counted on (router.service.logs), and how far the slot is confirmed
-_LOG_MARK_SQL = (f"SELECT (SELECT value FROM pgmesh.node_info WHERE key = '{MARK_KEY}'), (SELECT"
-                 " confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s)")
 
-
-class Router:
+class Router(Wiring):
     """The whole mesh in one process."""
 
     def __init__(
@@ -78,27 +65,12 @@ class Router:
         admin: bool = True,
         reload: Callable[[], Config] | None = None,
     ) -> None:
-        self.config = config
-        self.clock = clock
-        self.metrics = metrics or Metrics()
+        super().__init__(config, source_options=source_options, clock=clock, on_applied=on_applied,
+                         metrics=metrics)
         self.admin: AdminServer | None = None
         self._admin_enabled = admin
-        self.reporter = Reporter()  # status and /metrics (router.service.report)
-        self.source_options = source_options or SourceOptions(
-            status_interval=max(1.0, config.replication.status_interval_ms / 1000), binary=False,
-            application_name=config.standby_name, skip_echo_rows=True, origin_none=True,
-            spill_bytes=config.replication.spill_mb << 20, early_spilled=config.replication.early_apply,
-            early_streamed=config.replication.early_apply,
-        )
-        self.spool = Spool(config.replication.spool_dir or None, cluster=config.cluster.name)
-        self.logs = RouterLogs(config, self.spool)  # each source's router log (router.service.logs)
         self.stop_wait_s = STOP_WAIT_S
         self.hold_max_s = HOLD_MAX_S  # a hold nobody releases ends by itself after this long
-        self._on_applied_hook = on_applied
-        self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
-        self.appliers: dict[tuple[str, str], Applier] = {}
-        self.pumps: dict[str, SourcePump] = {}
-        self.progress: dict[str, SourceProgress] = {}
         self.running = False
         self.started = asyncio.Event()
         # A hold (`pgmesh join` with the router running): stop streaming, keep the admin listener,
@@ -107,175 +79,7 @@ class Router:
         self._hold = asyncio.Event()
         self._held = asyncio.Event()
         self._release = asyncio.Event()
-        self.not_members: set[str] = set()  # nodes in the config without pgmesh yet (a join to come)
-        # Schema drift (router.ddl.drift): the members' replicated tables compared, on connections of its own
-        self.drift = DriftWatch({}, publication=config.publication_name, slot=config.slot_name,
-                                on_change=self._drift_changed)
-        self._drift_targets: list[MonitorTarget] = []
-        self.clocks = ClockWatch(config)  # each node's clock offset; the links' guard and hold
-        self._ddl_seen = 0  # DDL commands replayed by every link, when the drift watch was last poked
-        # Each node's tombstone recorder (router.apply.recorder) and where it had got to at start
-        self.recorders: dict[str, TombstoneRecorder] = {}
-        self._recorded: dict[str, int | None] = {}
-        self._sysids: dict[str, str] = {}
-        self._lost: list[tuple[str, str, int, str]] = []  # links a lost router log may have left short
         self.lease = lease_for(config)  # [ha]: standby routers (docs/ha.md)
-
-    # ------------------------------------------------------------ building
-
-    async def _load_state(
-        self,
-    ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], str | None], set[str]]:
-        """Flushed origin positions, paused links, and the nodes that could not be reached.
-
-        A node that is down does not stop the others: the links into it start detached (position
-        unknown, so they hold their sources' slots) and catch up when it answers again.
-        """
-        flushed: dict[tuple[str, str], int] = {}
-        paused: dict[tuple[str, str], str | None] = {}
-        down: set[str] = set()
-        self.not_members = set()
-        timeout = self.config.replication.node_timeout_ms / 1000  # a node cut off counts as down
-        for name, target in self.targets.items():
-            try:
-                async with asyncio.timeout(timeout):
-                    await target.origin_progress()
-            except psycopg.errors.UndefinedTable:
-                self.not_members.add(name)  # listed, not installed: a node still to be joined
-                await target.close()
-                target.conn = None
-            except (psycopg.Error, TimeoutError):
-                target.drop()  # reported below
-        if self.not_members:
-            if len(self.not_members) == len(self.targets) or len(self.targets) - len(self.not_members) < 2:
-                missing = ", ".join(sorted(self.not_members))
-                raise ConfigError(f"pgmesh is not installed on {missing}; run `pgmesh init`")
-            logger.warning("pgmesh is not installed on %s: left out until `pgmesh join` (or init) adds it",
-                           ", ".join(sorted(self.not_members)))
-        for name, target in self.targets.items():
-            if name in self.not_members:
-                continue
-            try:
-                async with asyncio.timeout(timeout):
-                    progress = await target.origin_progress()
-                    held = await target.paused_sources()
-                    recorded = await target.query(RECORDED_SQL)  # router.apply.recorder
-                    ident = await target.query(_SYSTEM_ID_SQL)
-                    mark, confirmed = (await target.query(_LOG_MARK_SQL, [self.config.slot_name]))[0]
-            except psycopg.errors.UndefinedTable as exc:
-                raise ConfigError(f"node {name}: pgmesh is not installed here; run `pgmesh init`") from exc
-            except psycopg.errors.UndefinedColumn as exc:  # e.g. links.applied (router.progress.applied)
-                raise ConfigError(
-                    f"node {name}: pgmesh's objects here are older than this router ({describe(exc)});"
-                    " run `pgmesh init`, which adds what is missing"
-                ) from exc
-            except (psycopg.OperationalError, TimeoutError) as exc:
-                why = f"no answer within {timeout:g} s" if isinstance(exc, TimeoutError) else describe(exc)
-                logger.warning("node %s is not reachable (%s): its links start detached and catch up later",
-                               name, why)
-                target.drop()
-                target.error = why if isinstance(exc, TimeoutError) else f"not reachable: {why}"
-                target.down_since = self.clock()  # shown down until it answers (`_progress_of`)
-                down.add(name)
-                continue
-            except psycopg.Error as exc:
-                raise ConfigError(f"node {name}: cannot read pgmesh's state: {describe(exc)}") from exc
-            self._recorded[name] = parse_lsn(recorded[0][0]) if recorded else None
-            self._sysids[name] = str(ident[0][0])  # the router's log of it is for this server only
-            self.logs.marks[name] = mark
-            self.logs.confirmed[name] = parse_lsn(confirmed) if confirmed else 0
-            for source in self.config.node_names:
-                if source == name or source in self.not_members:
-                    continue
-                if source not in progress:
-                    raise ConfigError(
-                        f"node {name}: replication origin {self.config.origin_name(source)} is missing;"
-                        " run `pgmesh init`"
-                    )
-                flushed[(source, name)] = progress[source]
-                if source in held:
-                    paused[(source, name)] = held[source]
-        if len(down) == len(self.targets) - len(self.not_members):
-            why = "; ".join(f"{n}: {self.targets[n].error}" for n in sorted(down))  # (a wrong CA...)
-            raise ConfigError(f"no node is reachable ({why}); check the DSNs and that the servers are up")
-        return flushed, paused, down
-
-    def _build(
-        self, flushed: dict[tuple[str, str], int], paused: dict[tuple[str, str], str | None], down: set[str]
-    ) -> None:
-        queue_max = self.config.replication.queue_max_transactions
-        self.recorders = {}
-        self.clocks = ClockWatch(self.config)
-        members = [n for n in self.config.nodes if n.name not in self.not_members]
-        self.pruner = TombstonePruner(self.config, members, lambda: self.appliers, metrics=self.metrics,
-                                      clock=self.clock)  # router.conflicts.pruning
-        # origin name -> node: each source's echoes tell what it had applied (Transaction.seen)
-        origins = origin_nodes(self.config.node_names, self.config.origin_name(""),
-                               self.config.early_origin_name(""))
-        for source_node in members:
-            links: list[LinkProgress] = []
-            queues: dict[str, LinkQueue] = {}
-            log = self.logs.open(source_node.name, self._seen_of(source_node.name),
-                                 self._sysids.get(source_node.name))
-            stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
-            k = self.config.synchronous(source_node.name)  # > 0: confirmed at each commit (.synchronous)
-            confirm = CommitConfirm(self._on_applied_hook) if k else None
-            for target_node in members:
-                if target_node is source_node or source_node.receive_only:  # (router.cluster.receive)
-                    continue
-                key = (source_node.name, target_node.name)
-                link = LinkProgress(source_node.name, target_node.name,
-                                    flushed.get(key, stored.get(target_node.name, 0)))
-                if target_node.name in down:
-                    link.detach(0)  # its position is unknown until the node answers
-                queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
-                target_clock = self.clocks.link(*key)
-                applier = Applier(self.config, source_node.name, target_node, queue, link,
-                                  on_applied=confirm.applied if confirm else self._on_applied_hook,
-                                  clock=self.clock, target_clock=target_clock)
-                target_clock.show_on(applier.condition)
-                if key in paused:
-                    applier.pause(paused[key] or "paused by the operator")
-                links.append(link)
-                queues[target_node.name] = queue
-                self.appliers[key] = applier
-            start = self._recorded.get(source_node.name)
-            if start is None:  # never recorded (or the node is down): from where its links are
-                start = min((link.flushed for link in links), default=0)
-            recording = LinkProgress(source_node.name, source_node.name, start)
-            recorder_queue = LinkQueue(queue_max, self.config.replication.queue_max_mb << 20)
-            self.recorders[source_node.name] = TombstoneRecorder(
-                self.config, source_node, recording, recorder_queue, confirm.recorded if confirm else None)
-            progress = SourceProgress(source_node.name, links, recording, synchronous=k)
-            self.logs.place(source_node.name, progress, down)
-            self._lost += [(source_node.name, *x) for x in self.logs.lost(source_node.name, progress, down)]
-            self._drift_targets.append(MonitorTarget(self.config, source_node))
-            source = ReplicationSource(
-                source_node.name, source_node.dsn, self.config.slot_name, [self.config.publication_name],
-                options=msgspec.structs.replace(self.source_options, synchronous=k > 0), clock=self.clock,
-                spool=self.spool,
-                ceiling=self.pins.get(source_node.name),  # a joining node's pin (router.cluster.joining)
-                start_lsn=progress.start_position(None if log is None else log.end),
-            )
-            if confirm is not None:
-                confirm.progress, confirm.source = progress, source
-                if log is not None:
-                    confirm.watch_log(self.logs, source_node.name, log)
-            self.progress[source_node.name] = progress
-            self.pumps[source_node.name] = SourcePump(source, progress, queues, origins=origins,
-                                                      recorder=recorder_queue, log=log,
-                                                      log_hold_s=self.config.log.hold_s)
-        self.drift = DriftWatch(
-            {t.node.name: t.query for t in self._drift_targets}, publication=self.config.publication_name,
-            slot=self.config.slot_name, on_change=self._drift_changed,
-            synced=self._synced,
-        )
-
-    def _synced(self, node: str) -> int:
-        """The position of `node` up to which every other node has flushed everything (drift's barrier)."""
-        if node not in self.progress:
-            return 1 << 62
-        return self.pumps[node].source.idle_position(self.progress[node].synced())
 
     async def _stop_lost(self) -> None:
         """Stop every link a lost router log may have left short (router.service.logs), and record it as
@@ -283,13 +87,10 @@ class Router:
         timeout = self.config.replication.node_timeout_ms / 1000
         for source, target, position, why in self._lost:
             logger.error("%s", why)
-            self.appliers[(source, target)].hold(PgmeshError(why, node=target, lsn=position))
+            self.appliers[(source, target)].fail(PgmeshError(why, node=target, lsn=position))
             with contextlib.suppress(psycopg.Error, OSError, TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self.targets[target].set_paused(source, True, why)
-
-    def _seen_of(self, node: str) -> Callable[[], int]:
-        return lambda: self.progress[node].seen
 
     # ------------------------------------------------------------ running
 
@@ -324,7 +125,7 @@ class Router:
             self.running = False
             self.spool.close()
             if self.lease is not None:  # every applier has stopped: a standby may take over at once
-                await self.lease.release()
+                await self.lease.give_up()
                 await self.lease.close()
             if self.admin is not None:
                 await self.admin.close()
@@ -557,16 +358,6 @@ class Router:
         pump = self.pumps.get(name)
         if pump is not None:
             pump.source.connection.abort(ConnectionLost(why, node=name))
-
-    def _drift_changed(self, drift: Mapping[str, TableDrift]) -> None:
-        """Hold the links into and out of every node a replicated table differs on; run the others."""
-        nodes = drifted_nodes(drift)
-        for (source, target), applier in self.appliers.items():
-            found = {item.table: item for item in [*nodes.get(source, ()), *nodes.get(target, ())]}
-            if found:
-                applier.hold_for_drift("; ".join(item.describe() for item in found.values()))
-            else:
-                applier.release_drift()
 
     def health(self) -> tuple[bool, str]:
         return self.reporter.health(self)

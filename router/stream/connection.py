@@ -33,7 +33,7 @@ from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
 from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
 from router.stream.items import SourceOptions, StreamSettings, SystemInfo, negotiate
-from router.stream.slots import FAILOVER_SLOTS_SINCE, SlotCreated, SlotInfo, hold_snapshot
+from router.stream.slots import FAILOVER_SLOTS_SINCE, SlotCreated, SlotInfo, keep_snapshot
 from router.stream.state import Lifecycle, SourceState, SourceStats
 
 __all__ = ["Positions", "ReplicationConnection"]
@@ -216,7 +216,7 @@ class ReplicationConnection:
         logger.info("node %s: created slot %s at %s", self.node, name, format_lsn(point))
         snapshot = None
         if export_snapshot:
-            snapshot = await hold_snapshot(self._dsn, str(snapshot_name), slot=self.slot, node=self.node,
+            snapshot = await keep_snapshot(self._dsn, str(snapshot_name), slot=self.slot, node=self.node,
                                            application_name=self.options.application_name)
         return SlotCreated(str(name), point, snapshot)
 

@@ -4,7 +4,7 @@
 (CREATE_REPLICATION_SLOT, DROP_REPLICATION_SLOT) and reads the slot's row in `pg_replication_slots`;
 what it hands back is defined here: `SlotInfo` (that row), `SlotCreated` (the new slot's name and
 consistent point) and `ExportedSnapshot`. The replication connection that exports a snapshot loses it
-at its next command, so `hold_snapshot` imports it at once on a holder connection of its own and
+at its next command, so `keep_snapshot` imports it at once on a holder connection of its own and
 re-exports it; the re-exported name stays valid while the holder's transaction is open, whatever the
 source does next. `check_slot_name` is the rule for slot names; `FAILOVER_SLOTS_SINCE` the server from
 which a permanent slot is created with failover (kept in step on a physical standby with
@@ -27,7 +27,7 @@ from psycopg import sql
 from router.errors import SlotError, describe
 
 __all__ = [
-    "FAILOVER_SLOTS_SINCE", "ExportedSnapshot", "SlotCreated", "SlotInfo", "check_slot_name", "hold_snapshot",
+    "FAILOVER_SLOTS_SINCE", "ExportedSnapshot", "SlotCreated", "SlotInfo", "check_slot_name", "keep_snapshot",
 ]
 
 _SLOT_NAME: Final = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -99,7 +99,7 @@ def check_slot_name(name: str, node: str) -> str:
     return name
 
 
-async def hold_snapshot(
+async def keep_snapshot(
     dsn: str, exported: str, *, slot: str, node: str, application_name: str
 ) -> ExportedSnapshot:
     """The snapshot `exported` by the creation of slot `slot`, imported at once on a holder connection

@@ -112,7 +112,7 @@ def link_states(router: Router) -> dict[str, str]:
 async def test_links_hold_beyond_the_bound_and_run_again_when_the_clock_is_back(
     mesh: MeshFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="router.cluster.clocks")
+    caplog.set_level(logging.INFO, logger="router.service.clocks")
     m = await lagging_mesh(mesh, extra="[clocks]\nmax_offset_ms = 10000\n")
     report, _ = await init_cluster(m.config)
     assert report.ok, report.render()

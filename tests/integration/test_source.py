@@ -237,10 +237,10 @@ async def test_exported_snapshot_stays_importable_while_streaming(node: Any) -> 
 
 
 async def test_a_snapshot_that_cannot_be_held_is_a_clear_error_and_leaves_no_connection(node: Any) -> None:
-    from router.stream.slots import hold_snapshot
+    from router.stream.slots import keep_snapshot
 
     with pytest.raises(SlotError, match="cannot hold the snapshot exported by slot 'gone'") as caught:
-        await hold_snapshot(node.dsn(), "00000003-0000001B-1", slot="gone", node=node.name,
+        await keep_snapshot(node.dsn(), "00000003-0000001B-1", slot="gone", node=node.name,
                             application_name="pgmesh-held")
     assert caught.value.node == node.name
 

@@ -1,5 +1,6 @@
-"""`router.cluster.clocks` without a server: the offset arithmetic, the choice of the shortest round trip,
-the levels against `[clocks]`, one log line per change of level, the links it holds, and the config."""
+"""`router.cluster.clocks` and `router.service.clocks` without a server: the offset arithmetic, the
+choice of the shortest round trip, the levels against `[clocks]`, one log line per change of level, the
+links it holds, and the config."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from router.apply.state import LinkCondition, LinkState
+from router.apply.clock import LinkClockView, NoClock
+from router.apply.state import LinkCondition, LinkHold, LinkState, Liveness
 from router.cluster.clocks import (
     ClockLevel,
-    ClockWatch,
-    LinkClock,
     Sample,
     best,
     decides_by_time,
@@ -24,6 +24,7 @@ from router.cluster.clocks import (
 )
 from router.config.model import ClocksSection, Config, parse_config
 from router.errors import ConfigError
+from router.service.clocks import ClockWatch, LinkClock
 
 CONFIG = """\
 [cluster]
@@ -82,7 +83,7 @@ def test_levels_against_the_bounds() -> None:
 
 
 def test_one_log_line_per_change_of_level(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="router.cluster.clocks")
+    caplog.set_level(logging.INFO, logger="router.service.clocks")
     watch = ClockWatch(config())
     for offset in (0.001, 0.002, 0.08, 0.09, 0.07, 3.0, 3.1, 0.01, 0.02):
         watch.record("b", Sample(offset, 0.001))
@@ -113,19 +114,20 @@ def test_links_through_a_node_beyond_the_bound_hold_and_run_again() -> None:
     watch = ClockWatch(config('\n[clocks]\nmax_offset_ms = 1000\n'))
     into, out_of = watch.link("a", "b"), watch.link("b", "a")
     condition = LinkCondition("a -> b")
-    condition.move(LinkState.STREAMING)
-    into.show_on(condition)
+    condition.to(Liveness.CONNECTING)
+    condition.to(Liveness.STREAMING)
+    into.report_to(condition)
     watch.record("b", Sample(-3.0, 0.001))
     assert into.offset() == -3.0 and out_of.offset() == 0.0
     for link in (into, out_of):
-        reason = link.held()
+        reason = link.skewed()
         assert reason is not None
         assert "node b" in reason and "-3000.0 ms" in reason and "max_offset_ms = 1000" in reason
     into.show()
     assert condition.state is LinkState.CLOCK_SKEW and "node b" in (condition.last_error or "")
     assert watch.problems() and "node b" in watch.problems()[0]
     watch.record("b", Sample(-0.9, 0.001))  # back under the bound
-    assert into.held() is None and out_of.held() is None
+    assert into.skewed() is None and out_of.skewed() is None
     into.show()
     assert (condition.state, condition.last_error) == (LinkState.STREAMING, None)
 
@@ -134,8 +136,8 @@ def test_a_paused_or_failed_link_is_left_as_it_is() -> None:
     watch = ClockWatch(config())
     link = watch.link("a", "b")
     condition = LinkCondition("a -> b")
-    condition.move(LinkState.PAUSED, "paused by the operator")
-    link.show_on(condition)
+    condition.add_hold(LinkHold.PAUSE, "paused by the operator")
+    link.report_to(condition)
     watch.record("a", Sample(5.0, 0.001))
     link.show()
     assert condition.state is LinkState.PAUSED
@@ -152,8 +154,10 @@ def test_only_links_deciding_by_commit_times_hold() -> None:
     assert decides_by_time(typed)
     watch = ClockWatch(keep)
     watch.record("b", Sample(9.0, 0.001))
-    assert watch.link("a", "b").held() is None
-    assert LinkClock(None, "a", "b").held() is None and LinkClock(None, "a", "b").offset() == 0.0
+    assert watch.link("a", "b").skewed() is None
+    assert LinkClock(None, "a", "b").skewed() is None and LinkClock(None, "a", "b").offset() == 0.0
+    no_clock: LinkClockView = NoClock()  # the applier's default without a watch
+    assert no_clock.skewed() is None and no_clock.offset() == 0.0
 
 
 def test_status_text_of_a_node_clock() -> None:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from router.apply.applier import Applier
-from router.apply.state import LinkState
+from router.apply.state import LinkHold, LinkState, Liveness
 from router.config.model import parse_config
 from router.ddl.drift import Shape, compare, drifted_nodes, shapes_from_rows
 from router.errors import ConfigError
@@ -105,30 +105,30 @@ def applier() -> Applier:
 
 def test_a_drifted_link_holds_through_resume_and_runs_once_released() -> None:
     link = applier()
-    link.hold_for_drift("table public.t differs on a, b: column z: text on a; integer on b")
+    link.add_hold(LinkHold.DRIFT, "table public.t differs on a, b: column z: text on a; integer on b")
     assert link.state is LinkState.SCHEMA_DRIFT and "column z" in (link.last_error or "")
     assert not link.ready_for_more
     link.resume()  # `pgmesh resume`: the router compares again; until the tables agree, held
     assert link.state is LinkState.SCHEMA_DRIFT and not link.ready_for_more
-    link.release_drift()
+    link.drop_hold(LinkHold.DRIFT)
     assert (link.state, link.last_error) == (LinkState.DOWN, None)  # not connected here: it reconnects
-    link.release_drift()  # again: nothing to do
+    link.drop_hold(LinkHold.DRIFT)  # again: nothing to do
     assert link.drift is None
 
 
 def test_release_keeps_an_operator_pause_and_an_error() -> None:
     paused = applier()
-    paused.hold_for_drift("drift")
+    paused.add_hold(LinkHold.DRIFT, "drift")
     paused.pause()
-    paused.release_drift()
+    paused.drop_hold(LinkHold.DRIFT)
     assert paused.state is LinkState.PAUSED and paused.user_paused
     failed = applier()
-    failed.condition.move(LinkState.ERROR, "node b: 42701")
-    failed.hold_for_drift("drift")
+    failed.condition.to(Liveness.ERROR, "node b: 42701")
+    failed.add_hold(LinkHold.DRIFT, "drift")
     assert (failed.state, failed.last_error) == (LinkState.ERROR, "node b: 42701")  # the error stays in view
     failed.resume()
     assert (failed.state, failed.last_error) == (LinkState.SCHEMA_DRIFT, "drift")
-    failed.release_drift()
+    failed.drop_hold(LinkHold.DRIFT)
     assert failed.state is LinkState.DOWN
 
 

@@ -1,4 +1,5 @@
-"""router.apply.state: a link's state moves by one setter along its table; its counters are one struct."""
+"""router.apply.state: a link's liveness moves by one setter along its table, its holds are a set beside
+it, what the operator sees is derived from both; its counters are one struct."""
 
 from __future__ import annotations
 
@@ -6,21 +7,35 @@ import logging
 
 import pytest
 
-from router.apply.state import TRANSITIONS, LinkCondition, LinkState, LinkStats, LinkView
+from router.apply.state import (
+    RUNNING,
+    TRANSITIONS,
+    LinkCondition,
+    LinkHold,
+    LinkState,
+    LinkStats,
+    LinkView,
+    Liveness,
+)
 
 
 def test_every_state_has_its_transitions() -> None:
-    assert set(TRANSITIONS) == set(LinkState)
+    assert set(TRANSITIONS) == set(Liveness)
     for state, targets in TRANSITIONS.items():
-        assert LinkState.ERROR in targets and LinkState.DOWN in targets
-        assert (LinkState.PAUSED in targets) is (state is not LinkState.ERROR)
+        if state is not Liveness.ERROR:  # every live state may fail, retried or for good
+            assert Liveness.ERROR in targets and Liveness.DOWN in targets
+    # nothing runs straight out of DOWN or ERROR: only through CONNECTING (ERROR: once resumed)
+    assert TRANSITIONS[Liveness.ERROR] == {Liveness.ERROR, Liveness.CONNECTING}
+    assert not RUNNING & TRANSITIONS[Liveness.DOWN]
+    assert all(Liveness.CONNECTING not in TRANSITIONS[s] for s in RUNNING)
 
 
 def test_a_link_held_on_an_error_is_not_paused_over_it() -> None:
     link = LinkCondition("a -> b")
-    link.move(LinkState.ERROR, "node b: no column w")
-    with pytest.raises(RuntimeError, match="no move from error to paused"):
-        link.move(LinkState.PAUSED, None)
+    link.to(Liveness.ERROR, "node b: no column w")
+    link.add_hold(LinkHold.PAUSE, None)
+    with pytest.raises(RuntimeError, match="no move from error to streaming"):
+        link.to(Liveness.STREAMING)
     assert (link.state, link.last_error) == (LinkState.ERROR, "node b: no column w")
 
 
@@ -28,12 +43,13 @@ def test_move_records_the_error_and_logs_once(caplog: pytest.LogCaptureFixture) 
     link = LinkCondition("a -> b")
     assert (link.state, link.last_error) == (LinkState.DOWN, None)
     with caplog.at_level(logging.DEBUG, logger="router.apply.state"):
-        link.move(LinkState.DOWN, "connection refused")
-        link.move(LinkState.DOWN, "connection refused")  # no news: not logged again
-        link.move(LinkState.ERROR, "node b: no column w")
-        link.move(LinkState.ERROR, None)  # `pgmesh resume` clears the error: no news either
-        link.move(LinkState.STREAMING)
-        link.move(LinkState.STREAMING)
+        link.to(Liveness.DOWN, "connection refused")
+        link.to(Liveness.DOWN, "connection refused")  # no news: not logged again
+        link.to(Liveness.ERROR, "node b: no column w")
+        link.to(Liveness.ERROR, None)  # `pgmesh resume` clears the error: no news either
+        link.to(Liveness.CONNECTING)  # shown "down", no news either
+        link.to(Liveness.STREAMING)
+        link.to(Liveness.STREAMING)
     assert [r.getMessage() for r in caplog.records] == [
         "link a -> b is down: connection refused; retrying",
         "link a -> b paused: node b: no column w (fix it, then `pgmesh resume`)",
@@ -44,17 +60,41 @@ def test_move_records_the_error_and_logs_once(caplog: pytest.LogCaptureFixture) 
 
 def test_keep_error_leaves_the_last_error() -> None:
     link = LinkCondition("a -> b")
-    link.move(LinkState.PAUSED, "held for a join")
-    link.move(LinkState.STREAMING, keep_error=True)
+    link.to(Liveness.DOWN, "held for a join")
+    link.to(Liveness.CONNECTING, keep_error=True)
     assert link.last_error == "held for a join"
 
 
 def test_a_move_outside_the_table_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(TRANSITIONS, LinkState.DOWN, frozenset({LinkState.STREAMING}))  # type: ignore[arg-type]
+    monkeypatch.setitem(TRANSITIONS, Liveness.DOWN, frozenset({Liveness.STREAMING}))  # type: ignore[arg-type]
     link = LinkCondition("a -> b")
     with pytest.raises(RuntimeError, match="no move from down to error"):
-        link.move(LinkState.ERROR, "boom")
+        link.to(Liveness.ERROR, "boom")
     assert link.state is LinkState.DOWN
+
+
+def test_what_is_shown_error_then_drift_then_pause_then_clock_skew() -> None:
+    link = LinkCondition("a -> b")
+    link.add_hold(LinkHold.CLOCK, "clock of b")
+    assert link.state is LinkState.DOWN  # clock skew shows only on a link that runs
+    link.to(Liveness.CONNECTING)
+    link.to(Liveness.CATCHING_UP)
+    assert (link.state, link.last_error) == (LinkState.CLOCK_SKEW, "clock of b")
+    link.add_hold(LinkHold.PAUSE, None)
+    assert (link.state, link.last_error) == (LinkState.PAUSED, None)
+    link.add_hold(LinkHold.DRIFT, "table t differs")
+    assert (link.state, link.last_error) == (LinkState.SCHEMA_DRIFT, "table t differs")
+    link.to(Liveness.ERROR, "node b: no column w")
+    assert (link.state, link.last_error) == (LinkState.ERROR, "node b: no column w")
+    link.to(Liveness.CONNECTING)  # resumed: the holds show again
+    assert link.state is LinkState.SCHEMA_DRIFT
+    for hold, then in ((LinkHold.DRIFT, LinkState.PAUSED), (LinkHold.PAUSE, LinkState.DOWN)):
+        link.drop_hold(hold)
+        assert link.state is then
+    link.to(Liveness.STREAMING)
+    assert link.state is LinkState.CLOCK_SKEW
+    link.drop_hold(LinkHold.CLOCK)
+    assert (link.state, link.last_error) == (LinkState.STREAMING, None)
 
 
 class _Link(LinkView):
