@@ -1,6 +1,6 @@
-"""`config.toml`, from text to an immutable `Config`: `model` (the whole `Config` and its `[[nodes]]`, the
-names pgmesh derives from it, the conflict policy of a table, and `parse_config` / `load_config`; callers
-import from here) is built of `sections` (each `[section]` as msgspec types that carry their own bounds
+"""`config.toml`, from text to an immutable `Config`: `model` (the whole `Config`, the names pgmesh derives
+from it, the conflict policy of a table, and `parse_config` / `load_config`; callers import from here) is
+built of `sections` (each `[section]` and `[[nodes]]` entry as msgspec types that carry their own bounds
 and vocabularies, refused at decode), checked by `rules` (what weighs one value against another: bounds
 that depend on the nodes, distinct names, pairs of keys, resolvers that need node_priority or can
 diverge) and `parts` (a receive-only node's `tables`, `rows`, `columns`), with every refusal worded by
