@@ -1,19 +1,14 @@
-"""The router under adversity: SIGKILL mid-stream, a node crashing, locks and deadlocks on a target."""
+"""The router under adversity: a node crashing, locks and deadlocks on a target (SIGKILL mid-stream, with a
+batch in the target's hands: tests/integration/test_fail_points.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from router.testing.mesh import (
-    config_text,
     execute,
     fetch,
     running_router,
@@ -38,46 +33,6 @@ async def writes(node: Any, base: int, count: int) -> None:
                 await conn.execute("INSERT INTO log VALUES (%s, %s, 'x')", [node.name, i])
             else:
                 await conn.execute("INSERT INTO kv VALUES (%s, %s, NULL)", [base + i, i])
-
-
-def start_router(config_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "router", "--log-level", "INFO", "run", "--config", str(config_path)],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-
-
-async def test_sigkill_mid_stream_then_restart(mesh: MeshFactory, tmp_path: Path) -> None:
-    m = await mesh(nodes=2, schema=SCHEMA)
-    nodes = m.nodes
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(config_text(nodes))
-    log = tmp_path / "router.log"
-    a, b = nodes
-    router = start_router(config_path, log)
-    try:
-        writers = asyncio.gather(writes(a, 1_000_000, 5000), writes(b, 2_000_000, 5000))
-
-        async def halfway() -> bool:
-            rows = await fetch(b.dsn(), "SELECT count(*) FROM log WHERE src = 'a'")
-            return int(rows[0][0]) >= 600
-
-        await wait_for(halfway, "the router to be well into the stream", 120)
-        os.killpg(router.pid, signal.SIGKILL)
-        router.wait()
-        await writers
-        router = start_router(config_path, log)
-        await wait_converged(nodes, TABLES, 180)
-    finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(60)
-    for node in nodes:
-        query = "SELECT src, count(*), count(DISTINCT seq) FROM log GROUP BY src ORDER BY src"
-        rows = await fetch(node.dsn(), query)
-        assert rows == [("a", 2500, 2500), ("b", 2500, 2500)], f"node {node.name}: {rows}"
-        (kv,) = await fetch(node.dsn(), "SELECT count(*) FROM kv")
-        assert kv[0] == 5000
 
 
 async def test_node_crash_others_keep_replicating_then_catch_up(mesh: MeshFactory) -> None:

@@ -4,18 +4,14 @@ With node c stopped, a and b go on writing. Their links into c fill their queues
 log of their source instead; every source's slot is confirmed as far as the log holds it durably, so a and
 b keep only a little of the WAL they write (the rest is in the router's log). When c starts again its
 links read what they missed from the log, catch up and the three nodes converge, with every acknowledged
-row present exactly once. A router killed while links read the log goes on from the log after a restart.
+row present exactly once. (A router killed while links read the log, in a segment switch, goes on from
+the log after a restart: tests/integration/test_fail_points.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,48 +119,6 @@ async def test_with_every_link_behind_a_dead_node_goes_to_the_log_past_its_hold(
         b.start()
         await wait_converged(m.nodes, TABLES, limit=240)
         await check_rows(m.nodes, {"a": 3 * 20 + 300 * 20})
-
-
-def start_router(config_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "router", "--log-level", "INFO", "run", "--config", str(config_path)],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-
-
-async def test_a_router_killed_while_links_read_the_log_goes_on_from_it(
-    mesh: MeshFactory, tmp_path: Path
-) -> None:
-    """SIGKILL while c's links read the log (and c is down): restarted, the router finds the log, starts
-    the sources after it (their slots were confirmed that far) and c gets every row once it is back."""
-    m = await mesh(nodes=3, schema=SCHEMA, replication="queue_max_transactions = 50")
-    a, b, c = m.nodes
-    config_path = m.write_config(tmp_path / "config.toml")
-    router_log = tmp_path / "router.log"
-    router = start_router(config_path, router_log)
-    try:
-        await write(a, 1, 3)
-        await wait_converged(m.nodes, TABLES, 120)
-        c.stop("fast")
-        await asyncio.gather(write(a, 1_000_000, 200), write(b, 2_000_000, 200))
-
-        async def confirmed_past_c() -> bool:  # c's links rely on the log: the slots went past them
-            rows = await fetch(a.dsn(), "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots"
-                               " WHERE slot_name = %s", params=[m.config.slot_name])
-            return int(rows[0][0]) >= await wal_lsn(a) - (2 << 20)
-
-        await wait_for(confirmed_past_c, "a's slot to be confirmed past what c has", 90)
-        os.killpg(router.pid, signal.SIGKILL)
-        router.wait()
-        await write(a, 3_000_000, 20)
-        router = start_router(config_path, router_log)
-        c.start()
-        await wait_converged(m.nodes, TABLES, 240)
-    finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(60)
-    await check_rows(m.nodes, {"a": 3 * 20 + 200 * 20 + 20 * 20, "b": 200 * 20})
 
 
 async def test_a_lost_router_log_stops_the_links_it_left_short(mesh: MeshFactory) -> None:
