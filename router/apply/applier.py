@@ -65,7 +65,7 @@ from router.errors import (
 )
 from router.progress.positions import LinkProgress
 from router.stream.linkqueue import LinkQueue
-from router.stream.spool import materialize, release
+from router.stream.spool import let_go, materialize
 
 __all__ = ["Applier"]
 
@@ -295,7 +295,7 @@ class Applier(LinkView):
                            self.name, format_lsn(self.progress.applied))
             self.queue.clear()
             for txn in self._in_hand:
-                release(txn)
+                let_go(txn)
             self._in_hand = []
         await link.load_tables()
         nodes, installed_at = await link.load_origins()
@@ -339,7 +339,7 @@ class Applier(LinkView):
             fresh = [t for t in self._in_hand if t.end_lsn > self.progress.applied]
             for txn in self._in_hand:
                 if txn.end_lsn <= self.progress.applied:
-                    release(txn)
+                    let_go(txn)
             self.stats.skipped += len(self._in_hand) - len(fresh)
             self._in_hand = fresh
             if fresh and self.skip_lsn is not None:
@@ -377,7 +377,7 @@ class Applier(LinkView):
             await skip_transaction(self.link, whole_transaction(txn))
         finally:
             self._between.set()
-        release(txn)
+        let_go(txn)
         self.progress.on_applied(txn.end_lsn)
         if self._on_applied is not None:  # (a synchronous source waits for it no more)
             self._on_applied(self, txn)
@@ -571,7 +571,7 @@ class Applier(LinkView):
             await self._after_failure()  # rolls back what was applied of it
             first = self._in_hand[0] if self._in_hand else None
             if first is not None and (first is lost.txn or first is whole_transaction(lost.txn)):
-                release(self._in_hand.pop(0))
+                let_go(self._in_hand.pop(0))
             self.stats.abandoned_transactions += 1
             logger.info("link %s: transaction %s (commit at %s) lost by the source before its commit"
                         " arrived; rolled back on %s, it will be applied when resent", self.name,
@@ -671,7 +671,7 @@ class Applier(LinkView):
             self._in_hand = [t for t in self._in_hand if t.end_lsn > done]
 
     def _applied(self, txn: Transaction) -> None:
-        release(txn)
+        let_go(txn)
         self._schema.done()
         self.progress.on_applied(txn.end_lsn)
         stats = self.stats

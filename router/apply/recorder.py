@@ -76,7 +76,7 @@ from router.config.model import Config, NodeConfig
 from router.errors import PgmeshError, describe
 from router.progress.positions import LinkProgress
 from router.stream.linkqueue import LinkQueue
-from router.stream.spool import iter_chunks, release
+from router.stream.spool import iter_chunks, let_go
 
 __all__ = ["BATCH_TRANSACTIONS", "RECORDED_SQL", "TombstoneRecorder"]
 
@@ -228,7 +228,7 @@ class TombstoneRecorder:
                     delay = min(delay * 2, 5.0)
         finally:
             for txn in batch:
-                release(txn)
+                let_go(txn)
 
     async def _connect(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():

@@ -124,7 +124,7 @@ class SideSession:
             if item is None:
                 continue
             if not self._wanted() or item.spill.abandoned or item.spill.deleted:
-                item.spill.release()
+                item.spill.drop_ref()
                 continue
             side = self.current = SideTransaction(item, self._queue.cleared)
             link.stats.early_streams += 1
@@ -282,7 +282,7 @@ class SideSession:
         conn, side.conn = side.conn, None
         if conn is not None:
             conn.terminate()
-        side.spill.release()
+        side.spill.drop_ref()
         link = self._link
         if committed:
             link.stats.early_streams_committed += 1

@@ -30,7 +30,7 @@ from router.config.model import Config
 from router.stream.items import SourceOptions
 from router.stream.seen import origin_nodes
 from router.stream.source import ReplicationSource
-from router.stream.spool import Spool, iter_chunks, release
+from router.stream.spool import Spool, iter_chunks, let_go
 
 __all__ = ["TailedChange", "TailedTransaction", "cmd_tail", "tail"]
 
@@ -172,7 +172,7 @@ async def tail(
                     list(describe_changes(item, _changes(item))),
                 ))
             finally:
-                release(item)
+                let_go(item)
             source.confirm(item.end_lsn)
             shown += 1
             if limit is not None and shown >= limit:

@@ -178,7 +178,7 @@ class RouterLogs:
             return
         if log.active and progress.links:
             low = min(link.flushed for link in progress.links)
-            log.release(low, behind=any(
+            log.forget(low, behind=any(
                 link.target in stopped or link.log_from is not None or link.detached or link.has_until
                 for link in progress.links
             ))

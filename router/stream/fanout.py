@@ -41,7 +41,7 @@ from router.stream.linkqueue import LinkQueue
 from router.stream.log.store import SourceLog
 from router.stream.seen import APPLIED_PREFIX, SeenVersions
 from router.stream.source import ReplicationSource
-from router.stream.spool import SpillFile, release
+from router.stream.spool import SpillFile, let_go
 
 __all__ = ["SourcePump"]
 
@@ -139,7 +139,7 @@ class SourcePump:
         finally:
             if spill is not None and spill.pinned:
                 spill.pinned = False
-                spill.release()  # the source's, held from the announcement to this hand-out
+                spill.drop_ref()  # the source's, held from the announcement to this hand-out
 
     async def _dispatch_one(self, txn: Transaction) -> None:
         if self.recorder is not None and txn.origin is None:  # an echo is not the source's own
@@ -163,7 +163,7 @@ class SourcePump:
             for link in late:
                 spill.acquire()  # this link's applier releases it
                 if not await self._hand(link, txn):
-                    spill.release()
+                    spill.drop_ref()
             self.progress.on_seen(txn.end_lsn)
             return
         if spill is not None:
@@ -172,7 +172,7 @@ class SourcePump:
             await self._dispatch_to_links(txn)
         finally:
             if spill is not None:
-                spill.release()  # the last one when no link took it: the file goes
+                spill.drop_ref()  # the last one when no link took it: the file goes
         if spill is not None and spill.early:
             return  # handed out before its commit: seen when the commit comes (above)
         self.progress.on_seen(txn.end_lsn)
@@ -225,7 +225,7 @@ class SourcePump:
                     if txn.spill is not None:
                         txn.spill.acquire()  # this link's applier releases it
                     if not await self._hand(link, txn):
-                        release(txn)
+                        let_go(txn)
                     elif txn.spill is not None:
                         txn.spill.handed.add(link.target)
                         if txn.spill.early:
@@ -376,7 +376,7 @@ class SourcePump:
                     await queue.wait_room()
                     # the link restarted meanwhile (router.progress.positions.restart_at)
                     if link.log_from is None:
-                        release(txn)
+                        let_go(txn)
                         return
                 link.log_from = txn.end_lsn  # a feeder started again (the pump restarts) goes on from here
                 await asyncio.sleep(0)

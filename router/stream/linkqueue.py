@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from protocol.transactions import Transaction
 from router.stream.items import EarlyStream
-from router.stream.spool import release
+from router.stream.spool import let_go
 
 __all__ = ["LinkQueue"]
 
@@ -108,7 +108,7 @@ class LinkQueue:
 
     def clear(self) -> None:
         for txn in self._items:
-            release(txn)  # a transaction spilled to disk: this link no longer needs its file
+            let_go(txn)  # a transaction spilled to disk: this link no longer needs its file
         self._items.clear()
         self._bytes = 0
         self._room.set()
@@ -120,7 +120,7 @@ class LinkQueue:
         """Announce a streamed transaction in progress (the caller acquired its file for this link).
         One waits here at most (the applier takes one at a time): a link that is down keeps no file."""
         if self._side is not None:
-            item.spill.release()
+            item.spill.drop_ref()
             return
         self._side = item
         self._side_ready.set()
@@ -138,7 +138,7 @@ class LinkQueue:
     def drop_side(self) -> None:
         item, self._side = self._side, None
         if item is not None:
-            item.spill.release()
+            item.spill.drop_ref()
 
     def oldest_commit_time(self) -> int | None:
         return self._items[0].commit_time if self._items else None

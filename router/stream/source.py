@@ -476,7 +476,7 @@ class ReplicationSource:
         if handle.live:
             handle.complete(final)
         if handle.early:
-            handle.release()  # the source's (taken at grow); the links that took it hold theirs
+            handle.drop_ref()  # the source's (taken at grow); the links that took it hold theirs
         return final
 
 

@@ -7,7 +7,7 @@ source node and xid), closes the file at the commit (`Spool.finish`) and attache
 in-memory tail, with `iter_chunks`, or load it whole with `materialize` (a fallback for rare paths).
 
 A file lives as long as somebody may read it: the fan-out `acquire`s one reference per link it hands
-the transaction to, each applier calls `release(txn)` once the transaction is applied or dropped, and
+the transaction to, each applier calls `let_go(txn)` once the transaction is applied or dropped, and
 the last release deletes the file. A transaction aborted after spilling (`Spool.drop`), and the
 unfinished files of a source that reconnects or rewinds (`Spool.discard_open`: the server sends those
 transactions again from their start) are deleted at once; `Spool.close` removes the whole directory.
@@ -65,9 +65,9 @@ __all__ = [
     "encode_changes",
     "iter_chunks",
     "iter_raw_chunks",
+    "let_go",
     "materialize",
     "process_alive",
-    "release",
 ]
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _decode_frame(data: bytes | memoryview, *, raw: bool) -> list[SpilledChange]
 class SpillFile:
     """The spilled part of one transaction, on disk; shared by the links it went to.
 
-    `acquire(n)` when handing the transaction to n holders; each calls `release()` once done (or when
+    `acquire(n)` when handing the transaction to n holders; each calls `drop_ref()` once done (or when
     it drops the transaction); the last release deletes the file. `discard()` deletes it now. The spool
     that made it writes it (`append`, then `seal` at the commit) and is told when it is deleted.
     """
@@ -234,12 +234,12 @@ class SpillFile:
         return f"<SpillFile {self.path.name} changes={self.changes} size={self.size} {state}>"
 
     def acquire(self, n: int = 1) -> None:
-        """`n` more holders will each call `release()`."""
+        """`n` more holders will each call `drop_ref()`."""
         if n < 0:
             raise ValueError(f"acquire({n})")
         self.refs += n
 
-    def release(self) -> None:
+    def drop_ref(self) -> None:
         """One holder is done with it; the last one deletes the file."""
         self.refs -= 1
         if self.refs <= 0:
@@ -584,8 +584,8 @@ def materialize(txn: Transaction) -> Transaction:
     )
 
 
-def release(txn: Transaction) -> None:
-    """The caller is done with `txn` (applied, or dropped): release its spill file if it has one."""
+def let_go(txn: Transaction) -> None:
+    """The caller is done with `txn` (applied, or dropped): drop its spill file reference, if any."""
     handle = txn.spill
     if isinstance(handle, SpillFile):
-        handle.release()
+        handle.drop_ref()

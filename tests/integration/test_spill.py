@@ -24,7 +24,7 @@ from protocol.messages import Insert, Message
 from protocol.transactions import Transaction
 from router.stream.items import SourceOptions
 from router.stream.source import ReplicationSource
-from router.stream.spool import SpillFile, Spool, iter_chunks, release
+from router.stream.spool import SpillFile, Spool, iter_chunks, let_go
 from router.testing.mesh import peak_rss_kb, reset_peak_rss, wait_for
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,9 @@ async def test_huge_transaction_spills_within_the_bound(node: Any, tmp_path: Pat
     assert ids_in_order(txn, 7_000) == list(range(1, ROWS + 1))
     assert source.stats.raw_inserts > ROWS // 2  # after the first spill, rows stay the server's bytes
     handle.acquire(2)  # two links took it
-    release(txn)
+    let_go(txn)
     assert handle.path.exists()
-    release(txn)
+    let_go(txn)
     assert not handle.path.exists() and spool.files == 0
     directory = handle.path.parent
     spool.close()

@@ -172,4 +172,4 @@ class LogReader:
 def _drop(txn: Transaction) -> None:
     handle = txn.spill
     if handle is not None:
-        handle.release()
+        handle.drop_ref()

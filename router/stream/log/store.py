@@ -3,7 +3,7 @@
 From the router's start (`activate(since)`, or what an earlier run left: `open()`), the fan-out
 (router.stream.fanout) appends every committed transaction of the source that a target may need, once
 (`append`), before handing it to any link. It is only held (`hold_bytes` of them at most, a spilled one's
-file kept, for `hold_ticks` progress ticks at most) while every link keeps up (`release`): once every
+file kept, for `hold_ticks` progress ticks at most) while every link keeps up (`forget`): once every
 link's target has flushed it, nobody can need it from the log and it is never written (the common case:
 links that keep up cost the log a list append); when a link falls behind, or the bounds are reached, it is
 encoded. Encoded ones are made durable together by one group fsync (`run`: at most every `fsync_ms`, in a
@@ -94,7 +94,7 @@ class SourceLog:
     ) -> None:
         """`position`: the source position the fan-out has passed (everything before it that a target
         needs was appended); read at each fsync to move `durable`. `hold_bytes`, `hold_ticks`: at most
-        this much of small transactions is held unencoded, for at most this many releases (`release`)."""
+        this much of small transactions is held unencoded, for at most this many releases (`forget`)."""
         self.directory = directory
         self.node = node
         self.identity = identity
@@ -118,7 +118,7 @@ class SourceLog:
         self._buf = bytearray()
         self._frames = bytearray()
         self._described: dict[int, Relation] = {}  # relations described in the current segment
-        # appended small transactions not encoded yet (`append`, `release`), their bytes (with a guess at
+        # appended small transactions not encoded yet (`append`, `forget`), their bytes (with a guess at
         # their objects' own), and the end of the one appended before the first of them (everything up to
         # there is encoded, or flushed everywhere); `_ticks`: `appended` at each of the last releases
         self._pending: collections.deque[Transaction] = collections.deque()
@@ -133,7 +133,7 @@ class SourceLog:
         self.settled = True  # whether its own files (identity, name) are durable (`_write_meta`)
         self.appended = 0  # transactions appended (stats)
         self.bytes_appended = 0
-        # a synchronous source's (docs/synchronous.md): while a link is behind (the last `release` said
+        # a synchronous source's (docs/synchronous.md): while a link is behind (the last `forget` said
         # so), encode at each append, and call `on_durable` whenever `durable` moves
         self.eager = False
         self._behind = False
@@ -306,7 +306,7 @@ class SourceLog:
     def append(self, txn: Transaction) -> None:
         """Append a committed transaction (its whole changes, spilled part included).
 
-        It is only held here (see `release`; a spilled one keeps its spill file alive meanwhile, one
+        It is only held here (see `forget`; a spilled one keeps its spill file alive meanwhile, one
         holder more); one whose spilled part is not in a file of its own is written at once, after every
         one held before it."""
         if not self._pending:
@@ -328,7 +328,7 @@ class SourceLog:
         if self.eager and self._behind:
             self._encode_pending(len(self._pending))
 
-    def release(self, flushed: int, *, behind: bool = False) -> None:
+    def forget(self, flushed: int, *, behind: bool = False) -> None:
         """At each progress tick: forget the held transactions that every link's target has flushed
         (`flushed`: the least of their positions; nobody can need them from the log); then encode every
         one still held if a link is `behind` (down, held, detached or reading the log: it needs them from
@@ -349,7 +349,7 @@ class SourceLog:
         self._floor = txn.end_lsn
         self._pending_bytes -= _held_bytes(txn)
         if txn.spilled:
-            cast(SpillFile, txn.spill).release()
+            cast(SpillFile, txn.spill).drop_ref()
 
     def _encode_pending(self, count: int) -> None:
         """Encode the `count` oldest held transactions."""

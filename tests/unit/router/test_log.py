@@ -16,7 +16,7 @@ from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Spill, Transaction
 from router.errors import PgmeshError
 from router.stream.log.store import SourceLog
-from router.stream.spool import SpillFile, Spool, iter_chunks, release
+from router.stream.spool import SpillFile, Spool, iter_chunks, let_go
 
 REL = Relation(16384, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25, -1, False)), 77)
 
@@ -80,7 +80,7 @@ def test_a_big_transaction_is_logged_in_pieces_and_read_back_through_the_spool(t
     assert [t.end_lsn for t in got] == [5, 6]
     assert got[0].spilled == len(big.changes) and got[0].changes == []
     assert changes_of(got[0]) == big.changes
-    release(got[0])
+    let_go(got[0])
     assert not list((tmp_path / "spool").rglob("*.spill"))  # its file went with the last reference
 
 
@@ -233,7 +233,7 @@ def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(
     copied = log.bytes_appended
     assert copied < 100_000  # the file's 2500 rows were not copied into a segment
     assert len(list((tmp_path / "log").glob("*.spill"))) == 1
-    release(big)  # the source's file goes: the log's link stays
+    let_go(big)  # the source's file goes: the log's link stays
     assert not handle.path.exists()
     asyncio.run(log.sync())
     log.close()
@@ -242,7 +242,7 @@ def test_a_spilled_transaction_is_linked_not_copied_and_outlives_its_spool_file(
     assert again.end == 100
     (got,) = read_all(again, 98)
     assert got.spilled == 2500 and changes_of(got) == rows
-    release(got)
+    let_go(got)
     again._roll()  # (a new segment: the old one, its linked file with it, can go)
     again.append(txn(101))
     again.truncate_before(100)
@@ -272,15 +272,15 @@ def test_held_transactions_every_target_flushed_are_never_written(tmp_path: Path
     passed[0] = 3
     asyncio.run(log.sync())
     assert log.durable == 0  # held, not on disk: the slot may not count on them
-    log.release(2)  # every target flushed 1 and 2: forgotten
+    log.forget(2)  # every target flushed 1 and 2: forgotten
     log.idle()
     assert log.durable == 2 and log.bytes_appended == 0
     log.append(txn(4))
     passed[0] = 4
-    log.release(2)  # 3 was appended before the release two releases ago: held long enough, written
+    log.forget(2)  # 3 was appended before the release two releases ago: held long enough, written
     asyncio.run(log.sync())
     assert log.durable == 3
-    log.release(4)  # 4 flushed everywhere meanwhile
+    log.forget(4)  # 4 flushed everywhere meanwhile
     log.idle()
     assert log.durable == 4
     assert [t.end_lsn for t in read_all(log, 0)] == [3]
@@ -295,9 +295,9 @@ def test_held_transactions_are_written_at_once_when_a_link_is_behind(tmp_path: P
     for end in (1, 2, 3):
         log.append(txn(end))
     passed[0] = 3
-    log.release(1)
+    log.forget(1)
     assert log.buffered == 2  # 2 and 3 still held: every link keeps up
-    log.release(1, behind=True)  # one stopped applying: it will need them from the log
+    log.forget(1, behind=True)  # one stopped applying: it will need them from the log
     asyncio.run(log.sync())
     assert log.durable == 3
     assert [t.end_lsn for t in read_all(log, 0)] == [2, 3]
@@ -313,7 +313,7 @@ def test_an_eager_log_encodes_at_append_while_a_link_is_behind_and_says_when_dur
     log.activate(0, ["t"])
     log.append(txn(1))
     assert log.buffered == 1  # every link keeps up: held
-    log.release(0, behind=True)
+    log.forget(0, behind=True)
     log.write_buffer()
     log.append(txn(2))
     passed[0] = 2
@@ -340,9 +340,9 @@ def test_a_held_spilled_transaction_keeps_its_file_and_is_never_linked_once_flus
 ) -> None:
     log, _, _, handle, big = spilled_setup(tmp_path)
     log.append(big)
-    release(big)  # its link applied it: the log's hold keeps the file
+    let_go(big)  # its link applied it: the log's hold keeps the file
     assert handle.path.exists() and log.bytes_appended == 0
-    log.release(100)  # flushed everywhere: let go, never written
+    log.forget(100)  # flushed everywhere: let go, never written
     assert not handle.path.exists() and log.bytes_appended == 0
     assert not list((tmp_path / "log").glob("*.spill"))
 

@@ -24,7 +24,7 @@ from router.stream.items import EarlyStream, SourceOptions
 from router.stream.linkqueue import LinkQueue
 from router.stream.seen import HISTORY_MAX, Seen, SeenVersions, origin_nodes
 from router.stream.source import ReplicationSource
-from router.stream.spool import Spool, release
+from router.stream.spool import Spool, let_go
 from tests.unit.router.test_source_frames import feed_all, frames_of
 from tests.unit.router.test_spool import REL, insert
 
@@ -194,7 +194,7 @@ async def test_announced_and_early_transactions_carry_the_vector_too(
     for queue in pump.queues.values():
         queue.drop_side()
         while len(queue):
-            release(await queue.get())
+            let_go(await queue.get())
     assert spool.files == 0
 
 

@@ -21,7 +21,7 @@ from router.errors import SourceError
 from router.stream.fanout import SourcePump
 from router.stream.items import EarlyStream, SourceOptions
 from router.stream.source import ReplicationSource
-from router.stream.spool import Spool, iter_chunks, release
+from router.stream.spool import Spool, iter_chunks, let_go
 from router.stream.state import TRANSITIONS, Lifecycle, SourceState, SourceStats
 from tests.unit.protocol.captured import CAPTURES, Frame, assembled, load
 
@@ -151,7 +151,7 @@ def test_big_transactions_spill_and_read_back_as_captured(capture: str, tmp_path
             spilled += 1
             assert (got.xid, got.commit_lsn, got.end_lsn) == (want.xid, want.commit_lsn, want.end_lsn)
             assert [c for part in iter_chunks(got) for c in part] == want.changes
-            release(got)  # nobody else holds it: the file goes
+            let_go(got)  # nobody else holds it: the file goes
         else:
             assert got == want
     assert spilled >= 3  # the 8 kB row and the bulk loads

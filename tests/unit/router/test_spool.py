@@ -48,8 +48,8 @@ from router.stream.spool import (
     encode_changes,
     iter_chunks,
     iter_raw_chunks,
+    let_go,
     materialize,
-    release,
 )
 from tests.unit.protocol.captured import CAPTURES, load, messages
 
@@ -177,7 +177,7 @@ def test_transaction_that_did_not_spill(tmp_path: Path) -> None:
     assert txn.spill is None and txn.spilled == 0
     assert list(iter_chunks(txn, max_changes=4)) == [want[:4], want[4:]]
     assert list(iter_chunks(Transaction(1, 2, 3, 4, [], {}))) == [[]]
-    release(txn)  # nothing to release: fine
+    let_go(txn)  # nothing to release: fine
     assert not list(tmp_path.iterdir())  # nothing spilled: no directory either
 
 
@@ -224,11 +224,11 @@ def test_references_delete_the_file_with_the_last_release(tmp_path: Path) -> Non
     handle = txn.spill
     assert isinstance(handle, SpillFile)
     handle.acquire(2)
-    release(txn)
+    let_go(txn)
     assert handle.path.exists() and handle.refs == 1
-    release(txn)
+    let_go(txn)
     assert not handle.path.exists() and handle.deleted and spool.files == 0
-    release(txn)  # once too often: harmless
+    let_go(txn)  # once too often: harmless
     with pytest.raises(PgmeshError, match="gone"):
         list(iter_chunks(txn))
 
@@ -288,7 +288,7 @@ async def test_fanout_holds_one_reference_per_link(tmp_path: Path) -> None:
     for queue in pump.queues.values():
         queued = await queue.get()
         assert queued is txn
-        release(queued)  # what the applier does once applied
+        let_go(queued)  # what the applier does once applied
     assert handle.deleted and not handle.path.exists()
 
 
@@ -309,7 +309,7 @@ async def test_fanout_releases_what_a_detached_link_loses(tmp_path: Path) -> Non
     await pump._dispatch(first)
     assert isinstance(first.spill, SpillFile) and first.spill.refs == 2
     await pump.queues["n3"].get()
-    release(first)  # n3 applied it; n2 is stuck with it
+    let_go(first)  # n3 applied it; n2 is stuck with it
     second, _ = spilled_transaction(spool, "n1", 1000)
     second = msgspec.structs.replace(second, commit_lsn=0x2000, end_lsn=0x2010)
     await asyncio.wait_for(pump._dispatch(second), 5)
