@@ -15,7 +15,9 @@ Transaction never does (those still in memory are decoded at the commit). Before
 Stream Commit) of a transaction that has spilled, the caller may take its in-memory tail as one last
 Spill (`spill_tail`), so that all of it is on disk and none of it is decoded here. It does no I/O itself:
 where spilled changes go, and how they are read back, is the caller's business (the router's
-`router/stream/spool.py`).
+`router/stream/spool.py`). What it keeps of a spilled part is what a reader asks of a transaction without
+reading it back: how many changes and rows went, and the prefixes of its logical messages
+(`Transaction.prefixes`: whether it carries a DDL command is a set lookup, spilled or not).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import sys
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from itertools import accumulate
 from operator import attrgetter
 from typing import Any, Final
 
 import msgspec
 
+from protocol.changes import Change, SpilledChange, prefixes_of
 from protocol.errors import MalformedMessage, WrongState
 from protocol.messages import (
     Begin,
@@ -54,13 +58,15 @@ from protocol.relations import RelationCache
 
 __all__ = ["Change", "Spill", "SpillDropped", "SpilledChange", "Transaction", "TransactionAssembler"]
 
-Change = Insert | Update | Delete | Truncate | Message | Relation | Type
-# What a Spill may also hold: an Insert fed undecoded (decoded at the commit if it is still in memory).
-SpilledChange = Change | RawInsert
+# Change, SpilledChange (an Insert fed undecoded, decoded at the commit if it is still in memory): the
+# kinds of change a transaction holds (protocol.changes)
 _ROW_CHANGES: Final = (Insert, RawInsert, Update, Delete, Truncate, Message)
 _ROWS: Final = (Insert, RawInsert, Update, Delete)
 _ROW_TYPES: Final = frozenset(_ROWS)  # `feed` handles these itself
 _XID: Final = attrgetter("xid")
+_NO_PREFIXES: Final[frozenset[str]] = frozenset()
+# `Transaction.prefixes` not given (a transaction built by hand): collected from its changes at construction
+_COLLECT: Final[frozenset[str]] = frozenset({"(collected from the changes)"})
 
 
 class Transaction(msgspec.Struct, frozen=True, gc=False):
@@ -86,6 +92,14 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     2000-01-01 like `commit_time`) pairs sorted by node name. `()` means nothing is known (a router
     restart starts it empty), never "saw nothing": every version of another node then counts as
     concurrent. Its fan-out sets it (router.stream.seen); router.conflicts.causality reads it.
+
+    `prefixes`: the prefixes of the transactional logical messages it holds, its spilled part included
+    (so `"pgmesh.ddl" in txn.prefixes` tells whether it carries a DDL command without reading a spill
+    back); a subtransaction aborted after part of it spilled leaves those of its own spilled messages.
+    The assembler records them as the messages arrive; for a transaction handed out before its commit
+    (`open_transaction`, `open_stream`) it is the assembler's own set, which keeps growing (the finished
+    Transaction carries the same set). A Transaction built by hand without them collects them from its
+    `changes` when constructed.
     """
 
     xid: int
@@ -103,10 +117,13 @@ class Transaction(msgspec.Struct, frozen=True, gc=False):
     aborted_subxids: tuple[int, ...] = ()
     spill: Any = None
     seen: tuple[tuple[str, int], ...] = ()
+    prefixes: AbstractSet[str] = _COLLECT
 
     def __post_init__(self) -> None:
         if self.row_count < 0:
             msgspec.structs.force_setattr(self, "row_count", _count_rows(self.changes))
+        if self.prefixes is _COLLECT:
+            msgspec.structs.force_setattr(self, "prefixes", frozenset(prefixes_of(self.changes)))
 
 
 class Spill(msgspec.Struct, frozen=True, gc=False):
@@ -136,7 +153,7 @@ class _Builder:
 
     __slots__ = (
         "aborted", "changes", "commit_time", "final_lsn", "nbytes", "origin", "origin_lsn", "others",
-        "relations", "rows_by_xid", "rows_spilled", "spilled", "xid",
+        "prefixes", "relations", "rows_by_xid", "rows_spilled", "spilled", "spilled_prefixes", "xid",
     )
 
     def __init__(self, xid: int, final_lsn: int | None = None, commit_time: int = 0) -> None:
@@ -156,6 +173,17 @@ class _Builder:
         self.rows_spilled = 0
         self.rows_by_xid: Counter[int | None] | None = None
         self.aborted: list[int] | None = None
+        # The prefixes of its logical messages, spilled ones included (None: none yet; made when the first
+        # comes, or when a Transaction handed out before the commit shares it); of a streamed one, also
+        # those of its spilled part alone (a subtransaction's abort takes only in-memory ones away).
+        self.prefixes: set[str] | None = None
+        self.spilled_prefixes: set[str] | None = None
+
+    def shared_prefixes(self) -> set[str]:
+        """`prefixes`, made now if need be: a Transaction handed out before the commit holds this set."""
+        if self.prefixes is None:
+            self.prefixes = set()
+        return self.prefixes
 
     def spill(self) -> Spill:
         changes = self.changes
@@ -165,6 +193,10 @@ class _Builder:
                 self.rows_by_xid = Counter()
             if self.others:
                 self.rows_by_xid.update(c.xid for c in changes if type(c) in _ROW_TYPES)
+                if self.prefixes:
+                    if self.spilled_prefixes is None:
+                        self.spilled_prefixes = set()
+                    self.spilled_prefixes.update(prefixes_of(changes))
             else:  # rows only (nearly always): their xids counted in C
                 self.rows_by_xid.update(map(_XID, changes))
         out = Spill(self.xid, changes, self.nbytes)
@@ -179,15 +211,16 @@ class _Builder:
         rows = self.rows_spilled + len(self.changes) - self.others
         # Inserts fed undecoded and still in memory are decoded now: a Transaction holds none.
         tail: list[Change] = [decode_raw_insert(c) if isinstance(c, RawInsert) else c for c in self.changes]
+        prefixes = _NO_PREFIXES if self.prefixes is None else self.prefixes
         if not self.spilled:
             return Transaction(
                 self.xid, commit_lsn, end_lsn, commit_time, tail, self.relations, self.origin,
-                self.origin_lsn, streamed, self.nbytes, rows,
+                self.origin_lsn, streamed, self.nbytes, rows, prefixes=prefixes,
             )
         return Transaction(
             self.xid, commit_lsn, end_lsn, commit_time, tail, self.relations,
             self.origin, self.origin_lsn, streamed, self.nbytes, rows, self.spilled,
-            tuple(self.aborted or ()),
+            tuple(self.aborted or ()), prefixes=prefixes,
         )
 
 
@@ -247,6 +280,7 @@ class TransactionAssembler:
         return Transaction(
             builder.xid, builder.final_lsn, builder.final_lsn, builder.commit_time, [], builder.relations,
             builder.origin, builder.origin_lsn, False, 0, builder.rows_spilled, builder.spilled,
+            prefixes=builder.shared_prefixes(),
         )
 
     def open_stream(self, xid: int) -> Transaction | None:
@@ -262,7 +296,7 @@ class TransactionAssembler:
             return None
         return Transaction(
             builder.xid, 0, 0, 0, [], builder.relations, builder.origin, builder.origin_lsn, True, 0,
-            builder.rows_spilled, builder.spilled,
+            builder.rows_spilled, builder.spilled, prefixes=builder.shared_prefixes(),
         )
 
     def spill_tail(self, ending: Commit | StreamCommit) -> Spill | None:
@@ -409,6 +443,7 @@ class TransactionAssembler:
             return message
         builder = self._open(lsn, "M")
         builder.changes.append(message)
+        builder.shared_prefixes().add(message.prefix)
         builder.others += 1
         builder.nbytes += size
         self.buffered_bytes += size
@@ -466,6 +501,8 @@ class TransactionAssembler:
             kept.append(change)
         builder.changes = kept
         builder.others = len(kept) - _count_rows(kept)
+        if builder.prefixes:  # in place: a Transaction handed out before the commit holds the set
+            builder.prefixes.intersection_update(prefixes_of(kept) | (builder.spilled_prefixes or set()))
         return None
 
 

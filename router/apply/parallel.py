@@ -16,8 +16,22 @@ applies the rest of the batch one by one, as without lanes).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Final
 
-from protocol.messages import KIND_NULL, KIND_UNCHANGED, Delete, Insert, Relation, TupleData, Type, Update
+from protocol.changes import ChangeContext, Dispatch, note_relation
+from protocol.messages import (
+    KIND_NULL,
+    KIND_UNCHANGED,
+    Delete,
+    Insert,
+    Message,
+    RawInsert,
+    Relation,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+)
 from protocol.transactions import Transaction
 from router.apply.statements import TargetTable
 
@@ -41,41 +55,78 @@ def _values(relation: Relation, row: TupleData, names: Sequence[str]) -> tuple[b
 
 def row_keys(txn: Transaction, tables: Tables) -> set[Hashable] | None:
     """Every row key `txn` touches, or None when it must run alone."""
-    keys: set[Hashable] = set()
-    relations = dict(txn.relations)
+    keys = _Keys(dict(txn.relations), tables)
+    handlers = _KEYS.handlers
     for change in txn.changes:
-        if isinstance(change, Relation):
-            relations[change.relid] = change
-            continue
-        if isinstance(change, Type):
-            continue
-        if not isinstance(change, (Insert, Update, Delete)):
-            return None  # TRUNCATE or a transactional message: alone
-        relation = relations[change.relid]
-        ident = [c.name for c in relation.columns if c.key]
-        if not ident or (not isinstance(change, Insert) and change.old_kind == "O"):
-            return None  # rows matched by every column: alone
-        name = (relation.schema, relation.name)
-        table = tables.get(name)
-        images: list[TupleData] = []
-        if isinstance(change, Insert):
-            images.append(change.new)
-        elif isinstance(change, Update):
-            images.append(change.new)
-            if change.old is not None:
-                images.append(change.old)
-        else:
-            images.append(change.old)
-        for image in images:
-            key = _values(relation, image, ident)
+        if not handlers[type(change)](keys, change):
+            return None
+    return keys.keys
+
+
+class _Keys(ChangeContext):
+    """The row keys of one transaction found so far (the handlers of `_KEYS` add to them)."""
+
+    __slots__ = ("keys", "tables")
+
+    def __init__(self, relations: dict[int, Relation], tables: Tables) -> None:
+        super().__init__(relations)
+        self.tables = tables
+        self.keys: set[Hashable] = set()
+
+
+def _add(
+    keys: _Keys, relid: int, images: tuple[TupleData, ...], new: TupleData | None, full: bool = False
+) -> bool:
+    """The keys of a row change's `images` (and the unique keys its `new` row fills); False when its rows
+    are matched by every column (`full`, or no key): it runs alone."""
+    relation = keys.relations[relid]
+    ident = [c.name for c in relation.columns if c.key]
+    if not ident or full:
+        return False
+    name = (relation.schema, relation.name)
+    table = keys.tables.get(name)
+    for image in images:
+        key = _values(relation, image, ident)
+        if key is not None:
+            keys.keys.add((name, tuple(ident), key))
+    if table is not None and new is not None:
+        for unique in table.uniques:
+            key = _values(relation, new, unique)
             if key is not None:
-                keys.add((name, tuple(ident), key))
-        if table is not None and not isinstance(change, Delete):
-            for unique in table.uniques:
-                key = _values(relation, change.new, unique)
-                if key is not None:
-                    keys.add((name, unique, key))
-    return keys
+                keys.keys.add((name, unique, key))
+    return True
+
+
+def _insert(keys: _Keys, change: Insert) -> bool:
+    return _add(keys, change.relid, (change.new,), change.new)
+
+
+def _update(keys: _Keys, change: Update) -> bool:
+    images = (change.new,) if change.old is None else (change.new, change.old)
+    return _add(keys, change.relid, images, change.new, change.old_kind == "O")
+
+
+def _delete(keys: _Keys, change: Delete) -> bool:
+    return _add(keys, change.relid, (change.old,), None, change.old_kind == "O")
+
+
+def _relation(keys: _Keys, change: Relation) -> bool:
+    note_relation(keys, change)
+    return True
+
+
+def _no_rows(keys: _Keys, change: Type) -> bool:
+    return True
+
+
+def _alone(keys: _Keys, change: Truncate | Message | RawInsert) -> bool:
+    return False  # TRUNCATE or a transactional message: alone
+
+
+_KEYS: Final[Dispatch[_Keys, bool]] = Dispatch({
+    Insert: _insert, Update: _update, Delete: _delete, Relation: _relation, Type: _no_rows,
+    Truncate: _alone, Message: _alone, RawInsert: _alone,
+})
 
 
 def plan_lanes(batch: Sequence[Transaction], tables: Tables, lanes: int) -> list[int]:

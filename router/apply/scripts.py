@@ -1,12 +1,13 @@
 """A decoded source transaction as the target's transaction: SQL scripts and COPY runs, no I/O.
 
-A source transaction becomes one script: BEGIN, one statement per change (`router.apply.statements`), the
-origin's `pg_replication_origin_xact_setup` with the source's commit end LSN and commit time, COMMIT. The
-setup comes last, right before COMMIT: on PostgreSQL 16+ a transaction that rolls back after it (and
-wrote anything) still moves the origin's progress to that LSN, so a conflict or a deadlock would make a
-transaction look applied that never was (invariant 1); deferred constraints are checked before it. The
-script goes to the target in one round trip (simple query protocol), so a reader there sees all of it
-or none of it. In a large transaction, runs of inserts into one table go in by COPY instead
+A source transaction becomes one script: BEGIN, one statement per change (`router.apply.statements`;
+each kind of change has its handler in one table, `_SCRIPT`, a protocol.changes.Dispatch), the
+origin's `pg_replication_origin_xact_setup` with the source's commit end LSN and commit time, COMMIT.
+The setup comes last, right before COMMIT: on PostgreSQL 16+ a transaction that rolls back after it
+(and wrote anything) still moves the origin's progress to that LSN, so a conflict or a deadlock would
+make a transaction look applied that never was (invariant 1); deferred constraints are checked before
+it. The script goes to the target in one round trip (simple query protocol), so a reader there sees all
+of it or none of it. In a large transaction, runs of inserts into one table go in by COPY instead
 (`CopyRun`), cutting the script into segments; a part of a transaction read back from a spill file may
 hold `RawInsert`s, whose rows go to COPY straight from the server's bytes.
 
@@ -19,10 +20,12 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Final
 
+from protocol.changes import ChangeContext, Dispatch, note_relation
 from protocol.errors import ProtocolError
 from protocol.messages import (
     KIND_NULL,
     KIND_TEXT,
+    Delete,
     Insert,
     Message,
     RawInsert,
@@ -325,123 +328,186 @@ def transaction_segments(
     (router.progress.applied; `setup_statement`). `remote` False leaves `pgmesh.remote` out
     (router.apply.decide.Decisions.remote: a decision function then raises PGM03 instead of deciding).
     """
-    prepares = prelude if prelude is not None else None
-    out: list[str] = []
     args = setup_args(txn, origin_lsn, remote)  # the origin's position and commit time, once per transaction
-    sink = out if prepares is None else prepares
     late = setup_last or mark or at_commit is not None or not setup  # the set-up just before COMMIT
+    guarded = guard_origin is not None
+    coarse = txn.row_count > KEY_LOCKS_MAX
+    script = _Script(
+        txn, tables, dict(txn.relations) if relations is None else relations, prepared, prelude, args,
+        guard_origin, copy and (coarse or not guarded), coarse, begin and not late,
+    )
+    out = script.out
     if prepared is None:
         setup_sql = xact_setup_sql(txn, origin_lsn, mark)
     else:
-        setup_sql = prepared.setup(args[:2] if late else args, sink, mark)
+        setup_sql = prepared.setup(args[:2] if late else args, script.sink, mark)
+    script.setup_sql = setup_sql
     if begin:
         out.append("BEGIN")
-    pending = begin and not late  # set up with the first statement
-    if begin and late and guard_origin is not None and remote:  # the decision functions need it first
-        out.append(remote_setting_sql(args) if prepared is None else prepared.remote(args[2], sink))
-    deferred = False  # a table with deferred constraints: checked before a late set-up
-
-    def opening() -> None:
-        nonlocal pending
-        if pending:
-            out.append(setup_sql)
-            pending = False
-
-    segments: list[str | CopyRun] = []
-    origin_sql = None if guard_origin is None else f"'{guard_origin}'"
-    guarded = guard_origin is not None
-    coarse = txn.row_count > KEY_LOCKS_MAX
-    copy = copy and (coarse or not guarded)
-    if relations is None:
-        relations = dict(txn.relations)
-    run: list[Insert | RawInsert] = []
-    run_rel: Relation | None = None
-
-    def flush_run() -> None:
-        nonlocal deferred, pending
-        assert run_rel is not None
-        table = target_table(run_rel, tables)
-        if table.skip:
-            return  # a table this (partial) target does not get
-        deferred = deferred or table.deferrable
-        if copy and len(run) >= COPY_MIN_ROWS:
-            opening()
-            if guarded:
-                out.append(table_lock(table, exclusive=True))
-            if out:
-                segments.append(";\n".join(out) + ";")
-                out.clear()
-            for i in range(0, len(run), COPY_RUN):
-                segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
-            return
-        rows = _decoded(run_rel, run)
-        if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
-            with_setup = args if pending else None
-            pending = False
-            out.append(prepared_insert(run_rel, table, rows[0], prepared, sink, with_setup))
-            return
-        opening()
-        out.append(insert_rows(run_rel, table, rows, guarded, coarse))
-
+    if begin and late and guarded and remote:  # the decision functions need it first
+        out.append(remote_setting_sql(args) if prepared is None else prepared.remote(args[2], script.sink))
     changes: Sequence[SpilledChange] = txn.changes  # a part read back raw holds RawInserts, too
-    if copy and _one_run(changes):  # a part of a bulk load: one COPY run, without the loop below
-        run, run_rel = list(changes), relations[changes[0].relid]  # type: ignore[arg-type,union-attr]
+    if script.copy and _one_run(changes):  # a part of a bulk load: one COPY run, without the loop below
+        script.run = list(changes)  # type: ignore[arg-type]  # all inserts (checked above)
+        script.run_rel = script.relations[changes[0].relid]  # type: ignore[union-attr]
         changes = ()
+    handlers = _SCRIPT.handlers
     for change in changes:
-        if isinstance(change, (Insert, RawInsert)):  # nearly every change of a large transaction
-            relation = relations[change.relid]
-            if run and (relation is not run_rel or (not copy and len(run) >= INSERT_RUN)):
-                flush_run()
-                run = []
-            run_rel = relation
-            run.append(change)
-            continue
-        if run:
-            flush_run()
-            run = []
-        if isinstance(change, Relation):
-            relations[change.relid] = change
-            continue
-        if isinstance(change, (Type, Message)):
-            continue
-        if isinstance(change, Truncate):
-            opening()
-            out.append(ORIGIN_MARK)  # a TRUNCATE's first change has no origin
-            out.append(truncate_statement(change, relations, tables, txn.commit_time))
-            continue
-        relation = relations[change.relid]
-        table = target_table(relation, tables)
-        if table.skip:
-            continue
-        deferred = deferred or table.deferrable
-        opening()
-        keyed = prepared is not None and _keyed(relation, change.old_kind)
-        if isinstance(change, Update):
-            if keyed:
-                assert prepared is not None
-                out.append(prepared_update(relation, table, change, prepared, sink, guard_origin))
-            else:
-                out.append(guard(update_statement(relation, table, change), origin_sql))
-            moved = moved_key_tombstone(relation, table, change)
-            if moved is not None:
-                out.append(moved)
-        elif keyed:
-            assert prepared is not None
-            out.append(prepared_delete(relation, table, change, prepared, sink, guard_origin))
-        else:
-            out.append(guard(delete_statement(relation, table, change), origin_sql))
-    if run:
-        flush_run()
-    opening()  # a transaction (or opening part) without a statement still sets the origin up
+        handlers[type(change)](script, change)
+    script.end_run()
+    script.opening()  # a transaction (or opening part) without a statement still sets the origin up
     if commit:
-        if late and (deferred or not begin):  # (a part: earlier parts may have touched such a table)
+        if late and (script.deferred or not begin):  # (a part: earlier parts may have touched such a table)
             out.append(COMMIT_CHECKS)  # a failure here rolls back before the setup
         if at_commit is not None:
             out += [at_commit[0], setup_sql, "COMMIT", at_commit[1]]
         else:
             out += [setup_sql, "COMMIT"] if late and setup else ["COMMIT"]
+    segments = script.segments
     if out:
         segments.append(";\n".join(out) + ";")
     return segments
+
+
+class _Script(ChangeContext):
+    """One transaction (or part) being turned into its script: what the handlers of `_SCRIPT` share."""
+
+    __slots__ = (
+        "args", "coarse", "commit_time", "copy", "deferred", "guard_origin", "guarded", "origin_sql", "out",
+        "pending", "prepared", "run", "run_rel", "segments", "setup_sql", "sink", "tables",
+    )
+
+    def __init__(
+        self, txn: Transaction, tables: Mapping[tuple[str, str], TargetTable], relations: dict[int, Relation],
+        prepared: Prepared | None, prelude: list[str] | None, args: list[str], guard_origin: int | None,
+        copy: bool, coarse: bool, pending: bool,
+    ) -> None:
+        super().__init__(relations)
+        self.tables = tables
+        self.commit_time = txn.commit_time
+        self.prepared = prepared
+        self.args = args
+        self.guard_origin = guard_origin
+        self.guarded = guard_origin is not None
+        self.origin_sql = None if guard_origin is None else f"'{guard_origin}'"
+        self.copy = copy
+        self.coarse = coarse
+        self.out: list[str] = []
+        self.sink = self.out if prelude is None else prelude  # where new PREPAREs go
+        self.segments: list[str | CopyRun] = []
+        self.setup_sql = ""
+        self.pending = pending  # the origin set up with the first statement (still to come)
+        self.deferred = False  # a table with deferred constraints: checked before a late set-up
+        self.run: list[Insert | RawInsert] = []  # the run of inserts into one table being gathered
+        self.run_rel: Relation | None = None
+
+    def opening(self) -> None:
+        if self.pending:
+            self.out.append(self.setup_sql)
+            self.pending = False
+
+    def end_run(self) -> None:
+        if self.run:
+            self._flush_run()
+            self.run = []
+
+    def _flush_run(self) -> None:
+        run, run_rel, out, prepared = self.run, self.run_rel, self.out, self.prepared
+        assert run_rel is not None
+        table = target_table(run_rel, self.tables)
+        if table.skip:
+            return  # a table this (partial) target does not get
+        self.deferred = self.deferred or table.deferrable
+        guarded, coarse = self.guarded, self.coarse
+        if self.copy and len(run) >= COPY_MIN_ROWS:
+            self.opening()
+            if guarded:
+                out.append(table_lock(table, exclusive=True))
+            if out:
+                self.segments.append(";\n".join(out) + ";")
+                out.clear()
+            for i in range(0, len(run), COPY_RUN):
+                self.segments.append(CopyRun(run_rel, table, run[i : i + COPY_RUN], guarded, coarse))
+            return
+        rows = _decoded(run_rel, run)
+        if prepared is not None and guarded and not coarse and len(rows) == 1 and _preparable(table):
+            with_setup = self.args if self.pending else None
+            self.pending = False
+            out.append(prepared_insert(run_rel, table, rows[0], prepared, self.sink, with_setup))
+            return
+        self.opening()
+        out.append(insert_rows(run_rel, table, rows, guarded, coarse))
+
+
+def _insert(script: _Script, change: Insert | RawInsert) -> None:
+    """Nearly every change of a large transaction: gathered into runs of one table."""
+    relation = script.relations[change.relid]
+    if relation is script.run_rel and (script.copy or len(script.run) < INSERT_RUN):
+        script.run.append(change)  # the run goes on (the common case, first)
+        return
+    script.end_run()
+    script.run_rel = relation
+    script.run.append(change)
+
+
+def _relation(script: _Script, change: Relation) -> None:
+    script.end_run()
+    note_relation(script, change)
+
+
+def _nothing(script: _Script, change: Type | Message) -> None:
+    script.end_run()
+
+
+def _truncate(script: _Script, change: Truncate) -> None:
+    script.end_run()
+    script.opening()
+    script.out.append(ORIGIN_MARK)  # a TRUNCATE's first change has no origin
+    script.out.append(truncate_statement(change, script.relations, script.tables, script.commit_time))
+
+
+def _row_table(script: _Script, change: Update | Delete) -> tuple[Relation, TargetTable] | None:
+    """An update's or delete's relation and table (None: a table this target does not get)."""
+    script.end_run()
+    relation = script.relations[change.relid]
+    table = target_table(relation, script.tables)
+    if table.skip:
+        return None
+    script.deferred = script.deferred or table.deferrable
+    script.opening()
+    return relation, table
+
+
+def _update(script: _Script, change: Update) -> None:
+    found = _row_table(script, change)
+    if found is None:
+        return
+    relation, table = found
+    prepared, out = script.prepared, script.out
+    if prepared is not None and _keyed(relation, change.old_kind):
+        out.append(prepared_update(relation, table, change, prepared, script.sink, script.guard_origin))
+    else:
+        out.append(guard(update_statement(relation, table, change), script.origin_sql))
+    moved = moved_key_tombstone(relation, table, change)
+    if moved is not None:
+        out.append(moved)
+
+
+def _delete(script: _Script, change: Delete) -> None:
+    found = _row_table(script, change)
+    if found is None:
+        return
+    relation, table = found
+    prepared, out = script.prepared, script.out
+    if prepared is not None and _keyed(relation, change.old_kind):
+        out.append(prepared_delete(relation, table, change, prepared, script.sink, script.guard_origin))
+    else:
+        out.append(guard(delete_statement(relation, table, change), script.origin_sql))
+
+
+_SCRIPT: Final[Dispatch[_Script, None]] = Dispatch({
+    Insert: _insert, RawInsert: _insert, Update: _update, Delete: _delete, Truncate: _truncate,
+    Relation: _relation, Type: _nothing, Message: _nothing,
+})
 
 

@@ -27,8 +27,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
+from protocol.changes import ChangeContext, Dispatch, ignore, note_relation
 from protocol.lsn import format_lsn, parse_lsn, pg_us_to_datetime
-from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, Update
+from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, Type, Update
 from protocol.transactions import Transaction
 from router.apply.link import LinkSession
 from router.apply.statements import setup_statement
@@ -112,36 +113,62 @@ async def read_skip(link: LinkSession) -> int | None:
 def held_by(txn: Transaction) -> tuple[str, dict[str, Any]]:
     """What `txn` held, for its record: the tables it changed ("" for none), and per table the changes
     it made by kind, with its DDL commands (the first ones) under "ddl"."""
-    relations: dict[int, Relation] = dict(txn.relations)
-    counts: dict[str, dict[str, int]] = {}
-    ddl: list[str] = []
-
-    def count(relid: int, kind: str) -> None:
-        relation = relations.get(relid)
-        name = f"{relation.schema}.{relation.name}" if relation is not None else f"relation {relid}"
-        per = counts.setdefault(name, {})
-        per[kind] = per.get(kind, 0) + 1
-
+    held = _Held(dict(txn.relations))
+    handlers = _HELD.handlers
     for chunk in iter_raw_chunks(txn):
         for change in chunk:
-            if isinstance(change, Relation):
-                relations[change.relid] = change
-            elif isinstance(change, Insert | RawInsert):
-                count(change.relid, "insert")
-            elif isinstance(change, Update):
-                count(change.relid, "update")
-            elif isinstance(change, Delete):
-                count(change.relid, "delete")
-            elif isinstance(change, Truncate):
-                for relid in change.relids:
-                    count(relid, "truncate")
-            elif isinstance(change, Message) and change.prefix == DDL_PREFIX:
-                command = ddl_command(change)
-                ddl.append(f"{command.tag}: {json.loads(describe_command(command))}")
-    held: dict[str, Any] = dict(counts)
+            handlers[type(change)](held, change)
+    counts, ddl = held.counts, held.ddl
+    out: dict[str, Any] = dict(counts)
     if ddl:
-        held["ddl"] = ddl[:_MAX_DDL] + ([f"and {len(ddl) - _MAX_DDL} more"] if len(ddl) > _MAX_DDL else [])
-    return ", ".join(sorted(counts)), held
+        out["ddl"] = ddl[:_MAX_DDL] + ([f"and {len(ddl) - _MAX_DDL} more"] if len(ddl) > _MAX_DDL else [])
+    return ", ".join(sorted(counts)), out
+
+
+class _Held(ChangeContext):
+    """What a transaction held, counted so far (the handlers of `_HELD` count)."""
+
+    __slots__ = ("counts", "ddl")
+
+    def __init__(self, relations: dict[int, Relation]) -> None:
+        super().__init__(relations)
+        self.counts: dict[str, dict[str, int]] = {}  # table -> kind of change -> how many
+        self.ddl: list[str] = []
+
+    def count(self, relid: int, kind: str) -> None:
+        relation = self.relations.get(relid)
+        name = f"{relation.schema}.{relation.name}" if relation is not None else f"relation {relid}"
+        per = self.counts.setdefault(name, {})
+        per[kind] = per.get(kind, 0) + 1
+
+
+def _insert(held: _Held, change: Insert | RawInsert) -> None:
+    held.count(change.relid, "insert")
+
+
+def _update(held: _Held, change: Update) -> None:
+    held.count(change.relid, "update")
+
+
+def _delete(held: _Held, change: Delete) -> None:
+    held.count(change.relid, "delete")
+
+
+def _truncate(held: _Held, change: Truncate) -> None:
+    for relid in change.relids:
+        held.count(relid, "truncate")
+
+
+def _message(held: _Held, change: Message) -> None:
+    if change.prefix == DDL_PREFIX:
+        command = ddl_command(change)
+        held.ddl.append(f"{command.tag}: {json.loads(describe_command(command))}")
+
+
+_HELD: Final[Dispatch[_Held, None]] = Dispatch({
+    Relation: note_relation, Type: ignore, Insert: _insert, RawInsert: _insert, Update: _update,
+    Delete: _delete, Truncate: _truncate, Message: _message,
+})
 
 
 async def skip_transaction(link: LinkSession, txn: Transaction) -> None:

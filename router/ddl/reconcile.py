@@ -13,11 +13,12 @@ Must not: talk to a node, read the catalog, or change a transaction in place (it
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-from protocol.messages import Delete, Insert, Message, RawInsert, Relation, TupleData, Update
+from protocol.changes import Dispatch
+from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, TupleData, Type, Update
 from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Transaction
 from router.ddl.messages import DDL_PREFIX
@@ -49,13 +50,49 @@ def reconcile(
     command changes the columns the rows after it meet. None when nothing needed fitting or a
     difference is not explained (the caller then reports the missing column).
     """
-    fitted: dict[int, tuple[Relation, list[int] | None]] = {}  # id(relation) -> (fitted, kept positions)
+    fitting = _Fitting(columns, drift)
+    relations: dict[int, Relation] = {}
+    for relid, relation in txn.relations.items():
+        result = fitting.fit(relation)
+        if result is None:
+            return None
+        fitting.current[relid] = result
+        relations[relid] = result[0]
+    handlers = _FIT.handlers
+    for n, change in enumerate(txn.changes):
+        if not handlers[type(change)](fitting, change):
+            if fitting.unexplained:
+                return None
+            # DDL in this transaction runs on the target before the rows after it: those rows are fitted
+            # to the columns it leaves, not to today's (a column dropped long ago and added again here is
+            # not the dropped one); a difference still left then is reported, never dropped silently
+            fitting.changes.extend(txn.changes[n:])
+            break
+    if not fitting.changed:
+        return None
+    return msgspec.structs.replace(txn, changes=fitting.changes, relations=relations)
 
-    def fit(relation: Relation) -> tuple[Relation, list[int] | None] | None:
-        have = columns.get((relation.schema, relation.name))
+
+class _Fitting:
+    """One transaction being fitted: what the handlers of `_FIT` share. A handler returns False to stop
+    (DDL: the rest goes as it is; or `unexplained`: the transaction cannot be fitted)."""
+
+    __slots__ = ("changed", "changes", "columns", "current", "drift", "unexplained")
+
+    def __init__(self, columns: Mapping[tuple[str, str], frozenset[str]], drift: Drift) -> None:
+        self.columns = columns
+        self.drift = drift
+        # relid -> its relation fitted, and the positions of the columns kept (None: all of them)
+        self.current: dict[int, tuple[Relation, list[int] | None]] = {}
+        self.changes: list[Any] = []
+        self.changed = False
+        self.unexplained = False
+
+    def fit(self, relation: Relation) -> tuple[Relation, list[int] | None] | None:
+        have = self.columns.get((relation.schema, relation.name))
         if have is None or all(c.name in have for c in relation.columns):
             return relation, None
-        changes = drift.get(f"{relation.schema}.{relation.name}", {})
+        changes = self.drift.get(f"{relation.schema}.{relation.name}", {})
         kept: list[int] = []
         out = []
         for i, column in enumerate(relation.columns):
@@ -67,58 +104,69 @@ def reconcile(
             if name is not None:
                 kept.append(i)
                 out.append(msgspec.structs.replace(column, name=name) if name != column.name else column)
+        self.changed = True
         return msgspec.structs.replace(relation, columns=tuple(out)), kept
 
-    def cut(data: TupleData | None, kept: list[int]) -> TupleData | None:
-        if data is None:
-            return None
-        return TupleData(bytes(data.kinds[i] for i in kept), tuple(data.values[i] for i in kept))
 
-    current: dict[int, tuple[Relation, list[int] | None]] = {}
-    relations: dict[int, Relation] = {}
-    changed = False
-    for relid, relation in txn.relations.items():
-        result = fit(relation)
-        if result is None:
-            return None
-        fitted[id(relation)] = result
-        current[relid] = result
-        relations[relid] = result[0]
-        changed = changed or result[1] is not None
-    changes: list[Any] = []
-    for n, change in enumerate(txn.changes):
-        if isinstance(change, Message) and change.prefix == DDL_PREFIX:
-            # DDL in this transaction runs on the target before the rows after it: those rows are fitted
-            # to the columns it leaves, not to today's (a column dropped long ago and added again here is
-            # not the dropped one); a difference still left then is reported, never dropped silently
-            changes.extend(txn.changes[n:])
-            break
-        if isinstance(change, Relation):
-            result = fit(change)
-            if result is None:
-                return None
-            current[change.relid] = result
-            changed = changed or result[1] is not None
-            changes.append(result[0])
-        elif isinstance(change, (Insert, RawInsert, Update, Delete)) and (
-            kept := _kept(current, change.relid)
-        ):
-            if isinstance(change, RawInsert):  # a part read back raw from a spill file
-                change = decode_raw_insert(change)
-            if isinstance(change, Insert):
-                changes.append(msgspec.structs.replace(change, new=cut(change.new, kept)))
-            elif isinstance(change, Update):
-                new, old = cut(change.new, kept), cut(change.old, kept)
-                changes.append(msgspec.structs.replace(change, new=new, old=old))
-            else:
-                changes.append(msgspec.structs.replace(change, old=cut(change.old, kept)))
-        else:
-            changes.append(change)
-    if not changed:
+def _cut(data: TupleData | None, kept: list[int]) -> TupleData | None:
+    if data is None:
         return None
-    return msgspec.structs.replace(txn, changes=changes, relations=relations)
+    return TupleData(bytes(data.kinds[i] for i in kept), tuple(data.values[i] for i in kept))
 
 
-def _kept(current: Mapping[int, tuple[Relation, list[int] | None]], relid: int) -> list[int] | None:
-    entry = current.get(relid)
-    return None if entry is None else entry[1]
+def _relation(fitting: _Fitting, change: Relation) -> bool:
+    result = fitting.fit(change)
+    if result is None:
+        fitting.unexplained = True
+        return False
+    fitting.current[change.relid] = result
+    fitting.changes.append(result[0])
+    return True
+
+
+def _kept(fitting: _Fitting, change: Insert | RawInsert | Update | Delete) -> list[int] | None:
+    """The positions its relation keeps, when it does not keep them all (else the change goes as it is)."""
+    entry = fitting.current.get(change.relid)
+    kept = None if entry is None else entry[1]
+    if not kept:
+        fitting.changes.append(change)
+    return kept
+
+
+def _insert(fitting: _Fitting, change: Insert | RawInsert) -> bool:
+    if kept := _kept(fitting, change):
+        if isinstance(change, RawInsert):  # a part read back raw from a spill file
+            change = decode_raw_insert(change)
+        fitting.changes.append(msgspec.structs.replace(change, new=_cut(change.new, kept)))
+    return True
+
+
+def _update(fitting: _Fitting, change: Update) -> bool:
+    if kept := _kept(fitting, change):
+        new, old = _cut(change.new, kept), _cut(change.old, kept)
+        fitting.changes.append(msgspec.structs.replace(change, new=new, old=old))
+    return True
+
+
+def _delete(fitting: _Fitting, change: Delete) -> bool:
+    if kept := _kept(fitting, change):
+        fitting.changes.append(msgspec.structs.replace(change, old=_cut(change.old, kept)))
+    return True
+
+
+def _message(fitting: _Fitting, change: Message) -> bool:
+    if change.prefix == DDL_PREFIX:
+        return False  # it and the rest go as they are
+    fitting.changes.append(change)
+    return True
+
+
+def _as_it_is(fitting: _Fitting, change: Truncate | Type) -> bool:
+    fitting.changes.append(change)
+    return True
+
+
+_FIT: Final[Dispatch[_Fitting, bool]] = Dispatch({
+    Relation: _relation, Insert: _insert, RawInsert: _insert, Update: _update, Delete: _delete,
+    Message: _message, Truncate: _as_it_is, Type: _as_it_is,
+})

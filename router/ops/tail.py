@@ -22,8 +22,9 @@ from typing import Final, TextIO
 
 import msgspec
 
+from protocol.changes import ChangeContext, Dispatch, note_relation
 from protocol.lsn import format_lsn, pg_us_to_datetime
-from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, TupleData, Update
+from protocol.messages import Delete, Insert, Message, RawInsert, Relation, Truncate, TupleData, Type, Update
 from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Change, Transaction
 from router.config.model import Config
@@ -78,28 +79,53 @@ def _changes(txn: Transaction) -> Iterator[Change]:
 
 
 def describe_changes(txn: Transaction, changes: Iterable[Change]) -> Iterator[TailedChange]:
-    relations: dict[int, Relation] = dict(txn.relations)
+    context = ChangeContext(dict(txn.relations))
+    handlers = _DESCRIBE.handlers
     for change in changes:
-        if isinstance(change, Relation):
-            relations[change.relid] = change
-        elif isinstance(change, Message):
-            yield TailedChange("MESSAGE", change.prefix, content=change.content.decode(errors="replace"))
-        elif isinstance(change, Truncate):
-            for relid in change.relids:
-                yield TailedChange("TRUNCATE", _label(relations.get(relid), relid))
-        elif isinstance(change, (Insert, RawInsert)):
-            insert = decode_raw_insert(change) if isinstance(change, RawInsert) else change
-            relation = relations[insert.relid]
-            yield TailedChange("INSERT", _label(relation, insert.relid), row=_cells(relation, insert.new))
-        elif isinstance(change, Update):
-            relation = relations[change.relid]
-            key = None if change.old is None else _cells(relation, change.old, change.old_kind == "K")
-            label = _label(relation, change.relid)
-            yield TailedChange("UPDATE", label, row=_cells(relation, change.new), key=key)
-        elif isinstance(change, Delete):
-            relation = relations[change.relid]
-            key = _cells(relation, change.old, change.old_kind == "K")
-            yield TailedChange("DELETE", _label(relation, change.relid), key=key)
+        yield from handlers[type(change)](context, change)
+
+
+def _relation(context: ChangeContext, change: Relation) -> tuple[TailedChange, ...]:
+    note_relation(context, change)
+    return ()
+
+
+def _type(context: ChangeContext, change: Type) -> tuple[TailedChange, ...]:
+    return ()
+
+
+def _message(context: ChangeContext, change: Message) -> tuple[TailedChange, ...]:
+    return (TailedChange("MESSAGE", change.prefix, content=change.content.decode(errors="replace")),)
+
+
+def _truncate(context: ChangeContext, change: Truncate) -> tuple[TailedChange, ...]:
+    relations = context.relations
+    return tuple(TailedChange("TRUNCATE", _label(relations.get(relid), relid)) for relid in change.relids)
+
+
+def _insert(context: ChangeContext, change: Insert | RawInsert) -> tuple[TailedChange, ...]:
+    insert = decode_raw_insert(change) if isinstance(change, RawInsert) else change
+    relation = context.relations[insert.relid]
+    return (TailedChange("INSERT", _label(relation, insert.relid), row=_cells(relation, insert.new)),)
+
+
+def _update(context: ChangeContext, change: Update) -> tuple[TailedChange, ...]:
+    relation = context.relations[change.relid]
+    key = None if change.old is None else _cells(relation, change.old, change.old_kind == "K")
+    label = _label(relation, change.relid)
+    return (TailedChange("UPDATE", label, row=_cells(relation, change.new), key=key),)
+
+
+def _delete(context: ChangeContext, change: Delete) -> tuple[TailedChange, ...]:
+    relation = context.relations[change.relid]
+    key = _cells(relation, change.old, change.old_kind == "K")
+    return (TailedChange("DELETE", _label(relation, change.relid), key=key),)
+
+
+_DESCRIBE: Final[Dispatch[ChangeContext, tuple[TailedChange, ...]]] = Dispatch({
+    Relation: _relation, Type: _type, Message: _message, Truncate: _truncate, Insert: _insert,
+    RawInsert: _insert, Update: _update, Delete: _delete,
+})
 
 
 def _label(relation: Relation | None, relid: int) -> str:

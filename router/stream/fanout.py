@@ -34,9 +34,8 @@ from msgspec.structs import force_setattr
 from protocol.lsn import format_lsn
 from protocol.messages import Delete, Insert, Message, Truncate, Update
 from protocol.transactions import Transaction
-from router.ddl.messages import has_ddl
 from router.progress.positions import LinkProgress, SourceProgress
-from router.stream.items import EarlyStream
+from router.stream.items import DDL_PREFIX, EarlyStream
 from router.stream.linkqueue import LinkQueue
 from router.stream.log.store import SourceLog
 from router.stream.seen import APPLIED_PREFIX, SeenVersions
@@ -203,7 +202,8 @@ class SourcePump:
             self.seen.note(txn, self.source.confirmed_lsn)
             if self._on_echo is not None:
                 self._on_echo(txn)
-        elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes) or has_ddl(txn)):
+        elif not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes)
+                  or DDL_PREFIX in txn.prefixes):
             pass  # nothing a target needs (a transactional message, a schema description only)
         else:
             self.stats.transactions += 1
@@ -328,7 +328,7 @@ class SourcePump:
         if log is None or not log.appending or txn.end_lsn <= log.end:
             return
         if not needed and not (txn.spilled or any(isinstance(c, _DATA_CHANGES) for c in txn.changes)
-                               or has_ddl(txn)):
+                               or DDL_PREFIX in txn.prefixes):
             return
         if log.full:
             log.stop_appending(self.progress.seen)

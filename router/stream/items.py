@@ -1,7 +1,9 @@
 """What a replication source takes and hands out besides transactions: its options (`SourceOptions`),
 what they come to on one server (`StreamSettings`, chosen by `negotiate` from its version), the
 announcement of a streamed transaction before its commit (`EarlyStream`), IDENTIFY_SYSTEM's answer
-(`SystemInfo`), and the `publication_names` option's quoting.
+(`SystemInfo`), the `publication_names` option's quoting, and the prefix of the logical message a DDL
+command travels in (`DDL_PREFIX`: the fan-out hands a transaction carrying one on; its format is
+router.ddl.messages').
 
 Must not: open a connection or read a stream (router.stream.connection and router.stream.source do).
 """
@@ -17,12 +19,13 @@ from protocol.transactions import Transaction
 from router.stream.spool import SpillFile
 
 __all__ = [
-    "ORIGIN_NONE_SINCE", "PROTO_4_SINCE", "EarlyStream", "SourceOptions", "StreamSettings", "SystemInfo",
-    "binary_formats_match", "highest_proto_version", "negotiate", "publication_list",
+    "DDL_PREFIX", "ORIGIN_NONE_SINCE", "PROTO_4_SINCE", "EarlyStream", "SourceOptions", "StreamSettings",
+    "SystemInfo", "binary_formats_match", "highest_proto_version", "negotiate", "publication_list",
 ]
 
 ORIGIN_NONE_SINCE: Final = 160000  # server_version_num from which pgoutput takes `origin 'none'`
 PROTO_4_SINCE: Final = 160000  # ... and proto_version 4 (streaming 'parallel')
+DDL_PREFIX: Final = "pgmesh.ddl"  # a DDL command's logical message (`Transaction.prefixes` tells who has one)
 
 
 class SourceOptions(msgspec.Struct, frozen=True):

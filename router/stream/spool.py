@@ -4,7 +4,10 @@ A source's `TransactionAssembler` hands out a transaction that outgrows its memo
 pieces; the source appends each to this spool (`Spool.write`: one file per open transaction, keyed by
 source node and xid), closes the file at the commit (`Spool.finish`) and attaches the returned
 `SpillFile` to the `Transaction` (`Transaction.spill`). Readers walk a transaction, spilled part then
-in-memory tail, with `iter_chunks`, or load it whole with `materialize` (a fallback for rare paths).
+in-memory tail, with `iter_chunks`, or load it whole with `materialize` (a fallback for rare paths). What
+a reader asks of the spilled part without reading it back stays in memory with the transaction: its
+change and row counts, and the prefixes of its logical messages (`Transaction.prefixes`, kept by the
+assembler as they arrive: whether it carries DDL is a set lookup).
 
 A file lives as long as somebody may read it: the fan-out `acquire`s one reference per link it hands
 the transaction to, each applier calls `let_go(txn)` once the transaction is applied or dropped, and
@@ -196,7 +199,7 @@ class SpillFile:
 
     __slots__ = (
         "_file", "_forget", "abandoned", "changed", "changes", "deleted", "early", "final", "handed", "live",
-        "message_prefixes", "nbytes", "node", "path", "pinned", "refs", "size", "xid",
+        "nbytes", "node", "path", "pinned", "refs", "size", "xid",
     )
 
     def __init__(
@@ -212,7 +215,6 @@ class SpillFile:
         self.changes = 0  # changes written
         self.nbytes = 0  # their payload bytes as they came from the server
         self.size = 0  # bytes on disk
-        self.message_prefixes: set[str] = set()  # of the logical messages among them (DDL travels so)
         self.refs = 0
         self.deleted = False
         # Read before its commit (`live`, see `grow`): `changed` is set at every write, at the commit
@@ -346,7 +348,6 @@ class SpillFile:
             f.flush()
             if self.changed is not None:
                 self.changed.set()
-        self.message_prefixes.update(c.prefix for c in changes if type(c) is Message)
         self.changes += len(changes)
         self.nbytes += nbytes
 

@@ -5,7 +5,10 @@ kind + payload, 4-byte CRC-32 of kind + payload, a kind byte, the payload. Kinds
 description (each segment describes the relations it uses before their first use: a reader starts at a
 segment's start), `T` a whole transaction (its description `Meta`, then its changes as the spool's
 frames), `S` a spilled transaction whose spill file was linked beside the segment (`Linked`, then its
-in-memory tail), and `B`, `F` ... `E` a spilled transaction copied in pieces (another file system).
+in-memory tail), and `B`, `F` ... `E` a spilled transaction copied in pieces (another file system). A
+transaction read back carries the prefixes of its logical messages (`Transaction.prefixes`): collected
+from the changes read, and for a linked file, which is not read, written in its `Linked` (a log written
+before they were has none there: only the tail's are known).
 
 Must not: do I/O beyond reading one record from a file it is given.
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import BinaryIO, Final
 
 import msgspec
 
+from protocol.changes import prefixes_of
 from protocol.messages import Relation
 from protocol.transactions import Change, Transaction
 from router.errors import PgmeshError
@@ -56,6 +61,7 @@ class Linked(msgspec.Struct, array_like=True, frozen=True):
     spilled: int  # changes in the file
     spilled_bytes: int
     aborted: tuple[int, ...]
+    prefixes: tuple[str, ...] = ()  # of its logical messages, the file's included (older logs: ())
 
 
 ENCODER: Final = msgspec.msgpack.Encoder()
@@ -109,10 +115,13 @@ def meta_bytes(body: bytes) -> bytes:
 
 
 def transaction_from(
-    meta: Meta, changes: list[Change], spilled: int, handle: object, relations: dict[int, Relation]
+    meta: Meta, changes: list[Change], spilled: int, handle: object, relations: dict[int, Relation],
+    prefixes: AbstractSet[str] | None = None,
 ) -> Transaction:
+    """The transaction `meta` describes; `prefixes`: its logical messages' (None: those of `changes`)."""
     return Transaction(
         meta.xid, meta.commit_lsn, meta.end_lsn, meta.commit_time, changes,
         {relid: relations[relid] for relid in meta.relids}, None, None, meta.streamed, meta.nbytes,
         meta.row_count, spilled, (), handle, meta.seen,
+        frozenset(prefixes_of(changes)) if prefixes is None else prefixes,
     )

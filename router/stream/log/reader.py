@@ -16,6 +16,7 @@ from typing import BinaryIO, Protocol, cast
 
 import msgspec
 
+from protocol.changes import prefixes_of
 from protocol.messages import Relation
 from protocol.transactions import Spill, SpilledChange, Transaction
 from router.errors import PgmeshError
@@ -133,7 +134,8 @@ class LogReader:
                                            self.log.directory / linked.file, linked.spilled,
                                            linked.spilled_bytes)
             adopted.acquire()  # the reader's: the one who takes the transaction releases it
-            txn = transaction_from(linked.meta, tail, linked.spilled, adopted, self._relations)
+            known = frozenset(linked.prefixes).union(prefixes_of(tail))  # (the file is not read)
+            txn = transaction_from(linked.meta, tail, linked.spilled, adopted, self._relations, known)
             return msgspec.structs.replace(txn, aborted_subxids=linked.aborted)
         if kind == WHOLE:
             self._pos = f.tell()
@@ -151,6 +153,7 @@ class LogReader:
         spool, key = self.log.spool, f"{self.log.node}.log"
         count = 0
         handle = None
+        prefixes: set[str] = set()
         while True:
             kind, body = read_record(f, seg)
             if kind == FINISH:
@@ -159,6 +162,7 @@ class LogReader:
                 continue
             piece = cast("list[SpilledChange]", decode_frames(body))
             count += len(piece)
+            prefixes.update(prefixes_of(piece))
             handle = spool.write(key, Spill(meta.xid, piece))
         self._pos = f.tell()
         if skip:
@@ -166,7 +170,7 @@ class LogReader:
         handle = spool.finish(key, meta.xid)
         if handle is not None:
             handle.acquire()  # the reader's: the one who takes the transaction releases it
-        return transaction_from(meta, [], count, handle, self._relations)
+        return transaction_from(meta, [], count, handle, self._relations, frozenset(prefixes))
 
 
 def _drop(txn: Transaction) -> None:

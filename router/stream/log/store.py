@@ -430,7 +430,9 @@ class SourceLog:
         self._disk += spill.size
         meta = Meta(txn.xid, txn.commit_lsn, txn.end_lsn, txn.commit_time, txn.nbytes, txn.row_count,
                      txn.streamed, txn.seen, list(txn.relations))
-        head = ENCODER.encode(Linked(meta, name, txn.spilled, spill.nbytes, txn.aborted_subxids))
+        head = ENCODER.encode(
+            Linked(meta, name, txn.spilled, spill.nbytes, txn.aborted_subxids, tuple(sorted(txn.prefixes)))
+        )
         encode_changes(txn.changes, frames)
         self._record(LINKED, LENGTH.pack(len(head)) + head, frames)
         return True

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from protocol.messages import Column, Insert, Relation, TupleData, Update
+from protocol.messages import Column, Insert, Message, Relation, TupleData, Update
 from protocol.transactions import Change, Spill, Transaction
 from router.errors import PgmeshError
+from router.stream.log.format import LINKED_DECODER, Linked, Meta
 from router.stream.log.store import SourceLog
 from router.stream.spool import SpillFile, Spool, iter_chunks, let_go
 
@@ -359,3 +361,33 @@ def test_a_log_read_back_covers_only_the_targets_it_was_started_for(tmp_path: Pa
     assert again.targets == {"b", "c"}
     assert again.covers(12, "b") and again.covers(12, "c")
     assert not again.covers(12, "d") and not again.covers(9, "b")
+
+
+def test_a_linked_transaction_read_back_knows_the_prefixes_of_its_file_and_an_old_record_still_reads(
+    tmp_path: Path,
+) -> None:
+    """The file of a linked transaction is not read back: the prefixes of its logical messages are in its
+    `S` record (a record written before they were, without them, still reads: only the tail's are known)."""
+    spool = Spool(tmp_path / "spool")
+    log = SourceLog(tmp_path / "log", "a", identity="7001", spool=spool, hold_bytes=0)
+    log.open()
+    log.activate(0, ["t"])
+    ddl = Message(True, 5, "pgmesh.ddl", b"{}")
+    spilled: list[Change] = [ddl, *(Insert(REL.relid, row(i)) for i in range(100))]
+    spool.write("a", Spill(9, spilled, nbytes=1234))
+    handle = spool.finish("a", 9)
+    assert handle is not None
+    handle.acquire()
+    tail: list[Change] = [Insert(REL.relid, row(100)), Message(True, 6, "mine", b"")]
+    big = Transaction(9, 99, 100, 5, tail, {REL.relid: REL}, row_count=101, spilled=101, spill=handle,
+                      prefixes=frozenset({"pgmesh.ddl", "mine"}))
+    log.append(big)
+    assert len(list((tmp_path / "log").glob("*.spill"))) == 1  # linked, not copied
+    (got,) = read_all(log, 0)
+    assert got.prefixes == {"pgmesh.ddl", "mine"} and changes_of(got) == spilled + tail
+    let_go(got)
+    let_go(big)
+    meta = Meta(9, 99, 100, 5, 0, 101, False, (), [REL.relid])
+    before = msgspec.msgpack.encode([msgspec.to_builtins(meta), "f.spill", 101, 1234, []])  # 5 fields
+    old = LINKED_DECODER.decode(before)
+    assert old == Linked(meta, "f.spill", 101, 1234, ()) and old.prefixes == ()

@@ -319,15 +319,25 @@ async def test_fanout_releases_what_a_detached_link_loses(tmp_path: Path) -> Non
 
 
 def test_ddl_in_the_spilled_part_is_seen(tmp_path: Path) -> None:
+    """As a source hands it out: the assembler's Spills written to the spool, the file attached at the
+    commit; whether it carries DDL is known without reading the file back (`Transaction.prefixes`)."""
     spool = Spool(tmp_path)
     ddl = Message(True, 0x10, DDL_PREFIX, b'{"sql": "ALTER TABLE t ADD c int"}', None)
-    spool.write("n1", Spill(5, [REL, ddl, insert(1)], 30))
-    txn = Transaction(5, 1, 2, 3, [insert(2)], {REL.relid: REL}, row_count=2, spilled=3,
-                      spill=spool.finish("n1", 5))
+
+    def spilled(xid: int, fed: list[tuple[Change, int]]) -> Transaction:
+        asm = TransactionAssembler(15)  # what is fed before the 2nd insert goes to the spool, the rest stays
+        asm.feed(Begin(0x1000, 1, xid))
+        for change, size in fed:
+            out = asm.feed(change, None, size)
+            if isinstance(out, Spill):
+                spool.write("n1", out)
+        txn = asm.feed(Commit(0, 0x1000, 0x1010, 3))
+        assert isinstance(txn, Transaction) and txn.changes == [insert(2)]
+        return msgspec.structs.replace(txn, spill=spool.finish("n1", xid))
+
+    txn = spilled(5, [(REL, 0), (ddl, 10), (insert(1), 10), (insert(2), 10)])
     assert has_ddl(txn) and has_ddl(materialize(txn))
-    spool.write("n1", Spill(6, [REL, insert(1)], 20))
-    rows = Transaction(6, 1, 2, 3, [insert(2)], {REL.relid: REL}, row_count=2, spilled=2,
-                       spill=spool.finish("n1", 6))
+    rows = spilled(6, [(REL, 0), (insert(1), 20), (insert(2), 10)])
     assert not has_ddl(rows)
 
 
