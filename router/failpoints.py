@@ -41,6 +41,8 @@ POINTS: Final[dict[str, str]] = {
     " created, its header not written (not a log's first segment; synchronous: raise or kill only)",
     "join.after_snapshot": "router.ops.join: the join's snapshot and positions taken, the router"
     " released, the copy not started (the new node's stream starts from those positions)",
+    "source.spilling": "router.stream.source: a batch read in the middle of a transaction that spilled"
+    " (a plain one was handed out to the appliers at its first spill), its commit not read yet",
 }
 SYNCHRONOUS: Final = frozenset({"log.segment_switch"})  # `hit_now` points: they cannot stall
 FAILED: Final = "raise"  # `arm(name, error=FAILED)`: a ConnectionResetError naming the point

@@ -48,6 +48,7 @@ from protocol.messages import Commit, Message, PgOutputMessage, RawInsert, Strea
 from protocol.pgoutput import Decoder, raw_insert, raw_insert_run
 from protocol.replication import XLogData, parse_copy_data
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
+from router import failpoints
 from router.errors import ConnectionLost, SourceError
 from router.stream.connection import ReplicationConnection
 from router.stream.items import EarlyStream, SourceOptions, StreamSettings, SystemInfo
@@ -281,6 +282,8 @@ class ReplicationSource:
                         # Deep in a transaction that is being handed out early: let its appliers run
                         # (the socket may never run dry before the commit, so nothing else would yield).
                         await asyncio.sleep(0)
+                        if failpoints.ARMED:  # a test's: spilling, commit not read (router.failpoints)
+                            await failpoints.hit("source.spilling")
                     sent = 0
                     try:
                         for out in done:

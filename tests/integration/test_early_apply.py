@@ -8,14 +8,12 @@ Each applier applies it part by part as the file grows and commits once the Comm
 1. Three nodes: a 200,000-row transaction on A reaches B and C whole; both links began applying it
    before its commit arrived; the spool is empty afterwards. A second transaction right behind it,
    touching one of its rows, lands after it (source commit order).
-2. A's walsender is terminated while the router is still receiving a 600,000-row transaction: the
-   router reconnects, the server sends the transaction again, the links roll back what they had
-   applied of it and apply the resent one: B ends with exactly A's rows.
+2. A transaction lost by the source before its commit arrived (a's walsender terminated while the
+   router receives it) is applied once: tests/integration/test_fail_points.py (fail point
+   source.spilling).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
@@ -55,35 +53,6 @@ async def test_plain_transaction_is_applied_while_it_arrives(mesh: MeshFactory) 
     for node in (b, c):
         (row,) = await fetch(node.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 7) FROM big")
         assert row == (200000, "after")
-
-
-async def test_transaction_lost_before_its_commit_is_applied_once(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication="spill_mb = 1")
-    nodes, config = m.nodes, m.config
-    a, b = nodes
-    async with running_router(config) as router:
-        source = router.pumps["a"].source
-        applier = router.appliers[("a", "b")]
-        await execute(a.dsn(), "INSERT INTO big SELECT i, 'row ' || i"
-                               " FROM generate_series(1, 600000) AS i")
-
-        def started() -> bool:
-            return applier.stats.early_transactions >= 1 or applier.stats.applied_transactions >= 1
-
-        await wait_for(started, "a -> b to start on the big transaction", limit=120)
-        killed: list[Any] = await fetch(
-            a.dsn(), "SELECT pg_terminate_backend(pid) FROM pg_stat_replication"
-                     " WHERE application_name LIKE 'pgmesh%'")
-        await wait_converged(nodes, ["big"], limit=300)
-        lost = applier.stats.abandoned_transactions
-        print(f"walsenders terminated: {len(killed)}; abandoned: {lost};"
-              f" handed out early: {source.stats.early_transactions}")
-        if applier.stats.applied_transactions and not lost:
-            pytest.skip("the commit had already arrived when the walsender was terminated")
-        assert lost >= 1
-        await wait_for(lambda: router.spool.files == 0, "the spool files to go")
-    (row,) = await fetch(b.dsn(), "SELECT count(*), count(DISTINCT id) FROM big")
-    assert row == (600000, 600000)
 
 
 async def test_conflict_inside_a_transaction_applied_early(

@@ -10,6 +10,8 @@ to happen by chance, and asserts what that test asserted:
   links rely on the log;
 - `join.after_snapshot`: writes and DDL between a join's snapshot and the copy (the new node's stream
   starts from the snapshot's positions).
+- `source.spilling`: a's walsender terminated in the middle of a large transaction the source handed
+  out early, after b's link applied a first part of it.
 No fixed sleeps: every wait is a bounded poll or a bounded wait for the point.
 """
 
@@ -29,8 +31,10 @@ import pytest
 
 from protocol.lsn import parse_lsn
 from router import failpoints
+from router.apply import parts
 from router.ops.join import join_node
 from router.testing.mesh import (
+    NODE_SETTINGS,
     config_text,
     execute,
     fetch,
@@ -343,3 +347,46 @@ async def test_writes_between_the_joins_snapshot_and_its_copy_reach_the_new_node
         assert counts == [(301, 301, 301, 151)], (node.name, counts)
         bumped = await fetch(node.dsn(), "SELECT sum(a - id % 1000) FROM big WHERE id <= 10")
         assert bumped == [(10,)], (node.name, bumped)
+
+
+# ------------------------------------------------------------------ source.spilling
+
+BIG = "CREATE TABLE big (id int PRIMARY KEY, v text);"
+# The server must not stream these transactions in progress: decoded after their commit, whole.
+WHOLE = {**NODE_SETTINGS, "logical_decoding_work_mem": "1GB"}
+WALSENDERS = "SELECT pid FROM pg_catalog.pg_stat_replication WHERE application_name LIKE 'pgmesh%'"
+
+
+async def test_a_transaction_lost_by_the_source_after_its_early_hand_out_is_applied_once(
+    mesh: MeshFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replaces test_early_apply's test_transaction_lost_before_its_commit_is_applied_once, which
+    terminated a's walsender once a -> b had started on a 600,000-row transaction and skipped itself when
+    the commit had already arrived by then (nothing lost, nothing tested). Here the source stops reading in
+    the middle of the transaction, after handing it out at its first spill; b's link applies a first part
+    of it (parts of 5,000 changes, so that one is in the file by then), a's walsender is terminated, and
+    the source reads on: it loses the transaction before its commit, the link rolls back what it had
+    applied of it, and applies the resent one once."""
+    monkeypatch.setattr(parts, "LARGE_PART_CHANGES", 5000)
+    m = await mesh(nodes=2, schema=BIG, settings=WHOLE, replication="spill_mb = 1")
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    go = asyncio.Event()
+    async with running_router(config) as router:
+        applier = router.appliers[("a", "b")]
+        armed = failpoints.arm("source.spilling", stall=go)
+        await execute(a.dsn(), "INSERT INTO big SELECT i, 'row ' || i FROM generate_series(1, 600000) AS i")
+        await armed.wait_reached(120)
+        started = "a -> b to start on the big transaction"
+        await wait_for(lambda: applier.stats.early_transactions >= 1, started, limit=120)
+        pids = [pid for (pid,) in await fetch(a.dsn(), WALSENDERS)]
+        assert pids
+        for pid in pids:
+            await execute(a.dsn(), f"SELECT pg_catalog.pg_terminate_backend({pid})")
+            await wait_for(lambda pid=pid: gone(a.dsn(), pid), "the terminated walsender to end", 30)
+        go.set()
+        await wait_converged(nodes, ["big"], limit=300)
+        assert applier.stats.abandoned_transactions >= 1
+        await wait_for(lambda: router.spool.files == 0, "the spool files to go")
+    (row,) = await fetch(b.dsn(), "SELECT count(*), count(DISTINCT id) FROM big")
+    assert row == (600000, 600000)
