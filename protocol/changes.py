@@ -6,8 +6,8 @@ changes `Insert`, `Update` and `Delete` (and `RawInsert`, an insert still in the
 only a part read back raw holds), `Truncate`, and `Message` (a transactional logical message: its
 prefix says whose it is; `prefixes_of` collects them).
 
-Every reader of changes (the appliers' scripts and careful path, the lanes' planning, DDL
-reconciliation, the tombstone recorder, skip, `pgmesh tail`) walks them through a `Dispatch`: the
+A reader that does something per kind (the appliers' scripts and careful path, the lanes' planning,
+DDL reconciliation, the tombstone recorder, skip, `pgmesh tail`) walks them through a `Dispatch`: the
 handler of each kind, looked up by the change's exact type in one dict (as `protocol.pgoutput` reads
 messages by their tag), called with the reader's own context object and the change. A table names
 every kind, so what a reader does with each one is read in one place; `ignore` is the handler of a

@@ -67,6 +67,7 @@ from typing import Final
 
 import asyncpg
 
+from protocol.changes import ChangeContext, Dispatch, ignore, note_relation
 from protocol.lsn import format_lsn
 from protocol.messages import KIND_NULL, Delete, Relation, Truncate, TupleData, Update
 from protocol.transactions import Transaction
@@ -160,6 +161,66 @@ class _Deletes:
     def __init__(self, table: _Table) -> None:
         self.table = table
         self.keys: dict[tuple[str | None, ...], int] = {}  # key values (text) -> xid (32 bits)
+
+
+class _Collect(ChangeContext):
+    """The deletes of one batch being collected (the handlers of `_COLLECT` add to them). A handler
+    returns the relation of a deletion whose table this batch has not looked at yet (None otherwise): the
+    recorder reads the table, then hands it the change again."""
+
+    __slots__ = ("deletes", "tables", "truncates", "xid")
+
+    def __init__(self, tables: dict[tuple[str, str], _Table], truncates: dict[str, int]) -> None:
+        super().__init__({})
+        self.tables = tables  # the recorder's: what it knows of each table (forgotten after DDL)
+        self.truncates = truncates  # "schema.table" -> xid of the TRUNCATE
+        self.deletes: dict[tuple[str, str], _Deletes] = {}
+        self.xid = 0  # of the transaction being collected
+
+    def delete(self, relid: int, old: TupleData, new: TupleData | None) -> Relation | None:
+        """A deletion of row `old` (or, with `new`, an update that may take its key away)."""
+        relation = self.relations.get(relid)
+        if relation is None:
+            return None
+        deletes = self.deletes.get((relation.schema, relation.name))
+        if deletes is None:
+            return relation
+        key = _key_values(relation, old, deletes.table.key)
+        if new is not None:  # a key update takes the old key away
+            if not deletes.table.keyed:
+                return None  # a keyless table's row changes are not deletions
+            new_key = _key_values(relation, new, deletes.table.key)
+            if new_key is None or new_key == key:
+                return None
+        if key is not None:
+            deletes.keys.pop(key, None)  # re-inserted at the end: commit order kept
+            deletes.keys[key] = self.xid
+        return None
+
+
+def _relation(collect: _Collect, change: Relation) -> None:
+    note_relation(collect, change)
+    collect.tables.pop((change.schema, change.name), None)  # DDL: read it again
+
+
+def _truncate(collect: _Collect, change: Truncate) -> None:
+    for relid in change.relids:
+        truncated = collect.relations.get(relid)
+        if truncated is not None:
+            collect.truncates[f"{truncated.schema}.{truncated.name}"] = collect.xid
+
+
+def _delete(collect: _Collect, change: Delete) -> Relation | None:
+    return collect.delete(change.relid, change.old, None)
+
+
+def _update(collect: _Collect, change: Update) -> Relation | None:
+    return None if change.old is None else collect.delete(change.relid, change.old, change.new)
+
+
+_COLLECT: Final[Dispatch[_Collect, Relation | None]] = Dispatch({
+    Relation: _relation, Truncate: _truncate, Delete: _delete, Update: _update,
+}, otherwise=ignore)  # inserts, messages, types: nothing deleted
 
 
 class TombstoneRecorder:
@@ -336,41 +397,19 @@ class TombstoneRecorder:
         self, conn: asyncpg.Connection, batch: Iterable[Transaction], truncates: dict[str, int]
     ) -> dict[tuple[str, str], _Deletes]:
         """Every delete of the batch, by table; each TRUNCATE's tables into `truncates` (name -> xid)."""
-        out: dict[tuple[str, str], _Deletes] = {}
+        collect = _Collect(self._tables, truncates)
+        handlers = _COLLECT.handlers
         for txn in batch:
-            relations: dict[int, Relation] = dict(txn.relations)
+            collect.relations, collect.xid = dict(txn.relations), txn.xid
             for chunk in iter_chunks(txn):
                 for change in chunk:
-                    if isinstance(change, Relation):
-                        relations[change.relid] = change
-                        self._tables.pop((change.schema, change.name), None)  # DDL: read it again
-                    elif isinstance(change, Truncate):
-                        for relid in change.relids:
-                            truncated = relations.get(relid)
-                            if truncated is not None:
-                                truncates[f"{truncated.schema}.{truncated.name}"] = txn.xid
-                    elif isinstance(change, Delete | Update) and change.old is not None:
-                        relation = relations.get(change.relid)
-                        if relation is None:
-                            continue
-                        where = (relation.schema, relation.name)
-                        deletes = out.get(where)
-                        if deletes is None:
-                            table = await self._table(conn, relation)
-                            if table is None:
-                                continue
-                            deletes = out[where] = _Deletes(table)
-                        key = _key_values(relation, change.old, deletes.table.key)
-                        if isinstance(change, Update):  # a key update takes the old key away
-                            if not deletes.table.keyed:
-                                continue  # a keyless table's row changes are not deletions
-                            new = _key_values(relation, change.new, deletes.table.key)
-                            if new is None or new == key:
-                                continue
-                        if key is not None:
-                            deletes.keys.pop(key, None)  # re-inserted at the end: commit order kept
-                            deletes.keys[key] = txn.xid
-        return out
+                    relation = handlers[type(change)](collect, change)
+                    if relation is not None:  # a deletion in a table not looked at yet in this batch
+                        table = await self._table(conn, relation)
+                        if table is not None:
+                            collect.deletes[(relation.schema, relation.name)] = _Deletes(table)
+                            handlers[type(change)](collect, change)
+        return collect.deletes
 
     async def _table(self, conn: asyncpg.Connection, relation: Relation) -> _Table | None:
         where = (relation.schema, relation.name)

@@ -3,9 +3,11 @@
 The applier sends a transaction here when its guarded statements met a conflict they could not decide in
 the round trip (router.apply.decide), or when it carries DDL.
 
-  transaction.py  `CarefulApplier`: the transaction walked change by change in its own target
-                  transaction; each row read with its version (or its tombstone), decided
-                  (router.conflicts.resolve), written and recorded
+  transaction.py  `CarefulApplier`: the transaction walked change by change through one dispatch table
+                  (protocol.changes), in its own target transaction; each change decided
+                  (router.conflicts.resolve) against what it meets, written and recorded
+  local.py        what a change meets on the target: the local row or tombstone, with its version, and
+                  the check that a tombstone a decision rests on is still the one read
   rows.py         a row image as a dict of column text, what an update leaves at the source, one
                   decided conflict (`ConflictRecord`): pure
   sql.py          the SQL of its reads and writes: a row with its version, a tombstone, the check that a

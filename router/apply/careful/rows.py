@@ -1,7 +1,8 @@
 """The careful path's row values and records: a row image as a dict of column text, what an update leaves
 at the source, and one decided conflict (router.apply.careful.transaction).
 
-Pure: no I/O. Split from router.apply.careful.transaction to keep modules small.
+Pure: no I/O. Shared by what decides (router.apply.careful.transaction) and what reads the target
+(router.apply.careful.local).
 """
 
 from __future__ import annotations

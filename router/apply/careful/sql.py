@@ -1,6 +1,6 @@
-"""The careful path's reads and writes as SQL (router.apply.careful.transaction): a row with its version, a
-tombstone
-with its version, the check that a tombstone is still the one a decision read, and the row written.
+"""The careful path's reads and writes as SQL (router.apply.careful.local reads, .transaction writes): a
+row with its version, a tombstone with its version, the check that a tombstone is still the one a
+decision read, and the row written.
 
 A decision on a row that is not here rests on the tombstone read first. A local transaction that inserts
 that key and deletes it again commits its tombstone while the careful path's insert waits for it (or

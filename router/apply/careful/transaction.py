@@ -3,10 +3,15 @@
 For what the decision functions leave to it (router.apply.decide: SQLSTATE PGM01; custom and `error`
 resolvers, delta columns, other unique keys, moved keys, unchanged TOAST) and what still raises (PGM02,
 23505): the transaction is rolled back and applied again here. Each row is read first (`FOR UPDATE`) with
-its version, or its tombstone when it is gone; `resolve` decides; the decision is written and recorded in
-`pgmesh.conflict_history` in the same transaction. A decision on a key no row holds rests on its
-tombstone, read again after the write: a local deletion committed meanwhile raises a unique violation,
-for the applier to decide the whole transaction again (`router.errors.retry_unique`).
+its version, or its tombstone when it is gone (router.apply.careful.local); `resolve` decides; the
+decision is written and recorded in `pgmesh.conflict_history` in the same transaction. A decision on a key
+no row holds rests on its tombstone, read again after the write: a local deletion committed meanwhile
+raises a unique violation, for the applier to decide the whole transaction again
+(`router.errors.retry_unique`).
+
+The transaction's changes are walked through one `{change kind: handler}` table (`_APPLY`, a
+protocol.changes.Dispatch); what the handlers share for one transaction (the session, the transaction,
+the target's tables, the remote version, the conflicts recorded) is its `_Apply`.
 
 Must not: retry or pause. Runs on the applier's connection, inside the transaction it opens itself (the
 origin set up for the session by the applier); reads the source only through `read_source` (toast).
@@ -16,24 +21,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any, Final
 
-import asyncpg
-
-from protocol.lsn import datetime_to_pg_us, format_lsn, pg_us_to_datetime
+from protocol.changes import ChangeContext, Dispatch, note_relation
+from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.messages import (
     Delete,
     Insert,
     Message,
+    RawInsert,
     Relation,
     Truncate,
-    TupleData,
     Type,
     Update,
 )
+from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Transaction
 from router import failpoints
+from router.apply.careful.local import (
+    Local,
+    by_key,
+    check_tombstone,
+    deleted_meanwhile,
+    key_sql,
+    local_row,
+    tombstone,
+)
 from router.apply.careful.rows import ConflictRecord, Row
 from router.apply.careful.rows import keyless as _keyless
 from router.apply.careful.rows import new_row_values as _new_row
@@ -42,7 +55,6 @@ from router.apply.careful.sql import (
     put_tombstone_sql,
     read_row_sql,
     read_tombstone_sql,
-    tombstone_xid_sql,
     write_row_sql,
 )
 from router.apply.scripts import COMMIT_CHECKS, ORIGIN_MARK, moved_key_tombstone
@@ -50,10 +62,8 @@ from router.apply.statements import (
     KEY_LOCKS_MAX,
     TABLE_ALIAS,
     TargetTable,
-    identity_match,
     key_lock,
     quote_ident,
-    quote_literal,
     setup_statement,
     table_lock,
     target_table,
@@ -72,6 +82,7 @@ __all__ = [
 ]
 
 Tables = Mapping[tuple[str, str], TargetTable]
+OnMessage = Callable[[Any, Message], Awaitable[Tables | None]]
 
 _RECORD = """
 INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution, resolver, reason,
@@ -82,31 +93,11 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::te
 T = TABLE_ALIAS  # pgmesh's alias of the target table (router.apply.statements)
 
 
-_APPLY = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
+_APPLY_REMOTE = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
 # Tables without a key or unique index hold a multiset of rows: a change whose old row is found (an equal
 # row, whoever wrote it) replaces or deletes it, and such changes commute (docs/conflicts.md).
 _KEYLESS = Decision(Outcome.APPLY_REMOTE, "none", "no key: an equal row, whoever wrote it, is the old row")
 _NO_OP = Decision(Outcome.KEEP_LOCAL, "none", "no key: an update leaving its row as it was changes nothing")
-
-
-class _Local:
-    """The local row (or tombstone) a change met."""
-
-    __slots__ = ("mine", "row", "version", "where", "xid")
-
-    def __init__(
-        self, row: dict[str, Any] | None, version: Version, mine: bool, at: tuple[int, str] | None = None,
-        xid: str | None = None,
-    ) -> None:
-        self.row = row
-        self.version = version
-        self.mine = mine  # written by the source itself (or by this very transaction)
-        self.xid = xid  # a tombstone's deletion (its transaction), to tell it from a later one
-        # exactly that row: its partition (tableoid) and its place there (ctid); a ctid alone names one
-        # row in every partition of a partitioned table
-        self.where = (
-            f"{T}.tableoid = {int(at[0])}::oid AND {T}.ctid = {quote_literal(at[1])}::tid" if at else "false"
-        )
 
 
 class CarefulApplier:
@@ -122,51 +113,24 @@ class CarefulApplier:
         # reads one row on the source (SQL -> the row, or None; router.apply.toast); set by the applier
         self.read_source: ReadSource | None = None
         self.mark = False  # sets the applied mark with the origin (a 16+ target, router.progress.applied)
-        self._coarse = False  # the transaction being applied locks whole tables (it is big)
-        self._locked: set[str] = set()  # tables locked by it
-
-    def _node(self, roident: int | None) -> str:
-        if roident is None or roident == 0:
-            return self.target
-        return self.origin_nodes.get(roident, f"origin {roident}")
-
-    def _version(self, commit_time: datetime | None, roident: int | None) -> Version:
-        return Version(None if commit_time is None else datetime_to_pg_us(commit_time), self._node(roident))
 
     async def apply(
         self,
         conn: Any,
         txn: Transaction,
         tables: Tables,
-        on_message: Callable[[Any, Message], Awaitable[Tables | None]] | None = None,
+        on_message: OnMessage | None = None,
     ) -> list[ConflictRecord]:
         """Apply `txn` in its own target transaction (committed here); return the conflicts decided.
 
         `on_message` runs each transactional logical message in place (replicated DDL) and returns the
         target's tables as they are afterwards (or None: unchanged).
         """
-        records: list[ConflictRecord] = []
-        remote = Version(txn.commit_time, self.source)
-        self._coarse = txn.row_count > KEY_LOCKS_MAX
-        self._locked = set()
+        step = _Apply(self, conn, txn, tables, on_message)
         async with conn.transaction():
-            relations = dict(txn.relations)
+            handlers = _APPLY.handlers
             for change in txn.changes:
-                if isinstance(change, Relation):
-                    relations[change.relid] = change
-                elif isinstance(change, Truncate):  # the origin mark first: its first change has none
-                    truncate = truncate_statement(change, relations, tables, txn.commit_time)
-                    await conn.execute(ORIGIN_MARK + "; " + truncate)
-                elif isinstance(change, Message):
-                    if on_message is not None:
-                        tables = await on_message(conn, change) or tables
-                elif isinstance(change, Type):
-                    continue
-                else:
-                    relation = relations[change.relid]
-                    table = target_table(relation, tables)
-                    if not table.skip:  # (a table a partial target does not get)
-                        await self._change(conn, txn, relation, table, change, remote, records)
+                await handlers[type(change)](step, change)
             # last before COMMIT: a rollback after it moves the origin on PostgreSQL 16+ (see scripts)
             await conn.execute(COMMIT_CHECKS)
             await conn.execute(
@@ -176,137 +140,80 @@ class CarefulApplier:
             )
             if failpoints.ARMED:  # a test's: the set-up sent, COMMIT not yet (router.failpoints)
                 await failpoints.hit("apply.before_commit")
-        for record in records:
+        for record in step.records:
             key = (record.table, record.conflict.value)
             self.counts[key] = self.counts.get(key, 0) + 1
-        return records
+        return step.records
 
-    async def _change(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        change: Insert | Update | Delete,
-        remote: Version,
-        records: list[ConflictRecord],
+
+class _Apply(ChangeContext):
+    """One transaction being applied carefully: what the handlers of `_APPLY` share."""
+
+    __slots__ = ("careful", "coarse", "conn", "locked", "on_message", "records", "remote", "tables", "txn")
+
+    def __init__(
+        self, careful: CarefulApplier, conn: Any, txn: Transaction, tables: Tables,
+        on_message: OnMessage | None,
     ) -> None:
-        # Appliers of other sources may decide the same key at the same time, also when no row exists
-        # (row locks cannot serialize that): one advisory lock per (table, key), held to commit.
-        if isinstance(change, Insert):
-            await self._lock(conn, table, _row(relation, change.new))
-            await self._insert(conn, txn, relation, table, change, remote, records)
-        elif isinstance(change, Update):
-            keys = [_row(relation, change.new)]
-            if change.old is not None:
-                keys.append(_row(relation, change.old))
-            for values in keys:
-                await self._lock(conn, table, values)
-            await self._update(conn, txn, relation, table, change, remote, records)
-        else:
-            await self._lock(conn, table, _row(relation, change.old))
-            await self._delete(conn, txn, relation, table, change, remote, records)
+        super().__init__(dict(txn.relations))
+        self.careful = careful
+        self.conn = conn
+        self.txn = txn
+        self.tables = tables  # the target's, as they are now (DDL run in place changes them)
+        self.on_message = on_message
+        self.remote = Version(txn.commit_time, careful.source)
+        self.records: list[ConflictRecord] = []
+        self.coarse = txn.row_count > KEY_LOCKS_MAX  # it locks whole tables (it is big)
+        self.locked: set[str] = set()  # tables locked by it
 
-    async def _lock(self, conn: Any, table: TargetTable, values: Row) -> None:
-        if self._coarse:  # a big transaction: each table once, exclusively (statements.KEY_LOCKS_MAX)
-            if table.name not in self._locked:
-                self._locked.add(table.name)
+    def row_table(self, relid: int) -> tuple[Relation, TargetTable] | None:
+        """A row change's relation and table (None: a table a partial target does not get)."""
+        relation = self.relations[relid]
+        table = target_table(relation, self.tables)
+        return None if table.skip else (relation, table)
+
+    async def lock(self, table: TargetTable, values: Row) -> None:
+        """Appliers of other sources may decide the same key at the same time, also when no row exists
+        (row locks cannot serialize that): one advisory lock per (table, key), held to commit."""
+        conn = self.conn
+        if self.coarse:  # a big transaction: each table once, exclusively (statements.KEY_LOCKS_MAX)
+            if table.name not in self.locked:
+                self.locked.add(table.name)
                 await conn.execute(table_lock(table, exclusive=True))
             return
-        if table.name not in self._locked:
-            self._locked.add(table.name)
+        if table.name not in self.locked:
+            self.locked.add(table.name)
             await conn.execute(table_lock(table, exclusive=False))
-        await conn.execute(f"SELECT {key_lock(table, self._key_sql(table, values))}")
+        await conn.execute(f"SELECT {key_lock(table, key_sql(table, values))}")
 
-    # ---------------------------------------------------------------- reading what is there
-
-    async def _local(self, conn: Any, table: TargetTable, where: str) -> _Local | None:
-        row = await conn.fetchrow(read_row_sql(table, where))
-        if row is None:
-            return None
-        version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
-        origin = row["pgmesh_origin"]
-        mine = bool(row["pgmesh_ours"]) or version.node == self.source or self._before_pgmesh(origin, version)
-        at = (row["pgmesh_tableoid"], row["pgmesh_ctid"])
-        return _Local(json.loads(row["pgmesh_row"]), version, mine, at)
-
-    def _before_pgmesh(self, roident: int | None, version: Version) -> bool:
-        """A row every node started with (unknown commit time, or older than pgmesh here): no conflict."""
-        if roident not in (None, 0):
-            return False
-        if version.commit_time is None:
-            return True
-        return self.installed_at is not None and version.commit_time < self.installed_at
-
-    async def _by_key(
-        self, conn: Any, relation: Relation, table: TargetTable, data: TupleData
-    ) -> _Local | None:
-        """The local row with the same key: the target's primary key, else the whole row."""
-        if table.pk:
-            values = _row(relation, data)
-            if all(values.get(k) is not None for k in table.pk):
-                return await self._local(conn, table, row_where(values, table.pk, table.compare))
-        return await self._local(conn, table, identity_match(relation, data, full=True, types=table.compare))
-
-    def _key_sql(self, table: TargetTable, values: Row) -> str:
-        kinds = table.compare
-        parts = [f"({_lit(values.get(k))}::{kinds.get(k, 'text')})::text" for k in table.tombstone_key]
-        return f"ARRAY[{', '.join(parts)}]::text[]"
-
-    async def _tombstone(self, conn: Any, table: TargetTable, values: Row) -> _Local | None:
-        row = await conn.fetchrow(read_tombstone_sql(tombstone_key(self._key_sql(table, values))), table.name)
-        if row is None:
-            return None
-        version = self._version(row["pgmesh_ts"], row["pgmesh_origin"])
-        mine = bool(row["pgmesh_ours"]) or version.node == self.source
-        return _Local(None, version, mine, xid=row["pgmesh_xid"])
-
-    async def _create(
-        self, conn: Any, table: TargetTable, row: Row, values: Row, tomb: _Local | None
-    ) -> None:
+    async def _create(self, table: TargetTable, row: Row, values: Row, tomb: Local | None) -> None:
         """Insert `row`, decided on no row holding its key and on the tombstone `tomb` of key `values` (None:
         none). A local transaction that inserted that key and deleted it again after that read (the
         insert waited for it, or it ended before) left a later tombstone, now committed: the decision no
         longer holds, and the whole transaction is read and decided again, as after a local insert of
         the key (a unique violation, `router.errors.retry_unique`). router.apply.careful.sql says why
         nothing later can slip in."""
-        await self._write_row(conn, table, row, None)
-        await self._check_tombstone(conn, table, values, tomb)
-
-    async def _check_tombstone(self, conn: Any, table: TargetTable, values: Row, tomb: _Local | None) -> None:
-        key_sql = tombstone_key(self._key_sql(table, values))
-        xid = await conn.fetchval(tombstone_xid_sql(key_sql), table.name)
-        # ('ours': a partial target's row filter took the row out again, not a deletion meanwhile)
-        if xid != "ours" and xid != (tomb.xid if tomb else None):
-            self._moved(table, values)
-
-    def _moved(self, table: TargetTable, values: Row) -> NoReturn:
-        key = ",".join(str(values.get(k)) for k in table.tombstone_key)
-        raise asyncpg.exceptions.UniqueViolationError(
-            f"key ({key}) of {table.name} was deleted here while the careful path decided it: decided again"
-        )
+        await self._write_row(table, row, None)
+        await check_tombstone(self.conn, table, values, tomb)
 
     # ---------------------------------------------------------------- deciding and recording
 
     async def _decide(
         self,
-        conn: Any,
-        txn: Transaction,
         relation: Relation,
         table: TargetTable,
         conflict: ConflictType,
-        local: _Local | None,
-        remote: Version,
+        local: Local | None,
         remote_row: Row,
-        records: list[ConflictRecord],
         fixed: Decision | None = None,
     ) -> Decision:
         """Decide (or take `fixed`, a decision no policy changes) and record the conflict."""
-        policy = self.config.policy(relation.schema, relation.name, conflict.value)
+        careful, txn = self.careful, self.txn
+        policy = careful.config.policy(relation.schema, relation.name, conflict.value)
         decision = fixed or resolve(
             conflict,
             local.version if local else None,
-            remote,
+            self.remote,
             policy,
             local_row=local.row if local else None,
             remote_row=remote_row,
@@ -314,9 +221,9 @@ class CarefulApplier:
         key = ",".join(str(remote_row.get(k)) for k in table.tombstone_key)
         if table.filtered and (local is None or local.row is None):
             return decision  # a partial target's missing row or tombstone: mostly rows its filter keeps out
-        await conn.execute(
+        await self.conn.execute(
             _RECORD,
-            self.source,
+            careful.source,
             table.name,
             key,
             conflict.value,
@@ -325,13 +232,13 @@ class CarefulApplier:
             decision.reason,
             local.version.node if local else None,
             pg_us_to_datetime(local.version.commit_time) if local and local.version.commit_time else None,
-            self.source,
+            careful.source,
             pg_us_to_datetime(txn.commit_time),
             format_lsn(txn.end_lsn),
             json.dumps(local.row) if local and local.row is not None else None,
             json.dumps(remote_row),
         )
-        records.append(ConflictRecord(table.name, key, conflict, decision))
+        self.records.append(ConflictRecord(table.name, key, conflict, decision))
         if decision.outcome is Outcome.ERROR:
             raise ApplyError(
                 f"{conflict.value} on key ({key}): the rule for this table is error ({decision.reason})",
@@ -343,72 +250,49 @@ class CarefulApplier:
 
     # ---------------------------------------------------------------- writing
 
-    async def _write_row(
-        self, conn: Any, table: TargetTable, row: Mapping[str, Any], where: str | None
-    ) -> None:
+    async def _write_row(self, table: TargetTable, row: Mapping[str, Any], where: str | None) -> None:
         """Insert `row` (where is None) or overwrite the row matched by `where` with it."""
-        await conn.execute(write_row_sql(table, row, where))
+        await self.conn.execute(write_row_sql(table, row, where))
 
-    async def _insert(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        change: Insert,
-        remote: Version,
-        records: list[ConflictRecord],
-    ) -> None:
+    async def _delete_row(self, table: TargetTable, where: str) -> None:
+        await self.conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {where}")
+
+    async def insert(self, relation: Relation, table: TargetTable, change: Insert) -> None:
         new = _row(relation, change.new)
         # no key, no unique constraint: an equal row is another row (as the fast path inserts it)
-        local = await self._by_key(conn, relation, table, change.new) if table.pk or table.uniques else None
+        keyed = table.pk or table.uniques
+        local = await by_key(self.conn, self.careful, relation, table, change.new) if keyed else None
         if local is not None:
-            decision = await self._decide(
-                conn, txn, relation, table, ConflictType.INSERT_EXISTS, local, remote, new, records
-            )
+            decision = await self._decide(relation, table, ConflictType.INSERT_EXISTS, local, new)
             # each other row met on a secondary unique key is a meeting of its own (docs/conflicts.md,
             # "A row meeting several rows"): if the remote row loses one, it is not written, and the row
             # it beat on its key goes all the same
             if (table.uniques or table.indexes) and not await self._unique_clash(
-                conn, txn, relation, table, new, remote, records, local.where
+                relation, table, new, local.where
             ):
                 if decision.outcome is not Outcome.KEEP_LOCAL:
-                    await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
+                    await self._delete_row(table, local.where)
                 return
-            await self._overwrite(conn, table, decision, new, local.where)
+            await self._overwrite(table, decision, new, local.where)
             return
-        if not await self._unique_clash(conn, txn, relation, table, new, remote, records, None):
+        if not await self._unique_clash(relation, table, new, None):
             return
-        await self._insert_new(conn, txn, relation, table, new, remote, records)
+        await self._insert_new(relation, table, new)
 
-    async def _insert_new(
-        self, conn: Any, txn: Transaction, relation: Relation, table: TargetTable, new: Row, remote: Version,
-        records: list[ConflictRecord],
-    ) -> None:
+    async def _insert_new(self, relation: Relation, table: TargetTable, new: Row) -> None:
         """Insert the remote row on a key no row holds here: against the key's tombstone, if any."""
-        tomb = await self._tombstone(conn, table, new)
+        tomb = await tombstone(self.conn, self.careful, table, new)
         if tomb is not None and not tomb.mine:
-            decision = await self._decide(
-                conn, txn, relation, table, ConflictType.INSERT_DELETED, tomb, remote, new, records
-            )
+            decision = await self._decide(relation, table, ConflictType.INSERT_DELETED, tomb, new)
             if decision.outcome is Outcome.KEEP_LOCAL:
                 return
             row = dict(decision.row) if decision.row is not None else new
-            await self._create(conn, table, row, new, tomb)
+            await self._create(table, row, new, tomb)
             return
-        await self._create(conn, table, new, new, tomb)
+        await self._create(table, new, new, tomb)
 
     async def _unique_clash(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        new: Row,
-        remote: Version,
-        records: list[ConflictRecord],
-        own: str | None,
-        moved: bool = False,
+        self, relation: Relation, table: TargetTable, new: Row, own: str | None, moved: bool = False
     ) -> bool:
         """Other rows hold a secondary unique value the remote row brings (insert_exists on that key).
 
@@ -420,82 +304,69 @@ class CarefulApplier:
         """
         wins, seen = True, set()
         for where in clash_wheres(table, new, updating=own is not None, moved=moved):
-            other = await self._local(conn, table, where if own is None else f"({where}) AND NOT ({own})")
+            met = where if own is None else f"({where}) AND NOT ({own})"
+            other = await local_row(self.conn, self.careful, table, met)
             if other is None or other.where in seen:  # a row met on two keys is decided once
                 continue
             seen.add(other.where)
-            decision = await self._decide(
-                conn, txn, relation, table, ConflictType.INSERT_EXISTS, other, remote, new, records
-            )
+            decision = await self._decide(relation, table, ConflictType.INSERT_EXISTS, other, new)
             if decision.outcome is Outcome.KEEP_LOCAL:
                 wins = False
             else:
-                await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {other.where}")
+                await self._delete_row(table, other.where)
         return wins
 
-    async def _overwrite(
-        self, conn: Any, table: TargetTable, decision: Decision, new: Row, where: str
-    ) -> None:
+    async def _overwrite(self, table: TargetTable, decision: Decision, new: Row, where: str) -> None:
         if decision.outcome is Outcome.APPLY_REMOTE:
-            await self._write_row(conn, table, new, where)
+            await self._write_row(table, new, where)
         elif decision.outcome is Outcome.USE_ROW and decision.row is not None:
-            await self._write_row(conn, table, decision.row, where)
+            await self._write_row(table, decision.row, where)
 
-    async def _update(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        change: Update,
-        remote: Version,
-        records: list[ConflictRecord],
-    ) -> None:
+    async def update(self, relation: Relation, table: TargetTable, change: Update) -> None:
+        careful = self.careful
         new = _new_row(relation, change)
         key_row = change.old if change.old is not None else change.new
-        local = await self._by_key(conn, relation, table, key_row)
-        deltas = self.config.delta_columns(relation.schema, relation.name)
+        local = await by_key(self.conn, careful, relation, table, key_row)
+        deltas = careful.config.delta_columns(relation.schema, relation.name)
         if local is None:
-            await self._update_missing(conn, txn, relation, table, change, new, remote, records)
+            await self._update_missing(relation, table, change, new)
             return
         old = _row(relation, change.old) if change.old is not None else new
-        moved = any(old.get(k) != new.get(k) for k in table.pk)  # onto another row's key: met there too
-        if (table.uniques or table.indexes or moved) and not await self._unique_clash(
-            conn, txn, relation, table, new, remote, records, local.where, moved
+        moved_key = any(old.get(k) != new.get(k) for k in table.pk)  # onto another row's key: met there too
+        if (table.uniques or table.indexes or moved_key) and not await self._unique_clash(
+            relation, table, new, local.where, moved_key
         ):  # the remote row lost: its old row goes, as where the change came from
-            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
+            await self._delete_row(table, local.where)
             return
         if local.mine:  # a local change merged under the source's origin may be here: deltas add up
             if deltas and change.old is not None:
-                await self._merge_deltas(conn, table, relation, change, deltas, local.where, _APPLY)
+                await self._merge_deltas(table, relation, change, deltas, local.where, _APPLY_REMOTE)
             else:
-                await self._overwrite(conn, table, _APPLY, new, local.where)
+                await self._overwrite(table, _APPLY_REMOTE, new, local.where)
             return
         fixed = _KEYLESS if _keyless(table) else None
         if fixed is None and not deltas:
             new, fixed = await whole_row(
-                self, txn, relation, table, change, new, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote
+                careful, self.txn, relation, table, change, new, ConflictType.UPDATE_ORIGIN_DIFFERS, local,
+                self.remote,
             )
-        decision = await self._decide(
-            conn, txn, relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, remote, new, records, fixed
-        )
+        decision = await self._decide(relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, new, fixed)
         where = local.where
         if deltas and change.old is not None:
-            await self._merge_deltas(conn, table, relation, change, deltas, where, decision)
+            await self._merge_deltas(table, relation, change, deltas, where, decision)
             return
-        if moved and decision.outcome is Outcome.KEEP_LOCAL:
+        if moved_key and decision.outcome is Outcome.KEEP_LOCAL:
             # A key update is a deletion of the old key and an insert of the new one. The deletion lost
             # here (the row of the old key is newer) and the row stays; the insert of the new key, which
             # no row holds (met above), is decided as an insert, as on every node the update reaches.
-            await self._insert_new(conn, txn, relation, table, new, remote, records)
+            await self._insert_new(relation, table, new)
             return
-        await self._overwrite(conn, table, decision, new, where)
-        if moved and (tombstone := moved_key_tombstone(relation, table, change)) is not None:
-            await conn.execute(tombstone)  # the old key went: its tombstone, as a deletion's
+        await self._overwrite(table, decision, new, where)
+        if moved_key and (statement := moved_key_tombstone(relation, table, change)) is not None:
+            await self.conn.execute(statement)  # the old key went: its tombstone, as a deletion's
 
     async def _merge_deltas(
         self,
-        conn: Any,
         table: TargetTable,
         relation: Relation,
         change: Update,
@@ -522,77 +393,113 @@ class CarefulApplier:
                 and k not in table.generated
             ]
         if sets:
-            await conn.execute(f"UPDATE {table.qualified} AS {T} SET {', '.join(sets)} WHERE {where}")
+            await self.conn.execute(f"UPDATE {table.qualified} AS {T} SET {', '.join(sets)} WHERE {where}")
 
-    async def _update_missing(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        change: Update,
-        new: Row,
-        remote: Version,
-        records: list[ConflictRecord],
-    ) -> None:
+    async def _update_missing(self, relation: Relation, table: TargetTable, change: Update, new: Row) -> None:
         if _keyless(table) and change.old is not None and _row(relation, change.old) == new:
             # -old +old: nothing, wherever its old row is (on a node where an equal row was found,
             # replacing it by itself changed nothing either)
-            await self._decide(conn, txn, relation, table, ConflictType.UPDATE_MISSING, None, remote, new,
-                               records, _NO_OP)
+            await self._decide(relation, table, ConflictType.UPDATE_MISSING, None, new, _NO_OP)
             return
-        tomb = await self._tombstone(conn, table, new)
+        careful = self.careful
+        tomb = await tombstone(self.conn, careful, table, new)
         conflict = ConflictType.UPDATE_DELETED if tomb is not None else ConflictType.UPDATE_MISSING
-        new, fixed = await whole_row(self, txn, relation, table, change, new, conflict, tomb, remote)
-        decision = await self._decide(conn, txn, relation, table, conflict, tomb, remote, new, records, fixed)
+        new, fixed = await whole_row(
+            careful, self.txn, relation, table, change, new, conflict, tomb, self.remote
+        )
+        decision = await self._decide(relation, table, conflict, tomb, new, fixed)
         if decision.outcome is Outcome.USE_ROW and decision.row is not None:
             row = dict(decision.row)
         elif decision.outcome is Outcome.APPLY_REMOTE:
             row = new
         else:  # not written; its version still beats older rows holding its secondary unique values, as
-            # where it met them before the deletion (and as an insert losing to a tombstone, _insert)
+            # where it met them before the deletion (and as an insert losing to a tombstone, insert)
             if table.uniques or table.indexes:
-                await self._unique_clash(conn, txn, relation, table, new, remote, records, None)
+                await self._unique_clash(relation, table, new, None)
             return
         # the row re-created may meet a row holding its key (moved onto it) or a secondary unique value
-        other = await self._by_key(conn, relation, table, change.new) if table.pk else None
+        other = await by_key(self.conn, careful, relation, table, change.new) if table.pk else None
         if other is not None:  # decided as where the row still exists: insert_exists against that row
-            clash = ConflictType.INSERT_EXISTS
-            decided = await self._decide(conn, txn, relation, table, clash, other, remote, row, records)
-            await self._overwrite(conn, table, decided, row, other.where)
+            decided = await self._decide(relation, table, ConflictType.INSERT_EXISTS, other, row)
+            await self._overwrite(table, decided, row, other.where)
             return
-        if await self._unique_clash(conn, txn, relation, table, row, remote, records, None):
-            await self._create(conn, table, row, new, tomb)
+        if await self._unique_clash(relation, table, row, None):
+            await self._create(table, row, new, tomb)
 
-    async def _delete(
-        self,
-        conn: Any,
-        txn: Transaction,
-        relation: Relation,
-        table: TargetTable,
-        change: Delete,
-        remote: Version,
-        records: list[ConflictRecord],
-    ) -> None:
+    async def delete(self, relation: Relation, table: TargetTable, change: Delete) -> None:
+        conn = self.conn
         old = _row(relation, change.old)
-        local = await self._by_key(conn, relation, table, change.old)
+        local = await by_key(conn, self.careful, relation, table, change.old)
         if local is not None and local.mine:
-            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
+            await self._delete_row(table, local.where)
             return
         if local is None:
-            tomb = await self._tombstone(conn, table, old)
-            await self._decide(
-                conn, txn, relation, table, ConflictType.DELETE_MISSING, None, remote, old, records
-            )
-            if tomb is None or tomb.version.order() < remote.order():
-                key = tombstone_key(self._key_sql(table, old))  # unless a local deletion came after the read:
+            tomb = await tombstone(conn, self.careful, table, old)
+            await self._decide(relation, table, ConflictType.DELETE_MISSING, None, old)
+            if tomb is None or tomb.version.order() < self.remote.order():
+                key = tombstone_key(key_sql(table, old))  # unless a local deletion came after the read:
                 status = await conn.execute(put_tombstone_sql(key), table.name, tomb.xid if tomb else None)
                 if status.endswith(" 0"):
-                    self._moved(table, old)
+                    deleted_meanwhile(table, old)
             return
-        decision = await self._decide(
-            conn, txn, relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, remote, old, records,
-            _KEYLESS if _keyless(table) else None,
-        )
+        fixed = _KEYLESS if _keyless(table) else None
+        decision = await self._decide(relation, table, ConflictType.DELETE_ORIGIN_DIFFERS, local, old, fixed)
         if decision.outcome is Outcome.APPLY_REMOTE:
-            await conn.execute(f"DELETE FROM {table.qualified} AS {T} WHERE {local.where}")
+            await self._delete_row(table, local.where)
+
+
+# ---------------------------------------------------------------- one handler per kind of change
+
+
+async def _relation(step: _Apply, change: Relation) -> None:
+    note_relation(step, change)
+
+
+async def _type(step: _Apply, change: Type) -> None:
+    pass
+
+
+async def _truncate(step: _Apply, change: Truncate) -> None:
+    truncate = truncate_statement(change, step.relations, step.tables, step.txn.commit_time)
+    await step.conn.execute(ORIGIN_MARK + "; " + truncate)  # the origin mark first: its first change has none
+
+
+async def _message(step: _Apply, change: Message) -> None:
+    if step.on_message is not None:
+        step.tables = await step.on_message(step.conn, change) or step.tables
+
+
+async def _insert(step: _Apply, change: Insert | RawInsert) -> None:
+    if isinstance(change, RawInsert):  # (a whole transaction holds none; a part read back raw might)
+        change = decode_raw_insert(change)
+    found = step.row_table(change.relid)
+    if found is not None:
+        relation, table = found
+        await step.lock(table, _row(relation, change.new))
+        await step.insert(relation, table, change)
+
+
+async def _update(step: _Apply, change: Update) -> None:
+    found = step.row_table(change.relid)
+    if found is not None:
+        relation, table = found
+        keys = [_row(relation, change.new)]
+        if change.old is not None:
+            keys.append(_row(relation, change.old))
+        for values in keys:
+            await step.lock(table, values)
+        await step.update(relation, table, change)
+
+
+async def _delete(step: _Apply, change: Delete) -> None:
+    found = step.row_table(change.relid)
+    if found is not None:
+        relation, table = found
+        await step.lock(table, _row(relation, change.old))
+        await step.delete(relation, table, change)
+
+
+_APPLY: Final[Dispatch[_Apply, Awaitable[None]]] = Dispatch({
+    Relation: _relation, Type: _type, Truncate: _truncate, Message: _message, Insert: _insert,
+    RawInsert: _insert, Update: _update, Delete: _delete,
+})
