@@ -9,23 +9,14 @@ with COPY, and conflicts met by COPY decided like any other.
    without tombstones (COPY meets the key: unique violation) and into one with tombstones (COPY is not
    used: the guarded INSERT meets it). Both are decided on the careful path, recorded in
    pgmesh.conflict_history, and the nodes converge.
-3. A large transaction with DDL (an ALTER TABLE before its rows, a CREATE TABLE among them) is applied
-   on the large path, its DDL run in place, while it still arrives (issue 17: it was read whole from a
-   spill file still being written, and the link paused). When one of its rows meets a key B holds, the
-   DDL done so far is rolled back with it, and the whole transaction is decided on the careful path.
+3. A large transaction with DDL applied on the large path while it still arrives (issue 17):
+   tests/integration/test_fail_points.py (fail point source.spilling).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import psycopg
-import pytest
-
-from router.apply import parts as large_apply
 from router.testing.mesh import (
     NODE_SETTINGS,
-    converged,
     execute,
     fetch,
     peak_rss_kb,
@@ -120,62 +111,3 @@ async def test_copy_kept_with_tombstones(mesh: MeshFactory) -> None:
         assert applier.stats.copied_rows == copied  # undone: the guarded INSERTs decided
     (count,) = await fetch(b.dsn(), "SELECT count(*) FROM marked WHERE id BETWEEN 5000 AND 5004")
     assert count[0] == 5
-
-
-async def wait_equal(nodes: list[Any], tables: list[str], limit: float) -> None:
-    """`wait_converged`, where a table may not exist yet on some node."""
-
-    async def check() -> bool:
-        try:
-            return await converged(nodes, tables)
-        except psycopg.errors.UndefinedTable:
-            return False
-
-    await wait_for(check, "all nodes to hold identical rows", limit)
-
-
-async def test_ddl_inside_a_large_transaction(mesh: MeshFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(large_apply, "LARGE_PART_CHANGES", 1000)  # parts go in before the commit
-    plain = {**NODE_SETTINGS, "logical_decoding_work_mem": "1GB"}  # not streamed: handed out at first spill
-    m = await mesh(nodes=2, schema=SCHEMA, settings=plain, replication="spill_mb = 1")
-    nodes, config = m.nodes, m.config
-    a, b = nodes
-    tables = ["big", "plain", "later1", "later2"]
-
-    def transaction(n: int, first: int) -> list[str]:
-        """Rows from `first` on; column w<n> and table later<n> made inside it. ~220 bytes a row: the
-        1 MB bound is passed after ~4,700 rows."""
-        w, later = f"w{n}", f"later{n}"
-        return [
-            "BEGIN",
-            f'ALTER TABLE "big" ADD COLUMN "{w}" integer DEFAULT 1',
-            f'INSERT INTO "big" ("id", "v", "{w}") SELECT i, repeat(\'x\', 200) || i, i'
-            f" FROM generate_series({first}, {first + 5999}) AS i",
-            f'CREATE TABLE "{later}" ("id" integer PRIMARY KEY, "v" text)',
-            f"INSERT INTO \"{later}\" SELECT i, repeat('y', 200) FROM generate_series(1, 3000) AS i",
-            f'ALTER TABLE "plain" ADD COLUMN "{w}" integer',
-            f'INSERT INTO "plain" ("id", "v", "{w}") SELECT i, \'a\', i'
-            f" FROM generate_series({first}, {first + 2999}) AS i",
-            "COMMIT",
-        ]
-
-    async with running_router(config) as router:
-        await execute(a.dsn(), *transaction(1, 1))
-        await wait_equal(nodes, tables[:3], limit=240)
-        applier = router.appliers[("a", "b")]
-        assert applier.last_error is None and applier.stats.ddl_applied == 1 and applier.stats.conflicts == 0
-        assert router.pumps["a"].source.stats.early_transactions == 1
-    (row,) = await fetch(b.dsn(), "SELECT count(*), sum(w1) FROM big")
-    assert row == (6000, sum(range(1, 6001)))
-    # the same shape again, where B holds one key of the rows after the DDL: decided the careful way
-    await execute(b.dsn(), "INSERT INTO plain VALUES (12500, 'b')")
-    await execute(a.dsn(), *transaction(2, 10001))
-    async with running_router(config) as router:
-        await wait_equal(nodes, tables, limit=240)
-        applier = router.appliers[("a", "b")]
-        # (the schema drift watch may still hold its view from while the DDL was half applied: next check)
-        await wait_for(lambda: applier.last_error is None, "the link to run without an error", 60)
-        assert applier.stats.conflicts >= 1
-        await wait_for(lambda: router.spool.files == 0, "the spool file to go")
-    (row,) = await fetch(b.dsn(), "SELECT count(*), max(v) FILTER (WHERE id = 12500), sum(w2) FROM plain")
-    assert row == (6000, "a", sum(range(10001, 13001)))  # A's insert committed later: last update wins
