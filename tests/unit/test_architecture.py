@@ -329,3 +329,18 @@ def test_the_rules_see_the_tree() -> None:
     rooms = {"stream", "apply", "conflicts", "ddl", "sequences", "cluster", "service", "ops", "testing"}
     assert rooms <= folders
     assert len(ROUTER) > 40
+
+
+def test_unit_tests_mirror_the_source_folders() -> None:
+    """`tests/unit/router/<folder>/` holds the unit tests of `router/<folder>/`: every test folder names a
+    source folder, and no unit test of a package sits loose beside them."""
+    base = ROOT / "tests" / "unit"
+    folders = sorted(p.parent for p in base.rglob("test_*.py") if p.parent != base)
+    missing = sorted({str(f.relative_to(base)) for f in folders if not (ROOT / f.relative_to(base)).is_dir()})
+    assert not missing, f"unit test folders without a source folder: {missing}"
+    loose = sorted(
+        p.name for p in (base / "router").glob("test_*.py")
+        if (ROOT / "router" / p.stem.removeprefix("test_")).is_dir()
+        or not (ROOT / "router" / f"{p.stem.removeprefix('test_')}.py").exists()
+    )
+    assert not loose, f"unit tests of router/ beside the folders (move them to their folder): {loose}"

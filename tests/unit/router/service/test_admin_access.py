@@ -23,7 +23,7 @@ from router.errors import ConfigError
 from router.service.admin import AdminServer, admin_request, ask_router
 from router.service.adminclient import client_tls
 from router.service.admintoken import TOKEN_ENV
-from tests.unit.router.test_admin import HOST, TOKEN, Router, error_of
+from tests.unit.router.service.test_admin import HOST, TOKEN, Router, error_of
 
 
 @pytest.fixture

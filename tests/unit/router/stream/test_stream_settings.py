@@ -20,7 +20,7 @@ from router.stream.items import (
     negotiate,
 )
 from tests.unit.protocol.captured import V4_CAPTURES, assembled
-from tests.unit.router.test_source_frames import feed_all, frames_of, new_source
+from tests.unit.router.stream.test_source_frames import feed_all, frames_of, new_source
 
 PG15, PG16, PG17, PG18 = 150020, 160010, 170006, 180006
 

@@ -23,7 +23,7 @@ from psycopg import sql
 
 from router.nodes.sqlfiles import split, statements
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 ROUTER = ROOT / "router"
 SQL_NAME = re.compile(r"[\w-]+\.sql")
 PLACEHOLDERS = {"schema", "epoch"}

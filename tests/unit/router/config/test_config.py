@@ -360,7 +360,7 @@ def test_a_node_priority_window_is_refused_until_its_hold_is_built() -> None:
 
 
 def test_the_conflict_module_does_not_import_the_config() -> None:
-    source = (Path(__file__).parents[3] / "router" / "conflicts" / "resolve.py").read_text()
+    source = (Path(__file__).parents[4] / "router" / "conflicts" / "resolve.py").read_text()
     assert "router.config" not in source
 
 

@@ -7,7 +7,7 @@ import pytest
 from router.config.model import parse_config
 from router.config.parts import describe_part
 from router.errors import ConfigError
-from tests.unit.router.test_config import MINIMAL
+from tests.unit.router.config.test_config import MINIMAL
 
 BASE = MINIMAL  # nodes a and b: b (the last) is the one given a part
 

@@ -143,7 +143,8 @@ def _pick_higher_qty(conflict: str, local: dict[str, Any], remote: dict[str, Any
 
 
 def test_custom_resolver_gets_rows_and_versions() -> None:
-    rules = Policy(resolver=Resolver.CUSTOM, custom="tests.unit.router.test_conflicts:_pick_higher_qty")
+    custom = "tests.unit.router.conflicts.test_conflicts:_pick_higher_qty"
+    rules = Policy(resolver=Resolver.CUSTOM, custom=custom)
     win = resolve(
         ConflictType.UPDATE_ORIGIN_DIFFERS,
         Version(1, "a"),
@@ -154,7 +155,7 @@ def test_custom_resolver_gets_rows_and_versions() -> None:
     )
     assert win == Decision(
         Outcome.USE_ROW,
-        "custom tests.unit.router.test_conflicts:_pick_higher_qty",
+        "custom tests.unit.router.conflicts.test_conflicts:_pick_higher_qty",
         "the custom resolver returned a row",
         {"qty": 5},
     )

@@ -13,7 +13,7 @@ from router.config.model import Config, parse_config
 from router.service.admin import AdminServer, admin_request
 from router.service.admintoken import TOKEN_ENV, client_token, router_token, token_path
 from router.service.metrics import Metrics
-from tests.unit.router.test_admin import HOST, Router, raw
+from tests.unit.router.service.test_admin import HOST, Router, raw
 
 CONFIG = """
 [cluster]

@@ -25,8 +25,8 @@ from router.stream.linkqueue import LinkQueue
 from router.stream.seen import HISTORY_MAX, Seen, SeenVersions, origin_nodes
 from router.stream.source import ReplicationSource
 from router.stream.spool import Spool, let_go
-from tests.unit.router.test_source_frames import feed_all, frames_of
-from tests.unit.router.test_spool import REL, insert
+from tests.unit.router.stream.test_source_frames import feed_all, frames_of
+from tests.unit.router.stream.test_spool import REL, insert
 
 CLUSTER = "pgmesh_c_"
 EARLY = "pgmeshearly_c_"

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from router.service.admin import AdminServer, admin_request
 from router.testing.mesh import wait_for
-from tests.unit.router.test_admin import AUTH, HOST, TOKEN, Router, raw, status_of
+from tests.unit.router.service.test_admin import AUTH, HOST, TOKEN, Router, raw, status_of
 
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "  # never finished
 
