@@ -27,7 +27,7 @@ from router.ops.control import cmd_pause, cmd_resume
 from router.service.admin import admin_request
 from router.testing.mesh import execute, fetch, running_router, wait_for
 from tests.fix_mesh import MeshFactory
-from tests.unit.router.test_metrics import ADDED_SINCE, BEFORE_PROMETHEUS_CLIENT
+from tests.unit.router.service.test_metrics import ADDED_SINCE, BEFORE_PROMETHEUS_CLIENT
 
 SCHEMA = "CREATE TABLE items (id int PRIMARY KEY, v text);"
 HOST = "127.0.0.1"

@@ -1,7 +1,7 @@
 """`pgmesh pause` / `resume` with no router running: the links' state recorded on the target nodes.
 
 Owns: that an offline pause writes `pgmesh.links` on the targets it names (and only those), that resume
-clears it, and that `pgmesh status` shows it. A node that is down: tests/unit/router/test_cli.py.
+clears it, and that `pgmesh status` shows it. A node that is down: tests/unit/router/ops/test_cli.py.
 """
 
 from __future__ import annotations

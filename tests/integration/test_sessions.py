@@ -1,6 +1,6 @@
 """The appliers' sessions against a real node: several hosts in a DSN are tried in turn.
 
-How DSNs become asyncpg's arguments (no server): tests/unit/router/test_sessions.py.
+How DSNs become asyncpg's arguments (no server): tests/unit/router/apply/test_sessions.py.
 """
 
 from __future__ import annotations
