@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.ops.part import part_node
-from router.testing.mesh import execute, fetch, running_router, wait_converged
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 from tests.integration.ports.common import healthy
 
@@ -38,6 +38,12 @@ async def test_drop(mesh: MeshFactory) -> None:
             await execute(node.dsn(), f"INSERT INTO dropped VALUES ({i}, '{node.name}')")
         await wait_converged(m.nodes, ["dropped"])
         healthy(router)
+
+    async def walsenders_gone() -> bool:  # a walsender ends after its client has gone, not with it
+        counts = [await fetch(n.dsn(), "SELECT count(*) FROM pg_stat_replication") for n in m.nodes]
+        return all(count == [(0,)] for count in counts)
+
+    await wait_for(walsenders_gone, "the router's walsenders to end", limit=30)
     for node in m.nodes:  # the router is gone: nothing streams, every slot stays
         assert await fetch(node.dsn(), SLOTS) == [("pgoutput", "logical", False)]
         assert await fetch(node.dsn(), "SELECT count(*) FROM pg_stat_replication") == [(0,)]
