@@ -1,6 +1,6 @@
 """`pgmesh part NODE [--clean]`: the cluster forgets a node, with the router running or not.
 
-1. Drain (the router running): a barrier on NODE alone (`router.ops.ddl.barrier`): every link out of
+1. Drain (the router running): a barrier on NODE alone (`router.ops.barrier`): every link out of
    NODE has applied everything NODE committed before the part began. Then the router is held (`POST
    /hold`: it stops streaming, writes go on) and NODE's slot is read without consuming it
    (`pg_logical_slot_peek_binary_changes`): a transaction of NODE's own (no replication origin) with row

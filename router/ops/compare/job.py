@@ -12,7 +12,7 @@ where (`plan.compared_on`: the full nodes with each other, each partial node wit
 tables it gets, through its filter and columns), running the tasks (router.ops.compare.worker) on
 its own threads and on Spark (router.ops.compare.lanes), and the recheck: a key that differed is
 read again on its table's nodes once the router reports that every link has flushed past the positions of the
-first read (`router.ops.ddl.barrier`); it is a difference only if it still differs and its rows are
+first read (`router.ops.barrier`); it is a difference only if it still differs and its rows are
 the same as the read before (else it was still being written: read again, up to `ROUNDS` times, then
 reported as unsettled, not as a difference).
 
