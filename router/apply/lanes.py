@@ -134,9 +134,11 @@ class Lanes:
                 )
             after = (f"SELECT pg_catalog.pg_replication_origin_session_reset();\n"
                      f"SELECT pg_catalog.pg_advisory_unlock({key}, {seq})")
+            if link.fit(txn) is not txn:
+                break  # rows to fit: the one-by-one path fits them against the tables read anew
             try:
                 (script,) = transaction_segments(
-                    link.fit(txn), link.tables, prepared=lanes[lane].prepared,
+                    txn, link.tables, prepared=lanes[lane].prepared,
                     guard_origin=link.source_origin, prelude=preludes[lane], copy=False,
                     at_commit=(";\n".join(before), after), setup_last=link.setup_last, mark=link.mark,
                 )

@@ -240,10 +240,11 @@ class LargeApply:
             txn, changes=part, relations=relations, row_count=max(txn.row_count, KEY_LOCKS_MAX + 1)
         )
         mark = prepared.mark()
-        try:
-            segments = self._segments(piece, prelude, relations, first, last, setup, prepared)
+        reread = first and side is None  # the tables may be read again before the first part only
+        try:  # rows are fitted (sent before a rename or drop) only against tables just read, where it can
+            segments = self._segments(piece, prelude, relations, first, last, setup, prepared, fit=not reread)
         except ApplyError:
-            if not first or side is not None:
+            if not reread:
                 raise
             await link.load_tables()  # the target's schema may have changed since we looked
             segments = self._segments(piece, prelude, relations, first, last, setup, prepared)
@@ -262,7 +263,7 @@ class LargeApply:
 
     def _segments(
         self, txn: Transaction, prelude: list[str], relations: dict[int, Relation], begin: bool, commit: bool,
-        setup: bool = True, prepared: Prepared | None = None,
+        setup: bool = True, prepared: Prepared | None = None, fit: bool = True,
     ) -> list[str | CopyRun]:
         link = self._link
 
@@ -278,7 +279,7 @@ class LargeApply:
         try:
             return build(txn)
         except ApplyError:
-            fitted = link.fit(txn)
+            fitted = link.fit(txn) if fit else txn
             if fitted is txn:
                 raise
             relations.clear()

@@ -228,6 +228,44 @@ async def test_a_column_dropped_then_added_again_in_the_transaction_of_its_rows(
         assert all(applier.last_error is None for applier in router.appliers.values())
 
 
+async def test_a_column_dropped_and_added_again_on_a_target_whose_link_read_its_tables_between(
+    mesh: MeshFactory,
+) -> None:
+    """The same DDL, the other way: the link b -> a reads a's tables after a's DROP COLUMN w (its session
+    ended and opened again there: a reconnect) and before the new ADD COLUMN. b's row with its w, sent
+    after b had the new w, must keep its value on a: it did not fit the tables as last read, was fitted
+    against them as if sent before the drop, and a kept NULL with no error (a full suite on 18 caught it
+    once by chance; ending the session at that point makes it happen every time)."""
+    m = await mesh(nodes=2, schema="CREATE TABLE t (id int PRIMARY KEY, v text);")
+    a, b = m.nodes
+    async with running_router(m.config) as router:
+        link = router.appliers[("b", "a")]
+        await wait_for(lambda: link.link.connected, "the link b -> a connected")
+        await execute(a.dsn(), "ALTER TABLE t ADD COLUMN w int")
+        await execute(a.dsn(), "ALTER TABLE t DROP COLUMN w")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM pgmesh.column_changes", [(1,)]),
+                       "the drop recorded on b")
+        assert link.link.conn is not None
+        old = link.link.conn.get_server_pid()
+        await execute(a.dsn(), f"SELECT pg_terminate_backend({old})")
+        await execute(b.dsn(), "INSERT INTO t VALUES (0, 'b before')")  # the link finds its session gone
+
+        def reconnected() -> bool:
+            conn = link.link.conn
+            return conn is not None and not conn.is_closed() and conn.get_server_pid() != old
+
+        await wait_for(reconnected, "the link b -> a connected again (its tables read after the drop)")
+        async with await psycopg.AsyncConnection.connect(a.dsn()) as conn:
+            await conn.execute("ALTER TABLE t ADD COLUMN w int")
+            await conn.execute("INSERT INTO t VALUES (1, 'a', 5)")
+        await wait_for(lambda: _has(b.dsn(), "SELECT count(*) FROM t WHERE id = 1", [(1,)]), "a's row on b")
+        await execute(b.dsn(), "INSERT INTO t VALUES (2, 'b', 6)")
+        await wait_converged(m.nodes, ["t"])
+        rows = [(0, "b before", None), (1, "a", 5), (2, "b", 6)]
+        assert await fetch(a.dsn(), "SELECT id, v, w FROM t ORDER BY id") == rows
+        assert all(applier.last_error is None for applier in router.appliers.values())
+
+
 async def _has(dsn: str, query: str, expected: Any) -> bool:
     return await fetch(dsn, query) == expected
 
