@@ -70,10 +70,13 @@ async def test_ddl_by_postgres_and_by_the_application_replicates_as_its_author(
         psql(a, "ALTER TABLE items ADD COLUMN by_postgres text DEFAULT 'p'")
         psql(a, "CREATE TABLE made_by_postgres (id int PRIMARY KEY, v text)")
 
-        async def on_b() -> bool:  # one migration after another (at once, b's columns come in another order)
-            return bool(await fetch(b.dsn(), "SELECT 1 FROM pg_tables WHERE tablename = 'made_by_postgres'"))
+        async def on_b_and_c() -> bool:  # one migration after another (at once, b's columns come in another
+            # order); on c too: psql below blocks the router's loop, so a replay left open on c would hold
+            # the lock c's own CREATE INDEX waits for, until the test's timeout
+            query = "SELECT 1 FROM pg_tables WHERE tablename = 'made_by_postgres'"
+            return bool(await fetch(b.dsn(), query)) and bool(await fetch(c.dsn(), query))
 
-        await wait_for(on_b, "postgres's DDL replayed on b")
+        await wait_for(on_b_and_c, "postgres's DDL replayed on b and c")
         psql(b, "ALTER TABLE items ADD COLUMN by_app text DEFAULT 'x'", user="app")
         psql(b, "CREATE TABLE made_by_app (id int PRIMARY KEY, v text)", user="app")
         # a migration as one query string, by postgres (replayed whole through pgmesh.ddl_as_owner)
