@@ -490,7 +490,10 @@ class ReplicationConnection:
                         parse_copy_data(data)  # raises the right ProtocolError
                 if frames:
                     yield frames
-                if reply:
+                # The status task runs only when the loop is free; a long backlog read straight from a
+                # full socket never frees it, so status goes out from here too when it is due (else the
+                # walsender's wal_sender_timeout ends a connection that is only busy).
+                if reply or loop.time() - self._last_status_sent > self.options.status_interval:
                     await self.send_status()
         finally:
             self._streaming = False
