@@ -5,7 +5,8 @@ privileges), `keys` (a table's key and unique indexes, compared by shape), `orig
 origins on a node), `standbys` (physical standbys and failover), `synchronous` (synchronous_standby_names),
 `partial` and `receive` (nodes that hold part of the data or only receive), `members` (the parted record),
 `joining` (a joining node's record and slot pins), `clocks` (each node's clock offset from the router's)
-and `copy/` (the PySpark initial copy, imported only by `pgmesh join`).
+`copy/` (the PySpark initial copy, imported only by `pgmesh join`) and `compare/` (reading rows across
+nodes by key ranges and hashes, for `pgmesh compare`, `pgmesh repair` and continuous verification).
 
 Must not: stream or apply changes, or import the service or the operator commands.
 """

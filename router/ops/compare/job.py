@@ -7,9 +7,9 @@ compared tables (the publication's and every other table `[replication] tables` 
 the reference's catalog, read under its snapshot: the first full node; one that matches but is not in a
 node's publication is compared all the same and reported as not replicated there; one missing on a node
 is reported as not compared; a table without a key is compared as a multiset of rows) and their key
-ranges (router.ops.compare.plan; the reference's), what is compared
+ranges (router.cluster.compare.plan; the reference's), what is compared
 where (`plan.compared_on`: the full nodes with each other, each partial node with the reference on the
-tables it gets, through its filter and columns), running the tasks (router.ops.compare.worker) on
+tables it gets, through its filter and columns), running the tasks (router.cluster.compare.worker) on
 its own threads and on Spark (router.ops.compare.lanes), and the recheck: a key that differed is
 read again on its table's nodes once the router reports that every link has flushed past the positions of the
 first read (`router.ops.barrier`); it is a difference only if it still differs and its rows are
@@ -33,15 +33,8 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.copy.spark import local_parallelism, spark_session
-from router.cluster.members import members_of
-from router.cluster.partial import is_partial, reaches
-from router.config.model import Config, NodeConfig
-from router.errors import PgmeshError, describe
-from router.ops.barrier import barrier
-from router.ops.compare.lanes import SPARK_AFTER_LOCAL_S, SPARK_AFTER_S, run_shared
-from router.ops.compare.multiset import counts_sql
-from router.ops.compare.plan import (
+from router.cluster.compare.multiset import counts_sql
+from router.cluster.compare.plan import (
     INTEGER_TYPES,
     CompareTable,
     RangeTask,
@@ -50,7 +43,7 @@ from router.ops.compare.plan import (
     integer_ranges,
     partitions,
 )
-from router.ops.compare.worker import (
+from router.cluster.compare.worker import (
     SESSION_SQL,
     CompareJob,
     Difference,
@@ -58,6 +51,13 @@ from router.ops.compare.worker import (
     row_hashes_sql,
     run_partition,
 )
+from router.cluster.copy.spark import local_parallelism, spark_session
+from router.cluster.members import members_of
+from router.cluster.partial import is_partial, reaches
+from router.config.model import Config, NodeConfig
+from router.errors import PgmeshError, describe
+from router.ops.barrier import barrier
+from router.ops.compare.lanes import SPARK_AFTER_LOCAL_S, SPARK_AFTER_S, run_shared
 from router.progress.positions import BARRIER_POSITION_SQL
 from router.service.admin import ask_router
 
@@ -261,7 +261,7 @@ def _ranges(
         "SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %s::regclass", [rel.as_string(conn)]
     ).fetchone()
     estimate = max(0, int((row[0] if row else 0) or 0))
-    if table.keyless:  # read whole in one task (router.ops.compare.multiset)
+    if table.keyless:  # read whole in one task (router.cluster.compare.multiset)
         return [RangeTask(index, None, None)]
     parts = max(1, min(MAX_RANGES, estimate // ROWS_PER_RANGE))
     cuts: list[tuple[str | None, str | None]] = [(None, None)]

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Final
 
-from router.ops.compare.plan import RangeTask
-from router.ops.compare.worker import CompareJob, Difference, run_partition
+from router.cluster.compare.plan import RangeTask
+from router.cluster.compare.worker import CompareJob, Difference, run_partition
 
 __all__ = ["SPARK_AFTER_LOCAL_S", "SPARK_AFTER_S", "RangeQueue", "run_shared"]
 

@@ -15,7 +15,7 @@ others), else its absence.
 A table without a key has no versions to weigh: its differing rows (each with its copies per node) are
 repaired only with `--from NODE` (every other node then holds that node's copies of each, never more),
 or on a partial node from its reference; without `--from` they are listed as not repaired, with the
-command that would (router.ops.compare.copies). Identity columns are written with OVERRIDING SYSTEM
+command that would (router.cluster.compare.copies). Identity columns are written with OVERRIDING SYSTEM
 VALUE (a row whose identity column GENERATED ALWAYS differs is replaced: no UPDATE can write one), and
 generated columns never (the server computes them).
 
@@ -39,14 +39,14 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.compare.copies import Copies, insert_columns, overriding, winner_copies, write_copies
+from router.cluster.compare.worker import SESSION_SQL, kept, row_hash
 from router.cluster.members import members_of
 from router.cluster.partial import is_partial, reaches, table_part
 from router.config.model import Config
 from router.conflicts.resolve import ConflictType, Outcome, Version, resolve
 from router.errors import PgmeshError, describe
-from router.ops.compare.copies import Copies, insert_columns, overriding, winner_copies, write_copies
 from router.ops.compare.job import CompareReport, Divergence, compare_cluster
-from router.ops.compare.worker import SESSION_SQL, kept, row_hash
 from router.service.admin import ask_router
 
 __all__ = ["RepairReport", "cmd_repair", "repair_cluster", "repair_origin"]
@@ -305,7 +305,7 @@ async def _repair_keyless(
     conns: dict[str, psycopg.AsyncConnection[Any]], config: Config, found: Sequence[Divergence],
     source: str | None, reference: str,
 ) -> tuple[list[Fix], list[str]]:
-    """Rows of tables without a key whose copies differ (router.ops.compare.copies): each node made
+    """Rows of tables without a key whose copies differ (router.cluster.compare.copies): each node made
     to hold the winner's copies: `source`'s among full nodes (none given: refused, with why), the
     reference's (through its filter and columns) on a partial node. The fixes, and what was refused."""
     groups: dict[tuple[str, tuple[str, ...]], list[Divergence]] = {}

@@ -1,10 +1,10 @@
-"""Tables without a key in `pgmesh compare` (router.ops.compare.multiset) and what the reports' exit
+"""Tables without a key in `pgmesh compare` (router.cluster.compare.multiset) and what the reports' exit
 codes say: pure."""
 
 from __future__ import annotations
 
+from router.cluster.compare.multiset import buckets_for, multiset_differences, row_text
 from router.ops.compare.job import CompareReport, Divergence
-from router.ops.compare.multiset import buckets_for, multiset_differences, row_text
 from router.ops.compare.repair import Fix, RepairReport
 
 

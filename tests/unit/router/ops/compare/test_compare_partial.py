@@ -1,12 +1,10 @@
-"""`pgmesh compare` with partial nodes (router.ops.compare.plan, .worker): what is compared where, and
+"""`pgmesh compare` with partial nodes (router.cluster.compare.plan, .worker): what is compared where, and
 the per-node SQL (the reference reads through the partial node's filter, both hash its columns); pure."""
 
 from __future__ import annotations
 
-from router.config.model import NodeConfig
-from router.ops.compare.job import CompareReport, Divergence
-from router.ops.compare.plan import CompareTable, RangeTask, compared_on, integer_ranges
-from router.ops.compare.worker import (
+from router.cluster.compare.plan import CompareTable, RangeTask, compared_on, integer_ranges
+from router.cluster.compare.worker import (
     CompareJob,
     bucket_sql,
     range_sql,
@@ -14,6 +12,8 @@ from router.ops.compare.worker import (
     row_hashes_sql,
     rows_sql,
 )
+from router.config.model import NodeConfig
+from router.ops.compare.job import CompareReport, Divergence
 
 ORDERS = CompareTable("public", "orders", ("id",), "integer")
 CUSTOMERS = CompareTable("public", "customers", ("id",), "integer")

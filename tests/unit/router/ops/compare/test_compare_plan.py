@@ -1,12 +1,10 @@
-"""Key ranges of `pgmesh compare` (router.ops.compare.plan): pure; and what a task's failure says."""
+"""Key ranges of `pgmesh compare` (router.cluster.compare.plan): pure; and what a task's failure says."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.errors import PgmeshError
-from router.ops.compare.job import task_error
-from router.ops.compare.plan import (
+from router.cluster.compare.plan import (
     CompareTable,
     RangeTask,
     bound_ranges,
@@ -14,7 +12,9 @@ from router.ops.compare.plan import (
     partitions,
     sub_task,
 )
-from router.ops.compare.worker import BUCKETS, CompareJob, differences, run_partition
+from router.cluster.compare.worker import BUCKETS, CompareJob, differences, run_partition
+from router.errors import PgmeshError
+from router.ops.compare.job import task_error
 from router.testing.mesh import free_port
 
 
@@ -84,8 +84,8 @@ def test_a_bucket_of_an_integer_span_is_cut_again_until_one_key() -> None:
 
 
 def test_the_range_queue_projects_what_is_left_and_closes() -> None:
+    from router.cluster.compare.plan import RangeTask
     from router.ops.compare.lanes import RangeQueue
-    from router.ops.compare.plan import RangeTask
 
     queue = RangeQueue([RangeTask(0, i, i + 1) for i in range(10)])
     assert queue.left_after(1.0, 0) == float("inf")  # nothing done yet

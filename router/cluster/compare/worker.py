@@ -11,7 +11,7 @@ then `rows_sql` reads each row's key and hash, and the nodes' answers are compar
 Each read runs on the table's nodes (`CompareJob.nodes_of`): the full nodes, or a partial node and its
 reference full node, where the reference reads only the rows the partial node's filter keeps and both
 hash only the columns it holds (`CompareTable.rows`, `.columns`: the SQL is per node). A table without
-a key is one task, compared as a multiset of whole rows (`compare_multiset`, router.ops.compare.multiset).
+a key is one task, compared as a multiset of whole rows (`compare_multiset`, router.cluster.compare.multiset).
 
 Must not: write anything, import pyspark at module level, or put a DSN in a message.
 """
@@ -27,9 +27,9 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from router.cluster.compare import multiset
+from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
 from router.errors import PgmeshError, describe
-from router.ops.compare import multiset
-from router.ops.compare.plan import CompareTable, RangeTask, sub_task
 
 __all__ = [
     "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "kept", "range_sql", "row_hash",
@@ -312,7 +312,7 @@ def keyless_where(table: CompareTable, filtered: bool) -> sql.Composable:
 def compare_multiset(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
 ) -> list[Difference]:
-    """A table without a key as a multiset of rows (router.ops.compare.multiset): its count and sum of
+    """A table without a key as a multiset of rows (router.cluster.compare.multiset): its count and sum of
     row hashes; where they differ, per bucket; the differing buckets' rows with their copies. Each row
     whose copies differ is a `Difference` named by the row's text, its `hashes` being its copies per node
     (None: none)."""

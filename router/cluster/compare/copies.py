@@ -26,8 +26,8 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.ops.compare.multiset import row_text
-from router.ops.compare.worker import kept
+from router.cluster.compare.multiset import row_text
+from router.cluster.compare.worker import kept
 
 __all__ = ["Copies", "insert_columns", "overriding", "winner_copies", "write_copies"]
 

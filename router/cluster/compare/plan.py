@@ -37,7 +37,7 @@ class CompareTable(msgspec.Struct, frozen=True):
     schema: str
     name: str
     # the primary key's (or replica identity index's) columns, in index order; (): a table without a key,
-    # compared as a multiset of whole rows (router.ops.compare.multiset)
+    # compared as a multiset of whole rows (router.cluster.compare.multiset)
     keys: tuple[str, ...]
     first_type: str  # format_type() of the first key column: ranges cut over it ("": no key)
     nodes: tuple[int, ...] = ()  # the job's nodes compared on it (indexes, in order); (): every node
@@ -83,7 +83,7 @@ class RangeTask(msgspec.Struct, frozen=True):
     `span`, for an integer first key: the range's values [start, end) cut into buckets of consecutive
     keys (a bucket that differs is read again by the key index; keys beyond either end get a bucket of
     their own). None: buckets by the key's hash. A table without a key is one task (lo and hi None): the
-    whole table (router.ops.compare.multiset)."""
+    whole table (router.cluster.compare.multiset)."""
 
     table: int
     lo: Bound
