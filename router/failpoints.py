@@ -13,7 +13,9 @@ A test in the router's process arms a point (`arm`) to
 A point fires `times` times (once by default) after letting `after` hits pass, then passes freely again;
 `disarm()` (a test's teardown) forgets every point. A router started as a subprocess is armed by the
 environment, read once at import: `PGMESH_FAILPOINTS="log.segment_switch=kill@1,apply.batch_sent=raise"`
-(`name=raise|kill`, `@N` letting N hits pass first; nothing there can set an event, so no stall).
+(`name=raise|kill`, `@N` letting N hits pass first; nothing there can set an event, so no stall), and
+only with `PGMESH_TESTING=1` beside it: without it nothing is armed and `pgmesh run` refuses to start
+(`environment_refusal`), so a variable left in a production environment cannot make a router fail.
 
 Must not: import anything of pgmesh, do I/O, or be armed outside tests.
 """
@@ -26,8 +28,8 @@ import os
 from typing import Final
 
 __all__ = [
-    "ARMED", "ENV", "FAILED", "POINTS", "SYNCHRONOUS", "Armed", "arm", "disarm", "from_environment", "hit",
-    "hit_now",
+    "ARMED", "ENV", "FAILED", "POINTS", "SYNCHRONOUS", "TESTING_ENV", "Armed", "arm", "disarm",
+    "environment_refusal", "from_environment", "hit", "hit_now",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ POINTS: Final[dict[str, str]] = {
 SYNCHRONOUS: Final = frozenset({"log.segment_switch"})  # `hit_now` points: they cannot stall
 FAILED: Final = "raise"  # `arm(name, error=FAILED)`: a ConnectionResetError naming the point
 ENV: Final = "PGMESH_FAILPOINTS"
+TESTING_ENV: Final = "PGMESH_TESTING"  # "1" beside ENV: this process is a test's
 
 
 class Armed:
@@ -155,4 +158,13 @@ def from_environment(text: str) -> dict[str, Armed]:
     return found
 
 
-ARMED.update(from_environment(os.environ.get(ENV, "")))
+def environment_refusal() -> str | None:
+    """Why `pgmesh run` must not start here: fail points in its environment outside a test; else None."""
+    if os.environ.get(ENV, "").strip() and os.environ.get(TESTING_ENV) != "1":
+        return (f"{ENV} is set ({os.environ[ENV].strip()!r}): fail points make the router fail on purpose,"
+                f" for tests only; unset it (a test's router also sets {TESTING_ENV}=1)")
+    return None
+
+
+if os.environ.get(TESTING_ENV) == "1":
+    ARMED.update(from_environment(os.environ.get(ENV, "")))

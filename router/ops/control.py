@@ -25,6 +25,7 @@ import msgspec
 import psycopg
 
 from protocol.lsn import parse_lsn
+from router import failpoints
 from router.cluster.clocks import NodeClock, connection_query, measure, node_clock
 from router.cluster.install import init_cluster
 from router.cluster.members import members_of, read_parted
@@ -73,6 +74,8 @@ async def cmd_init(config: Config, out: TextIO = sys.stdout) -> int:
 
 async def cmd_run(config: Config, reload: Callable[[], Config] | None = None) -> int:
     """The router until SIGTERM / SIGINT; `reload` re-reads the config after a hold (`pgmesh join`)."""
+    if (refusal := failpoints.environment_refusal()) is not None:
+        raise ConfigError(refusal)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

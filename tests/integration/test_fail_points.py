@@ -67,6 +67,7 @@ def start_router(config_path: Path, log: Path, armed: str = "") -> subprocess.Po
     env = {k: v for k, v in os.environ.items() if k != failpoints.ENV}
     if armed:
         env[failpoints.ENV] = armed
+        env[failpoints.TESTING_ENV] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "router", "--log-level", "INFO", "run", "--config", str(config_path)],
         stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True, env=env,

@@ -110,7 +110,7 @@ def test_a_killing_point_ends_the_process_as_sigkill_would() -> None:
             "failpoints.hit_now('log.segment_switch')\n"
             "failpoints.hit_now('log.segment_switch')\n"
             "print('not reached')\n")
-    env = {**os.environ, failpoints.ENV: "log.segment_switch=kill@1"}
+    env = {**os.environ, failpoints.ENV: "log.segment_switch=kill@1", failpoints.TESTING_ENV: "1"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, timeout=60,
                           check=False)
     assert done.returncode == 137 and b"not reached" not in done.stdout
@@ -124,3 +124,20 @@ def test_every_point_is_in_the_code_once() -> None:
         calls = sum(s.count(f'failpoints.hit("{name}")') + s.count(f'failpoints.hit_now("{name}")')
                     for s in sources)
         assert calls == 1, (name, calls)
+
+
+def test_points_in_the_environment_outside_a_test_arm_nothing_and_the_router_refuses_to_start() -> None:
+    code = ("from router import failpoints\n"
+            "print(sorted(failpoints.ARMED))\n"
+            "print(failpoints.environment_refusal())\n")
+    env = {k: v for k, v in os.environ.items() if k != failpoints.TESTING_ENV}
+    env[failpoints.ENV] = "log.segment_switch=kill@1"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, timeout=60,
+                          check=True, text=True)
+    armed, refusal = done.stdout.splitlines()
+    assert armed == "[]"
+    assert "PGMESH_FAILPOINTS is set" in refusal and "for tests only" in refusal
+    env[failpoints.TESTING_ENV] = "1"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, timeout=60,
+                          check=True, text=True)
+    assert done.stdout.splitlines() == ["['log.segment_switch']", "None"]
