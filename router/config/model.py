@@ -43,6 +43,7 @@ from router.config.sections import (
     SequencesSection,
     SyncSection,
     TableSection,
+    VerifySection,
     split_table_name,
 )
 from router.conflicts.resolve import ConflictType, Policy, Resolver
@@ -72,6 +73,7 @@ __all__ = [
     "SequencesSection",
     "SyncSection",
     "TableSection",
+    "VerifySection",
     "load_config",
     "parse_config",
     "split_table_name",
@@ -91,6 +93,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sync: SyncSection = msgspec.field(default_factory=lambda: SyncSection())
     log: LogSection = msgspec.field(default_factory=LogSection)
     ha: HaSection = msgspec.field(default_factory=HaSection)
+    verify: VerifySection | None = None  # continuous verification (router.service.verify); absent: off
 
     # Names pgmesh installs on the nodes, derived from the cluster name.
     @property

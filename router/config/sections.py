@@ -45,6 +45,8 @@ __all__ = [
     "SequencesSection",
     "SyncSection",
     "TableSection",
+    "VerifySection",
+    "duration_seconds",
     "split_table_name",
 ]
 
@@ -80,6 +82,9 @@ SYSTEM_SCHEMAS: Final = frozenset(
 DEFAULT_SCHEMA: Final = "public"
 # `schema.table`, or a bare `table` (schema public): neither part empty, no second dot
 TableName = Annotated[str, msgspec.Meta(pattern=r"^[^.]+(?:\.[^.]+)?\Z")]
+# A duration: a number and its unit, e.g. "500ms", "30s", "10m", "2h", "7d" (`duration_seconds` reads it)
+Duration = Annotated[str, msgspec.Meta(pattern=r"^[0-9]+(?:\.[0-9]+)?(?:ms|s|m|h|d)\Z")]
+_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 class ClusterSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -255,6 +260,27 @@ class HaSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drift: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.01  # bound on two clocks' rates (1%)
     # the holder stops this long before its lease could expire anywhere (bounds: router.config.rules)
     margin_s: float = 1.0
+
+
+class VerifySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[verify]`: continuous verification (router.service.verify, docs/verify.md). The active router compares
+    the replicated tables across nodes every `interval` (a pass starts at most that long after the last
+    one started, and at least 1 s), range by range at most `rows_per_second` rows (per node) a second,
+    and reports the rows that differ (`pgmesh status`, pgmesh_divergent_rows). Absent: off."""
+
+    interval: Duration = "10m"
+    tables: list[TableName] = msgspec.field(default_factory=list)  # []: every replicated table
+    rows_per_second: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+
+    @property
+    def interval_s(self) -> float:
+        return max(1.0, duration_seconds(self.interval))
+
+
+def duration_seconds(text: str) -> float:
+    """A `Duration`'s seconds: "10m" -> 600.0."""
+    number = text.rstrip("mshd")
+    return float(number) * _UNITS[text[len(number):]]
 
 
 def split_table_name(name: str) -> tuple[str, str]:
