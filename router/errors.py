@@ -10,8 +10,10 @@ after a backoff, pause the link that hit it, or fail the command. Beside it, nam
 rules: a connection asyncpg found closed is retried and a missing table or column is waited for
 (`decide_link`, `SchemaWait`); which server errors mean the fast path met a conflict (`is_conflict`), that
 the target's tables changed (`tables_changed`), and how often a careful apply is tried again after a
-unique violation (`retry_unique`); and the join's: how long a join session waits for a lock, and when a
-join attempt starts again from a new snapshot (`retry_join`). No other module chooses a retry policy.
+unique violation (`retry_unique`); which errors mean the target refused a change, so that a table
+under `on_refused = "quarantine"` sets that change aside instead of pausing (`is_refused`); and the
+join's: how long a join session waits for a lock, and when a join attempt starts again from a new
+snapshot (`retry_join`). No other module chooses a retry policy.
 
 Must not: do I/O, or import asyncpg (the command line does not load it; its errors are recognised once
 it is loaded).
@@ -37,6 +39,8 @@ __all__ = [
     "JOIN_ATTEMPTS",
     "JOIN_LOCK_WAIT_S",
     "JOIN_SLOT_WAIT_S",
+    "QUARANTINE_MAX",
+    "REFUSED_CLASSES",
     "SCHEMA_STATES",
     "SCHEMA_WAIT_S",
     "UNIQUE_ATTEMPTS",
@@ -55,6 +59,8 @@ __all__ = [
     "decide_sqlstate",
     "describe",
     "is_conflict",
+    "is_refused",
+    "refused_sqlstate",
     "remote_version_missing",
     "retry_join",
     "retry_unique",
@@ -288,6 +294,33 @@ def is_conflict(exc: BaseException) -> bool:
 def tables_changed(exc: BaseException) -> bool:
     """The target's tables changed since the link read them (SCHEMA_STATES): read them again, once."""
     return sqlstate_of(exc) in SCHEMA_STATES
+
+
+# A change the target refuses (`on_refused`, docs/conflicts.md "Quarantine"): what the target's own rules
+# say about this row, which no retry and no reconnect changes. Integrity violations other than the unique
+# ones pgmesh decides itself (23505 goes the conflict path): check 23514, foreign key 23503, not null
+# 23502, exclusion 23P01, restrict 23001, and the class's generic 23000; class 22, a value the target's
+# type or domain rejects; and errors raised by the user's code on the target (a trigger): P0 (PL/pgSQL's
+# RAISE, P0001, and ASSERT), 38 and 39 (external routines), 2F (SQL routines). Never: connection and
+# retryable states (08, 40, 53, 55, 57), schema mismatches (42: the link reads its tables again or
+# waits), pgmesh's own PGMxx.
+REFUSED_CLASSES: Final = frozenset({"22", "P0", "38", "39", "2F"})
+_REFUSED_INTEGRITY: Final = frozenset({"23000", "23001", "23502", "23503", "23514", "23P01"})
+# Pending quarantine entries per target beyond which a link pauses instead (invariant 6: bounded).
+QUARANTINE_MAX: Final = 100_000
+
+
+def refused_sqlstate(state: str | None) -> bool:
+    """Whether SQLSTATE `state` means the target refused the change itself (REFUSED_CLASSES)."""
+    if state is None or len(state) != 5:
+        return False
+    return state in _REFUSED_INTEGRITY or state[:2] in REFUSED_CLASSES
+
+
+def is_refused(exc: BaseException) -> bool:
+    """A server error by which the target refused a change (`refused_sqlstate`): with `on_refused =
+    "quarantine"` for its table, that change is set aside in `pgmesh.quarantine`; else the link pauses."""
+    return not isinstance(exc, PgmeshError) and refused_sqlstate(sqlstate_of(exc))
 
 
 def remote_version_missing(exc: BaseException) -> bool:

@@ -208,6 +208,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         (empty for a cluster that converges; non-empty only with `allow_divergence = true`)."""
         return divergent_resolvers(self.conflicts, self.tables)
 
+    def on_refused(self, schema: str, table: str) -> str:
+        """What a change of `schema.table` the target refuses does: "pause" or "quarantine" (the table's
+        `on_refused`, else `[replication] on_refused`)."""
+        entry = self.table(schema, table)
+        if entry is not None and entry.on_refused is not None:
+            return entry.on_refused
+        return self.replication.on_refused
+
+    def quarantines(self) -> bool:
+        """Whether any table may quarantine a refused change."""
+        return self.replication.on_refused == "quarantine" or any(
+            t.on_refused == "quarantine" for t in self.tables)
+
     def delta_columns(self, schema: str, table: str) -> tuple[str, ...]:
         """The table's delta columns (changes add up instead of overwriting); () for none."""
         entry = self.table(schema, table)

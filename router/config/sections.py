@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_SCHEMA",
     "JOIN_SCHEMA",
     "NAME_PATTERN",
+    "ON_REFUSED",
     "PGMESH_SCHEMA",
     "RESOLVER_NAMES",
     "SEQUENCE_MODES",
@@ -62,6 +63,9 @@ SEQUENCE_MODES: Final[tuple[str, ...]] = get_args(SequenceMode)
 DdlMode = Literal["replicated", "locked"]
 DDL_MODES: Final[tuple[str, ...]] = get_args(DdlMode)
 NewTableWithoutKey = Literal["full", "warn", "refuse"]
+# a change the target refuses (router.errors.is_refused): "pause" the link, or "quarantine" the change
+OnRefused = Literal["pause", "quarantine"]
+ON_REFUSED: Final[tuple[str, ...]] = get_args(OnRefused)
 
 # Resolver names a config may use; "custom" is spelled as the function itself ("module:function").
 RESOLVER_NAMES: Final = tuple(r.value for r in Resolver if r is not Resolver.CUSTOM)
@@ -147,6 +151,11 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # its commit is handed out at its first spill; one it streams while still in progress is applied on
     # a second session per link from its first spill and committed in its place in commit order.
     early_apply: bool = True
+    # A change the target refuses (a CHECK, foreign key or trigger there, a value its type rejects:
+    # router.errors.is_refused): "pause" holds the link until `pgmesh resume`; "quarantine" sets the
+    # change aside in pgmesh.quarantine on the target, with the later changes of its key, and the link
+    # streams on (docs/conflicts.md "Quarantine"). `[[tables]] on_refused` overrides it per table.
+    on_refused: OnRefused = "pause"
 
     def replicates(self, schema: str, table: str) -> bool:
         """Whether `schema.table` replicates: matched by `tables`, not by `exclude`, not a system schema."""
@@ -219,6 +228,7 @@ class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     resolver: ResolverName | None = None
     delta_columns: list[str] = msgspec.field(default_factory=list)  # non-empty, distinct (rules)
     types: dict[ConflictTypeName, ResolverName] = msgspec.field(default_factory=dict)
+    on_refused: OnRefused | None = None  # overrides [replication] on_refused for this table
 
     @property
     def qualified(self) -> tuple[str, str]:
