@@ -264,8 +264,12 @@ class Metrics:
         "apply_errors_total",
         "apply_retries_total",
         "clock_offset_seconds",
+        "conflict_history_oldest_seconds",
+        "conflict_history_pruned_total",
+        "conflict_history_rows",
         "conflicts_total",
         "divergence_allowed",
+        "divergent_rows",
         "early_rolled_back_total",
         "early_transactions_total",
         "echo_transactions_total",
@@ -276,6 +280,7 @@ class Metrics:
         "lease_valid_seconds",
         "link_state",
         "lost_inserts_total",
+        "quarantine_pruned_total",
         "queue_transactions",
         "registry",
         "retained_wal_bytes",
@@ -295,6 +300,8 @@ class Metrics:
         "tombstones",
         "tombstones_pruned_total",
         "tombstones_recorded_total",
+        "verify_last_pass_end_seconds",
+        "verify_passes_total",
     )
 
     def __init__(self) -> None:
@@ -377,6 +384,21 @@ class Metrics:
             "1 for each node and replicated table whose columns differ from the other nodes' (the links"
             " into and out of the node hold until they agree; router.ddl.drift).",
             ("node", "table"),
+        )
+        self.divergent_rows = self.registry.gauge(
+            PREFIX + "divergent_rows",
+            "Rows the node holds apart from the other nodes in the table, as continuous verification last"
+            " found them ([verify]; still different after every link applied past the first read; 0: the"
+            " table was found identical). Repair: `pgmesh repair` (docs/verify.md).",
+            ("node", "table"),
+        )
+        self.verify_passes_total = counter(
+            PREFIX + "verify_passes_total",
+            "Full passes of continuous verification over every compared table ([verify]).",
+        )
+        self.verify_last_pass_end_seconds = self.registry.gauge(
+            PREFIX + "verify_last_pass_end_seconds",
+            "Unix time the last full verification pass ended (alert when it is older than a few intervals).",
         )
         self.clock_offset_seconds = self.registry.gauge(
             PREFIX + "clock_offset_seconds",
@@ -473,6 +495,27 @@ class Metrics:
             "Seconds from the node's tombstone horizon to now (+Inf: none yet; it grows while an incoming"
             " link is paused, down or silent, and nothing newer is pruned there).",
             ("node",),
+        )
+        # Bounded history (router.conflicts.history): [conflicts] keep and keep_rows
+        self.conflict_history_rows = self.registry.gauge(
+            PREFIX + "conflict_history_rows",
+            "Rows of pgmesh.conflict_history on the node (the statistics' live tuples, read after each"
+            " pruning round).", ("node",),
+        )
+        self.conflict_history_oldest_seconds = self.registry.gauge(
+            PREFIX + "conflict_history_oldest_seconds",
+            "Age of the oldest row of pgmesh.conflict_history on the node (0: none); about [conflicts] keep"
+            " once the history is that old.", ("node",),
+        )
+        self.conflict_history_pruned_total = counter(
+            PREFIX + "conflict_history_pruned_total",
+            "Rows of pgmesh.conflict_history the router deleted on the node: older than [conflicts] keep,"
+            " or over keep_rows.", ("node",),
+        )
+        self.quarantine_pruned_total = counter(
+            PREFIX + "quarantine_pruned_total",
+            "Entries of pgmesh.quarantine the router deleted on the node: replayed or discarded longer"
+            " than [conflicts] keep ago (pending entries are never pruned).", ("node",),
         )
 
         # [ha] (router.service.lease), labelled with this router's name in the lease; none without [ha]

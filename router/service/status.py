@@ -11,7 +11,7 @@ import msgspec
 from router.cluster.clocks import NodeClock
 
 __all__ = ["LinkStatus", "LogStatus", "RecorderStatus", "RetainedWal", "SourceStatus", "StatusReport",
-           "SynchronousStatus"]
+           "SynchronousStatus", "VerifyStatus"]
 
 
 class LinkStatus(msgspec.Struct, frozen=True):
@@ -107,6 +107,24 @@ class LeaseStatus(msgspec.Struct, frozen=True):
     nodes: dict[str, LeaseNode]
 
 
+class VerifyStatus(msgspec.Struct, frozen=True):
+    """Continuous verification ([verify], router.service.verify): how often, the last full pass (its end as
+    ISO time, None before the first, and how long it took), the tables it compared, and the rows each node
+    holds apart from the others per table as last found (only tables that differ)."""
+
+    interval_s: float
+    passes: int  # full passes since the router started
+    last_pass_end: str | None
+    last_pass_seconds: float | None
+    tables: int
+    divergent: dict[str, dict[str, int]]  # table -> node -> rows
+    divergent_keys: dict[str, int] = msgspec.field(default_factory=dict)  # table -> keys (rows) that differ
+    first_keys: dict[str, list[str]] = msgspec.field(default_factory=dict)  # table -> its first keys
+    skipped: list[str] = msgspec.field(default_factory=list)  # tables not compared, with why
+    reading: str | None = None  # the table a pass reads now (None: between passes)
+    last_error: str | None = None  # why the last pass stopped short
+
+
 class StatusReport(msgspec.Struct, frozen=True):
     cluster: str
     running: bool
@@ -123,3 +141,4 @@ class StatusReport(msgspec.Struct, frozen=True):
     partial: dict[str, str] = msgspec.field(default_factory=dict)
     # node -> table -> inserts lost to key collisions there since the router started (router.apply.link)
     lost_inserts: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    verify: VerifyStatus | None = None  # [verify] (router.service.verify); None: off, or a standby
