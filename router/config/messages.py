@@ -68,6 +68,7 @@ WORDS: Final[dict[str, Words]] = {
     "ddl.mode": "{value!r} is not one of " + ", ".join(DDL_MODES),
     "ha.drift": "must be >= 0 and < 0.5",
     "conflicts.resolver": _resolver,
+    "conflicts.keep": "{value!r} is not a duration: a number and ms, s, m, h or d, e.g. '12h' or '7d'",
     "conflicts.types[key]": _conflict_type,
     "conflicts.types[value]": _resolver,
     "tables[].name": "{value!r} is not schema.table (or a bare table name)",

@@ -84,6 +84,8 @@ def _ha(ha: HaSection) -> None:
 
 
 def _conflicts(section: ConflictSection, nodes: Sequence[NodeConfig]) -> None:
+    if section.keep_s < 1:
+        raise ConfigError(f"conflicts.keep: {section.keep!r} is too short: at least 1s (e.g. '7d')")
     if section.window_ms > 0:
         raise ConfigError(
             "conflicts.window_ms: node_priority's hold for a time window is not built, so a window can"

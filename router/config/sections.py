@@ -219,6 +219,17 @@ class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Tombstone pruning (router.conflicts.pruning): the margin behind the links' safe times, and how often
     tombstone_margin_ms: Annotated[int, msgspec.Meta(ge=0)] = 60_000
     tombstone_prune_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 10_000
+    # Bounded history (router.conflicts.history, docs/conflicts.md "How long the history is kept"):
+    # conflict_history rows and resolved (not pending) quarantine entries older than `keep` are pruned on
+    # every node (at least 1s); and no node keeps more than `keep_rows` conflict_history rows, the oldest
+    # pruned first even when younger than keep (0: no cap; pending quarantine entries are never pruned)
+    keep: Duration = "7d"
+    keep_rows: Annotated[int, msgspec.Meta(ge=0)] = 10_000_000
+
+    @property
+    def keep_s(self) -> float:
+        """`keep` in seconds."""
+        return duration_seconds(self.keep)
 
 
 class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
