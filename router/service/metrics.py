@@ -300,8 +300,6 @@ class Metrics:
         "tombstones",
         "tombstones_pruned_total",
         "tombstones_recorded_total",
-        "verify_last_pass_end_seconds",
-        "verify_passes_total",
     )
 
     def __init__(self) -> None:
@@ -391,14 +389,6 @@ class Metrics:
             " found them ([verify]; still different after every link applied past the first read; 0: the"
             " table was found identical). Repair: `pgmesh repair` (docs/verify.md).",
             ("node", "table"),
-        )
-        self.verify_passes_total = counter(
-            PREFIX + "verify_passes_total",
-            "Full passes of continuous verification over every compared table ([verify]).",
-        )
-        self.verify_last_pass_end_seconds = self.registry.gauge(
-            PREFIX + "verify_last_pass_end_seconds",
-            "Unix time the last full verification pass ended (alert when it is older than a few intervals).",
         )
         self.clock_offset_seconds = self.registry.gauge(
             PREFIX + "clock_offset_seconds",

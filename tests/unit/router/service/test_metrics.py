@@ -186,11 +186,16 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_applied_notes_total": ("counter", ("node",)),
     "pgmesh_divergence_allowed": ("gauge", ("setting",)),
     "pgmesh_schema_drift": ("gauge", ("node", "table")),
+    "pgmesh_divergent_rows": ("gauge", ("node", "table")),
     "pgmesh_tombstones": ("gauge", ("node",)),
     "pgmesh_tombstones_pruned_total": ("counter", ("node",)),
     "pgmesh_tombstones_recorded_total": ("counter", ("node",)),
     "pgmesh_tombstone_late_decisions_total": ("counter", ("node",)),
     "pgmesh_tombstone_horizon_age_seconds": ("gauge", ("node",)),
+    "pgmesh_conflict_history_rows": ("gauge", ("node",)),
+    "pgmesh_conflict_history_oldest_seconds": ("gauge", ("node",)),
+    "pgmesh_conflict_history_pruned_total": ("counter", ("node",)),
+    "pgmesh_quarantine_pruned_total": ("counter", ("node",)),
     "pgmesh_lag_bytes": ("gauge", ("source", "target")),
     "pgmesh_lag_seconds": ("gauge", ("source", "target")),
     "pgmesh_queue_transactions": ("gauge", ("source", "target")),
@@ -329,6 +334,11 @@ ADDED_SINCE = [
     ("pgmesh_lease_active", "gauge", ("router",)),
     ("pgmesh_lease_term", "gauge", ("router",)),
     ("pgmesh_lease_valid_seconds", "gauge", ("router",)),
+    ("pgmesh_conflict_history_oldest_seconds", "gauge", ("node",)),
+    ("pgmesh_conflict_history_pruned_total", "counter", ("node",)),
+    ("pgmesh_conflict_history_rows", "gauge", ("node",)),
+    ("pgmesh_quarantine_pruned_total", "counter", ("node",)),
+    ("pgmesh_divergent_rows", "gauge", ("node", "table")),
 ]
 
 
