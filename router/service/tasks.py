@@ -25,6 +25,8 @@ def freeze_startup_objects() -> None:
 
 async def cancel_all(tasks: list[asyncio.Task[None]], what: str, limit: float = 10.0) -> None:
     """Cancel and wait; a task that ignores its cancel for `limit` seconds is reported and cancelled again."""
+    if not tasks:  # (asyncio.wait refuses an empty set)
+        return
     for task in tasks:
         task.cancel()
     while True:
