@@ -224,6 +224,8 @@ def render_status(report: StatusReport) -> str:
                      " cluster-unique with `pgmesh sequences convert` (docs/sequences.md)")
     for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold
         lines.append(f"SCHEMA DRIFT: {drift} (fix it by hand; docs/ddl.md, Schema drift)")
+    if report.verify is not None:  # [verify]: continuous verification (router.service.verify)
+        lines.append(report.verify.describe())
     if report.divergence:  # [conflicts] allow_divergence = true: never let it be forgotten
         lines.append(
             "DIVERGENCE ALLOWED ([conflicts] allow_divergence = true): nodes may keep different rows under "

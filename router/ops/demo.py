@@ -87,6 +87,7 @@ def _config_text(nodes: list[LocalNode], admin_port: int, workdir: Path) -> str:
         parts.append(f'[[nodes]]\nname = "{node.name}"\ndsn = "{node.dsn()}"\n')
     parts.append(f'[replication]\nstatus_interval_ms = 200\n\n[admin]\nlisten = "127.0.0.1:{admin_port}"\n')
     parts.append(f'[log]\ndirectory = "{workdir / "log"}"\n')  # the router's log, gone with the demo
+    parts.append('[verify]\ninterval = "1m"\n')  # continuous verification: a pass a minute (docs/verify.md)
     return "\n".join(parts)
 
 

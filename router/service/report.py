@@ -34,6 +34,7 @@ from router.service.status import (
     SynchronousStatus,
 )
 from router.service.synchronous import synchronous_status
+from router.service.verify.verifier import Verifier
 from router.stream.fanout import SourcePump
 from router.stream.log.store import SourceLog
 from router.stream.source import ReplicationSource
@@ -58,6 +59,7 @@ class Router(Protocol):
     drift: DriftWatch
     logs: RouterLogs
     lease: Lease | None
+    verify: Verifier | None
 
 
 class Reporter:
@@ -114,6 +116,8 @@ class Reporter:
         for setting in router.config.divergent_resolvers():
             m.divergence_allowed.labels(setting=setting).set(1)
         router.clocks.export(m.clock_offset_seconds)
+        if router.verify is not None:  # [verify]: pgmesh_divergent_rows
+            router.verify.export(m)
         m.schema_drift.clear()
         for node, tables in drifted_nodes(router.drift.drifted).items():
             for item in tables:
@@ -164,6 +168,7 @@ class Reporter:
             None if router.lease is None else router.lease.report(),
             {n.name: describe_part(n) for n in router.config.nodes if describe_part(n)},
             lost_inserts=_lost_inserts(router),
+            verify=None if router.verify is None else router.verify.report(),
         )
 
     def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:

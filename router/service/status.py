@@ -124,6 +124,27 @@ class VerifyStatus(msgspec.Struct, frozen=True):
     reading: str | None = None  # the table a pass reads now (None: between passes)
     last_error: str | None = None  # why the last pass stopped short
 
+    def describe(self) -> str:
+        """`pgmesh status`'s line."""
+        every = f"{self.interval_s / 60:g} min" if self.interval_s >= 60 else f"{self.interval_s:g} s"
+        text = f"verify: every {every}; " + (
+            f"last full pass ended {self.last_pass_end} ({self.last_pass_seconds:.1f} s, {self.tables}"
+            " table(s))" if self.last_pass_end is not None else "no full pass yet")
+        if self.divergent:
+            tables = "; ".join(
+                f"{t} {self.divergent_keys.get(t, 0)} key(s), rows apart: "
+                + ", ".join(f"{n} {c}" for n, c in sorted(nodes.items()))
+                + (f", first: {', '.join(self.first_keys[t])}" if self.first_keys.get(t) else "")
+                for t, nodes in sorted(self.divergent.items()))
+            text += f": DIVERGENT ROWS: {tables} (`pgmesh compare` shows them, `pgmesh repair` fixes them)"
+        else:
+            text += ": 0 divergent rows"
+        if self.reading is not None:
+            text += f"; now reading {self.reading}"
+        if self.skipped:
+            text += f"; not compared: {'; '.join(self.skipped)}"
+        return text + (f"; last pass stopped short: {self.last_error}" if self.last_error else "")
+
 
 class StatusReport(msgspec.Struct, frozen=True):
     cluster: str

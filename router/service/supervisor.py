@@ -166,6 +166,7 @@ class Router(Wiring):
             drift = group.create_task(self.drift.run(), name="schema drift")
             clocks = group.create_task(self.clocks.run(), name="clocks")
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
+            verify = [group.create_task(self.verify.run(), name="verify")] if self.verify else []  # [verify]
             recorders = [group.create_task(r.run(), name=f"tombstones {r.node.name}")
                          for r in self.recorders.values()]
             self.started.set()
@@ -178,6 +179,7 @@ class Router(Wiring):
                 for waiter in waits:
                     waiter.cancel()
             await cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
+            await cancel_all(verify, "verification")
             await self._shutdown(pump_tasks, [*applier_tasks, *logs], ticker)
 
     async def _wait_release(self, stop: asyncio.Event) -> bool:

@@ -36,6 +36,7 @@ from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
 from router.service.report import Reporter
 from router.service.synchronous import CommitConfirm
+from router.service.verify.verifier import Verifier
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
@@ -96,6 +97,7 @@ class Wiring:
         self._recorded: dict[str, int | None] = {}
         self._sysids: dict[str, str] = {}
         self._lost: list[tuple[str, str, int, str]] = []  # links a lost router log may have left short
+        self.verify: Verifier | None = None  # [verify]: continuous verification (router.service.verify)
 
     async def _load_state(
         self,
@@ -244,6 +246,8 @@ class Wiring:
             slot=self.config.slot_name, on_change=self._drift_changed,
             synced=self._synced,
         )
+        self.verify = None if self.config.verify is None else Verifier(  # its findings carry on
+            self.config, members, self._synced, clock=self.clock, previous=self.verify)
 
     def _synced(self, node: str) -> int:
         """The position of `node` up to which every other node has flushed everything (drift's barrier)."""
