@@ -7,8 +7,10 @@ sessions), `careful` (row by row when a guarded statement found a conflict), `de
 in the transaction's own round trip), `uniques` (secondary unique key clashes), `toast` (unchanged TOAST
 values read on the source). `scripts`, `statements` and `prepared` build the SQL; `sessions` opens and
 sets up target sessions; `fence` is the lease fence of this process's sessions; `clock` is what an
-applier sees of the node clocks; `skip` leaves out one named transaction (`pgmesh skip`); `state` holds a
-link's state machine and counters. `recorder` records a node's own deletes (tombstones) from its stream.
+applier sees of the node clocks; `skip` leaves out one named transaction (`pgmesh skip`); `quarantine`
+sets a change the target refuses aside (`on_refused = "quarantine"`), with the later changes of its key;
+`state` holds a link's state machine and counters. `recorder` records a node's own deletes (tombstones)
+from its stream.
 
 Must not: read a source stream (it only sees whole transactions and spill files), or choose a retry
 policy (`router.errors` does).

@@ -41,6 +41,7 @@ from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
+from router.apply.quarantine import Guard, QuarantineIndex
 from router.apply.side import SideSession
 from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
 from router.apply.state import RUNNING, LinkCondition, LinkHold, LinkState, LinkStats, LinkView, Liveness
@@ -59,6 +60,7 @@ from router.errors import (
     decision_function_lost,
     describe,
     is_conflict,
+    is_refused,
     remote_version_missing,
     retry_unique,
     tables_changed,
@@ -93,6 +95,7 @@ class Applier(LinkView):
         on_applied: Callable[[Applier, Transaction], None] | None = None,
         clock: Callable[[], float] = time.time,
         target_clock: LinkClockView | None = None,
+        quarantine: QuarantineIndex | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -102,6 +105,9 @@ class Applier(LinkView):
         self.condition = LinkCondition(self.link.name)
         self._careful = CarefulApplier(config, source, target.name, {})
         self._careful.read_source = self.link.read_source  # unchanged TOAST values (router.apply.toast)
+        # the target's pending quarantine keys, shared by its appliers (router.apply.quarantine)
+        self.quarantine = quarantine if quarantine is not None else QuarantineIndex(target.name)
+        self._quarantines = config.quarantines()  # some table sets refused changes aside
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
@@ -235,17 +241,34 @@ class Applier(LinkView):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                action = decide_link(exc, self._schema, now=time.monotonic(), schema_wait_s=self.schema_wait,
-                                     dropped=self.link.dropped)
-                await self._disconnect()
-                if action is Action.RETRY:
-                    self.stats.retries += 1
-                    self.condition.to(Liveness.DOWN, describe(exc))
-                    logger.debug("link %s: retrying in %.1f s", self.name, backoff)
-                    await asyncio.sleep(backoff * (0.5 + random.random() / 2))
-                    backoff = min(backoff * 2, 10.0)
-                else:
-                    self.fail(exc)
+                try:
+                    backoff = await self._after_error(exc, backoff)
+                except RuntimeError as bad:  # an illegal liveness move (router.apply.state): stop, loudly
+                    self._broken(exc, bad)
+
+    async def _after_error(self, exc: Exception, backoff: float) -> float:
+        """Retry after a backoff (the next backoff returned) or stop the link on `exc`."""
+        action = decide_link(exc, self._schema, now=time.monotonic(), schema_wait_s=self.schema_wait,
+                             dropped=self.link.dropped)
+        await self._disconnect()
+        if action is Action.RETRY:
+            self.stats.retries += 1
+            self.condition.to(Liveness.DOWN, describe(exc))
+            logger.debug("link %s: retrying in %.1f s", self.name, backoff)
+            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+            return min(backoff * 2, 10.0)
+        self.fail(exc)
+        return backoff
+
+    def _broken(self, exc: Exception, bad: RuntimeError) -> None:
+        """Handling `exc` made a move the link's state forbids (`bad`): the link ends in "error" (reachable
+        from every state) instead of ending the applier's task, and says so."""
+        self.stats.errors += 1
+        self._resumed.clear()
+        self._side.drop("the link stopped on an internal error")
+        logger.error("link %s: %s, while handling: %s", self.name, bad, describe(exc))
+        self.condition.to(Liveness.ERROR, f"internal error: {bad}, while handling: {describe(exc)};"
+                                          " `pgmesh resume` connects again")
 
     def fail(self, exc: Exception) -> None:
         """Stop this link on the error (state "error"); `resume()` retries the same transaction."""
@@ -298,6 +321,7 @@ class Applier(LinkView):
                 let_go(txn)
             self._in_hand = []
         await link.load_tables()
+        await self.quarantine.load(link.conn, required=self._quarantines)
         nodes, installed_at = await link.load_origins()
         self.skip_lsn = await read_skip(link)
         self._careful.origin_nodes = nodes
@@ -448,7 +472,7 @@ class Applier(LinkView):
         scripts: list[str] = []
         size = 0
         for i, txn in enumerate(batch):
-            if has_ddl(txn) or is_large(txn):
+            if has_ddl(txn) or is_large(txn) or self.quarantine.holds(txn):
                 break  # applied on its own (_apply_first)
             try:
                 script = self._script(txn, prelude)
@@ -522,7 +546,8 @@ class Applier(LinkView):
             batch = self._in_hand
             if self._side.current is not None:
                 self._side.gate(batch)
-            if self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0]):
+            if (self.lanes > 1 and len(batch) > 1 and not sequential and not is_large(batch[0])
+                    and not self.quarantine.counts):
                 self._alone = False
                 try:
                     run = await self._parallel.apply(batch)
@@ -547,7 +572,10 @@ class Applier(LinkView):
         the batch back in smaller batches). Leaves what is still to apply in `_in_hand`."""
         await self.link.take_origin()
         self._alone = True
-        if has_ddl(batch[0]) and not is_large(batch[0]):  # a large one runs its DDL in place
+        held = self.quarantine.holds(batch[0])  # a table with pending keys: the careful way
+        if held or (has_ddl(batch[0]) and not is_large(batch[0])):  # a large one runs its DDL in place
+            if held:
+                self._side.drop("its table has changes in quarantine")
             try:
                 await self._apply_carefully(batch[0])
             except BaseException:
@@ -603,11 +631,14 @@ class Applier(LinkView):
         if decision_function_lost(exc) and in_hand and in_hand[0].end_lsn != self._reloaded_for:
             self._reloaded_for = in_hand[0].end_lsn  # once per transaction, as a reload; then sent again
             return
-        if not is_conflict(exc) or not in_hand or self.link.conn is None:
+        refused = self._quarantines and is_refused(exc)  # quarantined where its table says so, else raised
+        if not (is_conflict(exc) or refused) or not in_hand or self.link.conn is None:
             raise exc
-        self.link.contest(in_hand[0], exc)  # an insert that met its key: its table's inserts decide it here
+        if not refused:  # an insert that met its key: its table's inserts decide it here
+            self.link.contest(in_hand[0], exc)
         self._alone = True
-        await self._apply_carefully(whole_transaction(in_hand[0]))  # the transaction that met a conflict
+        # the transaction that met a conflict, or that the target refused
+        await self._apply_carefully(whole_transaction(in_hand[0]), refused=refused)
         self._in_hand = in_hand[1:]
         self._batch_limit = max(16, self._batch_limit // 2)
         for txn in reversed(self._in_hand[self._batch_limit :]):
@@ -618,11 +649,14 @@ class Applier(LinkView):
         """(table, conflict type) -> conflicts decided on this link since start (from its history)."""
         return dict(self.link.conflicts)
 
-    async def _apply_carefully(self, txn: Transaction) -> None:
+    async def _apply_carefully(self, txn: Transaction, *, refused: bool = False) -> None:
         """Row by row, with conflict detection and resolution, in its own target transaction.
 
         A local session may insert the same key between our read and our write (a unique violation):
         the whole transaction is read and decided again, now seeing that row (`router.errors.retry_unique`).
+        A change the target refuses (`refused`: it did already) is set aside in quarantine where its
+        table's `on_refused` says so: the transaction is applied again with a savepoint around each change
+        of such a table (router.apply.quarantine).
         """
         link = self.link
         assert link.conn is not None
@@ -633,20 +667,27 @@ class Applier(LinkView):
             await link.reload_tables()
         ddl = has_ddl(whole)
         reloaded = False
+        guard = None
         for attempt in range(1, UNIQUE_ATTEMPTS + 1):
+            guard = await self._guard(whole, refused)
             try:
                 await self._careful.apply(
-                    link.conn, link.fit(whole), link.tables, self.link.run_ddl if ddl else None
+                    link.conn, link.fit(whole), link.tables, self.link.run_ddl if ddl else None, guard
                 )
                 break
             except asyncpg.PostgresError as exc:
-                if retry_unique(exc, attempt):
+                if guard is not None and not guard.savepoints and is_refused(exc):
+                    refused = True  # applied again, each change of a quarantining table under a savepoint
+                elif retry_unique(exc, attempt):
                     self.stats.retries += 1
                 elif tables_changed(exc) and not reloaded:
                     reloaded = True  # DDL run on the target itself since the tables were read
                     await link.reload_tables()
                 else:
                     raise
+        else:  # every attempt went to a retry: never taken for applied
+            raise PgmeshError(f"the careful apply did not finish in {UNIQUE_ATTEMPTS} attempts",
+                              lsn=txn.end_lsn, hint="`pgmesh resume` tries it again")
         if note := link.applied_note([txn]):  # 16+: its commit shows no echo (router.stream.seen)
             await link.conn.execute(note)
         await link.count_conflicts()  # its own, and those of transactions committed before a failed batch's
@@ -654,6 +695,15 @@ class Applier(LinkView):
             self.stats.ddl_applied += 1
             await link.reload_tables()
         self._applied(txn)
+
+    async def _guard(self, txn: Transaction, refused: bool) -> Guard | None:
+        """The quarantine of one careful apply (None: no table of the target has one, nothing pending)."""
+        index = self.quarantine
+        if not (self._quarantines or index.counts):
+            return None
+        if index.due(time.monotonic()):  # a replay or discard since: keys no longer pending
+            await index.load(self.link.conn, required=self._quarantines)
+        return Guard(self.config, index, self.source, txn, savepoints=refused)
 
     async def _after_failure(self) -> None:
         """Roll back the failed transaction; learn which of the batch's transactions committed before it."""

@@ -4,6 +4,9 @@ Owns the DDL (its text in `sql/*.sql` beside this module, package data) and its 
 installation of:
 
 - `pgmesh.conflict_history`: one row per conflict decided on this node (written by the applier);
+- `pgmesh.quarantine`: changes this node refused, set aside under `on_refused = "quarantine"`, and the
+  later changes of their keys (router.apply.quarantine); created, like every table here, when missing,
+  so `pgmesh init` run again adds it to an installation from before it;
 - `pgmesh.tombstones` `(table_name, key text[], xid xid8)`: the last deletion of each key, written by
   the `pgmesh.tombstone()` trigger or the recorder, so that "no row here" can be told apart from
   "deleted, at this version" (the deleting transaction's commit time and origin come from `xid`);
@@ -70,7 +73,7 @@ _COMMENT_PREFIX: Final = "pgmesh ddl "
 _TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = tuple(
     (file.removesuffix(".sql"), tuple(sql.SQL(text) for text in statements(__name__, file)))
     for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql", "tombstones_recorded.sql",
-                 "table_tombstones.sql")
+                 "table_tombstones.sql", "quarantine.sql")
 )
 
 

@@ -116,6 +116,13 @@ def _cmd_conflicts(args: argparse.Namespace) -> int:
     return _run(cmd_conflicts(_config(args), since=args.since, as_json=args.json, limit=args.limit))
 
 
+def _cmd_quarantine(args: argparse.Namespace) -> int:
+    from router.ops.quarantine import cmd_quarantine
+
+    return _run(cmd_quarantine(_config(args), args.action, node=args.node, ids=args.id or (),
+                               table=args.table, key=args.key, every=args.all, as_json=args.json))
+
+
 def _cmd_ddl(args: argparse.Namespace) -> int:
     from router.ops.ddl import cmd_ddl
 
@@ -217,6 +224,17 @@ def _parser() -> argparse.ArgumentParser:
     conflicts.add_argument("--json", action="store_true", help="one JSON object per line")
     conflicts.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (default 100)")
     conflicts.set_defaults(func=_cmd_conflicts)
+    quarantine = _with_config(sub, "quarantine", "changes a node refused, set aside: list, replay, discard")
+    quarantine.add_argument("action", choices=("list", "replay", "discard"),
+                            help="replay: each chosen key's pending entries, in order; discard: recorded")
+    quarantine.add_argument("--node", metavar="NODE", help="only this node's entries (default: every node)")
+    quarantine.add_argument("--id", type=int, action="append", metavar="N", help="this entry (repeatable);"
+                            " replay takes its key's pending entries")
+    quarantine.add_argument("--table", metavar="TABLE", help="only this table's entries (schema.table)")
+    quarantine.add_argument("--key", metavar="KEY", help="a one-column key's value, or the key as JSON")
+    quarantine.add_argument("--all", action="store_true", help="list: resolved entries too")
+    quarantine.add_argument("--json", action="store_true", help="list: one JSON object per line")
+    quarantine.set_defaults(func=_cmd_quarantine)
     ddl = _with_config(sub, "ddl", "run a DDL statement on one node; pgmesh replays it on every other node")
     ddl.add_argument("sql", metavar="SQL", help="the statement")
     ddl.add_argument("--node", metavar="NODE", help="where to run it (default: the first node)")

@@ -23,6 +23,7 @@ import psycopg
 from protocol.lsn import parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
+from router.apply.quarantine import QuarantineIndex
 from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.state import LinkHold
 from router.config.model import Config
@@ -83,6 +84,8 @@ class Wiring:
         self._on_applied_hook = on_applied
         self.targets = {n.name: MonitorTarget(config, n) for n in config.nodes}
         self.appliers: dict[tuple[str, str], Applier] = {}
+        # each target's pending quarantine keys, shared by the links into it (router.apply.quarantine)
+        self.quarantines = {n.name: QuarantineIndex(n.name) for n in config.nodes}
         self.pumps: dict[str, SourcePump] = {}
         self.progress: dict[str, SourceProgress] = {}
         self.not_members: set[str] = set()  # nodes in the config without pgmesh yet (a join to come)
@@ -208,7 +211,8 @@ class Wiring:
                 target_clock = self.clocks.link(*key)
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
                                   on_applied=confirm.applied if confirm else self._on_applied_hook,
-                                  clock=self.clock, target_clock=target_clock)
+                                  clock=self.clock, target_clock=target_clock,
+                                  quarantine=self.quarantines[target_node.name])
                 target_clock.report_to(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")

@@ -57,6 +57,7 @@ from router.apply.careful.sql import (
     read_tombstone_sql,
     write_row_sql,
 )
+from router.apply.quarantine import Entry, Guard
 from router.apply.scripts import COMMIT_CHECKS, ORIGIN_MARK, moved_key_tombstone
 from router.apply.statements import (
     KEY_LOCKS_MAX,
@@ -120,13 +121,16 @@ class CarefulApplier:
         txn: Transaction,
         tables: Tables,
         on_message: OnMessage | None = None,
+        guard: Guard | None = None,
     ) -> list[ConflictRecord]:
         """Apply `txn` in its own target transaction (committed here); return the conflicts decided.
 
         `on_message` runs each transactional logical message in place (replicated DDL) and returns the
-        target's tables as they are afterwards (or None: unchanged).
+        target's tables as they are afterwards (or None: unchanged). `guard`: changes of the tables it
+        covers follow their key's pending quarantine entries, or are set aside when refused
+        (router.apply.quarantine).
         """
-        step = _Apply(self, conn, txn, tables, on_message)
+        step = _Apply(self, conn, txn, tables, on_message, guard)
         async with conn.transaction():
             handlers = _APPLY.handlers
             for change in txn.changes:
@@ -140,6 +144,8 @@ class CarefulApplier:
             )
             if failpoints.ARMED:  # a test's: the set-up sent, COMMIT not yet (router.failpoints)
                 await failpoints.hit("apply.before_commit")
+        if guard is not None:
+            guard.committed()
         for record in step.records:
             key = (record.table, record.conflict.value)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -149,11 +155,13 @@ class CarefulApplier:
 class _Apply(ChangeContext):
     """One transaction being applied carefully: what the handlers of `_APPLY` share."""
 
-    __slots__ = ("careful", "coarse", "conn", "locked", "on_message", "records", "remote", "tables", "txn")
+    __slots__ = (
+        "careful", "coarse", "conn", "guard", "locked", "on_message", "records", "remote", "tables", "txn",
+    )
 
     def __init__(
         self, careful: CarefulApplier, conn: Any, txn: Transaction, tables: Tables,
-        on_message: OnMessage | None,
+        on_message: OnMessage | None, guard: Guard | None = None,
     ) -> None:
         super().__init__(dict(txn.relations))
         self.careful = careful
@@ -165,6 +173,23 @@ class _Apply(ChangeContext):
         self.records: list[ConflictRecord] = []
         self.coarse = txn.row_count > KEY_LOCKS_MAX  # it locks whole tables (it is big)
         self.locked: set[str] = set()  # tables locked by it
+        self.guard = guard  # quarantine (router.apply.quarantine), or None
+
+    async def guarded(
+        self, relation: Relation, table: TargetTable, kind: str, new: Row | None, old: Row | None,
+        apply: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Run `apply` (one change, its key locked), through the quarantine when its table has one."""
+        guard = self.guard
+        if guard is None or not guard.covers(relation.schema, relation.name):
+            await apply()
+            return
+        size = len(self.records)
+
+        def undo() -> None:  # the conflicts it recorded went with its savepoint
+            del self.records[size:]
+
+        await guard.change(self.conn, Entry(table, kind, new, old), apply, undo)
 
     def row_table(self, relid: int) -> tuple[Relation, TargetTable] | None:
         """A row change's relation and table (None: a table a partial target does not get)."""
@@ -475,8 +500,9 @@ async def _insert(step: _Apply, change: Insert | RawInsert) -> None:
     found = step.row_table(change.relid)
     if found is not None:
         relation, table = found
-        await step.lock(table, _row(relation, change.new))
-        await step.insert(relation, table, change)
+        new = _row(relation, change.new)
+        await step.lock(table, new)
+        await step.guarded(relation, table, "insert", new, None, lambda: step.insert(relation, table, change))
 
 
 async def _update(step: _Apply, change: Update) -> None:
@@ -488,7 +514,8 @@ async def _update(step: _Apply, change: Update) -> None:
             keys.append(_row(relation, change.old))
         for values in keys:
             await step.lock(table, values)
-        await step.update(relation, table, change)
+        await step.guarded(relation, table, "update", _new_row(relation, change), _old(relation, change),
+                           lambda: step.update(relation, table, change))
 
 
 async def _delete(step: _Apply, change: Delete) -> None:
@@ -496,7 +523,19 @@ async def _delete(step: _Apply, change: Delete) -> None:
     if found is not None:
         relation, table = found
         await step.lock(table, _row(relation, change.old))
-        await step.delete(relation, table, change)
+        await step.guarded(relation, table, "delete", None, _old(relation, change),
+                           lambda: step.delete(relation, table, change))
+
+
+def _old(relation: Relation, change: Update | Delete) -> Row | None:
+    """The old row or key a change sent (a key: its key columns alone), for the quarantine."""
+    if change.old is None:
+        return None
+    old = _row(relation, change.old)
+    if change.old_kind == "K":
+        keys = set(relation.key_columns)
+        return {k: v for k, v in old.items() if k in keys}
+    return old
 
 
 _APPLY: Final[Dispatch[_Apply, Awaitable[None]]] = Dispatch({

@@ -1,0 +1,272 @@
+"""Quarantine: a change the target refuses is set aside in `pgmesh.quarantine` there, and the link streams on.
+
+Under `on_refused = "quarantine"` for its table (router.config), a change the target refuses
+(router.errors.is_refused: a CHECK, foreign key or trigger there, a value its type rejects) does not stop
+the link. The applier sends that transaction the careful way again, with a SAVEPOINT around each change
+of a quarantining table (`Guard.savepoints`): the change refused is rolled back to its savepoint and
+written, with its row, source, LSN, commit time, SQLSTATE and message, into `pgmesh.quarantine` in the
+same target transaction. It commits with the rest of its source transaction and with the origin's
+progress: nothing lost, nothing twice. The rest of that source transaction applies (a row is set aside,
+not the transaction: docs/conflicts.md "Quarantine").
+
+A key with pending entries keeps its order: every later change of that key, from any source, follows it
+into quarantine (`follows`: the entry it came after) until `pgmesh quarantine replay | discard`
+(router.ops.quarantine) resolves them. The appliers of one target share one `QuarantineIndex` of the
+pending keys ({table: {key}}), read from `pgmesh.quarantine` when each connects and again at most every
+`REFRESH_S` while keys are pending. A transaction touching a table with pending keys goes the careful way
+(`QuarantineIndex.holds`); for the tables without one the check is a lookup in an empty dict. In the
+careful path each change of such a table, under its key lock, asks the table whether the key is still
+pending (the index may be older than a replay) and takes the newest entry's id to follow.
+
+Bounded: at `limit` pending entries on a target (router.errors.QUARANTINE_MAX) a new entry is refused and
+the link pauses with an error saying so.
+
+Must not: decide conflicts (the careful path does), choose a retry policy (router.errors), or hold a
+connection of its own (it runs on the applier's, inside the transaction the careful path opened).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import asyncpg
+
+from protocol.lsn import format_lsn, pg_us_to_datetime
+from protocol.transactions import Transaction
+from router.apply.statements import TargetTable
+from router.config.model import Config
+from router.errors import QUARANTINE_MAX, PgmeshError, describe, is_refused, sqlstate_of
+
+__all__ = ["REFRESH_S", "Entry", "Guard", "QuarantineIndex", "key_text"]
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S: Final = 5.0  # while keys are pending, the index is read again at most this often
+_TABLE: Final = "pgmesh.quarantine"
+_PENDING_SQL: Final = (
+    f"SELECT table_name, key::text, count(*) FROM {_TABLE} WHERE state = 'pending' GROUP BY 1, 2"
+)
+_NEWEST_SQL: Final = (
+    f"SELECT max(id) FROM {_TABLE} WHERE state = 'pending' AND table_name = $1 AND key = ANY($2::jsonb[])"
+)
+_INSERT_SQL: Final = f"""
+INSERT INTO {_TABLE} (source, source_lsn, commit_time, table_name, key, change_kind, new_row, old_key,
+  sqlstate, message, follows)
+VALUES ($1, $2::text::pg_lsn, $3, $4, $5::jsonb, $6, $7::jsonb, $8::jsonb, $9, $10, $11) RETURNING id
+"""
+_SAVEPOINT: Final = "SAVEPOINT pgmesh_quarantine"
+_ROLLBACK_TO: Final = "ROLLBACK TO SAVEPOINT pgmesh_quarantine"
+_RELEASE: Final = "RELEASE SAVEPOINT pgmesh_quarantine"
+
+Row = Mapping[str, str | None]
+
+
+def key_text(key: Mapping[str, Any]) -> str:
+    """A key as one canonical JSON text (columns sorted): how the index and `pgmesh.quarantine.key` agree."""
+    return json.dumps(dict(key), sort_keys=True, separators=(",", ":"))
+
+
+def _key(table: TargetTable, values: Row) -> str:
+    return key_text({k: values.get(k) for k in table.tombstone_key})
+
+
+class QuarantineIndex:
+    """One target's pending quarantine keys, shared by its appliers: {table: {key: when added}}, and the
+    pending entries per table (what status and /metrics show)."""
+
+    __slots__ = ("_added", "_keys", "counts", "limit", "loaded_at", "target")
+
+    def __init__(self, target: str, limit: int = QUARANTINE_MAX) -> None:
+        self.target = target
+        self.limit = limit
+        self._keys: dict[str, dict[str, int]] = {}  # table -> key -> the `_added` count when added
+        self.counts: dict[str, int] = {}  # table -> pending entries
+        self._added = 0
+        self.loaded_at: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """Pending entries on this target (as far as this router knows)."""
+        return sum(self.counts.values())
+
+    def holds(self, txn: Transaction) -> bool:
+        """Whether `txn` touches a table with pending keys (then it goes the careful way)."""
+        keys = self._keys
+        return bool(keys) and any(f"{r.schema}.{r.name}" in keys for r in txn.relations.values())
+
+    def knows(self, table: str, keys: Iterable[str]) -> bool:
+        found = self._keys.get(table)
+        return found is not None and any(k in found for k in keys)
+
+    def due(self, now: float) -> bool:
+        return bool(self._keys) and (self.loaded_at is None or now - self.loaded_at >= REFRESH_S)
+
+    async def load(self, conn: Any, *, required: bool, now: float | None = None) -> None:
+        """Read the pending keys from the target. Keys added by an applier while this read ran stay (the read
+        may not see their entries yet); a key resolved since stays out. `required`: a missing table is an
+        error (a table quarantines), else nothing is pending."""
+        started = self._added
+        try:
+            rows = await conn.fetch(_PENDING_SQL)
+        except asyncpg.UndefinedTableError:
+            if required:
+                raise PgmeshError(
+                    f"{_TABLE} is missing, and a table's on_refused is \"quarantine\"", node=self.target,
+                    hint="run `pgmesh init` again: it adds what an older installation lacks") from None
+            rows = []
+        keys: dict[str, dict[str, int]] = {}
+        counts: dict[str, int] = {}
+        for table, key, count in rows:
+            keys.setdefault(table, {})[key_text(json.loads(key)) if key else "null"] = started
+            counts[table] = counts.get(table, 0) + int(count)
+        for table, found in self._keys.items():
+            for key, added in found.items():
+                if added > started and key not in keys.get(table, {}):
+                    keys.setdefault(table, {})[key] = added
+                    counts[table] = counts.get(table, 0) + 1
+        self._keys, self.counts = keys, counts
+        self.loaded_at = time.monotonic() if now is None else now
+
+    def add(self, table: str, keys: Iterable[str]) -> None:
+        """An entry of `table` committed, for `keys`."""
+        self._added += 1
+        found = self._keys.setdefault(table, {})
+        for key in keys:
+            found[key] = self._added
+        self.counts[table] = self.counts.get(table, 0) + 1
+
+    def forget(self, table: str, keys: Iterable[str]) -> None:
+        """No entry of these keys is pending any more (replayed or discarded)."""
+        found = self._keys.get(table)
+        if found is None:
+            return
+        for key in keys:
+            found.pop(key, None)
+        if not found:
+            del self._keys[table]
+            self.counts.pop(table, None)
+
+
+class Entry:
+    """One change of a quarantining table, as the careful path meets it."""
+
+    __slots__ = ("keys", "kind", "new", "old", "table")
+
+    def __init__(self, table: TargetTable, kind: str, new: Row | None, old: Row | None) -> None:
+        self.table = table
+        self.kind = kind  # insert, update, delete
+        self.new = new
+        self.old = old
+        # the keys it touches: the old row's first (the row it changes), then the new one's
+        rows = [r for r in (old, new) if r is not None]
+        self.keys = list(dict.fromkeys(_key(table, r) for r in rows))
+
+
+class Guard:
+    """One careful apply's quarantine: which tables quarantine, whether changes run under savepoints (after
+    the transaction was refused once), and the entries written, made known to the index at commit."""
+
+    __slots__ = ("_config", "_covers", "_written", "index", "savepoints", "source", "txn")
+
+    def __init__(
+        self, config: Config, index: QuarantineIndex, source: str, txn: Transaction, *, savepoints: bool
+    ) -> None:
+        self._config = config
+        self.index = index
+        self.source = source
+        self.txn = txn
+        self.savepoints = savepoints
+        self._covers: dict[str, bool] = {}
+        self._written: list[tuple[str, list[str], int, str]] = []  # table, keys, id, what to log
+
+    def covers(self, schema: str, name: str) -> bool:
+        """Whether changes of `schema.name` are quarantined when refused (or while their key is pending)."""
+        qualified = f"{schema}.{name}"
+        found = self._covers.get(qualified)
+        if found is None:
+            found = self._covers[qualified] = self._config.on_refused(schema, name) == "quarantine"
+        return found
+
+    async def change(self, conn: Any, entry: Entry, apply: Callable[[], Awaitable[None]],
+                     undo: Callable[[], None]) -> None:
+        """Apply one change of a covered table (its key locked by the caller): after the pending entries of
+        its key, if any (it follows them); else under a savepoint when `savepoints`, a refusal setting it
+        aside (`undo` forgets what the caller recorded inside the savepoint)."""
+        follows = await self._follows(conn, entry)
+        if follows is not None:
+            await self._write(conn, entry, follows, None)
+            return
+        if not self.savepoints:
+            await apply()
+            return
+        await conn.execute(_SAVEPOINT)
+        try:
+            await apply()
+        except asyncpg.PostgresError as exc:
+            if not is_refused(exc):
+                raise
+            await conn.execute(_ROLLBACK_TO)
+            undo()
+            await self._write(conn, entry, None, exc)
+        else:
+            await conn.execute(_RELEASE)
+
+    async def _follows(self, conn: Any, entry: Entry) -> int | None:
+        """The newest pending entry of the change's keys (this transaction's own included), or None."""
+        table = entry.table.name
+        for name, keys, found, _ in reversed(self._written):
+            if name == table and not set(keys).isdisjoint(entry.keys):
+                return found
+        if not self.index.knows(table, entry.keys):
+            return None
+        newest = await conn.fetchval(_NEWEST_SQL, table, entry.keys)
+        if newest is None:
+            self.index.forget(table, entry.keys)  # replayed or discarded since the index was read
+        return int(newest) if newest is not None else None
+
+    async def _write(self, conn: Any, entry: Entry, follows: int | None, exc: BaseException | None) -> None:
+        if self.index.pending + len(self._written) >= self.index.limit:
+            raise PgmeshError(
+                f"{self.index.pending} changes are pending in {_TABLE}, the most a node holds"
+                f" ({self.index.limit}); the link pauses", node=self.index.target,
+                relation=entry.table.name, lsn=self.txn.end_lsn,
+                hint="fix what the target refuses, then `pgmesh quarantine replay` (or discard), then"
+                     " `pgmesh resume`",
+            )
+        txn = self.txn
+        state = sqlstate_of(exc) if exc is not None else None
+        message = _message(exc) if exc is not None else None
+        found = await conn.fetchval(
+            _INSERT_SQL, self.source, format_lsn(txn.end_lsn), pg_us_to_datetime(txn.commit_time),
+            entry.table.name, entry.keys[0], entry.kind,
+            json.dumps(entry.new) if entry.new is not None else None,
+            json.dumps(entry.old) if entry.old is not None else None,
+            state, message, follows,
+        )
+        why = (f"SQLSTATE {state}: {describe(exc)}" if exc is not None
+               else f"its key has pending entries (follows entry {follows})")
+        self._written.append((entry.table.name, entry.keys, int(found), why))
+
+    def committed(self) -> None:
+        """The transaction committed: its entries are pending; one log line each."""
+        for table, keys, found, why in self._written:
+            self.index.add(table, keys)
+            logger.warning(
+                "node %s: change of table %s key %s from %s (LSN %s) set aside in %s as entry %d: %s",
+                self.index.target, table, keys[0], self.source, format_lsn(self.txn.end_lsn), _TABLE,
+                found, why,
+            )
+        self._written = []
+
+    @property
+    def written(self) -> Sequence[tuple[str, list[str], int, str]]:
+        return self._written
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return text[0] if text else type(exc).__name__
