@@ -167,6 +167,7 @@ class Router(Wiring):
             clocks = group.create_task(self.clocks.run(), name="clocks")
             pruner = group.create_task(self.pruner.run(), name="tombstone pruning")
             verify = [group.create_task(self.verify.run(), name="verify")] if self.verify else []  # [verify]
+            history = group.create_task(self.history.run(), name="history pruning")  # [conflicts] keep
             recorders = [group.create_task(r.run(), name=f"tombstones {r.node.name}")
                          for r in self.recorders.values()]
             self.started.set()
@@ -178,7 +179,8 @@ class Router(Wiring):
             finally:
                 for waiter in waits:
                     waiter.cancel()
-            await cancel_all([drift, clocks, pruner, *recorders], "schema drift, clocks and tombstones")
+            await cancel_all([drift, clocks, pruner, history, *recorders],
+                             "schema drift, clocks, tombstones and history")
             await cancel_all(verify, "verification")
             await self._shutdown(pump_tasks, [*applier_tasks, *logs], ticker)
 

@@ -1,7 +1,7 @@
 """How the router is wired from the config and what the nodes say: one `ReplicationSource` +
 `SourcePump` per node (with its router log and tombstone recorder), one `Applier` per link (source ->
 target) with its progress, queue and `LinkClock`, and the watchers beside them (schema drift, clocks,
-tombstone pruning), built again after every hold or lost lease.
+tombstone and history pruning), built again after every hold or lost lease.
 
 `Wiring` is the router's parts and how they are built (`_load_state` reads flushed origin positions,
 paused links and the nodes down; `_build` makes the parts); the supervisor (router.service.supervisor)
@@ -27,6 +27,7 @@ from router.apply.quarantine import QuarantineIndex
 from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.state import LinkHold
 from router.config.model import Config
+from router.conflicts.history import HistoryPruner
 from router.conflicts.pruning import TombstonePruner
 from router.ddl.drift import DriftWatch, TableDrift, drifted_nodes
 from router.errors import ConfigError, describe
@@ -188,6 +189,8 @@ class Wiring:
         members = [n for n in self.config.nodes if n.name not in self.not_members]
         self.pruner = TombstonePruner(self.config, members, lambda: self.appliers, metrics=self.metrics,
                                       clock=self.clock)  # router.conflicts.pruning
+        # [conflicts] keep: each node's conflict history and resolved quarantine (router.conflicts.history)
+        self.history = HistoryPruner(self.config, members, self._counted, metrics=self.metrics)
         # origin name -> node: each source's echoes tell what it had applied (Transaction.seen)
         origins = origin_nodes(self.config.node_names, self.config.origin_name(""),
                                self.config.early_origin_name(""))
@@ -258,6 +261,10 @@ class Wiring:
         if node not in self.progress:
             return 1 << 62
         return self.pumps[node].source.idle_position(self.progress[node].synced())
+
+    def _counted(self) -> dict[tuple[str, str], int | None]:
+        """Each link's conflict_history id counted up to (router.conflicts.history keeps what is above)."""
+        return {key: applier.link.history_at for key, applier in self.appliers.items()}
 
     def _seen_of(self, node: str) -> Callable[[], int]:
         return lambda: self.progress[node].seen
