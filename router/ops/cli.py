@@ -151,7 +151,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     from router.ops.compare.repair import cmd_repair
 
     config = _config(args)
-    return _run(cmd_repair(config, args.tables, source=args.source, as_json=args.json, limit=args.timeout))
+    return _run(cmd_repair(config, args.tables, source=args.source, as_json=args.json, limit=args.timeout,
+                           dry_run=args.dry_run))
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -266,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     repair.add_argument("--from", dest="source", metavar="NODE",
                         help="this node's rows win (default: the cluster's conflict rules)")
     repair.add_argument("--json", action="store_true", help="machine-readable output")
+    repair.add_argument("--dry-run", action="store_true",
+                        help="print the plan (per table: keys, winners, rows per node) and write nothing")
     repair.add_argument("--timeout", type=float, default=300.0, metavar="S",
                         help="how long a recheck waits for the links to catch up (default 300)")
     repair.set_defaults(func=_cmd_repair)

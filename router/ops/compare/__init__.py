@@ -4,5 +4,6 @@ router.cluster.compare.
 
   job.py       the command: a PySpark job over exported snapshots, then a recheck of what differed
   lanes.py     the first pass's key ranges, shared between the command's own threads and Spark
-  repair.py    `pgmesh repair`: every persistent difference resolved and written
+  repair.py    `pgmesh repair`: every persistent difference resolved and written (or planned: --dry-run)
+  progress.py  repair's progress line, summary and run-time hints on stderr
 """
