@@ -222,6 +222,11 @@ def render_status(report: StatusReport) -> str:
         lines.append(f"LOST INSERTS on {node} (key collisions since the router started: two nodes made the"
                      f" same key, one row is only in pgmesh.conflict_history): {lost}; make the keys"
                      " cluster-unique with `pgmesh sequences convert` (docs/sequences.md)")
+    for node, tables in sorted(report.quarantined.items()):  # router.apply.quarantine: set aside, pending
+        held = ", ".join(f"{table} {count}" for table, count in sorted(tables.items()))
+        lines.append(f"QUARANTINE on {node}: {sum(tables.values())} changes it refused (and later changes of"
+                     f" their keys) pending: {held}; `pgmesh quarantine list`, fix the cause, then"
+                     " `pgmesh quarantine replay` (docs/conflicts.md, Quarantine)")
     for drift in report.schema_drift:  # router.ddl.drift: the links into and out of those nodes hold
         lines.append(f"SCHEMA DRIFT: {drift} (fix it by hand; docs/ddl.md, Schema drift)")
     if report.verify is not None:  # [verify]: continuous verification (router.service.verify)

@@ -10,11 +10,13 @@ JSON object); without any, every pending entry of every node.
   the node wins (router.apply.careful: version against version, recorded in `pgmesh.conflict_history`);
   each entry replayed is marked `replayed` and recorded in `conflict_history` (conflict type
   `quarantined`, resolution `replayed`) in the same transaction. A key whose entry is still refused stops
-  there: that entry and the later ones stay pending, and the command says so (exit 1). A router that
-  answers on its admin listener is held while it runs (`POST /hold`, as `pgmesh part` does: the links hold
-  the origins the replay needs) and released after.
+  there: that entry and the later ones stay pending, and the command says so (exit 1).
 - `discard` marks the chosen entries `discarded`, each recorded in `conflict_history` (resolution
   `discarded`, with its row): nothing goes without a row saying so.
+
+A router that answers on its admin listener is held while `replay` or `discard` runs (`POST /hold`, as
+`pgmesh part` does: its links hold the origins a replay needs) and released after: its links connect
+again and read what is pending anew.
 
 Must not: change an entry that is not pending, replay out of a key's order, or print a DSN.
 """
@@ -293,18 +295,17 @@ async def cmd_quarantine(
     if not any(chosen.values()):
         print("no pending entry chosen", file=out)
         return 1
-    if action == "discard":
-        for target in targets:
-            if chosen[target.name]:
-                await _discard(target, chosen[target.name], out)
-        return 0
     held = await ask_router(config, "POST", "/hold", limit=150.0)
     if held is not None and held[0] != 200:
         raise PgmeshError("the router did not take a hold", hint="is `pgmesh run` still running?")
     try:
         stopped = 0
         for target in targets:
-            if chosen[target.name]:
+            if not chosen[target.name]:
+                continue
+            if action == "discard":
+                await _discard(target, chosen[target.name], out)
+            else:
                 stopped += await replay(config, target, chosen[target.name], out)
     finally:
         if held is not None:

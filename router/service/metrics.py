@@ -281,6 +281,7 @@ class Metrics:
         "link_state",
         "lost_inserts_total",
         "quarantine_pruned_total",
+        "quarantined_changes",
         "queue_transactions",
         "registry",
         "retained_wal_bytes",
@@ -371,6 +372,12 @@ class Metrics:
 
     def _declare_node_metrics(self) -> None:
         counter = self.registry.counter
+        self.quarantined_changes = self.registry.gauge(
+            PREFIX + "quarantined_changes",
+            "Changes the node refused and set aside (on_refused = \"quarantine\"), with the later changes of"
+            " their keys, pending in pgmesh.quarantine: `pgmesh quarantine list`, fix, then replay.",
+            ("node", "table"),
+        )
         self.divergence_allowed = self.registry.gauge(
             PREFIX + "divergence_allowed",
             "1 for each resolver setting that can leave nodes with different rows, accepted only under"

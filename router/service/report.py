@@ -118,6 +118,10 @@ class Reporter:
         router.clocks.export(m.clock_offset_seconds)
         if router.verify is not None:  # [verify]: pgmesh_divergent_rows
             router.verify.export(m)
+        m.quarantined_changes.clear()  # (a table replayed or discarded goes)
+        for node, pending in _quarantined(router).items():
+            for table, count in pending.items():
+                m.quarantined_changes.labels(node=node, table=table).set(count)
         m.schema_drift.clear()
         for node, tables in drifted_nodes(router.drift.drifted).items():
             for item in tables:
@@ -169,6 +173,7 @@ class Reporter:
             {n.name: describe_part(n) for n in router.config.nodes if describe_part(n)},
             lost_inserts=_lost_inserts(router),
             verify=None if router.verify is None else router.verify.report(),
+            quarantined=_quarantined(router),
         )
 
     def _synchronous(self, router: Router, node: str) -> SynchronousStatus | None:
@@ -228,6 +233,15 @@ def _lag_bytes(source: ReplicationSource, link: LinkProgress, slot_start: int) -
     if not start:
         return None  # nothing known to count from (the node was down at start): unknown, not 0
     return max(0, source.received_lsn - start)
+
+
+def _quarantined(router: Router) -> dict[str, dict[str, int]]:
+    """node -> table -> changes pending in its quarantine (router.apply.quarantine), nodes with any."""
+    out: dict[str, dict[str, int]] = {}
+    for (_, target), applier in router.appliers.items():
+        if applier.quarantine.counts:
+            out[target] = dict(applier.quarantine.counts)
+    return out
 
 
 def _lost_inserts(router: Router) -> dict[str, dict[str, int]]:

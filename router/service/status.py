@@ -163,3 +163,6 @@ class StatusReport(msgspec.Struct, frozen=True):
     # node -> table -> inserts lost to key collisions there since the router started (router.apply.link)
     lost_inserts: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     verify: VerifyStatus | None = None  # [verify] (router.service.verify); None: off, or a standby
+    # node -> table -> changes pending in pgmesh.quarantine there (router.apply.quarantine), as the links
+    # into it last read or wrote them
+    quarantined: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)

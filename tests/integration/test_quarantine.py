@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from router.ops.control import render_status
 from router.ops.quarantine import cmd_quarantine
 from router.service.supervisor import Router
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_for
@@ -33,6 +34,7 @@ CREATE TABLE owners (id int PRIMARY KEY);
 INSERT INTO owners VALUES (1), (7);
 """
 TABLES = ["accounts", "notes"]
+METRIC = 'pgmesh_quarantined_changes{node="c",table="public.accounts"} 2.0'
 QUARANTINE = 'on_refused = "quarantine"\nexclude = ["public.owners"]'
 
 # What c refuses, as its DBA made it (local DDL: not replicated), and the fix.
@@ -103,6 +105,10 @@ async def test_a_refused_change_is_quarantined_and_replayed(mesh: MeshFactory, c
         assert await fetch(c.dsn(), "SELECT balance FROM accounts WHERE id = 1") == [(START,)]
         for node in (a, b):
             assert await _pending(node.dsn()) == []
+        # status and /metrics say so
+        await wait_for(lambda: router.status().quarantined == {"c": {"public.accounts": 2}}, "status")
+        assert "QUARANTINE on c: 2 changes" in render_status(router.status())
+        await wait_for(lambda: METRIC in router.metrics.render(), "the metric")
         # replay before the fix: still refused, left pending, said so
         out = io.StringIO()
         assert await cmd_quarantine(m.config, "replay", node="c", out=out) == 1
@@ -114,6 +120,7 @@ async def test_a_refused_change_is_quarantined_and_replayed(mesh: MeshFactory, c
         assert await cmd_quarantine(m.config, "replay", node="c", out=out) == 0, out.getvalue()
         assert out.getvalue().count("replayed") == 2, out.getvalue()
         assert await _pending(c.dsn()) == []
+        await wait_for(lambda: not router.status().quarantined, "status without quarantine")
         await execute(a.dsn(), "INSERT INTO notes VALUES (3, 'after the replay')")
         await converge(router, m.nodes, TABLES, 60)
         await _totals(m.nodes)
