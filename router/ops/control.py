@@ -353,12 +353,14 @@ ORDER BY at DESC, id DESC
 LIMIT %(limit)s
 """
 _TOTALS_SQL: Final = """
-SELECT table_name, conflict_type, count(*)
+SELECT table_name, conflict_type, count(*), min(at), max(at)
 FROM pgmesh.conflict_history
 WHERE at >= coalesce(%(since)s::timestamptz, '-infinity')
 GROUP BY 1, 2
 """
 Totals = dict[tuple[str, str], int]  # (table, conflict type) -> how many recorded
+# one node's: (table, conflict type) -> (how many, the oldest's and the newest's time)
+NodeTotals = dict[tuple[str, str], tuple[int, dt.datetime, dt.datetime]]
 
 
 class ConflictRow(msgspec.Struct, frozen=True):
@@ -401,7 +403,7 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
 
 async def _node_conflicts(
     node: str, dsn: str, since: dt.datetime | None, limit: int, parted: bool
-) -> tuple[list[ConflictRow], Totals] | str:
+) -> tuple[list[ConflictRow], NodeTotals] | str:
     """The node's newest `limit` conflicts since `since` and how many of each table and type it holds,
     or why they could not be read (`parted`: the node was parted from the cluster)."""
     try:
@@ -413,7 +415,8 @@ async def _node_conflicts(
             cur = await conn.execute(_HISTORY_SQL, {"since": since, "limit": limit})
             rows = [ConflictRow(node, *row) for row in await cur.fetchall()]
             cur = await conn.execute(_TOTALS_SQL, {"since": since})
-            return rows, {(str(t), str(k)): int(n) for t, k, n in await cur.fetchall()}
+            totals = await cur.fetchall()
+            return rows, {(str(t), str(k)): (int(n), first, last) for t, k, n, first, last in totals}
     except psycopg.errors.UndefinedTable:
         if parted:
             return "parted from the cluster (`pgmesh part --clean` removed its conflict history)"
@@ -424,10 +427,11 @@ async def _node_conflicts(
 
 async def read_conflicts(
     config: Config, *, since: dt.datetime | None = None, limit: int = 100
-) -> tuple[list[ConflictRow], list[str], Totals]:
-    """The newest `limit` conflicts over all nodes, oldest first; one line per node not read; and how many
-    conflicts of each table and type all nodes recorded (since `since`). A parted node is read when it
-    still has its history, and left out with a note when it does not (not a problem then)."""
+) -> tuple[list[ConflictRow], list[str], Totals, dict[str, NodeTotals]]:
+    """The newest `limit` conflicts over all nodes, oldest first; one line per node not read; how many
+    conflicts of each table and type all nodes recorded (since `since`); and each node's, with the time
+    span they cover. A parted node is read when it still has its history, and left out with a note when it
+    does not (not a problem then)."""
     parted = await read_parted(config)
     results = await asyncio.gather(
         *(_node_conflicts(node.name, node.dsn, since, limit, node.name in parted) for node in config.nodes)
@@ -435,15 +439,17 @@ async def read_conflicts(
     rows: list[ConflictRow] = []
     problems: list[str] = []
     totals: Totals = {}
+    per_node: dict[str, NodeTotals] = {}
     for node, result in zip(config.nodes, results, strict=True):
         if isinstance(result, str):
             problems.append(f"node {node.name}: {result}")
             continue
         rows.extend(result[0])
-        for key, count in result[1].items():
+        per_node[node.name] = result[1]
+        for key, (count, _, _) in result[1].items():
             totals[key] = totals.get(key, 0) + count
     rows.sort(key=lambda r: (r.at, r.node, r.id))
-    return rows[-limit:], problems, totals
+    return rows[-limit:], problems, totals, per_node
 
 
 def render_totals(totals: Totals, shown: int, limit: int) -> str:
@@ -458,6 +464,24 @@ def render_totals(totals: Totals, shown: int, limit: int) -> str:
     lines = [f"  {table:<{width}}  {kind:<22} {count:>10}"
              for (table, kind), count in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))]
     return "\n".join([head + ", by table and type:", *lines])
+
+
+def render_node_totals(per_node: dict[str, NodeTotals], keep: str, keep_rows: int) -> str:
+    """Each node's conflicts by table and type, with the time span (UTC) its rows cover, and how long the
+    history is kept ([conflicts] keep, keep_rows: router.conflicts.history)."""
+    cap = f", at most {keep_rows:,} rows a node" if keep_rows else ""
+    head = f"by node (history kept {keep}{cap}: [conflicts] keep{', keep_rows' if keep_rows else ''}):"
+    cells = [("node", "table", "type", "count", "from (UTC)", "to (UTC)")]
+    for node, totals in per_node.items():
+        if not totals:
+            cells.append((node, "-", "-", "0", "-", "-"))
+        for (table, kind), (count, first, last) in sorted(totals.items(), key=lambda kv: (-kv[1][0], kv[0])):
+            cells.append((node, table, kind, str(count), _utc(first), _utc(last)))
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  " + "  ".join(c.rjust(w) if i == 3 else c.ljust(w)
+                              for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+             for row in cells]
+    return "\n".join([head, *lines])
 
 
 def _utc(when: dt.datetime) -> str:
@@ -489,22 +513,25 @@ async def cmd_conflicts(
     """Print the conflicts every node recorded (JSON lines with --json); 1 when a node could not be read."""
     if limit < 1:
         raise PgmeshError(f"--limit {limit}: must be at least 1")
-    rows, problems, totals = await read_conflicts(config, since=parse_since(since) if since else None,
-                                                  limit=limit)
+    rows, problems, totals, per_node = await read_conflicts(
+        config, since=parse_since(since) if since else None, limit=limit)
     parted = [line for line in problems if "parted from the cluster" in line]
     problems = [line for line in problems if line not in parted]
     for line in problems:
         print(line, file=err if as_json else out)
+    # the totals and notes on stderr, before the rows: stdout stays the rows alone (JSON lines with
+    # --json), for a pipe
+    for line in parted:
+        print(line, file=err)
+    if rows or totals:
+        print(render_totals(totals, len(rows), limit), file=err)
+        print(render_node_totals(per_node, config.conflicts.keep, config.conflicts.keep_rows), file=err)
+    err.flush()
     if as_json:
         for row in rows:
             print(msgspec.json.encode(row).decode(), file=out)
     else:
         print(render_conflicts(rows), file=out)
-    # the totals and notes on stderr: stdout stays the rows alone (JSON lines with --json), for a pipe
-    for line in parted:
-        print(line, file=err)
-    if rows or totals:
-        print(render_totals(totals, len(rows), limit), file=err)
     return 1 if problems else 0
 
 
