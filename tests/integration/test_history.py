@@ -132,3 +132,35 @@ async def test_history_older_than_keep_is_pruned_in_batches_while_apply_goes_on(
 
 async def _only_future(node: Any) -> bool:
     return await fetch(node.dsn(), "SELECT key FROM pgmesh.conflict_history") == [("future",)]
+
+
+
+# Rows no link counts, all younger than keep (written "an hour from now"): only the cap can take them
+CAPPED = (
+    "INSERT INTO pgmesh.conflict_history (at, source, table_name, key, conflict_type, resolution, resolver,"
+    " remote_origin, remote_commit_time) SELECT now() + interval '1 hour', 'zz', 'public.kv', g::text,"
+    " 'update_origin_differs', 'apply_remote', 'last_update_wins', 'zz', now() FROM generate_series(1, %s) g"
+)
+
+
+async def test_keep_rows_caps_each_nodes_history_oldest_first(mesh: MeshFactory,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """keep_rows: a node keeps its newest keep_rows rows whatever their age (here all younger than keep),
+    in batches, with a warning that says so; a node under the cap keeps all of its rows."""
+    m = await mesh(nodes=2, schema=SCHEMA, extra='[conflicts]\nkeep = "10s"\nkeep_rows = 50\n')
+    a, b = m.nodes
+    await execute(a.dsn(), CAPPED, params=[180])
+    await execute(b.dsn(), CAPPED, params=[30])  # under the cap: nothing goes
+    async with running_router(m.config) as router:
+        pruner = router.history
+        pruner.batch_rows = 40
+        await wait_for(lambda: pruner.stats["a"].capped == 130, "a's history capped")
+        await wait_for(lambda: pruner.stats["b"].rounds >= 1, "a round on b")
+    kept = "SELECT min(key::int), max(key::int), count(*) FROM pgmesh.conflict_history"
+    assert await fetch(a.dsn(), kept) == [(131, 180, 50)]  # the newest 50
+    assert await count(b) == 30 and pruner.stats["b"].pruned == 0
+    assert pruner.stats["a"].batches == 4  # 40 + 40 + 40 + 10
+    warned = [r.getMessage() for r in caplog.records if "keep_rows" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("node a: pgmesh.conflict_history holds more than [conflicts] keep_rows = 50"
+                                " rows: the oldest 130 pruned although younger than keep = 10s"), warned
