@@ -472,7 +472,7 @@ class Applier(LinkView):
         scripts: list[str] = []
         size = 0
         for i, txn in enumerate(batch):
-            if has_ddl(txn) or is_large(txn) or self.quarantine.holds(txn):
+            if has_ddl(txn) or is_large(txn) or self.quarantine.holds(txn, self.link.tables):
                 break  # applied on its own (_apply_first)
             try:
                 script = self._script(txn, prelude)
@@ -574,7 +574,7 @@ class Applier(LinkView):
         self._alone = True
         # a table with pending keys: the careful way, once whole (one handed out before its commit goes in
         # parts, and meets what is pending by version: docs/conflicts.md "Quarantine")
-        held = self.quarantine.holds(batch[0]) and whole_transaction(batch[0]).spill is None
+        held = self.quarantine.holds(batch[0], self.link.tables) and whole_transaction(batch[0]).spill is None
         if held or (has_ddl(batch[0]) and not is_large(batch[0])):  # a large one runs its DDL in place
             if held:
                 self._side.drop("its table has changes in quarantine")

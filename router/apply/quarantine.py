@@ -36,7 +36,10 @@ from typing import Any, Final
 import asyncpg
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
+from protocol.messages import Delete, Insert, RawInsert, Relation, Truncate, TupleData, Update
+from protocol.pgoutput import decode_raw_insert
 from protocol.transactions import Transaction
+from router.apply.careful.rows import row_values
 from router.apply.statements import TargetTable
 from router.config.model import Config
 from router.errors import QUARANTINE_MAX, PgmeshError, describe, is_refused, sqlstate_of
@@ -63,6 +66,26 @@ _ROLLBACK_TO: Final = "ROLLBACK TO SAVEPOINT pgmesh_quarantine"
 _RELEASE: Final = "RELEASE SAVEPOINT pgmesh_quarantine"
 
 Row = Mapping[str, str | None]
+
+
+def _insert_rows(change: Any) -> list[TupleData]:
+    if isinstance(change, RawInsert):
+        change = decode_raw_insert(change)
+    return [change.new]
+
+
+def _update_rows(change: Update) -> list[TupleData]:
+    return [change.new] if change.old is None else [change.new, change.old]
+
+
+def _delete_rows(change: Delete) -> list[TupleData]:
+    return [change.old]
+
+
+# the row images whose keys a change touches, by kind of change
+_ROWS: Final[dict[type, Callable[[Any], list[TupleData]]]] = {
+    Insert: _insert_rows, RawInsert: _insert_rows, Update: _update_rows, Delete: _delete_rows,
+}
 
 
 def key_text(key: Mapping[str, Any]) -> str:
@@ -93,10 +116,36 @@ class QuarantineIndex:
         """Pending entries on this target (as far as this router knows)."""
         return sum(self.counts.values())
 
-    def holds(self, txn: Transaction) -> bool:
-        """Whether `txn` touches a table with pending keys (then it goes the careful way)."""
+    def holds(self, txn: Transaction, tables: Mapping[tuple[str, str], TargetTable]) -> bool:
+        """Whether `txn` changes a key with pending entries (then it goes the careful way). Nothing is
+        looked at unless a table it touches has some: then the keys of that table's changes (a transaction
+        whose changes are not all in memory, or a table not known here, counts as holding one)."""
         keys = self._keys
-        return bool(keys) and any(f"{r.schema}.{r.name}" in keys for r in txn.relations.values())
+        if not keys or not any(f"{r.schema}.{r.name}" in keys for r in txn.relations.values()):
+            return False
+        if txn.spilled:
+            return True
+        relations = dict(txn.relations)
+        for change in txn.changes:
+            if isinstance(change, Relation):
+                relations[change.relid] = change
+                continue
+            kind = _ROWS.get(type(change))
+            if kind is None:
+                if isinstance(change, Truncate):
+                    return True
+                continue
+            row_change: Any = change  # (an Insert, RawInsert, Update or Delete: `_ROWS` has it)
+            relation = relations[row_change.relid]
+            pending = keys.get(f"{relation.schema}.{relation.name}")
+            if not pending:
+                continue
+            table = tables.get((relation.schema, relation.name))
+            if table is None:
+                return True
+            if any(_key(table, row_values(relation, data)) in pending for data in kind(change)):
+                return True
+        return False
 
     def knows(self, table: str, keys: Iterable[str]) -> bool:
         found = self._keys.get(table)

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from protocol.messages import Column, Relation
+from protocol.messages import KIND_TEXT, Column, Insert, Relation, TupleData
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
 from router.apply.quarantine import Entry, Guard, QuarantineIndex, key_text
@@ -94,18 +94,25 @@ class _Conn:
         return None
 
 
-def _txn(*tables: str) -> Transaction:
-    key = (Column("id", 23, -1, True),)
-    relations = {i: Relation(i, "public", t, "d", key) for i, t in enumerate(tables)}
-    return Transaction(1, 10, 20, 30, list(relations.values()), relations)
+def _txn(table: str, key: int = 1) -> Transaction:
+    relation = Relation(7, "public", table, "d", (Column("id", 23, -1, True),))
+    change = Insert(7, TupleData(bytes([KIND_TEXT]), (str(key).encode(),)))
+    return Transaction(1, 10, 20, 30, [relation, change], {7: relation})
+
+
+TABLES = {
+    ("public", n): TargetTable("public", n, frozenset({"id"}), {"id": "integer"}, ("id",)) for n in "tu"
+}
 
 
 async def test_the_index_holds_pending_keys_and_keeps_those_added_while_it_read() -> None:
     index = QuarantineIndex("b")
-    assert not index.holds(_txn("public.t"))  # nothing pending: the fast path
+    assert not index.holds(_txn("t"), TABLES)  # nothing pending: the fast path
     await index.load(_Conn([("public.t", '{"id": "1"}', 2)]), required=True, now=0.0)
     assert index.counts == {"public.t": 2} and index.pending == 2
-    assert index.holds(_txn("t")) and not index.holds(_txn("u"))
+    assert index.holds(_txn("t"), TABLES) and not index.holds(_txn("u"), TABLES)
+    assert not index.holds(_txn("t", key=2), TABLES)  # another key of that table: the fast path
+    assert index.holds(_txn("t", key=2), {})  # a table not known here: the careful way
     assert index.knows("public.t", [key_text({"id": "1"})])
     # a link commits an entry while the next read runs (the read does not see it): kept
     conn = _Conn([], lambda: index.add("public.t", [key_text({"id": "5"})]))
@@ -113,7 +120,7 @@ async def test_the_index_holds_pending_keys_and_keeps_those_added_while_it_read(
     assert index.knows("public.t", [key_text({"id": "5"})])
     assert not index.knows("public.t", [key_text({"id": "1"})])  # resolved meanwhile: gone
     index.forget("public.t", [key_text({"id": "5"})])
-    assert not index.holds(_txn("t")) and index.pending == 0
+    assert not index.holds(_txn("t"), TABLES) and index.pending == 0
     assert not index.due(100.0)  # nothing pending: never read again for that
 
 
@@ -121,7 +128,7 @@ async def test_the_cap_pauses_instead_of_a_new_entry() -> None:
     config = parse_config(MINIMAL + '[replication]\non_refused = "quarantine"\n')
     index = QuarantineIndex("b", limit=1)
     index.add("public.t", [key_text({"id": "1"})])
-    txn = _txn("t")
+    txn = _txn("t", 2)
     guard = Guard(config, index, "a", txn, savepoints=True)
     table = TargetTable("public", "t", frozenset({"id"}), {"id": "integer"}, ("id",))
     conn = _Conn([])
