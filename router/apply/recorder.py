@@ -357,9 +357,12 @@ class TombstoneRecorder:
             self._sweep_error = None
         except asyncpg.UndefinedTableError:
             self._sweep_pause = 60.0  # installed before table tombstones (`pgmesh init` adds them)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError) as exc:
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                PgmeshError) as exc:
             # (InternalClientError: "cannot switch to state ...", a session whose protocol state asyncpg
-            # lost after an operation on it was cancelled: closed, and opened again next time)
+            # lost after an operation on it was cancelled: closed, and opened again next time; PgmeshError:
+            # the fence refused the session, [ha]: a node down when this router took the lease, back before
+            # the lease took it in, or the lease just lost; it must not end the router)
             error = describe(exc)
             log = logger.debug if error == self._sweep_error else logger.warning  # (once, not every second)
             log("node %s: sweeping the rows older than a TRUNCATE failed: %s; trying again in %.0f s",

@@ -14,7 +14,9 @@ happens (`mark`): the source's log durable position counts only once the node ho
 the node names a log that is not in the directory (lost or replaced), the slot may have been confirmed
 past transactions that only that log held: every link out of the node whose target is behind the slot's
 confirmed position is stopped with an error naming the node, the position and what to run (`lost`),
-never silently skipped.
+never silently skipped. With [ha] no slot is confirmed on a log's account (`_counts`), and the name is
+recorded with HA_MARK after it: a standby that takes over with a log of its own finds such a name and
+stops nothing (nothing was confirmed past what the targets hold).
 
 Must not: decide what a link reads (router.stream.fanout), or confirm a slot (router.service.supervisor).
 """
@@ -52,6 +54,7 @@ _MARK_SQL = (
     " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
 )
 MARK_KEY = "router_log"  # pgmesh.node_info on each source node: the name of the log its slot counts on
+HA_MARK = "/ha"  # after the name: the log of an [ha] router, on which no slot counted
 
 
 class RouterLogs:
@@ -126,7 +129,7 @@ class RouterLogs:
         what to say)."""
         log = self.logs.get(node)
         named = self.marks.get(node)
-        if log is None or named is None or named == log.log_id:
+        if log is None or named is None or named == log.log_id or named.endswith(HA_MARK):
             return []
         confirmed = self.confirmed.get(node, 0)
         out = []
@@ -153,7 +156,8 @@ class RouterLogs:
         log = self.logs.get(node)
         if log is None or not log.holds_anything or node in self._unsure:
             return
-        if self.marks.get(node) == log.log_id:
+        name = log.log_id + HA_MARK if self.config.ha.enabled else log.log_id
+        if self.marks.get(node) == name:
             return
         if not log.settled:
             try:
@@ -163,12 +167,12 @@ class RouterLogs:
                 return
         try:
             async with asyncio.timeout(limit_s):
-                await target.query(_MARK_SQL, [MARK_KEY, log.log_id])
+                await target.query(_MARK_SQL, [MARK_KEY, name])
         except (psycopg.Error, OSError, TimeoutError) as exc:
             logger.debug("node %s: router log name not recorded yet: %s", node, exc)
             target.drop()
             return
-        self.marks[node] = log.log_id
+        self.marks[node] = name
 
     def upkeep(self, node: str, progress: SourceProgress, stopped: set[str]) -> None:
         """At each tick, before the source is confirmed; `stopped`: the targets that apply nothing now

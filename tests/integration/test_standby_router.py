@@ -228,3 +228,56 @@ async def test_a_router_frozen_past_its_lease_applies_nothing_when_it_wakes(
 
 async def _none(dsn: str, query: str) -> bool:
     return (await fetch(dsn, query))[0][0] == 0
+
+
+@pytest.mark.slow
+async def test_a_router_that_took_the_lease_with_a_node_down_keeps_running_when_it_returns(
+    mesh: MeshFactory, tmp_path: Path
+) -> None:
+    """Found by the nemesis run (bench/nemesis.py, seed 1): the tombstone recorder's sweep on the node
+    that came back opened a session before the lease had taken that node into its term; the fence refused
+    it, and the refusal ended the router process. A lease of 10 s (renewed every 3.3 s, the sweep every
+    second) made it happen every time."""
+    m = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = m.nodes
+    routers = Routers(tmp_path, ha_section(10.0))
+    try:
+        b.stop("immediate")
+        routers.start("r1", m.nodes)
+        await wait_for(lambda: routers.is_("r1", "active"), "r1 active with a and c", 60)
+        b.start()
+        await arrives(a, b, 1, 60)
+        await arrives(b, c, 2, 60)
+        assert routers.procs["r1"].poll() is None, routers.output()
+    finally:
+        await routers.stop()
+
+
+@pytest.mark.slow
+async def test_a_takeover_while_a_node_is_down_stops_no_link(mesh: MeshFactory, tmp_path: Path) -> None:
+    """Found by the nemesis run (bench/nemesis.py, seed 1): the active router had recorded its log's name
+    on the nodes (router.service.logs `mark`: its log held a's transactions for b, down); the standby,
+    taking over with a log of its own while b was still down, took that for a lost log and stopped the
+    links into b (and those into a target behind a's slot) with "transactions may be missing ... then
+    `pgmesh resume`", though with [ha] no slot is ever confirmed on a log's account."""
+    m = await mesh(nodes=3, schema=SCHEMA)
+    a, b, c = m.nodes
+    async with Scenario(m, tmp_path) as s:
+        await s.start_both()
+        b.stop("immediate")
+        async with await psycopg.AsyncConnection.connect(a.dsn(), autocommit=True) as conn:
+            for key in range(10, 110):
+                await conn.execute("INSERT INTO acct (id, v, who) VALUES (%s, 0, 'probe')", [key])
+        mark = "SELECT count(*) FROM pgmesh.node_info WHERE key = 'router_log'"
+        await wait_for(lambda: _some(a.dsn(), mark), "r1's log named on a", 60)
+        await s.routers.kill("r1")
+        await wait_for(lambda: s.routers.is_("r2", "active"), "r2 active", TAKEOVER_LIMIT_S)
+        b.start()
+        await arrives(a, b, 1, 60)
+        await arrives(a, c, 2, 60)
+        await arrives(c, b, 3, 60)
+        await wait_converged(m.nodes, ["acct"], 60)
+
+
+async def _some(dsn: str, query: str) -> bool:
+    return (await fetch(dsn, query))[0][0] > 0
