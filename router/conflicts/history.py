@@ -191,6 +191,8 @@ class HistoryPruner:
             try:
                 async with asyncio.timeout(NODE_TIMEOUT_S):
                     await self._prune(node, counted_ids(counted, node.name), stats)
+                if stats.last_error is not None:
+                    logger.info("node %s: conflict history pruning works again", node.name)
                 stats.last_error = None
             except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
                 logger.debug("node %s: history pruning gave way (%s); again next round", node.name,
