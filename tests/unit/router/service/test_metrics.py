@@ -187,6 +187,7 @@ EXPECTED_PGMESH_METRICS = {
     "pgmesh_divergence_allowed": ("gauge", ("setting",)),
     "pgmesh_schema_drift": ("gauge", ("node", "table")),
     "pgmesh_divergent_rows": ("gauge", ("node", "table")),
+    "pgmesh_quarantined_changes": ("gauge", ("node", "table")),
     "pgmesh_tombstones": ("gauge", ("node",)),
     "pgmesh_tombstones_pruned_total": ("counter", ("node",)),
     "pgmesh_tombstones_recorded_total": ("counter", ("node",)),
@@ -339,6 +340,7 @@ ADDED_SINCE = [
     ("pgmesh_conflict_history_rows", "gauge", ("node",)),
     ("pgmesh_quarantine_pruned_total", "counter", ("node",)),
     ("pgmesh_divergent_rows", "gauge", ("node", "table")),
+    ("pgmesh_quarantined_changes", "gauge", ("node", "table")),
 ]
 
 
