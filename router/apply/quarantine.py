@@ -44,17 +44,26 @@ from router.apply.statements import TargetTable
 from router.config.model import Config
 from router.errors import QUARANTINE_MAX, PgmeshError, describe, is_refused, sqlstate_of
 
-__all__ = ["REFRESH_S", "Entry", "Guard", "QuarantineIndex", "key_text"]
+__all__ = ["PENDING_SQL", "REFRESH_S", "Entry", "Guard", "QuarantineIndex", "key_text"]
 
 logger = logging.getLogger(__name__)
 
 REFRESH_S: Final = 5.0  # while keys are pending, the index is read again at most this often
 _TABLE: Final = "pgmesh.quarantine"
-_PENDING_SQL: Final = (
+# The key an update entry moved its row to (its new row's values of the key's columns), or NULL.
+_MOVED_TO: Final = ("CASE WHEN change_kind = 'update' THEN (SELECT pg_catalog.jsonb_object_agg(k,"
+                    " new_row -> k) FROM pg_catalog.jsonb_object_keys(key) AS k) END")
+# Pending entries per (table, key), and the keys updates moved rows to (counted 0: not entries of their own).
+PENDING_SQL: Final = (
     f"SELECT table_name, key::text, count(*) FROM {_TABLE} WHERE state = 'pending' GROUP BY 1, 2"
+    f" UNION ALL SELECT DISTINCT table_name, moved::text, 0"
+    f" FROM {_TABLE}, LATERAL (SELECT {_MOVED_TO}) AS m(moved)"
+    " WHERE state = 'pending' AND moved IS DISTINCT FROM key AND moved IS NOT NULL"
 )
+# The newest pending entry of any of the keys $2 (of its own key, or a row an update moved onto one).
 _NEWEST_SQL: Final = (
-    f"SELECT max(id) FROM {_TABLE} WHERE state = 'pending' AND table_name = $1 AND key = ANY($2::jsonb[])"
+    f"SELECT max(id) FROM {_TABLE} WHERE state = 'pending' AND table_name = $1"
+    f" AND (key = ANY($2::jsonb[]) OR ({_MOVED_TO}) = ANY($2::jsonb[]))"
 )
 _INSERT_SQL: Final = f"""
 INSERT INTO {_TABLE} (source, source_lsn, commit_time, table_name, key, change_kind, new_row, old_key,
@@ -160,7 +169,7 @@ class QuarantineIndex:
         error (a table quarantines), else nothing is pending."""
         started = self._added
         try:
-            rows = await conn.fetch(_PENDING_SQL)
+            rows = await conn.fetch(PENDING_SQL)
         except asyncpg.UndefinedTableError:
             if required:
                 raise PgmeshError(

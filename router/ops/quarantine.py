@@ -110,6 +110,11 @@ class Entry:
         return out
 
 
+def _key_values(entry: Entry) -> str:
+    """The entry's key as conflict_history writes keys: its values, comma-separated."""
+    return ",".join(str(v) for v in json.loads(entry.key).values()) if entry.key else ""
+
+
 def _where(ids: Sequence[int], table: str | None, key: str | None, every: bool) -> tuple[str, list[Any]]:
     clauses: list[str] = [] if every else ["state = 'pending'"]
     params: list[Any] = []
@@ -211,7 +216,7 @@ async def _replay_entry(link: LinkSession, careful: CarefulApplier, entry: Entry
                             for r in records) or "applied, no conflict"
         if await conn.fetchval(_RESOLVE, entry.id, "replayed") is None:
             raise PgmeshError(f"entry {entry.id} is no longer pending", node=entry.node)
-        await conn.execute(_RECORD, entry.source, entry.table_name, entry.key or "", "replayed",
+        await conn.execute(_RECORD, entry.source, entry.table_name, _key_values(entry), "replayed",
                            f"quarantine entry {entry.id} replayed: {decided}",
                            entry.commit_time or entry.created_at, entry.source_lsn,
                            entry.new_row or entry.old_key)
@@ -258,7 +263,7 @@ async def _discard(target: NodeConfig, entries: Sequence[Entry], out: TextIO) ->
             for entry in entries:
                 if await conn.fetchval(_RESOLVE, entry.id, "discarded") is None:
                     continue
-                await conn.execute(_RECORD, entry.source, entry.table_name, entry.key or "", "discarded",
+                await conn.execute(_RECORD, entry.source, entry.table_name, _key_values(entry), "discarded",
                                    f"quarantine entry {entry.id} discarded ({entry.change_kind})",
                                    entry.commit_time or entry.created_at, entry.source_lsn,
                                    entry.new_row or entry.old_key)

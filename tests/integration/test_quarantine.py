@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from router.apply.quarantine import PENDING_SQL
 from router.ops.control import render_status
 from router.ops.quarantine import cmd_quarantine
 from router.service.supervisor import Router
@@ -172,3 +173,31 @@ async def test_pause_still_pauses(mesh: MeshFactory) -> None:
         await converge(router, m.nodes, TABLES, 60)
         await asyncio.sleep(0)
         await _totals(m.nodes)
+
+
+async def test_a_row_moved_to_another_key_is_followed_by_both_keys(mesh: MeshFactory) -> None:
+    """An update moving account 1 to key 100 is refused on c; a later change of key 100 (from b) follows
+    it, by the key the row was moved to (as the table says, not only as the index remembers); replay after
+    the fix makes the nodes identical."""
+    m = await mesh(nodes=3, schema=SCHEMA, replication=QUARANTINE, admin_port=free_port())
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        await execute(c.dsn(), CHECK[0])
+        await execute(a.dsn(), "BEGIN; UPDATE accounts SET id = 100, balance = balance + 5000 WHERE id = 1;"
+                               " UPDATE accounts SET balance = balance - 5000 WHERE id = 2; COMMIT")
+        await rows_everywhere([b], "SELECT balance FROM accounts WHERE id = 100", [(Decimal(6000),)])
+        await execute(b.dsn(), FOLLOWER.replace("id = 1;", "id = 100;"))
+        await wait_for(lambda: _has_pending(c.dsn(), 2), "both changes in quarantine on c")
+        pending = await _pending(c.dsn())
+        assert [(p[3], p[5], p[6]) for p in pending] == [
+            ('{"id": "1"}', "23514", None), ('{"id": "100"}', None, pending[0][0])], pending
+        keys = await fetch(c.dsn(), PENDING_SQL)
+        assert sorted((k, int(n)) for _, k, n in keys) == [('{"id": "1"}', 1), ('{"id": "100"}', 0),
+                                                           ('{"id": "100"}', 1)], keys
+        await execute(c.dsn(), CHECK[1])
+        out = io.StringIO()
+        assert await cmd_quarantine(m.config, "replay", out=out) == 0, out.getvalue()
+        await converge(router, m.nodes, TABLES, 60)
+        await _totals(m.nodes)
+        assert await fetch(c.dsn(), "SELECT id, balance FROM accounts WHERE id IN (1, 100)") == [
+            (100, Decimal(6001))]
