@@ -38,7 +38,7 @@ from router.service.metrics import Metrics
 from router.service.monitor import MonitorTarget
 from router.service.report import Reporter
 from router.service.synchronous import CommitConfirm
-from router.service.verify.verifier import Verifier
+from router.service.verify.verifier import Verifier, applied_through
 from router.stream.fanout import SourcePump
 from router.stream.items import SourceOptions
 from router.stream.linkqueue import LinkQueue
@@ -254,7 +254,7 @@ class Wiring:
             synced=self._synced,
         )
         self.verify = None if self.config.verify is None else Verifier(  # its findings carry on
-            self.config, members, self._synced, clock=self.clock, previous=self.verify)
+            self.config, members, self._synced, visible=self._visible, clock=self.clock, previous=self.verify)
 
     def _synced(self, node: str) -> int:
         """The position of `node` up to which every other node has flushed everything (drift's barrier)."""
@@ -265,6 +265,16 @@ class Wiring:
     def _counted(self) -> dict[tuple[str, str], int | None]:
         """Each link's conflict_history id counted up to (router.conflicts.history keeps what is above)."""
         return {key: applier.link.history_at for key, applier in self.appliers.items()}
+
+    def _visible(self, node: str) -> int:
+        """The position of `node` up to which every other node has committed everything (verification's
+        staggered snapshots: router.service.verify.verifier)."""
+        if node not in self.progress:
+            return 1 << 62
+        progress = self.progress[node]
+        committed = min((applied_through(link, progress.seen) for link in progress.links),
+                        default=progress.seen)
+        return self.pumps[node].source.idle_position(committed)
 
     def _seen_of(self, node: str) -> Callable[[], int]:
         return lambda: self.progress[node].seen

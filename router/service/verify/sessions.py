@@ -3,10 +3,10 @@ compare sessions' settings, router.cluster.compare.worker `SESSION_SQL`, so ever
 and one autocommit session per node for its barrier position. Never an applier's session.
 
 A range is read as `pgmesh compare` reads it (worker `compare_range`: the range's count and hash on every
-node at once; where they differ, buckets, then rows), each node under one snapshot for the whole range,
-taken at its first query and let go at its end. `positions` is each node's barrier position
-(router.progress.positions `BARRIER_POSITION_SQL`), read after the reads it stands for: past everything
-they saw. `recheck` reads some keys again, each node in a transaction of its own.
+node at once; where they differ, buckets, then rows), each node under the snapshot `pin` took (held for
+several ranges; `end` lets it go). `positions` is each node's barrier position (router.progress.positions
+`BARRIER_POSITION_SQL`), read after the reads it stands for: past everything they saw. `recheck` reads
+some keys again, each node in a transaction of its own.
 
 Blocking (psycopg's sync API, a thread per node): the verifier runs these methods off the event loop.
 Must not: write anything but the barrier's logical message, or put a DSN in a message.
@@ -92,15 +92,29 @@ class NodeSessions:
     def _each(self, indexes: Sequence[int], work: Callable[[int], T]) -> list[T]:
         return list(self.pool.map(work, indexes))
 
+    def pin(self, indexes: Sequence[int]) -> None:
+        """Take a snapshot on those nodes' reading sessions now (each holds it until `end`)."""
+
+        def take(i: int) -> None:
+            try:
+                self.reads[i].execute("SELECT 1")
+            except psycopg.Error as exc:
+                raise PgmeshError(f"verification cannot begin reading: {describe(exc)}",
+                                  node=self.nodes[i].name) from None
+
+        self._each(indexes, take)
+
     def read_range(self, job: CompareJob, task: RangeTask) -> list[Difference]:
-        """The keys of `task` whose rows differ across its table's nodes, each node under one snapshot."""
+        """The keys of `task` whose rows differ across its table's nodes, each node under its snapshot."""
         try:
             return compare_range(self.pool, self.reads, job, task)
-        finally:
+        except BaseException:
             self.end()
+            raise
 
-    def positions(self) -> dict[str, int]:
-        """Each node's barrier position now (a logical message's: every commit before it comes before it)."""
+    def positions(self, indexes: Sequence[int] | None = None) -> dict[str, int]:
+        """Each node's (or those nodes') barrier position now (a logical message's: every commit before it
+        comes before it)."""
 
         def mark(i: int) -> int:
             try:
@@ -111,7 +125,8 @@ class NodeSessions:
             assert row is not None
             return int(row[0])
 
-        return dict(zip((n.name for n in self.nodes), self._each(range(len(self.nodes)), mark), strict=True))
+        which = range(len(self.nodes)) if indexes is None else indexes
+        return dict(zip((self.nodes[i].name for i in which), self._each(which, mark), strict=True))
 
     def recheck(
         self, job: CompareJob, keys: Sequence[Difference]

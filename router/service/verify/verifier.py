@@ -1,10 +1,17 @@
 """The verification task: every `[verify] interval` (a pass starts that long after the last one started,
 or at once when it took longer; the first soon after the router starts), every compared table is read in
 rolling key ranges (router.service.verify.scope) on the verification's own sessions on every node
-(router.service.verify.sessions), at most `rows_per_second` rows a second on average over the pass.
+(router.service.verify.sessions), each range followed by a pause that keeps it to `rows_per_second` rows
+(by the statistics' estimate) a second.
 
-A key that differs in a range is a candidate. Once a table's ranges are read, each node's barrier position
-is taken (after the reads: past everything they saw), and the candidates wait until every link out of
+The ranges are read under one snapshot per node (taken again every `PIN_S`), staggered: the first full
+node's is taken first, the others' once every link out of that node has committed there what it had then
+(`visible`: `applied_through` over its links). So a change of that node's still on its way is in its
+snapshot alone only for the moment the wait takes to notice, not for the links' whole lag: under writes
+on that node, few keys differ at the first read (each one costs a descent and a recheck).
+
+A key that differs in a range is a candidate. Once every range is read, each node's barrier position is
+taken (after the reads: past everything they saw), and the candidates wait until every link out of
 each node has flushed past that node's position: the barrier, known inside the router (`synced`:
 router.service.wiring `Wiring._synced`, what `pgmesh compare` asks over the admin API). Then they are
 read again: a key is divergent only if it still differs and its values are the ones the first read saw
@@ -12,7 +19,7 @@ read again: a key is divergent only if it still differs and its values are the o
 not reported), as `pgmesh compare`'s recheck. A barrier not reached within `BARRIER_S` (a link paused or
 down) decides nothing this pass.
 
-What it found (router.service.verify.findings) replaces the table's previous finding at once: status
+What it found (router.service.verify.findings) replaces each table's previous finding: status
 (`report`), pgmesh_divergent_rows{node,table} (`export`; 0 for every node of a table found identical),
 one log line per table that differs per pass (its first keys; never a DSN) and one when it is identical
 again.
@@ -34,20 +41,25 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from router.cluster.compare.worker import CompareJob, Difference
+from router.cluster.partial import is_partial
 from router.config.model import Config, NodeConfig
 from router.errors import describe
+from router.progress.positions import LinkProgress
 from router.service.metrics import Metrics
 from router.service.status import VerifyStatus
 from router.service.verify.findings import TableFinding, finding, merged
 from router.service.verify.scope import Scope, read_scope
 from router.service.verify.sessions import NodeSessions
 
-__all__ = ["BARRIER_S", "FIRST_PASS_S", "ROUNDS", "Verifier"]
+__all__ = ["BARRIER_S", "FIRST_PASS_S", "PIN_S", "ROUNDS", "Verifier", "applied_through"]
 
 logger = logging.getLogger(__name__)
 
 ROUNDS: Final = 3  # rechecks of a key still being written before it is left unsettled (as compare's)
 BARRIER_S: Final = 120.0  # a barrier not reached within this decides nothing this pass
+PIN_S: Final = 30.0  # a table's snapshots are taken again after this long (vacuum waits behind them)
+VISIBLE_S: Final = 10.0  # the staggered snapshots wait at most this long (links far behind: no longer)
+_VISIBLE_POLL_S: Final = 0.01
 FIRST_PASS_S: Final = 5.0  # the first pass starts this long after the router (or the interval, if shorter)
 MAX_CANDIDATES: Final = 100_000  # per table and pass: more differing keys are not rechecked this pass
 _POLL_S: Final = 0.1
@@ -56,18 +68,20 @@ T = TypeVar("T")
 
 class Verifier:
     """Continuous verification over `nodes` (the members); `synced(node)`: the position of `node` up to
-    which every other node has flushed everything. `previous`: the one this replaces (after a hold or a
-    lost lease): its findings and counts carry on."""
+    which every other node has flushed everything; `visible(node)`: committed (`applied_through`).
+    `previous`: the one this replaces (after a hold or a lost lease): its findings and counts carry on."""
 
     def __init__(
         self, config: Config, nodes: Sequence[NodeConfig], synced: Callable[[str], int], *,
-        clock: Callable[[], float] = time.time, previous: Verifier | None = None,
+        visible: Callable[[str], int] | None = None, clock: Callable[[], float] = time.time,
+        previous: Verifier | None = None,
     ) -> None:
         assert config.verify is not None
         self.config = config
         self.section = config.verify
         self.nodes = list(nodes)
         self.synced = synced
+        self.visible = visible or synced
         self.clock = clock
         self.barrier_s = BARRIER_S
         self.findings: dict[str, TableFinding] = dict(previous.findings) if previous else {}
@@ -108,7 +122,8 @@ class Verifier:
         return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
 
     async def one_pass(self) -> None:
-        """Every compared table once; its finding replaces the last as soon as the table is done."""
+        """Every compared table once, range after range; then the recheck of what differed; then each
+        table's finding replaces its last."""
         began, wall = time.monotonic(), self.clock()
         sessions = NodeSessions(self.nodes, self.config.replication.node_timeout_ms / 1000)
         try:
@@ -117,42 +132,64 @@ class Verifier:
             await self._off_loop(sessions.end)
             job = CompareJob(tuple(n.name for n in self.nodes), tuple(n.dsn for n in self.nodes),
                              ("",) * len(self.nodes), scope.tables)
-            found: dict[str, TableFinding] = {}
-            rows = 0
-            for index, table in enumerate(scope.tables):
-                self.reading = table.label
-                ranges = [(task, n) for task, n in scope.ranges if task.table == index]
-                candidates: list[Difference] = []
-                for task, estimate in ranges:
-                    differ = await self._off_loop(sessions.read_range, job, task)
-                    candidates += differ[:max(0, MAX_CANDIDATES - len(candidates))]
-                    rows += estimate  # the rate bound: never ahead of rows_per_second since the pass began
-                    due = began + rows / self.section.rows_per_second
-                    await asyncio.sleep(max(0.0, due - time.monotonic()))
-                names = [job.nodes[i] for i in job.nodes_of(table)]
-                divergent, unsettled = await self._settle(sessions, job, candidates)
-                result = finding(table.label, names, [(d.key, d.hashes) for d in divergent], unsettled)
-                found[table.label] = merged(found.get(table.label), result)
-                self._record(found[table.label])
+            candidates: list[Difference] = []
+            pinned = -PIN_S
+            for task, estimate in scope.ranges:
+                self.reading = scope.tables[task.table].label
+                if time.monotonic() - pinned >= PIN_S:
+                    await self._off_loop(sessions.end)
+                    await self._pin(sessions)
+                    pinned = time.monotonic()
+                read_began = time.monotonic()
+                differ = await self._off_loop(sessions.read_range, job, task)
+                candidates += differ[:max(0, MAX_CANDIDATES - len(candidates))]
+                # the rate bound, range by range (a wait above is never made up for)
+                spent = time.monotonic() - read_began
+                await asyncio.sleep(max(0.0, estimate / self.section.rows_per_second - spent))
+            await self._off_loop(sessions.end)
+            self.reading = f"{len(candidates)} differing key(s) again, behind the barrier"
+            divergent, unsettled = await self._settle(sessions, job, candidates)
         finally:
             self._thread.submit(sessions.close)  # (after the read in hand, if cancelled in the middle of one)
+        found: dict[str, TableFinding] = {}
+        for index, table in enumerate(scope.tables):
+            names = [job.nodes[i] for i in job.nodes_of(table)]
+            keys = [(d.key, d.hashes) for d in divergent if d.table == index]
+            found[table.label] = merged(found.get(table.label),
+                                        finding(table.label, names, keys, unsettled.get(index, 0)))
+        for result in found.values():
+            self._record(result)
         for gone in set(self.findings) - set(found):  # no longer compared
             del self.findings[gone]
         self.passes += 1
         self.last_end, self.last_seconds = self.clock(), time.monotonic() - began
         self.tables, self.skipped, self.error = len(found), list(scope.skipped), None
         total = sum(f.total for f in found.values())
-        logger.info("verify: pass %d done in %.1f s (started %s): %d table(s), %d divergent key(s)%s",
-                    self.passes, self.last_seconds, _iso(wall), len(found), total,
-                    f"; not compared: {'; '.join(scope.skipped)}" if scope.skipped else "")
+        logger.info("verify: pass %d done in %.1f s (started %s): %d table(s), %d key(s) read again, %d"
+                    " divergent%s", self.passes, self.last_seconds, _iso(wall), len(found), len(candidates),
+                    total, f"; not compared: {'; '.join(scope.skipped)}" if scope.skipped else "")
+
+    async def _pin(self, sessions: NodeSessions) -> None:
+        """Snapshots on every node: the first full node's now, the others' once every link out of it has
+        committed there what it had then (at most VISIBLE_S later)."""
+        first = next(i for i, n in enumerate(self.nodes) if not is_partial(n))
+        await self._off_loop(sessions.pin, [first])
+        name = self.nodes[first].name
+        position = (await self._off_loop(sessions.positions, [first]))[name]
+        deadline = time.monotonic() + VISIBLE_S
+        while self.visible(name) < position:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(_VISIBLE_POLL_S)
+        await self._off_loop(sessions.pin, [i for i in range(len(self.nodes)) if i != first])
 
     async def _settle(
         self, sessions: NodeSessions, job: CompareJob, candidates: list[Difference]
-    ) -> tuple[list[Difference], int]:
+    ) -> tuple[list[Difference], dict[int, int]]:
         """The candidates that still differ, with the values of their first read, behind the barrier; and
-        how many are still being written (unsettled)."""
+        per table, how many are still being written (unsettled)."""
         if not candidates:
-            return [], 0
+            return [], {}
         logger.debug("verify: %d key(s) differed at the first read: read again behind the barrier",
                      len(candidates))
         open_ = {(d.table, d.key): d for d in candidates}
@@ -173,7 +210,10 @@ class Verifier:
                 last[ident] = values
             if not open_:
                 break
-        return sorted(divergent, key=lambda d: (d.table, d.key)), len(open_)
+        unsettled: dict[int, int] = {}
+        for index, _ in open_:
+            unsettled[index] = unsettled.get(index, 0) + 1
+        return sorted(divergent, key=lambda d: (d.table, d.key)), unsettled
 
     async def _barrier(self, wanted: dict[str, int]) -> bool:
         """Wait until every link out of each node has flushed past its position in `wanted`."""
@@ -216,6 +256,14 @@ class Verifier:
         for table, result in self.findings.items():
             for node, count in result.rows.items():
                 metrics.divergent_rows.labels(node=node, table=table).set(count)
+
+
+def applied_through(link: LinkProgress, seen: int) -> int:
+    """The source position up to which the link's target has committed everything it needs (`seen`: the
+    source's position passed): `LinkProgress.synced` with what is committed, not only what is flushed."""
+    if link.missed_until is not None or link.log_from is not None or link.enqueued > link.applied:
+        return link.applied
+    return max(link.applied, seen)
 
 
 def _iso(when: float) -> str:
