@@ -28,6 +28,7 @@ def main() -> int:
     print("python -m bench --all              every system on every workload: bench/RESULTS.md (bench.suite)")
     print("python -m bench.suite.profile      where the CPU goes in each workload: bench/results/profiles/")
     print("python -m bench.faults             the fault suite (bench/results/faults.md)")
+    print("python -m bench.faults --nemesis   faults at random, a standby router (bench/results/issue38/)")
     return 0
 
 

@@ -20,6 +20,10 @@ Faults: `cut` (the router's connections to c blackholed: bytes accepted, nothing
 the router log's cap: the stated policy holds the WAL in the slots; c comes back), `big-txn` (one
 transaction of many rows, the router SIGKILLed while it is being applied), `far-target` (c 50 ms away
 through a delaying proxy).
+
+`python -m bench.faults --nemesis --minutes M [--seed S]` is the randomized fault run instead
+(bench/nemesis.py: every kind of fault at random on one cluster with a standby router, then the same
+invariants).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 import psycopg
 
+from bench import nemesis
 from bench.harness.delay import DelayLinks
 from router.cluster.install import init_cluster
 from router.config.model import parse_config
@@ -500,7 +505,10 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="the sizes the tests use")
     parser.add_argument("--only", action="append", choices=sorted(SCENARIOS))
     parser.add_argument("--report", type=Path)
+    nemesis.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.nemesis:
+        return await nemesis.main(args.minutes, args.seed, args.report, args.pace_ms / 1000)
     size = SMALL if args.small else FULL
     results = []
     for name in args.only or list(SCENARIOS):
