@@ -28,8 +28,9 @@ from router.apply.statements import (
     quote_literal,
     typed,
 )
+from router.conflicts.given_up import plain_name, unique_name
 
-__all__ = ["clash_wheres", "literal", "row_where"]
+__all__ = ["clash_wheres", "given_up_probes", "literal", "row_where"]
 
 T = TABLE_ALIAS
 
@@ -88,3 +89,22 @@ def clash_wheres(table: TargetTable, row: Mapping[str, Any], *, updating: bool, 
         wheres.append(row_where(row, unique, table.compare))
     wheres += [index_where(table, index, row) for index in table.indexes]
     return wheres
+
+
+def given_up_probes(table: TargetTable, row: Mapping[str, Any], *, updating: bool) -> list[tuple[str, str]]:
+    """Per secondary unique key of `table` on which `row` claims a value: the key's name (as the given-up
+    trigger names it, router.conflicts.given_up) and SQL for the value `row` claims there (a text[], each
+    term as text; NULL where the row is outside the index's predicate). The same keys as `clash_wheres`
+    (without the primary key)."""
+    probes = []
+    for unique in table.uniques:
+        if any(row.get(c) is None for c in unique) or (updating and set(unique) <= set(table.pk)):
+            continue
+        terms = ", ".join(f"({quote_ident(c)})::text" for c in unique)
+        probes.append((plain_name(unique), f"(SELECT ARRAY[{terms}]::text[] FROM {_remote_row(table, row)})"))
+    for terms_of, where in table.indexes:
+        terms = ", ".join(f"({term})::text" for term in terms_of)
+        inside = f" WHERE ({where})" if where else ""
+        value = f"(SELECT ARRAY[{terms}]::text[] FROM {_remote_row(table, row)}{inside})"
+        probes.append((unique_name(terms_of, where), value))
+    return probes

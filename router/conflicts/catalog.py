@@ -14,6 +14,9 @@ installation of:
   the router's replicated deletes, under `session_replication_role = replica`; the node's own deletes are
   recorded by the router from its decoded stream, router.apply.recorder, off the application's write
   path) or, where the stream does not carry the tombstone key, ALWAYS (`trigger_fires`);
+- `pgmesh.given_up` and the `pgmesh_given_up` trigger (BEFORE INSERT OR UPDATE OR DELETE, ALWAYS) on
+  every replicated table with a unique key besides its tombstone key: the secondary unique values rows gave
+  up, with the version that held them, and the appliers' claims on them checked (router.conflicts.given_up);
 - `pgmesh.expect_origin(xid, oid)` and `pgmesh.expect_rows(bigint, bigint)`: guards the applier's
   statements call, raising SQLSTATE PGM01 / PGM02 when a row does not fit the change (a conflict).
   expect_origin also accepts a row written by the calling transaction itself (top level, not in a
@@ -25,7 +28,7 @@ in key order; the key columns are the primary key, else the replica identity ind
 IDENTITY FULL) every column in attnum order. A partition's deletes are recorded under the partition
 root's name, as the publication (publish_via_partition_root) names them.
 
-Must not: decide conflicts, prune tombstones, or touch user tables beyond the one trigger. Called by
+Must not: decide conflicts, prune tombstones, or touch user tables beyond the two triggers. Called by
 `router.cluster.install.install` inside its transaction; identifiers are quoted with `psycopg.sql`.
 """
 
@@ -73,7 +76,7 @@ _COMMENT_PREFIX: Final = "pgmesh ddl "
 _TABLES: Final[Sequence[tuple[str, Sequence[sql.SQL]]]] = tuple(
     (file.removesuffix(".sql"), tuple(sql.SQL(text) for text in statements(__name__, file)))
     for file in ("conflict_history.sql", "node_info.sql", "tombstones.sql", "tombstones_recorded.sql",
-                 "table_tombstones.sql", "quarantine.sql")
+                 "table_tombstones.sql", "quarantine.sql", "given_up.sql")
 )
 
 
@@ -100,6 +103,8 @@ _FUNCTIONS: Final = (
     _function("table_tombstone.sql", "text, xid8, timestamptz, text"),
     _function("truncate_by_version.sql", "text[], text[], boolean, boolean, timestamptz"),
     _function("truncate_sweep.sql", "text, text"),
+    _function("give_up.sql", ""),
+    _function("given_up_ensure.sql", "oid, text[]"),
 )
 
 # Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.
@@ -277,6 +282,13 @@ async def _ensure_triggers(conn: Conn, tables: Sequence[TableName]) -> list[str]
         if line:
             logger.debug("%s", line)
             done.append(line)
+        cur = await conn.execute(  # the given-up trigger, where the table has other unique keys
+            sql.SQL("SELECT {}.given_up_ensure(%s::regclass::oid, %s)").format(sql.Identifier(PGMESH_SCHEMA)),
+            [sql.Identifier(*table).as_string(conn), list(key)],
+        )
+        given = await cur.fetchone()
+        if given is not None and given[0]:
+            done.append(given[0])
     for table in sorted(set(await tombstone_keys(conn)) - set(tables)):
         await conn.execute(
             sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(TRIGGER_NAME), sql.Identifier(*table))

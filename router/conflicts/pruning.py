@@ -47,8 +47,8 @@ sweep of their table, which needs the recorder's replication origin: the pruner 
 horizon into `pgmesh.node_info` (`tombstone_horizon`), and the node's tombstone recorder
 (router.apply.recorder) drops the table tombstones behind it.
 
-Must not: decide conflicts, write anything but `pgmesh.tombstones` deletions and the horizon, or prune on
-a node whose horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
+Must not: decide conflicts, write anything but `pgmesh.tombstones` (and `pgmesh.given_up`) deletions and
+the horizon, or prune on a node whose horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
 """
 
 from __future__ import annotations
@@ -105,6 +105,13 @@ _T: Final = f'"{PGMESH_SCHEMA}".tombstones'
 _PRUNE_SQL: Final = (
     f"DELETE FROM {_T} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_T} WHERE {_OLD} LIMIT %(limit)s"
     f" FOR UPDATE SKIP LOCKED)) AND {_OLD}"
+)
+# The given-up unique values (router.conflicts.given_up) go behind the same horizon: a claim older than
+# the hold they record can no longer arrive.
+_GIVEN_UP: Final = f'"{PGMESH_SCHEMA}".given_up'
+_PRUNE_GIVEN_UP_SQL: Final = (
+    f"DELETE FROM {_GIVEN_UP} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_GIVEN_UP} WHERE {_OLD}"
+    f" LIMIT %(limit)s FOR UPDATE SKIP LOCKED)) AND {_OLD}"
 )
 # A cheap count: the statistics' live tuples (exact enough for a gauge, no scan).
 _COUNT_SQL: Final = f"SELECT pg_catalog.pg_stat_get_live_tuples('{_T}'::regclass)"
@@ -331,6 +338,10 @@ class TombstonePruner:
             conn = await self._conn(node)
             cur = await conn.execute(_PRUNE_SQL, params)
             stats.pruned += max(0, cur.rowcount)
+            if cur.rowcount < BATCH_ROWS:
+                break
+        for _ in range(BATCHES):
+            cur = await (await self._conn(node)).execute(_PRUNE_GIVEN_UP_SQL, params)
             if cur.rowcount < BATCH_ROWS:
                 break
 

@@ -30,7 +30,8 @@ from router.apply.uniques import row_where
 from router.conflicts.resolve import Version
 
 __all__ = [
-    "Local", "Who", "by_key", "check_tombstone", "deleted_meanwhile", "key_sql", "local_row", "tombstone",
+    "Local", "Who", "by_key", "check_tombstone", "deleted_meanwhile", "held_version", "key_sql", "local_row",
+    "tombstone",
 ]
 
 T = TABLE_ALIAS  # pgmesh's alias of the target table (router.apply.statements)
@@ -105,6 +106,11 @@ async def by_key(
         if all(values.get(k) is not None for k in table.pk):
             return await local_row(conn, who, table, row_where(values, table.pk, table.compare))
     return await local_row(conn, who, table, identity_match(relation, data, full=True, types=table.compare))
+
+
+def held_version(who: Who, commit_time: datetime | None, roident: int | None) -> Local:
+    """A given-up unique value's hold (router.conflicts.given_up), as a local version without a row."""
+    return Local(None, _version(who, commit_time, roident), False)
 
 
 def key_sql(table: TargetTable, values: Row) -> str:

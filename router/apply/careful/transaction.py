@@ -43,6 +43,7 @@ from router.apply.careful.local import (
     by_key,
     check_tombstone,
     deleted_meanwhile,
+    held_version,
     key_sql,
     local_row,
     tombstone,
@@ -72,9 +73,10 @@ from router.apply.statements import (
     truncate_statement,
 )
 from router.apply.toast import ReadSource, whole_row
-from router.apply.uniques import clash_wheres, row_where
+from router.apply.uniques import clash_wheres, given_up_probes, row_where
 from router.apply.uniques import literal as _lit
 from router.config.model import Config
+from router.conflicts.given_up import GIVEN_UP_SQL, RECORD_SQL
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
 from router.errors import ApplyError
 
@@ -93,6 +95,17 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::text::pg_lsn, $13::te
 
 T = TABLE_ALIAS  # pgmesh's alias of the target table (router.apply.statements)
 
+
+_CAREFUL = "SELECT pg_catalog.set_config('pgmesh.careful', 'y', true)"
+# The row killed (by the remote version, on a secondary unique key) goes with its own version as its key's
+# tombstone, not the killing transaction's: a later version of it (newer than the one killed) that does
+# not hold the value comes back, as where the killing claim arrived after it (docs/conflicts.md)
+_KILLED_TOMBSTONE = (
+    "UPDATE pgmesh.tombstones SET xid = (pg_catalog.pg_current_xact_id()::text::int8"
+    " - ((pg_catalog.pg_current_xact_id()::text::int8 % 4294967296) - $2::text::int8 + 4294967296)"
+    " % 4294967296)::text::xid8"
+    " WHERE table_name = $1 AND key = {key} AND xid = pg_catalog.pg_current_xact_id()"
+)
 
 _APPLY_REMOTE = Decision(Outcome.APPLY_REMOTE, "none", "written by the source itself: no conflict")
 # Tables without a key or unique index hold a multiset of rows: a change whose old row is found (an equal
@@ -132,6 +145,8 @@ class CarefulApplier:
         """
         step = _Apply(self, conn, txn, tables, on_message, guard)
         async with conn.transaction():
+            # the given-up trigger leaves claims on given-up unique values to this path (_unique_clash)
+            await conn.execute(_CAREFUL)
             handlers = _APPLY.handlers
             for change in txn.changes:
                 await handlers[type(change)](step, change)
@@ -301,6 +316,7 @@ class _Apply(ChangeContext):
             await self._overwrite(table, decision, new, local.where)
             return
         if not await self._unique_clash(relation, table, new, None):
+            await self._lost_claim(table, new)
             return
         await self._insert_new(relation, table, new)
 
@@ -310,6 +326,8 @@ class _Apply(ChangeContext):
         if tomb is not None and not tomb.mine:
             decision = await self._decide(relation, table, ConflictType.INSERT_DELETED, tomb, new)
             if decision.outcome is Outcome.KEEP_LOCAL:
+                if table.uniques or table.indexes:
+                    await self._record_claims(table, new, updating=False)
                 return
             row = dict(decision.row) if decision.row is not None else new
             await self._create(table, row, new, tomb)
@@ -338,8 +356,48 @@ class _Apply(ChangeContext):
             if decision.outcome is Outcome.KEEP_LOCAL:
                 wins = False
             else:
-                await self._delete_row(table, other.where)
+                await self._kill_row(table, other)
+        # rows that held a value it claims and gave it up since: a hold newer than the claim beats it, as
+        # the row did where the claim arrived while it held the value (docs/conflicts.md, "A unique value
+        # given up"); an older hold is no matter (the row had moved on, or went, by its own later version)
+        own_key = key_sql(table, new)
+        probes = given_up_probes(table, new, updating=own is not None)
+        for name, value in probes:
+            query = GIVEN_UP_SQL.format(value=value, key=own_key)
+            for record in await self.conn.fetch(query, table.name, name):
+                held = held_version(self.careful, record["pgmesh_ts"], record["pgmesh_origin"])
+                if held.version.order() < self.remote.order():
+                    continue
+                decision = await self._decide(relation, table, ConflictType.INSERT_EXISTS, held, new)
+                if decision.outcome is Outcome.KEEP_LOCAL:
+                    wins = False
+        if not wins:
+            await self._record_claims(table, new, updating=own is not None)
         return wins
+
+    async def _record_claims(self, table: TargetTable, new: Row, *, updating: bool) -> None:
+        """The remote row is not written (it lost): where it was written, it held its secondary unique values
+        until it went, and its given-up records say so; so do they here."""
+        own_key = key_sql(table, new)
+        for name, value in given_up_probes(table, new, updating=updating):
+            await self.conn.execute(RECORD_SQL.format(value=value, key=own_key), table.name, name)
+
+    async def _kill_row(self, table: TargetTable, other: Local) -> None:
+        """Delete `other`, beaten on a secondary unique key, its tombstone carrying its own version."""
+        xmin = await self.conn.fetchval(
+            f"DELETE FROM {table.qualified} AS {T} WHERE {other.where} RETURNING {T}.xmin::text"
+        )
+        if xmin is not None and other.row is not None and table.tombstone_key:
+            key = tombstone_key(key_sql(table, other.row))
+            await self.conn.execute(_KILLED_TOMBSTONE.format(key=key), table.name, xmin)
+
+    async def _lost_claim(self, table: TargetTable, values: Row) -> None:
+        """A row not written because it lost on a secondary unique key: its version is its key's tombstone
+        when newer than the one there, as where it was written and then went."""
+        tomb = await tombstone(self.conn, self.careful, table, values)
+        if tomb is None or tomb.version.order() < self.remote.order():
+            key = tombstone_key(key_sql(table, values))
+            await self.conn.execute(put_tombstone_sql(key), table.name, tomb.xid if tomb else None)
 
     async def _overwrite(self, table: TargetTable, decision: Decision, new: Row, where: str) -> None:
         if decision.outcome is Outcome.APPLY_REMOTE:
@@ -441,6 +499,7 @@ class _Apply(ChangeContext):
             # where it met them before the deletion (and as an insert losing to a tombstone, insert)
             if table.uniques or table.indexes:
                 await self._unique_clash(relation, table, new, None)
+                await self._record_claims(table, new, updating=False)
             return
         # the row re-created may meet a row holding its key (moved onto it) or a secondary unique value
         other = await by_key(self.conn, careful, relation, table, change.new) if table.pk else None
@@ -450,6 +509,8 @@ class _Apply(ChangeContext):
             return
         if await self._unique_clash(relation, table, row, None):
             await self._create(table, row, new, tomb)
+        else:
+            await self._lost_claim(table, row)
 
     async def delete(self, relation: Relation, table: TargetTable, change: Delete) -> None:
         conn = self.conn

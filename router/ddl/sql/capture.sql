@@ -384,6 +384,8 @@ BEGIN
                    WHERE i.indrelid = rel AND i.indisreplident)
                 THEN 'REPLICA' ELSE 'ALWAYS' END;
   EXECUTE format('ALTER TABLE %I.%I ENABLE %s TRIGGER pgmesh_tombstone', nsp, tab, fires);
+  -- the given-up trigger, where the table has unique keys besides `key` (router/conflicts/given_up.py)
+  PERFORM {schema}.given_up_ensure(rel, key);
   -- a node that only receives refuses local writes to it (router/cluster/receive.py)
   IF EXISTS (SELECT 1 FROM {schema}.node_info AS i WHERE i.key = 'receive_only') THEN
     IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = rel AND tgname = 'pgmesh_receive_only') THEN
