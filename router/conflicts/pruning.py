@@ -48,7 +48,8 @@ horizon into `pgmesh.node_info` (`tombstone_horizon`), and the node's tombstone 
 (router.apply.recorder) drops the table tombstones behind it.
 
 Must not: decide conflicts, write anything but `pgmesh.tombstones` (and `pgmesh.given_up`) deletions and
-the horizon, or prune on a node whose horizon is unknown. It owns its connections (one per node, `application_name` pgmesh-pruner).
+the horizon, or prune on a node whose horizon is unknown. It owns its connections (one per node,
+`application_name` pgmesh-pruner).
 """
 
 from __future__ import annotations
