@@ -292,6 +292,9 @@ class VerifySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     interval: Duration = "10m"
     tables: list[TableName] = msgspec.field(default_factory=list)  # []: every replicated table
     rows_per_second: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+    # tables whose divergent keys a pass repairs at once (router.cluster.compare.fix: the conflict path's
+    # versions decide), when compared on full nodes and they have a key; [] (default): none
+    auto_repair: list[TableName] = msgspec.field(default_factory=list)
 
     @property
     def interval_s(self) -> float:

@@ -123,6 +123,7 @@ class VerifyStatus(msgspec.Struct, frozen=True):
     skipped: list[str] = msgspec.field(default_factory=list)  # tables not compared, with why
     reading: str | None = None  # the table a pass reads now (None: between passes)
     last_error: str | None = None  # why the last pass stopped short
+    repaired: dict[str, int] = msgspec.field(default_factory=dict)  # table -> keys auto_repair fixed
 
     def describe(self) -> str:
         """`pgmesh status`'s line."""
@@ -139,6 +140,9 @@ class VerifyStatus(msgspec.Struct, frozen=True):
             text += f": DIVERGENT ROWS: {tables} (`pgmesh compare` shows them, `pgmesh repair` fixes them)"
         else:
             text += ": 0 divergent rows"
+        if self.repaired:
+            fixed = ", ".join(f"{t} {n} key(s)" for t, n in self.repaired.items())
+            text += f"; repaired by auto_repair: {fixed}"
         if self.reading is not None:
             text += f"; now reading {self.reading}"
         if self.skipped:

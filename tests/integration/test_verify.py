@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from router.service.supervisor import Router
-from router.testing.mesh import execute, running_router, wait_converged, wait_for
+from router.testing.mesh import execute, fetch, running_router, wait_converged, wait_for
 from tests.fix_mesh import MeshFactory
 
 SCHEMA = """CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL);
@@ -118,3 +118,24 @@ async def test_verification_reports_a_hidden_difference_and_never_writes_in_flig
         await wait_for(lambda: not any(divergent(router).values()), "the differences gone", 60)
         status = router.status().verify
         assert status is not None and status.divergent == {}
+
+
+async def test_auto_repair_fixes_the_tables_it_names_only(mesh: MeshFactory) -> None:
+    m = await mesh(nodes=3, schema=SCHEMA, extra=VERIFY + 'auto_repair = ["t"]\n')
+    a, b, c = m.nodes
+    async with running_router(m.config) as router:
+        await execute(a.dsn(), "INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 2000) g",
+                      "INSERT INTO live SELECT g, 0 FROM generate_series(1, 100) g")
+        await wait_converged(m.nodes, TABLES)
+        await passes_after(router, 1)
+
+        await unreplicated(b, "UPDATE t SET v = 'hidden' WHERE id = 42", "DELETE FROM t WHERE id = 43")
+        await unreplicated(c, "INSERT INTO t VALUES (5000, 'only on c')",
+                           "UPDATE live SET v = 9 WHERE id = 7")
+        await wait_for(lambda: router.verify is not None and router.verify.repaired.get("public.t") == 3,
+                       "t's three keys repaired", 60)
+        await wait_converged(m.nodes, ["t"])  # one winner per key, written on every node
+        await wait_for(lambda: divergent(router).get(("c", "public.live")) == 1
+                       and not any(n for (_, table), n in divergent(router).items() if table == "public.t"),
+                       "t identical again, live (not named) still reported", 60)
+        assert await fetch(c.dsn(), "SELECT v FROM live WHERE id = 7") == [(9,)]  # left as it is

@@ -19,6 +19,11 @@ read again: a key is divergent only if it still differs and its values are the o
 not reported), as `pgmesh compare`'s recheck. A barrier not reached within `BARRIER_S` (a link paused or
 down) decides nothing this pass.
 
+A table named in `[verify] auto_repair` (with a key, compared on full nodes) has its divergent keys
+repaired at once (router.cluster.compare.fix `decide_table` and `write_node`, as `pgmesh repair`: each
+key's winner by the conflict path's versions, a row written since the comparison left alone); the finding
+still says what the pass found, the next pass whether the table is identical.
+
 What it found (router.service.verify.findings) replaces each table's previous finding: status
 (`report`), pgmesh_divergent_rows{node,table} (`export`; 0 for every node of a table found identical),
 one log line per table that differs per pass (its first keys; never a DSN) and one when it is identical
@@ -39,17 +44,20 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 import msgspec
+import psycopg
 
-from router.cluster.compare.worker import CompareJob, Difference
+from router.cluster.compare.fix import KeyDiff, decide_table, to_hex, write_node
+from router.cluster.compare.worker import SESSION_SQL, CompareJob, Difference
 from router.cluster.partial import is_partial
-from router.config.model import Config, NodeConfig
-from router.errors import describe
+from router.config.model import Config, NodeConfig, split_table_name
+from router.errors import PgmeshError, describe
+from router.nodes.connect import connect
 from router.progress.positions import LinkProgress
 from router.service.metrics import Metrics
 from router.service.status import VerifyStatus
 from router.service.verify.findings import TableFinding, finding, merged
 from router.service.verify.scope import Scope, read_scope
-from router.service.verify.sessions import NodeSessions
+from router.service.verify.sessions import APPLICATION_NAME, NodeSessions
 
 __all__ = ["BARRIER_S", "FIRST_PASS_S", "PIN_S", "ROUNDS", "Verifier", "applied_through"]
 
@@ -92,6 +100,7 @@ class Verifier:
         self.skipped: list[str] = list(previous.skipped) if previous else []
         self.reading: str | None = None
         self.error: str | None = None
+        self.repaired: dict[str, int] = {}  # table -> keys repaired by the last pass (auto_repair)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pgmesh-verify-pass")
 
     # ------------------------------------------------------------ the task
@@ -151,6 +160,7 @@ class Verifier:
             divergent, unsettled = await self._settle(sessions, job, candidates)
         finally:
             self._thread.submit(sessions.close)  # (after the read in hand, if cancelled in the middle of one)
+        self.repaired = await self._repair(job, divergent) if self.section.auto_repair and divergent else {}
         found: dict[str, TableFinding] = {}
         for index, table in enumerate(scope.tables):
             names = [job.nodes[i] for i in job.nodes_of(table)]
@@ -168,6 +178,42 @@ class Verifier:
         logger.info("verify: pass %d done in %.1f s (started %s): %d table(s), %d key(s) read again, %d"
                     " divergent%s", self.passes, self.last_seconds, _iso(wall), len(found), len(candidates),
                     total, f"; not compared: {'; '.join(scope.skipped)}" if scope.skipped else "")
+
+    async def _repair(self, job: CompareJob, divergent: Sequence[Difference]) -> dict[str, int]:
+        """Repair the divergent keys of the tables `auto_repair` names (with a key, compared on full nodes):
+        table -> keys repaired. A repair that fails is logged; the pass goes on."""
+        named = {".".join(split_table_name(t)) for t in self.section.auto_repair}
+        out: dict[str, int] = {}
+        for index, table in enumerate(job.tables):
+            nodes = [self.nodes[i] for i in job.nodes_of(table)]
+            mine = [d for d in divergent if d.table == index]
+            if not mine or table.label not in named or table.keyless or any(is_partial(n) for n in nodes):
+                continue
+            names = [n.name for n in nodes]
+            diffs = [KeyDiff(d.key, d.key_json, {n: to_hex(h) for n, h in zip(names, d.hashes, strict=True)})
+                     for d in mine]
+            conns: dict[str, psycopg.AsyncConnection[Any]] = {}
+            try:
+                for node in nodes:
+                    conns[node.name] = await connect(node, purpose=APPLICATION_NAME)
+                    await conns[node.name].execute(SESSION_SQL)
+                repair = await decide_table(conns, self.config, table.label, diffs)
+                await asyncio.gather(*(write_node(conn, self.config, name, repair)
+                                       for name, conn in conns.items()))
+            except (PgmeshError, psycopg.Error) as exc:
+                logger.warning("verify: table %s: auto_repair of %d key(s) failed: %s", table.label,
+                               len(mine), describe(exc))
+                continue
+            finally:
+                for conn in conns.values():
+                    await conn.close()
+            fixed = sum(1 for where in repair.written.values() if where)
+            out[table.label] = fixed
+            logger.warning("verify: table %s: auto_repair repaired %d of %d divergent key(s) (winners: %s)%s",
+                           table.label, fixed, len(mine), repair.winners(),
+                           f"; left alone, written since the comparison: {len(repair.changed)}"
+                           if repair.changed else "")
+        return out
 
     async def _pin(self, sessions: NodeSessions) -> None:
         """Snapshots on every node: the first full node's now, the others' once every link out of it has
@@ -247,7 +293,7 @@ class Verifier:
             divergent={t: {n: c for n, c in f.rows.items() if c} for t, f in differ.items()},
             divergent_keys={t: f.total for t, f in differ.items()},
             first_keys={t: f.keys for t, f in differ.items()},
-            skipped=self.skipped, reading=self.reading, last_error=self.error,
+            skipped=self.skipped, reading=self.reading, last_error=self.error, repaired=self.repaired,
         )
 
     def export(self, metrics: Metrics) -> None:

@@ -1,5 +1,6 @@
 """Continuous verification's pure parts (router.service.verify): which nodes hold a key apart, a table's
-finding and its merge, the status line, and the [verify] section's durations."""
+finding and its merge, the status line, the [verify] section's durations, and how far a link has
+committed (what the staggered snapshots wait for)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 from router.config.model import parse_config
 from router.config.sections import duration_seconds
 from router.errors import ConfigError
+from router.progress.positions import LinkProgress
 from router.service.status import VerifyStatus
 from router.service.verify.findings import FIRST_KEYS, apart, finding, merged
+from router.service.verify.verifier import applied_through
 
 
 def test_the_node_outside_the_largest_group_holds_the_key_apart() -> None:
@@ -61,3 +64,15 @@ def test_the_verify_section() -> None:
     assert [duration_seconds(d) for d in ("500ms", "2h", "7d", "1.5m")] == [0.5, 7200.0, 604800.0, 90.0]
     with pytest.raises(ConfigError, match=r"verify\.interval"):
         parse_config(_config('[verify]\ninterval = "10 minutes"\n'))
+
+
+def test_a_link_has_committed_up_to_its_applied_position_or_all_it_was_given() -> None:
+    link = LinkProgress("a", "b", flushed=100)
+    assert applied_through(link, seen=500) == 500  # nothing pending: everything the source passed
+    link.enqueued = 300
+    link.on_applied(200)
+    assert applied_through(link, seen=500) == 200  # committed there so far (flushed or not)
+    link.on_applied(300)
+    assert applied_through(link, seen=500) == 500
+    link.missed_until = 400  # detached, to re-read: only what it applied
+    assert applied_through(link, seen=500) == 300
