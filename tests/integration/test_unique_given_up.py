@@ -102,3 +102,38 @@ async def holds(node: LocalNode, key: int, tag: str) -> bool:
 
 async def gone(node: LocalNode, key: int) -> bool:
     return await fetch(node.dsn(), "SELECT 1 FROM reg WHERE id = %s", [key]) == []
+
+
+TWO_KEYS = "CREATE TABLE two (id int PRIMARY KEY, a int UNIQUE, b int UNIQUE);"
+
+
+async def test_a_chain_of_rows_met_on_two_unique_keys(mesh: MeshFactory) -> None:
+    """z = (3, a 8, b 1) on c (t1), y = (2, a 1, b 1) on b (t2), x = (1, a 1, b 9) on a (t3), every link
+    paused: x meets y on a, y meets z on b, x and z never meet. y loses to x and z to y on every node, in
+    whatever order they arrive. On a, y arrives first and is not written (it meets x), so z then meets no
+    row on b: y's record of having held b 1 at t2 decides it (before, a kept z and the others did not)."""
+    m = await mesh(nodes=3, schema=TWO_KEYS)
+    nodes, config = m.nodes, m.config
+    a, b, c = nodes
+    async with running_router(config) as router:
+        for link in router.appliers.values():
+            link.pause()
+        await execute(c.dsn(), "INSERT INTO two VALUES (3, 8, 1)")  # z
+        await execute(b.dsn(), "INSERT INTO two VALUES (2, 1, 1)")  # y
+        await execute(a.dsn(), "INSERT INTO two VALUES (1, 1, 9)")  # x
+        # a: y, then z; b: x, then z; c: y, then x
+        for first, then, target, key in (("b", "c", a, "2"), ("a", "c", b, "1"), ("b", "a", c, "2")):
+            router.appliers[(first, target.name)].resume()
+            await wait_for(lambda n=target, k=key: decided(n, k), f"{target.name} to decide {first}'s row")
+            router.appliers[(then, target.name)].resume()
+        await wait_converged(nodes, ["two"])
+        assert all(applier.last_error is None for applier in router.appliers.values())
+    for node in nodes:
+        got = await fetch(node.dsn(), "SELECT id, a, b FROM two ORDER BY id")
+        assert got == [(1, 1, 9)], (node.name, got)
+
+
+async def decided(node: LocalNode, key: str) -> bool:
+    """A conflict of the remote row `key` of table two is recorded on `node`."""
+    query = "SELECT 1 FROM pgmesh.conflict_history WHERE table_name = 'public.two' AND key = %s"
+    return bool(await fetch(node.dsn(), query, [key]))

@@ -313,6 +313,8 @@ class _Apply(ChangeContext):
                 if decision.outcome is not Outcome.KEEP_LOCAL:
                     await self._delete_row(table, local.where)
                 return
+            if decision.outcome is Outcome.KEEP_LOCAL and (table.uniques or table.indexes):
+                await self._record_claims(table, new, updating=True)  # not written: it held them elsewhere
             await self._overwrite(table, decision, new, local.where)
             return
         if not await self._unique_clash(relation, table, new, None):
@@ -418,8 +420,10 @@ class _Apply(ChangeContext):
         moved_key = any(old.get(k) != new.get(k) for k in table.pk)  # onto another row's key: met there too
         if (table.uniques or table.indexes or moved_key) and not await self._unique_clash(
             relation, table, new, local.where, moved_key
-        ):  # the remote row lost: its old row goes, as where the change came from
-            await self._delete_row(table, local.where)
+        ):  # the remote row lost: its old row goes, as where the change came from, unless the row here is
+            # a newer version than the change (it stays, as where it came after the change went)
+            if local.mine or local.version.order() < self.remote.order():
+                await self._delete_row(table, local.where)
             return
         if local.mine:  # a local change merged under the source's origin may be here: deltas add up
             if deltas and change.old is not None:
@@ -435,6 +439,8 @@ class _Apply(ChangeContext):
             )
         decision = await self._decide(relation, table, ConflictType.UPDATE_ORIGIN_DIFFERS, local, new, fixed)
         where = local.where
+        if decision.outcome is Outcome.KEEP_LOCAL and (table.uniques or table.indexes):
+            await self._record_claims(table, new, updating=True)  # not written: it held them elsewhere
         if deltas and change.old is not None:
             await self._merge_deltas(table, relation, change, deltas, where, decision)
             return
