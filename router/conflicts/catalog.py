@@ -105,6 +105,7 @@ _FUNCTIONS: Final = (
     _function("truncate_sweep.sql", "text, text"),
     _function("give_up.sql", ""),
     _function("given_up_ensure.sql", "oid, text[]"),
+    _function("given_up_index.sql", "oid"),
 )
 
 # Per replicated table: its key columns by every rule, its columns, and the trigger pgmesh put there.

@@ -137,3 +137,20 @@ async def decided(node: LocalNode, key: str) -> bool:
     """A conflict of the remote row `key` of table two is recorded on `node`."""
     query = "SELECT 1 FROM pgmesh.conflict_history WHERE table_name = 'public.two' AND key = %s"
     return bool(await fetch(node.dsn(), query, [key]))
+
+
+async def test_a_unique_index_created_later_is_taken_up(mesh: MeshFactory) -> None:
+    """CREATE UNIQUE INDEX after init (replicated DDL) puts the given-up trigger on the table on every
+    node; a table without a unique key besides its primary key has none (it needs no record)."""
+    m = await mesh(nodes=2, schema="CREATE TABLE plain (id int PRIMARY KEY, tag text);")
+    nodes, config = m.nodes, m.config
+    assert not any([await given_up_trigger(node) for node in nodes])
+    async with running_router(config):
+        await execute(nodes[0].dsn(), "CREATE UNIQUE INDEX plain_tag ON plain (lower(tag))")
+        for node in nodes:
+            await wait_for(lambda n=node: given_up_trigger(n), f"the given-up trigger on {node.name}")
+
+
+async def given_up_trigger(node: LocalNode) -> bool:
+    query = "SELECT 1 FROM pg_trigger WHERE tgrelid = 'plain'::regclass AND tgname = 'pgmesh_given_up'"
+    return bool(await fetch(node.dsn(), query))

@@ -527,6 +527,8 @@ BEGIN
     replicated := true;
     IF cmd.object_type IN ('table', 'table column') THEN
       PERFORM {schema}.ddl_table(cmd.objid);
+    ELSIF cmd.object_type = 'index' THEN  -- a unique key more or less: the given-up trigger's arguments
+      PERFORM {schema}.given_up_index(cmd.objid);
     ELSIF cmd.object_type = 'schema' AND tg_tag = 'ALTER SCHEMA' THEN
       PERFORM {schema}.ddl_schema_renamed(cmd.objid);
     END IF;
