@@ -19,11 +19,14 @@ import io
 from typing import Any
 
 import psycopg
+import pytest
 
 from router.ops.compare.job import compare_cluster
 from router.ops.compare.repair import repair_cluster
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
+
+pytestmark = pytest.mark.slow  # about 15 s: a 3-node mesh and the router
 
 SCHEMA = "CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)"
 

@@ -55,7 +55,7 @@ from router.errors import PgmeshError, describe
 
 __all__ = [
     "READ_BATCH", "WRITE_BATCH", "KeyDiff", "NodePlan", "Progress", "TableRepair", "decide_table",
-    "read_states", "repair_origin", "to_hex", "write_node",
+    "read_states", "repair_origin", "repair_table", "to_hex", "write_node",
 ]
 
 READ_BATCH: Final = 10_000  # keys read per query on each node
@@ -395,6 +395,19 @@ async def _stage(
             await copy.write_row(row)
     await conn.execute(sql.SQL("CREATE INDEX ON {} (pgmesh_g)").format(_STAGE))
     await conn.execute(sql.SQL("ANALYZE {}").format(_STAGE))
+
+
+async def repair_table(
+    conns: Mapping[str, psycopg.AsyncConnection[Any]], config: Config, table: str, diffs: Sequence[KeyDiff],
+    *, source: str | None = None, progress: Progress | None = None, dry_run: bool = False,
+) -> TableRepair:
+    """`decide_table`, then (unless `dry_run`) `write_node` on each of its nodes at once: the whole
+    repair of one table's differing keys between full nodes (`conns`: one session each, see the module
+    docstring)."""
+    repair = await decide_table(conns, config, table, diffs, source=source, progress=progress)
+    if not dry_run:
+        await asyncio.gather(*(write_node(c, config, node, repair, progress) for node, c in conns.items()))
+    return repair
 
 
 async def write_node(
