@@ -28,7 +28,9 @@ at a time, so a majority of nodes and one router that can hold the lease are alw
 At the end: every fault healed, the writers stopped, then (bounded) until the nodes hold identical
 rows; then the checks (bench/nemesis_load.py: every acknowledged insert on every node exactly once,
 ledgers whole and equal), `pgmesh compare` exit 0, exactly one active router, continuous verification's
-`pgmesh_divergent_rows` 0 on it when the router has `[verify]`. The report (Markdown, default
+`pgmesh_divergent_rows` 0 on it when the router has `[verify]` (sampled every 5 s during the run too:
+whatever it reported is listed). A router that exits by itself is recorded (a failed check) and started
+again. The report (Markdown, default
 bench/results/issue38/nemesis-<date>.md) lists every fault with its start and end (seconds from the
 start), the checks and the counts.
 
@@ -63,6 +65,7 @@ from bench.nemesis_load import (
     compare,
     counts_table,
     read_node,
+    router_status,
     verification,
     verify_section,
     write,
@@ -123,6 +126,7 @@ class Bed:
         self.t0 = time.monotonic()
         self.killed: set[str] = set()  # routers the nemesis killed and has not started again
         self.crashes: list[str] = []  # routers that exited by themselves: when, exit code, last error
+        self.verify_said: list[str] = []  # what the active router's verification reported during the run
 
     def _proxied(self, node: LocalNode) -> Any:
         return lambda: node.dsn().replace(f"port={node.port}", f"port={self.proxies[node.name].port}")
@@ -210,6 +214,20 @@ class Bed:
                     print(f"{self.now():7.1f} s  router {name} EXITED by itself: {last}", flush=True)
                     self.routers.start(name, self.via)
             await asyncio.sleep(0.5)
+
+    async def watch_verify(self) -> None:
+        """Every 5 s, the active router's continuous verification: each change of the rows it reports
+        apart is recorded (nodes only lag here, and it compares behind a barrier: any is worth a look)."""
+        last: Any = {}
+        while True:
+            for name in sorted(self.routers.procs):
+                status = await router_status(self.routers.ports[name])
+                verify = status.get("verify") or {}
+                if (status.get("lease") or {}).get("role") == "active" and verify.get("divergent") != last:
+                    last = verify.get("divergent")
+                    self.verify_said.append(f"{self.now():.1f} s, {name}: rows apart {last or 'none'}"
+                                            f" (first keys {verify.get('first_keys') or {}})")
+            await asyncio.sleep(5)
 
     async def close(self) -> None:
         await self.routers.stop()
@@ -426,7 +444,8 @@ class Outcome:
             f"# Randomized fault run, {when}\n",
             f"`python -m bench.faults --nemesis --minutes {self.minutes:g} --seed {self.seed}`: 3 nodes, each"
             f" behind a proxy and under libfaketime; two routers with [ha] lease_s = {LEASE_S:g}; ledger and"
-            f" set writers on every node. **{'PASSED' if self.ok else 'FAILED'}**.\n",
+            f" set writers on every node. At most one fault on the nodes (stop, cut or clock step) and one on"
+            f" the routers (kill or pause) at a time. **{'PASSED' if self.ok else 'FAILED'}**.\n",
             f"Faults: {len(self.faults)} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))});"
             f" converged {self.converge_s:.1f} s after the writers stopped"
             if self.converge_s >= 0 else f"Faults: {len(self.faults)}; NOT converged", "",
@@ -470,7 +489,9 @@ async def _run(bed: Bed, minutes: float, seed: int, pace_s: float) -> Outcome:
                for i, t in enumerate(tallies)]
     nemesis = Nemesis(bed, seed)
     bed.t0 = time.monotonic()
-    watch = asyncio.create_task(bed.watch_routers())
+    watches = [asyncio.create_task(bed.watch_routers())]
+    if verify_section():
+        watches.append(asyncio.create_task(bed.watch_verify()))
     try:
         try:
             await nemesis.run(minutes * 60)
@@ -483,7 +504,11 @@ async def _run(bed: Bed, minutes: float, seed: int, pace_s: float) -> Outcome:
                 task.cancel()
         checks, rows, converge_s = await _the_end(bed, mesh, tallies)
     finally:
-        watch.cancel()
+        for task in watches:
+            task.cancel()
+    said = [x for x in bed.verify_said if "rows apart none" not in x]
+    notes.append("continuous verification during the run: " + ("; ".join(bed.verify_said[-20:]) if said
+                 else "reported no row apart"))
     checks.append(Check("no router exited by itself", not bed.crashes, "; ".join(bed.crashes) or "none"))
     return Outcome(seed, minutes, nemesis.faults, checks, counts_table(rows, tallies), converge_s, notes)
 
