@@ -156,6 +156,10 @@ class QuarantineIndex:
                 return True
         return False
 
+    def has(self, table: str) -> bool:
+        """Whether `table` has pending keys."""
+        return table in self._keys
+
     def knows(self, table: str, keys: Iterable[str]) -> bool:
         found = self._keys.get(table)
         return found is not None and any(k in found for k in keys)
@@ -241,8 +245,13 @@ class Guard:
         self._covers: dict[str, bool] = {}
         self._written: list[tuple[str, list[str], int, str]] = []  # table, keys, id, what to log
 
+    def watches(self, schema: str, name: str, table: str) -> bool:
+        """Whether changes of `schema.name` (the target's `table`) go through `change`: it quarantines, or
+        has pending keys (whatever its on_refused says now, a change of such a key follows them)."""
+        return self.covers(schema, name) or self.index.has(table)
+
     def covers(self, schema: str, name: str) -> bool:
-        """Whether changes of `schema.name` are quarantined when refused (or while their key is pending)."""
+        """Whether a change of `schema.name` the target refuses is quarantined (on_refused)."""
         qualified = f"{schema}.{name}"
         found = self._covers.get(qualified)
         if found is None:
@@ -250,15 +259,16 @@ class Guard:
         return found
 
     async def change(self, conn: Any, entry: Entry, apply: Callable[[], Awaitable[None]],
-                     undo: Callable[[], None]) -> None:
-        """Apply one change of a covered table (its key locked by the caller): after the pending entries of
-        its key, if any (it follows them); else under a savepoint when `savepoints`, a refusal setting it
-        aside (`undo` forgets what the caller recorded inside the savepoint)."""
+                     undo: Callable[[], None], *, covered: bool = True) -> None:
+        """Apply one change of a table it `watches` (its key locked by the caller): after the pending
+        entries of its key, if any (it follows them); else, for a table it `covers` (`covered`), under a
+        savepoint when `savepoints`, a refusal setting it aside (`undo` forgets what the caller recorded
+        inside the savepoint)."""
         follows = await self._follows(conn, entry)
         if follows is not None:
             await self._write(conn, entry, follows, None)
             return
-        if not self.savepoints:
+        if not (self.savepoints and covered):
             await apply()
             return
         await conn.execute(_SAVEPOINT)

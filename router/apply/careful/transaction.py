@@ -196,7 +196,7 @@ class _Apply(ChangeContext):
     ) -> None:
         """Run `apply` (one change, its key locked), through the quarantine when its table has one."""
         guard = self.guard
-        if guard is None or not guard.covers(relation.schema, relation.name):
+        if guard is None or not guard.watches(relation.schema, relation.name, table.name):
             await apply()
             return
         size = len(self.records)
@@ -204,7 +204,8 @@ class _Apply(ChangeContext):
         def undo() -> None:  # the conflicts it recorded went with its savepoint
             del self.records[size:]
 
-        await guard.change(self.conn, Entry(table, kind, new, old), apply, undo)
+        await guard.change(self.conn, Entry(table, kind, new, old), apply, undo,
+                           covered=guard.covers(relation.schema, relation.name))
 
     def row_table(self, relid: int) -> tuple[Relation, TargetTable] | None:
         """A row change's relation and table (None: a table a partial target does not get)."""

@@ -81,6 +81,7 @@ class _Conn:
         self.rows = rows
         self.meanwhile = meanwhile
         self.sent: list[str] = []
+        self.values: list[Any] = []  # what fetchval returns, in turn (then None)
 
     async def fetch(self, query: str) -> list[tuple[Any, ...]]:
         self.meanwhile()  # what a link commits while the read runs
@@ -91,7 +92,7 @@ class _Conn:
 
     async def fetchval(self, query: str, *args: Any) -> Any:
         self.sent.append(query)
-        return None
+        return self.values.pop(0) if self.values else None
 
 
 def _txn(table: str, key: int = 1) -> Transaction:
@@ -163,3 +164,17 @@ async def test_an_illegal_move_while_handling_an_error_ends_the_link_in_error() 
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_pending_key_is_followed_where_the_table_no_longer_quarantines() -> None:
+    """on_refused went back to "pause" for the table while a key had entries: its changes still follow."""
+    config = parse_config(MINIMAL)
+    index = QuarantineIndex("b")
+    index.add("public.t", [key_text({"id": "1"})])
+    guard = Guard(config, index, "a", _txn("t"), savepoints=False)
+    assert guard.watches("public", "t", "public.t") and not guard.covers("public", "t")
+    table = TABLES[("public", "t")]
+    conn = _Conn([])
+    conn.values = [4, 5]  # the newest pending entry of the key; the new entry's id
+    await guard.change(conn, Entry(table, "update", {"id": "1"}, None), _refused, lambda: None, covered=False)
+    assert [w[2] for w in guard.written] == [5] and "SAVEPOINT" not in " ".join(conn.sent)
