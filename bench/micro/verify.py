@@ -256,8 +256,8 @@ async def run(args: argparse.Namespace) -> str:
         load_s = await load(nodes, args.rows, args.scale)
         mesh = await prepare_mesh(nodes, cluster="bench", admin_port=free_port())
         began = time.monotonic()
-        lines = [f"continuous verification, 3 nodes (`python -m bench.micro.verify {' '.join(args.argv)}`);"
-                 f" loading took {load_s:.0f} s\n"]
+        command = " ".join(["python -m bench.micro.verify", *args.argv])
+        lines = [f"continuous verification, 3 nodes (`{command}`); loading took {load_s:.0f} s\n"]
         lines += await detect(mesh, work, args.rows, args.detect_interval)
         lines += await cost(mesh, work, args)
         lines.append(f"(the measured part took {time.monotonic() - began:.0f} s)")
