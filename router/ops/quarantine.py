@@ -72,6 +72,12 @@ _OF_KEY: Final = (
     f"SELECT {_COLUMNS} FROM pgmesh.quarantine WHERE state = 'pending' AND table_name = $1"
     " AND key IS NOT DISTINCT FROM $2::jsonb ORDER BY id"
 )
+# The entry the first pending entry of a key follows, when it is pending too (its table and key).
+_FIRST_FOLLOWS: Final = (
+    "SELECT f.table_name, f.key::text AS key FROM pgmesh.quarantine AS q JOIN pgmesh.quarantine AS f"
+    " ON f.id = q.follows AND f.state = 'pending' WHERE q.id = (SELECT min(id) FROM pgmesh.quarantine"
+    " WHERE state = 'pending' AND table_name = $1 AND key IS NOT DISTINCT FROM $2::jsonb)"
+)
 _RECORD: Final = """
 INSERT INTO pgmesh.conflict_history (source, table_name, key, conflict_type, resolution, resolver, reason,
   remote_origin, remote_commit_time, remote_lsn, remote_row)
@@ -223,29 +229,46 @@ async def _replay_entry(link: LinkSession, careful: CarefulApplier, entry: Entry
     return decided
 
 
+async def _keys_in_order(probe: Any, entries: Sequence[Entry]) -> list[tuple[str, str | None]]:
+    """The keys of `entries` in the order of their first entries; a key whose first pending entry follows a
+    pending entry of another key (an update moved a row onto it) comes after that key."""
+    keys = list(dict.fromkeys((e.table_name, e.key) for e in entries))
+    ordered: list[tuple[str, str | None]] = []
+    for _ in range(len(keys) * 2 + 1):  # each key placed once; a chain is at most as long as the keys
+        if not keys:
+            break
+        table, key = keys.pop(0)
+        if (table, key) in ordered:
+            continue
+        first = await probe.fetchrow(_FIRST_FOLLOWS, table, key)
+        before = (first["table_name"], first["key"]) if first is not None else None
+        if before is not None and before != (table, key) and before not in ordered:
+            keys[:0] = [before, (table, key)]  # (a key before it that was not chosen is replayed too)
+            continue
+        ordered.append((table, key))
+    return ordered + [k for k in keys if k not in ordered]
+
+
 async def replay(config: Config, target: NodeConfig, entries: Sequence[Entry], out: TextIO) -> int:
     """Replay the pending entries of the keys of `entries` on `target`, each key in id order; the number of
-    keys stopped at an entry still refused."""
+    keys stopped at an entry that is still refused or fails."""
     sessions: dict[str, tuple[LinkSession, CarefulApplier]] = {}
     stopped = 0
     try:
-        probe = await asyncpg.connect(**asyncpg_args(target.dsn))
+        probe = await _connect(target)
         try:
-            keys = list(dict.fromkeys((e.table_name, e.key) for e in entries))
-            for table, key in keys:
+            for table, key in await _keys_in_order(probe, entries):
                 rows = await probe.fetch(_OF_KEY, table, key)
                 for entry in (Entry(target.name, tuple(r)) for r in rows):
                     if entry.source not in sessions:
                         sessions[entry.source] = await _open(config, entry.source, target)
                     try:
                         decided = await _replay_entry(*sessions[entry.source], entry)
-                    except asyncpg.PostgresError as exc:
-                        if not is_refused(exc):
-                            raise
+                    except (asyncpg.PostgresError, PgmeshError) as exc:
                         stopped += 1
-                        print(f"node {target.name} #{entry.id} {table} key {key}: still refused"
-                              f" ({describe(exc)}); it and the later entries of its key stay pending",
-                              file=out)
+                        what = "still refused" if is_refused(exc) else "failed"
+                        print(f"node {target.name} #{entry.id} {table} key {key}: {what} ({describe(exc)});"
+                              " it and the later entries of its key stay pending", file=out)
                         break
                     print(f"node {target.name} #{entry.id} {table} key {key}: replayed ({decided})", file=out)
         finally:
@@ -256,8 +279,16 @@ async def replay(config: Config, target: NodeConfig, entries: Sequence[Entry], o
     return stopped
 
 
+async def _connect(target: NodeConfig) -> Any:
+    """A plain session on `target` (its errors said without the DSN)."""
+    try:
+        return await asyncpg.connect(**asyncpg_args(target.dsn))
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise PgmeshError(f"cannot connect: {describe(exc)}", node=target.name) from None
+
+
 async def _discard(target: NodeConfig, entries: Sequence[Entry], out: TextIO) -> None:
-    conn = await asyncpg.connect(**asyncpg_args(target.dsn))
+    conn = await _connect(target)
     try:
         async with conn.transaction():
             for entry in entries:
@@ -282,7 +313,7 @@ async def cmd_quarantine(
     targets = [config.node(node)] if node else list(config.nodes)
     chosen: dict[str, list[Entry]] = {}
     for target in targets:
-        conn = await asyncpg.connect(**asyncpg_args(target.dsn))
+        conn = await _connect(target)
         try:
             chosen[target.name] = await select_entries(conn, target.name, ids, table, key,
                                                        every and action == "list")
