@@ -169,6 +169,23 @@ def _version(config: Config, node: str, us: int | None, roname: str | None) -> V
     return Version(None if us is None else int(us), _origin_node(config, node, roname))
 
 
+class _Versions:
+    """A node's versions as read, each made once (a transaction's rows share one)."""
+
+    __slots__ = ("config", "node", "seen")
+
+    def __init__(self, config: Config, node: str) -> None:
+        self.config = config
+        self.node = node
+        self.seen: dict[tuple[int | None, str | None], Version] = {}
+
+    def __call__(self, us: int | None, roname: str | None) -> Version:
+        got = self.seen.get((us, roname))
+        if got is None:
+            got = self.seen[(us, roname)] = _version(self.config, self.node, us, roname)
+        return got
+
+
 def _later(a: Version | None, b: Version | None) -> Version | None:
     if a is None or b is None:
         return a or b
@@ -208,22 +225,23 @@ async def read_states(
         " LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(pg_catalog.xid(ts.xid)) AS c"
         " ON true{origin} WHERE ts.table_name = %s"
     ).format(version=version, origin=origin)
-    payload = json.dumps([json.loads(d.key_json) for d in batch])
+    payload = "[" + ",".join(d.key_json for d in batch) + "]"  # (each already JSON)
+    version_of = _Versions(config, node)
     out: dict[int, State] = {}
     try:
         cur = await conn.execute(rows, [payload])
         for i, row, us, roname, h in await cur.fetchall():
-            out[int(i) - 1] = State(str(row), _version(config, node, us, roname), int(h))
+            out[i - 1] = State(row, version_of(us, roname), h)
         if len(out) == len(batch):
             return out
         async with conn.transaction():
             await conn.execute(_TOMBSTONE_SETTINGS)
             cur = await conn.execute(truncated, [table])
             got = await cur.fetchone()
-            whole = None if got is None else _version(config, node, got[0], got[1])
+            whole = None if got is None else version_of(got[0], got[1])
             cur = await conn.execute(tombs, [payload, table])
             found = await cur.fetchall()
-            deleted = {int(i) - 1: _version(config, node, us, roname) for i, us, roname in found}
+            deleted = {i - 1: version_of(us, roname) for i, us, roname in found}
     except psycopg.Error as exc:
         raise PgmeshError(f"reading the differing rows failed: {describe(exc)}", node=node, relation=table,
                           sqlstate=exc.sqlstate) from None
@@ -374,6 +392,18 @@ def _statements(table: str, keys: Sequence[str], identity: Mapping[str, str]) ->
     return out
 
 
+_COPY_ESCAPES: Final = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_value(value: Any) -> str:
+    """A value in COPY's text format."""
+    if value is None:
+        return "\\N"
+    if isinstance(value, int):
+        return str(value)
+    return str(value).translate(_COPY_ESCAPES)
+
+
 async def _stage(
     conn: psycopg.AsyncConnection[Any], table: str, keys: Sequence[str], rows: Iterator[tuple[Any, ...]]
 ) -> None:
@@ -391,8 +421,14 @@ async def _stage(
         "pgmesh_old_us"))])
     copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(_STAGE, columns)
     async with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+        chunk: list[str] = []
         for row in rows:
-            await copy.write_row(row)
+            chunk.append("\t".join(map(_copy_value, row)))
+            if len(chunk) >= 1000:
+                await copy.write("\n".join(chunk) + "\n")
+                chunk = []
+        if chunk:
+            await copy.write("\n".join(chunk) + "\n")
     await conn.execute(sql.SQL("CREATE INDEX ON {} (pgmesh_g)").format(_STAGE))
     await conn.execute(sql.SQL("ANALYZE {}").format(_STAGE))
 

@@ -93,6 +93,8 @@ def decide(key: str, states: Mapping[str, State], policies: Policies, source: st
     for node in present[1:]:
         here, there = states[best], states[node]
         assert here.version is not None and there.version is not None
+        if there.hash == here.hash and there.version == here.version:
+            continue  # the same row, the same version: a copy, not a rival
         won = _beats(ConflictType.UPDATE_ORIGIN_DIFFERS, here.version, here.row, there.version, there.row,
                      policies.rows)
         if won is None:
