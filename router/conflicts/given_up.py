@@ -17,9 +17,17 @@ import json
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["GIVEN_UP_SQL", "RECORD_SQL", "TRIGGER", "plain_name", "unique_name"]
+__all__ = ["GIVEN_UP_SQL", "RECORD_SQL", "TRIGGER", "VALUE_LOCK_SQL", "plain_name", "unique_name"]
 
 TRIGGER: Final = "pgmesh_given_up"
+
+# One claim or record of a value at a time: the lock the claim trigger takes (sql/give_up.sql) on value
+# `{value}` (SQL for a text[]) of unique key $2 of table $1, before it looks for records; the careful path
+# takes it before it looks for rows holding the value and for records, and before it writes a record.
+VALUE_LOCK_SQL: Final = (
+    "SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+    "'pgmesh given up:' || $1 || ':' || $2 || ':' || ({value})::text, 0))"
+)
 
 # The records of unique key $2 of table $1 for value `{value}` (SQL for a text[]) held by other rows than
 # key `{key}` (SQL for a text[]): each with the holding version (labels as the careful path's reads).

@@ -76,7 +76,7 @@ from router.apply.toast import ReadSource, whole_row
 from router.apply.uniques import clash_wheres, given_up_probes, row_where
 from router.apply.uniques import literal as _lit
 from router.config.model import Config
-from router.conflicts.given_up import GIVEN_UP_SQL, RECORD_SQL
+from router.conflicts.given_up import GIVEN_UP_SQL, RECORD_SQL, VALUE_LOCK_SQL
 from router.conflicts.resolve import ConflictType, Decision, Outcome, Version, resolve
 from router.errors import ApplyError
 
@@ -348,6 +348,9 @@ class _Apply(ChangeContext):
         insert, or an update re-creating a missing row), never a row met; the caller decides what becomes
         of it. `moved`: an update moving its row to another primary key, met there too.
         """
+        probes = given_up_probes(table, new, updating=own is not None)
+        for name, value in probes:  # (the claim trigger's lock: a claim or record meanwhile is seen)
+            await self.conn.execute(VALUE_LOCK_SQL.format(value=value), table.name, name)
         wins, seen = True, set()
         for where in clash_wheres(table, new, updating=own is not None, moved=moved):
             met = where if own is None else f"({where}) AND NOT ({own})"
@@ -364,7 +367,6 @@ class _Apply(ChangeContext):
         # the row did where the claim arrived while it held the value (docs/conflicts.md, "A unique value
         # given up"); an older hold is no matter (the row had moved on, or went, by its own later version)
         own_key = key_sql(table, new)
-        probes = given_up_probes(table, new, updating=own is not None)
         for name, value in probes:
             query = GIVEN_UP_SQL.format(value=value, key=own_key)
             for record in await self.conn.fetch(query, table.name, name):

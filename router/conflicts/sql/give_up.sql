@@ -1,12 +1,14 @@
--- Trigger function of pgmesh_given_up (BEFORE INSERT OR UPDATE OR DELETE, FOR EACH ROW, enabled ALWAYS) on
--- every replicated table with a unique key besides its tombstone key (router/conflicts/given_up.py):
--- 1. a DELETE, or an UPDATE that changes a secondary unique value (or the row's key), records each value
---    the row gives up in given_up, with the transaction that wrote the row's old version (its xmin, as
---    xid8): the version that held it;
--- 2. a replicated INSERT or UPDATE (an applier session: pgmesh.source set, session_replication_role
---    replica, not the careful path: pgmesh.careful unset) that claims a value another row gave up at a
---    version not older than the claim's (or at any known version, when the transaction does not carry
---    its remote version: pgmesh.remote) raises PGM01: the careful path decides it
+-- Trigger function of pgmesh_given_up (BEFORE UPDATE OR DELETE, enabled ALWAYS) and pgmesh_given_up_claim
+-- (AFTER INSERT OR UPDATE, enabled REPLICA), FOR EACH ROW, on every replicated table with a unique key
+-- besides its tombstone key (given_up_ensure.sql, router/conflicts/given_up.py):
+-- 1. before a DELETE, or an UPDATE that changes a secondary unique value (or the row's key), it records
+--    each value the row gives up in given_up, with the transaction that wrote the row's old version (its
+--    xmin, as xid8): the version that held it;
+-- 2. after a replicated INSERT or UPDATE (an applier session: pgmesh.source set, not the careful path:
+--    pgmesh.careful unset) that claims a value (past the unique index: a transaction giving the value up
+--    meanwhile has committed), under the value's advisory lock, it raises PGM01 when another row gave the
+--    value up at a version not older than the claim's (or at any known version, when the transaction does
+--    not carry its remote version, pgmesh.remote): the careful path decides it
 --    (router.apply.careful.transaction).
 -- TG_ARGV: the number n of key columns, the n key columns (the tombstone key), then per secondary unique
 -- key three arguments: its name (router.conflicts.given_up.unique_name), its terms each cast to text (SQL
@@ -24,7 +26,9 @@ DECLARE
   n int := TG_ARGV[0]::int;
   keys text := (SELECT pg_catalog.string_agg(pg_catalog.format('($1).%I::text', TG_ARGV[i]), ', ' ORDER BY i)
                   FROM pg_catalog.generate_series(1, n) AS i);
-  claiming boolean := TG_OP <> 'DELETE' AND pg_catalog.current_setting('session_replication_role') = 'replica'
+  recording boolean := TG_WHEN = 'BEFORE' AND TG_OP <> 'INSERT';
+  claiming boolean := TG_WHEN = 'AFTER' AND TG_OP <> 'DELETE'
+    AND pg_catalog.current_setting('session_replication_role') = 'replica'
     AND coalesce(pg_catalog.current_setting('pgmesh.source', true), '') <> ''
     AND coalesce(pg_catalog.current_setting('pgmesh.careful', true), '') <> 'y';
   old_key text[];
@@ -35,8 +39,8 @@ DECLARE
   held_at timestamptz;
   i int;
 BEGIN
-  IF TG_OP = 'INSERT' AND NOT claiming THEN
-    RETURN NEW;
+  IF NOT recording AND NOT claiming THEN
+    RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
   END IF;
   IF root IS NOT NULL AND root <> TG_RELID THEN  -- a partition: under the root's name, as tombstones
     SELECT nm.nspname || '.' || c.relname INTO qualified
@@ -68,7 +72,7 @@ BEGIN
         new_value := NULL;
       END IF;
     END IF;
-    IF old_value IS NOT NULL AND (TG_OP = 'DELETE' OR old_value IS DISTINCT FROM new_value
+    IF recording AND old_value IS NOT NULL AND (TG_OP = 'DELETE' OR old_value IS DISTINCT FROM new_value
                                   OR old_key IS DISTINCT FROM new_key) THEN
       IF held IS NULL THEN  -- the old version's transaction: the row as this statement found it
         EXECUTE pg_catalog.format('SELECT (pg_catalog.pg_current_xact_id()::text::int8'
@@ -91,6 +95,11 @@ BEGIN
     END IF;
     IF claiming AND new_value IS NOT NULL AND (TG_OP = 'INSERT' OR new_value IS DISTINCT FROM old_value
                                                 OR old_key IS DISTINCT FROM new_key) THEN
+      -- one claim or record of a value at a time (the careful path takes the same lock,
+      -- router.conflicts.given_up.VALUE_LOCK_SQL): a record written meanwhile is seen here, or this row
+      -- there
+      PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
+        'pgmesh given up:' || qualified || ':' || TG_ARGV[n + 1 + 3 * i] || ':' || new_value::text, 0));
       SELECT max(pg_catalog.pg_xact_commit_timestamp(pg_catalog.xid(g.xid))) INTO held_at
         FROM {schema}.given_up AS g
        WHERE g.table_name = qualified AND g.unique_key = TG_ARGV[n + 1 + 3 * i]

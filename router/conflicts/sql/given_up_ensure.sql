@@ -1,11 +1,12 @@
--- Puts the pgmesh_given_up trigger (give_up.sql) on one replicated table, with the arguments its
--- unique keys give now, or takes it away from a table without a unique key besides `key` (its tombstone
--- key): re-created when the arguments changed, enabled ALWAYS (the application's deletes and updates
--- record what they give up; the appliers' claims are checked). A unique key is named by the JSON text of
--- its columns (a plain key) or of its terms and predicate (an index with a predicate or on expressions), as
--- router.conflicts.given_up.unique_name names it from the applier's view of the table. Returns what it did
--- (NULL: nothing). Called by router/conflicts/catalog.py for every replicated table, and by ddl_table
--- (router/ddl/sql/capture.sql) after DDL.
+-- Puts the given-up triggers (give_up.sql) on one replicated table, with the arguments its unique keys
+-- give now, or takes them away from a table without a unique key besides `key` (its tombstone key); both
+-- re-created when the arguments changed: pgmesh_given_up (BEFORE UPDATE OR DELETE, ALWAYS: the
+-- application's deletes and updates record what they give up) and pgmesh_given_up_claim (AFTER INSERT OR
+-- UPDATE, REPLICA: the appliers' claims are checked). A unique key is named by the JSON text of its
+-- columns (a plain key) or of its terms and predicate (an index with a predicate or on expressions), as
+-- router.conflicts.given_up names it from the applier's view of the table. Returns what it did (NULL:
+-- nothing). Called by router/conflicts/catalog.py for every replicated table, by ddl_table
+-- (router/ddl/sql/capture.sql) after DDL and by given_up_index.sql after index DDL.
 -- Created, or replaced when its text changed, by router/conflicts/catalog.py (install_conflict_catalog),
 -- which fills {schema} with pgmesh's schema, quoted as an identifier.
 
@@ -47,27 +48,47 @@ BEGIN
     uniques := uniques + 1;
   END LOOP;
   SELECT t.tgargs INTO had FROM pg_catalog.pg_trigger t
-   WHERE t.tgrelid = rel AND t.tgname = 'pgmesh_given_up' AND t.tgparentid = 0;
+   WHERE t.tgrelid = rel AND t.tgname = 'pgmesh_given_up' AND t.tgparentid = 0
+     AND EXISTS (SELECT 1 FROM pg_catalog.pg_trigger c WHERE c.tgrelid = rel AND c.tgparentid = 0
+                    AND c.tgname = 'pgmesh_given_up_claim' AND c.tgargs = t.tgargs);
   IF uniques = 0 THEN
-    IF had IS NULL THEN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = rel AND t.tgparentid = 0
+                    AND t.tgname IN ('pgmesh_given_up', 'pgmesh_given_up_claim')) THEN
       RETURN NULL;
     END IF;
-    EXECUTE pg_catalog.format('DROP TRIGGER pgmesh_given_up ON %I.%I', nsp, tab);
-    RETURN pg_catalog.format('dropped given-up trigger from %s.%s (no unique key besides its key)', nsp, tab);
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = rel AND t.tgparentid = 0
+                AND t.tgname = 'pgmesh_given_up') THEN
+      EXECUTE pg_catalog.format('DROP TRIGGER pgmesh_given_up ON %I.%I', nsp, tab);
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = rel AND t.tgparentid = 0
+                AND t.tgname = 'pgmesh_given_up_claim') THEN
+      EXECUTE pg_catalog.format('DROP TRIGGER pgmesh_given_up_claim ON %I.%I', nsp, tab);
+    END IF;
+    RETURN pg_catalog.format('dropped given-up triggers from %s.%s (no unique key besides its key)', nsp, tab);
   END IF;
   SELECT pg_catalog.string_agg(pg_catalog.convert_to(a, 'UTF8') || '\x00'::bytea, ''::bytea ORDER BY o)
     INTO want FROM pg_catalog.unnest(args) WITH ORDINALITY AS t(a, o);
   IF had IS NOT DISTINCT FROM want THEN
     RETURN NULL;
   END IF;
-  IF had IS NOT NULL THEN
+  IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = rel AND t.tgparentid = 0
+              AND t.tgname = 'pgmesh_given_up') THEN
     EXECUTE pg_catalog.format('DROP TRIGGER pgmesh_given_up ON %I.%I', nsp, tab);
   END IF;
-  EXECUTE pg_catalog.format('CREATE TRIGGER pgmesh_given_up BEFORE INSERT OR UPDATE OR DELETE ON %I.%I'
+  IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = rel AND t.tgparentid = 0
+              AND t.tgname = 'pgmesh_given_up_claim') THEN
+    EXECUTE pg_catalog.format('DROP TRIGGER pgmesh_given_up_claim ON %I.%I', nsp, tab);
+  END IF;
+  EXECUTE pg_catalog.format('CREATE TRIGGER pgmesh_given_up BEFORE UPDATE OR DELETE ON %I.%I'
                             ' FOR EACH ROW EXECUTE FUNCTION {schema}.give_up(%s)', nsp, tab,
                             (SELECT pg_catalog.string_agg(pg_catalog.quote_literal(a), ', ' ORDER BY o)
                                FROM pg_catalog.unnest(args) WITH ORDINALITY AS t(a, o)));
   EXECUTE pg_catalog.format('ALTER TABLE %I.%I ENABLE ALWAYS TRIGGER pgmesh_given_up', nsp, tab);
+  EXECUTE pg_catalog.format('CREATE TRIGGER pgmesh_given_up_claim AFTER INSERT OR UPDATE ON %I.%I'
+                            ' FOR EACH ROW EXECUTE FUNCTION {schema}.give_up(%s)', nsp, tab,
+                            (SELECT pg_catalog.string_agg(pg_catalog.quote_literal(a), ', ' ORDER BY o)
+                               FROM pg_catalog.unnest(args) WITH ORDINALITY AS t(a, o)));
+  EXECUTE pg_catalog.format('ALTER TABLE %I.%I ENABLE REPLICA TRIGGER pgmesh_given_up_claim', nsp, tab);
   RETURN pg_catalog.format('%s given-up trigger on %s.%s (%s unique keys)',
                            CASE WHEN had IS NULL THEN 'created' ELSE 're-created' END, nsp, tab, uniques);
 END
