@@ -508,7 +508,7 @@ async def main(argv: list[str] | None = None) -> int:
     nemesis.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.nemesis:
-        return await nemesis.main(args.minutes, args.seed, args.report, args.pace_ms / 1000)
+        return await nemesis.main(args.minutes, args.seed, args.report, args.pace_ms / 1000, args.lease_s)
     size = SMALL if args.small else FULL
     results = []
     for name in args.only or list(SCENARIOS):

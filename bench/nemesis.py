@@ -3,18 +3,18 @@
 
 Three fresh nodes (a, b, c), each under Debian's libfaketime at offset 0 (so that its clock can be
 stepped), each reached by the routers through a TCP proxy of its own (so that any node's link can be
-cut); two routers (`python -m router run`, `[ha]` with a LEASE_S lease: one active, one standby); the
-ledger and set workloads (bench/nemesis_load.py) writing on every node directly. For M minutes a nemesis
-driven by one seeded random generator (printed; `--seed` replays the schedule, not the timing) starts a
-fault after a random gap and heals it after a random hold. The kinds come in shuffled rounds (every
-kind once per round, so that a short run sees each):
+cut); two routers (`python -m router run`, `[ha]` with a LEASE_S lease, `--lease-s`: one active, one
+standby); the ledger and set workloads (bench/nemesis_load.py) writing on every node directly. For M
+minutes a nemesis driven by one seeded random generator (printed; `--seed` replays the schedule, not the
+timing) starts a fault after a random gap and heals it after a random hold. The kinds come in shuffled
+rounds (every kind once per round, so that a short run sees each):
 
 - `router-kill`: SIGKILL the active router; after the hold it is started again (a standby now);
 - `router-pause`: SIGSTOP the active router for longer than its lease, then SIGCONT: the standby must
   have taken over while it was stopped, and the woken router must notice it lost the lease (be a
   standby within PAUSE_WATCH_S) and write nothing: its sessions are watched on every node for
-  PAUSE_WATCH_S, and one holding a transaction id (a write) after the other router took over is a
-  violation;
+  PAUSE_WATCH_S (or until it holds a newer term itself), and one holding a transaction id (a write) on
+  a node whose lease row shows a newer term than the one it held is a violation;
 - `node-stop`: `pg_ctl stop -m immediate` one node, `pg_ctl start` after the hold;
 - `link-cut`: one node's proxy cut (connections closed, new ones refused) or blackholed (bytes held),
   then restored;
@@ -30,9 +30,8 @@ rows; then the checks (bench/nemesis_load.py: every acknowledged insert on every
 ledgers whole and equal), `pgmesh compare` exit 0, exactly one active router, continuous verification's
 `pgmesh_divergent_rows` 0 on it when the router has `[verify]` (sampled every 5 s during the run too:
 whatever it reported is listed). A router that exits by itself is recorded (a failed check) and started
-again. The report (Markdown, default
-bench/results/issue38/nemesis-<date>.md) lists every fault with its start and end (seconds from the
-start), the checks and the counts.
+again. The report (Markdown, default bench/results/issue38/nemesis-<date>.md) lists every fault with its
+start and end (seconds from the start), the checks and the counts.
 
 Owns: its nodes, proxies, routers and temporary directory (removed unless the run failed). Must not:
 touch anything it did not create.
@@ -87,7 +86,6 @@ HOLD_S = (3.0, 15.0)  # how long a node fault lasts, and a killed router stays d
 STEP_S = (0.3, 2.0)  # a clock step's size, either way
 PAUSE_EXTRA_S = (1.0, 4.0)  # a SIGSTOP lasts LEASE_S plus this
 PAUSE_WATCH_S = 10.0
-TAKEOVER_S = 3 * (LEASE_S + LEASE_S / 3 + 5)  # beyond the pause, as tests/integration/test_standby_router.py
 ACTIVE_WAIT_S = 30.0  # for an active router before a router fault (else the fault is skipped)
 PACE_S = 0.02  # each writer: at most one transaction per PACE_S
 CONVERGE_S = 600.0
@@ -116,12 +114,15 @@ class Fault:
 class Bed:
     """The nodes, their proxies and clocks, the two routers; each fault's action and its heal."""
 
-    def __init__(self, nodes: list[LocalNode], workdir: Path) -> None:
+    def __init__(self, nodes: list[LocalNode], workdir: Path, lease_s: float = LEASE_S) -> None:
         self.nodes = {n.name: n for n in nodes}
+        self.lease_s = lease_s
+        # how long past the pause a standby may take to take over, as tests/integration/test_standby_router.py
+        self.takeover_s = 3 * (lease_s + lease_s / 3 + 5)
         self.workdir = workdir
         self.proxies = {n.name: TcpProxy("127.0.0.1", n.port).start() for n in nodes}
         self.via = [SimpleNamespace(name=n.name, dsn=self._proxied(n)) for n in nodes]
-        self.routers = Routers(workdir, ha_section(LEASE_S) + CLOCKS + verify_section(), cluster=CLUSTER)
+        self.routers = Routers(workdir, ha_section(lease_s) + CLOCKS + verify_section(), cluster=CLUSTER)
         self.faketime = LIBFAKETIME.exists()
         self.t0 = time.monotonic()
         self.killed: set[str] = set()  # routers the nemesis killed and has not started again
@@ -287,13 +288,13 @@ class Bed:
         holder, term = (lease or {}).get("holder", ""), (lease or {}).get("term", 0)
         other = self._other(name)
         self.routers.signal(name, signal.SIGSTOP)
-        took = await self._took_over(other, f.hold + TAKEOVER_S)  # (stopped for as long as it takes)
+        took = await self._took_over(other, f.hold + self.takeover_s)  # (stopped for as long as it takes)
         await asyncio.sleep(max(0.0, f.hold - took) if took >= 0 else 0.0)
         self.routers.signal(name, signal.SIGCONT)
-        f.notes.append(f"SIGSTOP {f.hold:.1f} s (lease {LEASE_S:g} s, term {term});"
+        f.notes.append(f"SIGSTOP {f.hold:.1f} s (lease {self.lease_s:g} s, term {term});"
                        f" {self._taken(other, took)}")
         if took < 0:
-            f.violation = f"the standby did not take over within {f.hold + TAKEOVER_S:.1f} s (liveness)"
+            f.violation = f"the standby did not take over within {f.hold + self.takeover_s:.1f} s (liveness)"
         standby_after, sessions, writing, again = await self._watch(name, holder, int(term))
         woken = (f"woken: standby after {standby_after:.1f} s" if standby_after >= 0 else
                  f"woken: NOT a standby within {PAUSE_WATCH_S:.0f} s")
@@ -386,7 +387,7 @@ class Nemesis:
         hold = self.rng.uniform(*HOLD_S)
         param: Any = None
         if kind == "router-pause":
-            hold = LEASE_S + self.rng.uniform(*PAUSE_EXTRA_S)
+            hold = self.bed.lease_s + self.rng.uniform(*PAUSE_EXTRA_S)
         elif kind == "link-cut":
             param = self.rng.choice(["cut", "blackhole"])
         elif kind == "clock-step":
@@ -431,6 +432,7 @@ class Outcome:
     counts: list[str]
     converge_s: float
     notes: list[str]
+    lease_s: float = LEASE_S
 
     @property
     def ok(self) -> bool:
@@ -442,10 +444,10 @@ class Outcome:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
         lines = [
             f"# Randomized fault run, {when}\n",
-            f"`python -m bench.faults --nemesis --minutes {self.minutes:g} --seed {self.seed}`: 3 nodes, each"
-            f" behind a proxy and under libfaketime; two routers with [ha] lease_s = {LEASE_S:g}; ledger and"
-            f" set writers on every node. At most one fault on the nodes (stop, cut or clock step) and one on"
-            f" the routers (kill or pause) at a time. **{'PASSED' if self.ok else 'FAILED'}**.\n",
+            f"`python -m bench.faults --nemesis --minutes {self.minutes:g} --seed {self.seed} --lease-s"
+            f" {self.lease_s:g}`: 3 nodes, each behind a proxy and under libfaketime; two routers with [ha];"
+            f" ledger and set writers on every node. At most one fault on the nodes (stop, cut or clock step)"
+            f" and one on the routers (kill or pause) at a time. **{'PASSED' if self.ok else 'FAILED'}**.\n",
             f"Faults: {len(self.faults)} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))});"
             f" converged {self.converge_s:.1f} s after the writers stopped"
             if self.converge_s >= 0 else f"Faults: {len(self.faults)}; NOT converged", "",
@@ -459,12 +461,12 @@ class Outcome:
         return "\n".join(lines) + "\n"
 
 
-async def run(minutes: float, seed: int, pace_s: float = PACE_S,
+async def run(minutes: float, seed: int, pace_s: float = PACE_S, lease_s: float = LEASE_S,
               base: Path | None = None) -> tuple[Outcome, Path]:
     workdir = Path(tempfile.mkdtemp(prefix="pgmesh-nemesis-", dir=base))
     os.chmod(workdir, 0o755)  # the nodes' directories are in it, and their servers run as postgres
     with LocalNodeSet(["a", "b", "c"], settings=SETTINGS, base_dir=workdir) as nodes:
-        bed = Bed(nodes, workdir)
+        bed = Bed(nodes, workdir, lease_s)
         try:
             outcome = await _run(bed, minutes, seed, pace_s)
         finally:
@@ -510,7 +512,8 @@ async def _run(bed: Bed, minutes: float, seed: int, pace_s: float) -> Outcome:
     notes.append("continuous verification during the run: " + ("; ".join(bed.verify_said[-20:]) if said
                  else "reported no row apart"))
     checks.append(Check("no router exited by itself", not bed.crashes, "; ".join(bed.crashes) or "none"))
-    return Outcome(seed, minutes, nemesis.faults, checks, counts_table(rows, tallies), converge_s, notes)
+    return Outcome(seed, minutes, nemesis.faults, checks, counts_table(rows, tallies), converge_s, notes,
+                   bed.lease_s)
 
 
 async def _the_end(bed: Bed, mesh: Mesh, tallies: list[Tally]) -> tuple[list[Check], dict[str, Any], float]:
@@ -537,10 +540,11 @@ async def _the_end(bed: Bed, mesh: Mesh, tallies: list[Tally]) -> tuple[list[Che
     return checks, rows, converge_s
 
 
-async def main(minutes: float, seed: int | None, report: Path | None, pace_s: float = PACE_S) -> int:
+async def main(minutes: float, seed: int | None, report: Path | None, pace_s: float = PACE_S,
+               lease_s: float = LEASE_S) -> int:
     seed = seed if seed is not None else random.randrange(1, 10**6)
     print(f"nemesis: seed {seed}, {minutes:g} minutes", flush=True)
-    outcome, _ = await run(minutes, seed, pace_s)
+    outcome, _ = await run(minutes, seed, pace_s, lease_s)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = outcome.render(when)
     print(text)
@@ -556,5 +560,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nemesis", action="store_true", help="the randomized fault run (bench.nemesis)")
     parser.add_argument("--minutes", type=float, default=30.0, help="--nemesis: how long the faults go on")
     parser.add_argument("--seed", type=int, help="--nemesis: the schedule's seed (default: a random one)")
+    parser.add_argument("--lease-s", type=float, default=LEASE_S, help="--nemesis: the routers' [ha] lease_s")
     parser.add_argument("--pace-ms", type=float, default=PACE_S * 1000,
                         help="--nemesis: each writer's least time between two transactions")
