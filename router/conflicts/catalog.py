@@ -103,6 +103,9 @@ _FUNCTIONS: Final = (
     _function("table_tombstone.sql", "text, xid8, timestamptz, text"),
     _function("truncate_by_version.sql", "text[], text[], boolean, boolean, timestamptz"),
     _function("truncate_sweep.sql", "text, text"),
+)
+# the given-up values' (router.conflicts.given_up), reported on a line of their own
+_GIVEN_UP_FUNCTIONS: Final = (
     _function("give_up.sql", ""),
     _function("given_up_ensure.sql", "oid, text[]"),
     _function("given_up_index.sql", "oid"),
@@ -194,12 +197,12 @@ async def _ensure_tables(conn: Conn) -> list[str]:
     return done
 
 
-async def _ensure_functions(conn: Conn) -> list[str]:
+async def _ensure_functions(conn: Conn, functions: Sequence[_Function] = _FUNCTIONS) -> list[str]:
     """Create each function, or replace it when its definition changed (a fingerprint in its comment)."""
     schema = sql.Identifier(PGMESH_SCHEMA)
     created: list[str] = []
     replaced: list[str] = []
-    for function in _FUNCTIONS:
+    for function in functions:
         name = f"{PGMESH_SCHEMA}.{function.name}"
         signature = sql.SQL("{}.{}({})").format(schema, sql.Identifier(function.name), function.args)
         ddl = function.ddl.format(schema=schema)
@@ -311,5 +314,6 @@ async def install_conflict_catalog(conn: Conn, tables: Sequence[TableName]) -> l
     """
     done = await _ensure_tables(conn)
     done += await _ensure_functions(conn)
+    done += await _ensure_functions(conn, _GIVEN_UP_FUNCTIONS)
     done += await _ensure_triggers(conn, tables)
     return done
