@@ -79,6 +79,7 @@ async def _totals(nodes: list[Any]) -> None:
         assert total == ACCOUNTS * START, (node.name, total)
 
 
+@pytest.mark.slow  # 15-20 s each (three nodes, the router held and rebuilt for the replay)
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_a_refused_change_is_quarantined_and_replayed(mesh: MeshFactory, case: str) -> None:
     (refuse, fix), state, owner = CASES[case]
