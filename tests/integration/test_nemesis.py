@@ -4,7 +4,7 @@ at least once (the nemesis deals each kind once per shuffled round): SIGKILL and
 of the active router, an immediate stop of a node, a node's link cut, a node's clock stepped.
 
 At the end every acknowledged insert is on every node exactly once (a keyless table too), the ledgers are
-whole and equal, `pgmesh compare` exits 0, one router is active, no woken router wrote. About 2 minutes
+whole and equal, `pgmesh compare` exits 0, one router is active, no woken router wrote. 2 to 3 minutes
 here (75 s of faults, the set-up, convergence and the checks). `python -m bench.faults --nemesis
 --minutes 30` is the full run.
 """
