@@ -7,7 +7,8 @@ at once: a range's count and XOR of its rows' hashes (`range_sql`, no grouping: 
 pass over the table); in a range that differs, per bucket (`bucket_sql`: 64 of them, consecutive keys of an
 integer key, else by the key's hash) its count and XOR; a differing bucket of an integer key is cut into
 64 again, read through the key index, until it holds at most LEAF_ROWS rows (a Merkle-style descent);
-then `rows_sql` reads each row's key and hash, and the nodes' answers are compared (`differences`).
+then `leaf_sql` reads each row's key and hash (as two arrays, loaded in C), the nodes' answers are
+compared as sets, and `rows_sql` reads the differing keys' JSON (`differences`).
 Each read runs on the table's nodes (`CompareJob.nodes_of`): the full nodes, or a partial node and its
 reference full node, where the reference reads only the rows the partial node's filter keeps and both
 hash only the columns it holds (`CompareTable.rows`, `.columns`: the SQL is per node). A table without
@@ -19,7 +20,6 @@ Must not: write anything, import pyspark at module level, or put a DSN in a mess
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Final
@@ -33,11 +33,14 @@ from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
 from router.errors import PgmeshError, describe
 
 __all__ = [
-    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "kept", "range_sql", "row_hash",
-    "row_hashes_sql", "rows_sql", "run_partition",
+    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "kept", "leaf_sql", "range_sql",
+    "row_hash", "row_hashes_sql", "rows_sql", "run_partition",
 ]
 
 BUCKETS: Final = 64  # buckets of a range, by its keys' hash: the first read's granularity
+# a range with this many differences had most of its buckets differ: the next range of its table is read
+# row by row at once (`compare_range`, dense)
+DENSE: Final = BUCKETS // 2
 LEAF_ROWS: Final = 512  # a differing bucket with at most this many rows is read row by row, not cut again
 # Every node prints a value alike: timestamps in UTC and ISO, intervals and floats as PostgreSQL's defaults.
 SESSION_SQL: Final = (
@@ -157,10 +160,13 @@ def bucket_sql(
     return query, params
 
 
-def _buckets_where(table: CompareTable, task: RangeTask, buckets: Sequence[int]) -> tuple[
+def _buckets_where(table: CompareTable, task: RangeTask, buckets: Sequence[int] | None) -> tuple[
     sql.Composable, list[Any]
 ]:
-    """Rows of those buckets: by key ranges (the index reads them) for an integer span."""
+    """Rows of those buckets (None: every row of the range): by key ranges (the index reads them) for an
+    integer span."""
+    if buckets is None:
+        return sql.SQL("true"), []
     if task.span is None:
         return sql.SQL("({} = ANY(%s::int8[]))").format(_bucket(table, task)), [list(buckets)]
     first = sql.SQL("t.") + sql.Identifier(table.keys[0])
@@ -179,13 +185,34 @@ def _buckets_where(table: CompareTable, task: RangeTask, buckets: Sequence[int])
 
 
 def rows_sql(
-    table: CompareTable, task: RangeTask, buckets: Sequence[int], filtered: bool = False
+    table: CompareTable, task: RangeTask, buckets: Sequence[int] | None, filtered: bool = False,
+    keys: Sequence[str] | None = None,
 ) -> tuple[sql.Composed, list[Any]]:
+    """The rows of some buckets (of `keys` only, by their text, if given): key text, key JSON, hash."""
+    where, params = _where(table, task, filtered)
+    which, more = _buckets_where(table, task, buckets)
+    named: sql.Composable = sql.SQL("")
+    if keys is not None:
+        # (a semi-join on the keys: hashed, where `= ANY` of a parameter would scan the array per row)
+        named = sql.SQL(" AND {} IN (SELECT pg_catalog.unnest(%s::text[]))").format(_key_text(table))
+        more = [*more, list(keys)]
+    query = sql.SQL(
+        "SELECT {key}, {json}, {row} FROM {table} AS t WHERE {where} AND {which}{named}"
+    ).format(key=_key_text(table), json=_key_json(table), row=row_hash(table.columns), which=which,
+             table=sql.Identifier(table.schema, table.name), where=where, named=named)
+    return query, [*params, *more]
+
+
+def leaf_sql(
+    table: CompareTable, task: RangeTask, buckets: Sequence[int] | None, filtered: bool = False
+) -> tuple[sql.Composed, list[Any]]:
+    """The rows of some buckets as one row of two arrays: their keys' text and their hashes."""
     where, params = _where(table, task, filtered)
     which, more = _buckets_where(table, task, buckets)
     query = sql.SQL(
-        "SELECT {key}, {json}, {row} FROM {table} AS t WHERE {where} AND {which}"
-    ).format(key=_key_text(table), json=_key_json(table), row=row_hash(table.columns), which=which,
+        "SELECT pg_catalog.array_agg({key}), pg_catalog.array_agg({row}) FROM {table} AS t"
+        " WHERE {where} AND {which}"
+    ).format(key=_key_text(table), row=row_hash(table.columns), which=which,
              table=sql.Identifier(table.schema, table.name), where=where)
     return query, [*params, *more]
 
@@ -245,10 +272,11 @@ Read = Callable[[bool], tuple[sql.Composed, list[Any]]]  # filtered -> a query a
 
 def _on_nodes(
     pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, table: CompareTable,
-    read: Read,
+    read: Read, *, binary: bool = False,
 ) -> list[list[tuple[Any, ...]]]:
     """`read`'s query run on each of the table's nodes at once (a thread each: psycopg lets the GIL go
-    while it waits), filtered where `CompareTable.filtered` says; the answers in the table's node order."""
+    while it waits), filtered where `CompareTable.filtered` says; the answers in the table's node order.
+    `binary`: results in binary (arrays are loaded in C)."""
 
     nodes = job.nodes_of(table)
     built = {f: read(f) for f in {table.filtered(i) for i in nodes}}  # (once each: ~80 µs to compose)
@@ -256,7 +284,7 @@ def _on_nodes(
     def run(i: int) -> list[tuple[Any, ...]]:
         query, params = built[table.filtered(i)]
         try:
-            return conns[i].execute(query, params).fetchall()
+            return conns[i].execute(query, params, binary=binary).fetchall()
         except psycopg.Error as exc:
             raise PgmeshError(f"reading a key range failed: {describe(exc)}", node=job.nodes[i],
                               relation=table.label, sqlstate=exc.sqlstate) from None
@@ -265,13 +293,18 @@ def _on_nodes(
 
 
 def compare_range(
-    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask,
+    *, dense: bool = False,
 ) -> list[Difference]:
     """The range's count and hash on each of its table's nodes (`range_sql`); where they differ, `descend`.
-    A table without a key: `compare_multiset`."""
+    A table without a key: `compare_multiset`. `dense`: differences are expected all over the range (the
+    last range of its table had many): its rows are read at once (`_leaves`), one pass instead of the
+    three of a descent that ends reading them all anyway."""
     table = job.tables[task.table]
     if table.keyless:
         return compare_multiset(pool, conns, job, task)
+    if dense:
+        return _leaves(pool, conns, job, task, None)
     read: Read = functools.partial(range_sql, table, task)
     whole = {tuple(rows[0]) for rows in _on_nodes(pool, conns, job, table, read)}
     return descend(pool, conns, job, task) if len(whole) > 1 else []
@@ -298,19 +331,31 @@ def descend(
         else:
             found += descend(pool, conns, job, inner)
     if leaves:
-        read_rows: Read = functools.partial(rows_sql, table, task, leaves)
-        rows_per_node = _on_nodes(pool, conns, job, table, read_rows)
-        # the keys whose (key, hash) pair some node lacks, by set operations (C loops): in a range where
-        # most buckets differ every row is read, and only the differing ones need building up
-        pairs = [set(map(_KEY_AND_HASH, rows)) for rows in rows_per_node]
-        common = set.intersection(*pairs)
-        differing = {k for p in pairs for k, _ in p - common}
-        per_node = [{k: (j, int(h)) for k, j, h in rows if k in differing} for rows in rows_per_node]
-        found += differences(task.table, per_node)
+        found += _leaves(pool, conns, job, task, leaves)
     return found
 
 
-_KEY_AND_HASH: Final = operator.itemgetter(0, 2)  # of a `rows_sql` row
+def _leaves(
+    pool: ThreadPoolExecutor, conns: Sequence[psycopg.Connection[Any]], job: CompareJob, task: RangeTask,
+    leaves: Sequence[int] | None,
+) -> list[Difference]:
+    """The rows of some buckets (None: of the whole range) on each node, as two arrays (keys, hashes:
+    loaded in C, in binary: where most buckets differ every row is read), compared as sets of (key, hash)
+    pairs; the differing keys' JSON then read by key (`rows_sql`)."""
+    table = job.tables[task.table]
+    read_leaves: Read = functools.partial(leaf_sql, table, task, leaves)
+    hashes = [dict(zip(rows[0][0] or (), rows[0][1] or (), strict=True))
+              for rows in _on_nodes(pool, conns, job, table, read_leaves, binary=True)]
+    pairs = [set(h.items()) for h in hashes]
+    common = set.intersection(*pairs)
+    differing = sorted({k for p in pairs for k, _ in p - common})
+    if not differing:
+        return []
+    read_rows: Read = functools.partial(rows_sql, table, task, leaves, keys=differing)
+    key_json = {str(k): str(j) for rows in _on_nodes(pool, conns, job, table, read_rows) for k, j, _ in rows}
+    # (a key no node holds by then, on sessions without a snapshot, is left to the recheck)
+    per_node = [{k: (key_json[k], int(h[k])) for k in differing if k in h and k in key_json} for h in hashes]
+    return differences(task.table, per_node)
 
 
 def keyless_where(table: CompareTable, filtered: bool) -> sql.Composable:
@@ -356,8 +401,11 @@ def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Diffe
         try:
             for f in opening:
                 f.result()  # the first that failed
+            dense: set[int] = set()  # tables whose last range had DENSE differences or more
             for task in tasks:
-                yield from compare_range(pool, conns, job, task)
+                found = compare_range(pool, conns, job, task, dense=task.table in dense)
+                (dense.add if len(found) >= DENSE else dense.discard)(task.table)
+                yield from found
         finally:
             for conn in conns:
                 conn.close()
