@@ -12,6 +12,7 @@
 - `deadnode`: a node stopped while the two others write GBs of WAL: what the live nodes' slots keep (the
   router's log holds the rest), and the time to converge once it is back.
 - `compare`: `pgmesh compare` and `pgmesh repair` against one hash pass over the table on each node.
+- `repair`: `pgmesh repair` of 50,000 differing keys of four kinds (tombstones included) on 3 x 1M rows.
 - `verify`: continuous verification: how soon a hidden difference in a 1M-row table is reported, and
   TPC-B's throughput with it on against off.
 - `quarantine`: apply with a change the target refuses set aside (`on_refused = "quarantine"`), and what a
