@@ -15,18 +15,18 @@ pgmesh never saw. Keys:
 
 from __future__ import annotations
 
+import asyncio
 import io
 from typing import Any
 
 import psycopg
 import pytest
 
+from router.ops.cli import main as pgmesh
 from router.ops.compare.job import compare_cluster
 from router.ops.compare.repair import repair_cluster
 from router.testing.mesh import execute, fetch, free_port, running_router, wait_converged
 from tests.fix_mesh import MeshFactory
-
-pytestmark = pytest.mark.slow  # about 15 s: a 3-node mesh and the router
 
 SCHEMA = "CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)"
 
@@ -50,7 +50,9 @@ async def rows(node: Any) -> dict[int, str]:
     return {int(i): str(v) for i, v in got}
 
 
-async def test_repair_keeps_newer_deletions_and_copies_rows_never_deleted(mesh: MeshFactory) -> None:
+async def test_repair_keeps_newer_deletions_and_copies_rows_never_deleted(
+    mesh: MeshFactory, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     m = await mesh(nodes=3, schema=SCHEMA, admin_port=free_port())
     a, b, c = m.nodes
     async with running_router(m.config):
@@ -65,7 +67,13 @@ async def test_repair_keeps_newer_deletions_and_copies_rows_never_deleted(mesh: 
         await unreplicated(c, "DELETE FROM t WHERE id = 40")
         before = [await rows(n) for n in m.nodes]
 
-        # --dry-run: the plan, nothing written
+        # --dry-run: the plan, nothing written (as the CLI runs it: progress on stderr, the plan on stdout)
+        path = tmp_path / "config.toml"
+        path.write_text(m.config_text())
+        code = await asyncio.to_thread(pgmesh, ["repair", "--config", str(path), "--dry-run"])
+        printed = capsys.readouterr()
+        assert code == 1 and "plan (dry run: nothing written):" in printed.out, printed.out
+        assert "keys decided" in printed.err and "hint:" in printed.err, printed.err
         out = io.StringIO()
         plan = await repair_cluster(m.config, dry_run=True, progress=out)
         assert plan.dry_run and plan.fixes == [] and plan.exit_code == 1, plan.render()
