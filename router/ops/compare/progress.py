@@ -37,6 +37,11 @@ class RepairProgress:
         self.decided_keys = 0
         self.written_rows = 0
 
+    def start(self, total: int) -> None:
+        """The comparison is done: `total` keys to decide, counted (and timed) from now."""
+        self.total = total
+        self._started = self._clock()
+
     def decided(self, keys: int) -> None:
         self.decided_keys += keys
         self._show()
@@ -87,5 +92,6 @@ class RepairProgress:
         elapsed = self._clock() - self._started
         keys_s = self.decided_keys / elapsed if elapsed > 0 else 0.0
         self._out.write(("\n" if self._live else "") + f"repair: {self.decided_keys:,} keys decided,"
-                        f" {self.written_rows:,} rows written in {elapsed:.1f} s ({keys_s:,.0f} keys/s)\n")
+                        f" {self.written_rows:,} rows written in {elapsed:.1f} s after the comparison"
+                        f" ({keys_s:,.0f} keys/s)\n")
         self._out.flush()

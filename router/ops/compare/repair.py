@@ -490,7 +490,7 @@ async def repair_cluster(
     for d in keyed:
         if not parts & d.rows.keys():
             full.setdefault(d.table, []).append(d)
-    tally.total = sum(len(v) for v in full.values())
+    tally.start(sum(len(v) for v in full.values()))
     tally.note(f"compare found {len(compared.differences):,} difference(s) in {compared.seconds:.1f} s"
                + (" (dry run: nothing is written)" if dry_run else ""))
     conns = await _connect(config)
