@@ -219,6 +219,9 @@ class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Tombstone pruning (router.conflicts.pruning): the margin behind the links' safe times, and how often
     tombstone_margin_ms: Annotated[int, msgspec.Meta(ge=0)] = 60_000
     tombstone_prune_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 10_000
+    # ... and how long a tombstone stays at least, past the horizon: what tells `pgmesh repair` and
+    # continuous verification's auto_repair a deletion from a lost row ("0s": pruned at the horizon)
+    tombstone_keep: Duration = "1h"
     # Bounded history (router.conflicts.history, docs/conflicts.md "How long the history is kept"):
     # conflict_history rows and resolved (not pending) quarantine entries older than `keep` are pruned on
     # every node (at least 1s); and no node keeps more than `keep_rows` conflict_history rows, the oldest
@@ -230,6 +233,11 @@ class ConflictSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def keep_s(self) -> float:
         """`keep` in seconds."""
         return duration_seconds(self.keep)
+
+    @property
+    def tombstone_keep_s(self) -> float:
+        """`tombstone_keep` in seconds."""
+        return duration_seconds(self.tombstone_keep)
 
 
 class TableSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -42,6 +42,11 @@ older than anything commit timestamps still order.
 origin positions, deletes on each target at most `BATCHES` x `BATCH_ROWS` tombstones older than its
 horizon (short transactions, so the conflict path is never held long), and updates the metrics.
 
+A tombstone behind the horizon is still kept for `[conflicts] tombstone_keep` (1 h by default) after its
+commit (`prune_before`): the conflict path no longer needs it, but `pgmesh repair` and continuous
+verification's auto_repair do, to tell a row deleted on one node from a row another node lost (without it,
+repair keeps the row and says so). The given-up unique values go at the horizon itself.
+
 Table tombstones (a TRUNCATE's, `pgmesh.table_tombstones`) follow the same horizon, but go with a last
 sweep of their table, which needs the recorder's replication origin: the pruner writes each node's
 horizon into `pgmesh.node_info` (`tombstone_horizon`), and the node's tombstone recorder
@@ -82,6 +87,7 @@ __all__ = [
     "TombstonePruner",
     "horizon",
     "link_safe_time",
+    "prune_before",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,6 +176,12 @@ class LinkReport(msgspec.Struct, frozen=True):
     source: str
     target: str
     running: bool
+
+
+def prune_before(horizon_at: int, now_us: int, keep_us: int) -> int:
+    """Tombstones committed before this go (microseconds since 2000): the horizon, but none younger than
+    `keep_us` (`[conflicts] tombstone_keep`)."""
+    return min(horizon_at, now_us - keep_us)
 
 
 def horizon(safe_times: Iterable[int | None], margin_us: int) -> int | None:
@@ -261,6 +273,7 @@ class TombstonePruner:
         self.metrics = metrics
         self.interval = config.conflicts.tombstone_prune_interval_ms / 1000
         self.tracker = HorizonTracker(config.conflicts.tombstone_margin_ms, clock)
+        self.keep_us = int(config.conflicts.tombstone_keep_s * 1_000_000)
         self.stats = {node.name: PruneStats() for node in self.nodes}
         self._conns: dict[str, psycopg.AsyncConnection[Any]] = {}
         self._exported: dict[str, int] = {}  # node -> `pruned` when last added to the metrics
@@ -335,9 +348,11 @@ class TombstonePruner:
         """At most BATCHES transactions of BATCH_ROWS deletions each (each counted as it commits)."""
         params = {"horizon": pg_us_to_datetime(at), "limit": BATCH_ROWS}
         await (await self._conn(node)).execute(_HORIZON_SQL, {"horizon": pg_us_to_datetime(at).isoformat()})
+        now_us = unix_seconds_to_pg_us(self.tracker.clock())
+        kept = {"horizon": pg_us_to_datetime(prune_before(at, now_us, self.keep_us)), "limit": BATCH_ROWS}
         for _ in range(BATCHES):
             conn = await self._conn(node)
-            cur = await conn.execute(_PRUNE_SQL, params)
+            cur = await conn.execute(_PRUNE_SQL, kept)
             stats.pruned += max(0, cur.rowcount)
             if cur.rowcount < BATCH_ROWS:
                 break

@@ -17,7 +17,7 @@ from tests.fix_mesh import MeshFactory
 
 SCHEMA = "CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL);"
 # A small margin and a short interval: pruning keeps up within the test's time.
-FAST = "[conflicts]\ntombstone_margin_ms = 200\ntombstone_prune_interval_ms = 200\n"
+FAST = "[conflicts]\ntombstone_margin_ms = 200\ntombstone_prune_interval_ms = 200\ntombstone_keep = \"0s\"\n"
 ROUNDS = 150
 ROWS = 100  # rows inserted then deleted per round and node
 

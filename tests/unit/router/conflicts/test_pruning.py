@@ -8,7 +8,7 @@ import pytest
 
 from protocol.lsn import unix_seconds_to_pg_us
 from router.config.model import parse_config
-from router.conflicts.pruning import HorizonTracker, LinkReport, horizon, link_safe_time
+from router.conflicts.pruning import HorizonTracker, LinkReport, horizon, link_safe_time, prune_before
 from router.errors import ConfigError
 
 S = 1_000_000  # one second in microseconds
@@ -148,3 +148,15 @@ def test_config_defaults_and_bounds() -> None:
         parse_config(_CONFIG + "tombstone_margin_ms = -1\n")
     with pytest.raises(ConfigError, match="tombstone_prune_interval_ms"):
         parse_config(_CONFIG + "tombstone_prune_interval_ms = 0\n")
+    assert config.conflicts.tombstone_keep_s == 3600.0
+    assert parse_config(_CONFIG + 'tombstone_keep = "0s"\n').conflicts.tombstone_keep_s == 0.0
+    with pytest.raises(ConfigError, match="tombstone_keep"):
+        parse_config(_CONFIG + 'tombstone_keep = "an hour"\n')
+
+
+def test_tombstones_past_the_horizon_stay_for_tombstone_keep() -> None:
+    hour = 3_600_000_000
+    now = 100 * hour
+    assert prune_before(now - 10, now, hour) == now - hour  # the horizon is recent: keep decides
+    assert prune_before(now - 2 * hour, now, hour) == now - 2 * hour  # a horizon held back decides
+    assert prune_before(now - 10, now, 0) == now - 10  # "0s": at the horizon, as before
