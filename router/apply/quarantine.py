@@ -174,11 +174,15 @@ class QuarantineIndex:
         started = self._added
         try:
             rows = await conn.fetch(PENDING_SQL)
-        except asyncpg.UndefinedTableError:
-            if required:
+        except (asyncpg.UndefinedTableError, asyncpg.InsufficientPrivilegeError) as exc:
+            if required:  # (else nothing can be pending: no table, or none this role may read)
+                missing = isinstance(exc, asyncpg.UndefinedTableError)
                 raise PgmeshError(
-                    f"{_TABLE} is missing, and a table's on_refused is \"quarantine\"", node=self.target,
-                    hint="run `pgmesh init` again: it adds what an older installation lacks") from None
+                    f"{_TABLE} is {'missing' if missing else 'not readable by this role'}, and a table's"
+                    " on_refused is \"quarantine\"", node=self.target,
+                    hint="run `pgmesh init` again: it adds what an older installation lacks" if missing else
+                    "grant the run role its privileges again (`pgmesh init --print-sql --role ROLE`)",
+                ) from None
             rows = []
         keys: dict[str, dict[str, int]] = {}
         counts: dict[str, int] = {}

@@ -178,3 +178,22 @@ async def test_a_pending_key_is_followed_where_the_table_no_longer_quarantines()
     conn.values = [4, 5]  # the newest pending entry of the key; the new entry's id
     await guard.change(conn, Entry(table, "update", {"id": "1"}, None), _refused, lambda: None, covered=False)
     assert [w[2] for w in guard.written] == [5] and "SAVEPOINT" not in " ".join(conn.sent)
+
+
+class _Missing:
+    def __init__(self, error: type[Exception]) -> None:
+        self.error = error
+
+    async def fetch(self, query: str) -> list[tuple[Any, ...]]:
+        raise self.error("relation \"pgmesh.quarantine\" does not exist")
+
+
+@pytest.mark.parametrize("error", [asyncpg.UndefinedTableError, asyncpg.InsufficientPrivilegeError])
+async def test_a_missing_or_unreadable_table_matters_where_a_table_quarantines(
+    error: type[Exception],
+) -> None:
+    index = QuarantineIndex("b")
+    await index.load(_Missing(error), required=False)  # an installation from before it, nothing configured
+    assert index.pending == 0
+    with pytest.raises(PgmeshError, match="pgmesh init"):
+        await index.load(_Missing(error), required=True)
