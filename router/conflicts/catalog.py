@@ -106,7 +106,6 @@ _FUNCTIONS: Final = (
 )
 # the given-up values' (router.conflicts.given_up), reported on a line of their own
 _GIVEN_UP_FUNCTIONS: Final = (
-    _function("give_up.sql", ""),
     _function("given_up_ensure.sql", "oid, text[]"),
     _function("given_up_index.sql", "oid"),
 )

@@ -1,5 +1,5 @@
 """Unique values given up: how pgmesh names a secondary unique key, and the SQL that reads what rows of a
-table gave up on it (`pgmesh.given_up`, written by the `pgmesh_given_up` trigger: sql/give_up.sql).
+table gave up on it (`pgmesh.given_up`, written by the `pgmesh_given_up` trigger: sql/given_up_ensure.sql).
 
 A row that held a secondary unique value and gave it up (deleted, or updated to another value or key)
 leaves a record: (table, unique key, value, the row's key, the transaction of the version that held it).
@@ -21,9 +21,9 @@ __all__ = ["GIVEN_UP_SQL", "RECORD_SQL", "TRIGGER", "VALUE_LOCK_SQL", "plain_nam
 
 TRIGGER: Final = "pgmesh_given_up"
 
-# One claim or record of a value at a time: the lock the claim trigger takes (sql/give_up.sql) on value
-# `{value}` (SQL for a text[]) of unique key $2 of table $1, before it looks for records; the careful path
-# takes it before it looks for rows holding the value and for records, and before it writes a record.
+# One claim or record of a value at a time: the lock the claim trigger takes (sql/given_up_ensure.sql) on
+# value `{value}` (SQL for a text[]) of unique key $2 of table $1, before it looks for records; the careful
+# path takes it before it looks for rows holding the value and for records, and before it writes a record.
 VALUE_LOCK_SQL: Final = (
     "SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
     "'pgmesh given up:' || $1 || ':' || $2 || ':' || ({value})::text, 0))"
