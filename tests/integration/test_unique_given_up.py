@@ -154,3 +154,29 @@ async def test_a_unique_index_created_later_is_taken_up(mesh: MeshFactory) -> No
 async def given_up_trigger(node: LocalNode) -> bool:
     query = "SELECT 1 FROM pg_trigger WHERE tgrelid = 'plain'::regclass AND tgname = 'pgmesh_given_up'"
     return bool(await fetch(node.dsn(), query))
+
+
+PARTITIONED = """
+CREATE TABLE pt (id int, part int, tag text, PRIMARY KEY (id, part), UNIQUE (tag, part))
+  PARTITION BY LIST (part);
+CREATE TABLE pt_1 PARTITION OF pt FOR VALUES IN (1);
+CREATE TABLE pt_2 PARTITION OF pt FOR VALUES IN (2);
+"""
+
+
+async def test_a_partitioned_table_records_under_its_root(mesh: MeshFactory) -> None:
+    """The triggers are the root's (cloned to its partitions): a value given up in a partition is recorded
+    under the root's name, with the version that held it, on the node that gave it up and where the
+    deletion is applied."""
+    m = await mesh(nodes=2, schema=PARTITIONED)
+    nodes, config = m.nodes, m.config
+    a, b = nodes
+    async with running_router(config):
+        await execute(a.dsn(), "INSERT INTO pt VALUES (1, 1, 'x'), (2, 2, 'y')")
+        await wait_converged(nodes, ["pt"])
+        await execute(b.dsn(), "DELETE FROM pt WHERE id = 2")
+        await wait_converged(nodes, ["pt"])
+    for node in nodes:
+        records = await fetch(node.dsn(), "SELECT table_name, unique_key, value, key FROM pgmesh.given_up"
+                                          " WHERE pg_xact_commit_timestamp(xid(xid)) IS NOT NULL")
+        assert records == [("public.pt", '["tag", "part"]', "{y,2}", "{2,2}")], (node.name, records)

@@ -38,6 +38,9 @@ DECLARE
   blocks text := '';
   i int;
 BEGIN
+  IF (SELECT c.relispartition FROM pg_catalog.pg_class c WHERE c.oid = rel) THEN
+    RETURN NULL;  -- a partition has its root's triggers (cloned), whose function names the root
+  END IF;
   SELECT n.nspname, c.relname INTO nsp, tab
     FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = rel;
   FOR ix IN SELECT i.indexrelid, i.indrelid, i.indpred, i.indexprs, i.indnkeyatts,
