@@ -215,7 +215,7 @@ class Wiring:
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
                                   on_applied=confirm.applied if confirm else self._on_applied_hook,
                                   clock=self.clock, target_clock=target_clock,
-                                  quarantine=self.quarantines[target_node.name])
+                                  quarantine=self._quarantine(target_node.name))
                 target_clock.report_to(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")
@@ -275,6 +275,14 @@ class Wiring:
         committed = min((applied_through(link, progress.seen) for link in progress.links),
                         default=progress.seen)
         return self.pumps[node].source.idle_position(committed)
+
+    def _quarantine(self, node: str) -> QuarantineIndex:
+        """The pending quarantine keys of target `node`, shared by its appliers (a node that joined since
+        the router started gets its own on the first wiring after the join)."""
+        index = self.quarantines.get(node)
+        if index is None:
+            index = self.quarantines[node] = QuarantineIndex(node)
+        return index
 
     def _seen_of(self, node: str) -> Callable[[], int]:
         return lambda: self.progress[node].seen
