@@ -325,6 +325,7 @@ class LinkSession:
                                 bases=bases, indexes=indexes)
             # the columns pgmesh's tombstone trigger keys deletions by (router.conflicts.catalog)
             table.tombstone_key = pk or replident or tuple(c for c, *_, generated in columns if not generated)
+            table.identity = replident
             table.deferred = any(primary and not immediate for primary, _, _, immediate in keys)
             table.always = frozenset(col for col, _, _, always, _ in columns if always)  # GENERATED ALWAYS
             table.generated = frozenset(col for col, *_, generated in columns if generated)  # never written

@@ -94,8 +94,9 @@ class TargetTable:
     """What the target has for one replicated table: names, column types, primary and unique keys."""
 
     __slots__ = (
-        "_fits", "always", "columns", "compare", "deferrable", "deferred", "filtered", "generated", "indexes",
-        "name", "partitioned", "pk", "qualified", "skip", "tombstone_key", "types", "uniques",
+        "_fits", "always", "columns", "compare", "deferrable", "deferred", "filtered", "generated",
+        "identity", "indexes", "name", "partitioned", "pk", "qualified", "skip", "tombstone_key", "types",
+        "uniques",
     )
 
     def __init__(
@@ -126,6 +127,9 @@ class TargetTable:
         self._fits: dict[int, Relation] = {}
         # the columns the tombstone trigger keys deletions by: the primary key, else every column
         self.tombstone_key = pk or tuple(self.types) or tuple(sorted(columns))
+        # the replica identity index's columns (() under FULL or DEFAULT): a table without a primary key
+        # finds a row by them, as its key tuple carries nothing else
+        self.identity: tuple[str, ...] = ()
         self.deferred = False  # the primary key is DEFERRABLE: no ON CONFLICT can name it
         # a deferrable constraint or constraint trigger (either side of a foreign key): checked at COMMIT
         self.deferrable = False

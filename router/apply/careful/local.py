@@ -98,13 +98,16 @@ async def local_row(conn: Any, who: Who, table: TargetTable, where: str) -> Loca
 
 
 async def by_key(
-    conn: Any, who: Who, relation: Relation, table: TargetTable, data: TupleData
+    conn: Any, who: Who, relation: Relation, table: TargetTable, data: TupleData, *, identity: bool = True
 ) -> Local | None:
-    """The local row with the same key: the target's primary key, else the whole row."""
-    if table.pk:
+    """The local row with the same key: the target's primary key, else (`identity`: the row an update or
+    a delete names) its replica identity index's columns, as the fast path matches it (a key tuple
+    carries only those, its other columns NULL; an update's new row, the values after it), else the
+    whole row."""
+    if key := table.pk or (table.identity if identity else ()):
         values = _row(relation, data)
-        if all(values.get(k) is not None for k in table.pk):
-            return await local_row(conn, who, table, row_where(values, table.pk, table.compare))
+        if all(values.get(k) is not None for k in key):
+            return await local_row(conn, who, table, row_where(values, key, table.compare))
     return await local_row(conn, who, table, identity_match(relation, data, full=True, types=table.compare))
 
 

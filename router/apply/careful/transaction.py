@@ -302,7 +302,9 @@ class _Apply(ChangeContext):
         new = _row(relation, change.new)
         # no key, no unique constraint: an equal row is another row (as the fast path inserts it)
         keyed = table.pk or table.uniques
-        local = await by_key(self.conn, self.careful, relation, table, change.new) if keyed else None
+        local = None
+        if keyed:  # (by the whole row under a replica identity index: a row met on it is a unique meeting)
+            local = await by_key(self.conn, self.careful, relation, table, change.new, identity=False)
         if local is not None:
             decision = await self._decide(relation, table, ConflictType.INSERT_EXISTS, local, new)
             # each other row met on a secondary unique key is a meeting of its own (docs/conflicts.md,

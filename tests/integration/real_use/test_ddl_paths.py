@@ -273,10 +273,6 @@ async def _published(nodes: list[Any], tables: list[str]) -> bool:
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="apply: rows after a replica identity change in the same transaction"
-                   " are not applied on the target: the careful path meets a unique violation on the key"
-                   " (1) it decides, again at each try, and the link pauses naming the transaction (loud, not"
-                   " silent; until 2026-12-06: update_missing, then delete_missing)")
 async def test_replica_identity_changed_then_rows_in_one_transaction(mesh: MeshFactory) -> None:
     """A migration in one transaction: the replica identity moved to another unique index, then an
     update and a delete sent as separate statements (as they must be now). Before, the same work in one
