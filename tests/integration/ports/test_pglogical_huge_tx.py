@@ -16,8 +16,9 @@ part, whatever the DDL's position in it.
 Found here and fixed: on PostgreSQL 15 the echo of a streamed transaction that opened with DDL (or with a
 TRUNCATE) came back as the target's own (its first decoded change, an internal one, has no origin; the
 applier now writes rows under the origin before each DDL command and each TRUNCATE:
-router.apply.scripts.ORIGIN_MARK). A strict xfail records what is not fixed here: a conflict over a
-TOASTed row whose winner left the TOASTed column unchanged ends with the nodes apart.
+router.apply.scripts.ORIGIN_MARK). A conflict over a TOASTed row whose winner left the TOASTed column
+unchanged, once a strict xfail here, converges since the careful path reads such a value on the source
+(router.apply.toast; `test_conflict_over_a_toasted_row`).
 """
 
 from __future__ import annotations
