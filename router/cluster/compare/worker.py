@@ -29,14 +29,25 @@ import psycopg
 from psycopg import sql
 
 from router.cluster.compare import multiset
-from router.cluster.compare.plan import CompareTable, RangeTask, sub_task
+from router.cluster.compare.plan import (
+    INTEGER_TYPES,
+    CompareTable,
+    RangeTask,
+    bound_ranges,
+    integer_ranges,
+    sub_task,
+)
 from router.errors import PgmeshError, describe
 
 __all__ = [
-    "BUCKETS", "CompareJob", "Difference", "bucket_sql", "differences", "kept", "leaf_sql", "range_sql",
-    "row_hash", "row_hashes_sql", "rows_sql", "run_partition",
+    "BUCKETS", "MAX_RANGES", "ROWS_PER_RANGE", "CompareJob", "Difference", "bucket_sql", "cut_ranges",
+    "differences", "kept", "leaf_sql", "range_sql", "row_hash", "row_hashes_sql", "rows_sql", "run_partition",
 ]
 
+# A table is cut into ranges of about this many rows (by its planner estimate), each read whole first
+# without grouping (`range_sql`); only a range that differs is cut into buckets; at most MAX_RANGES ranges
+ROWS_PER_RANGE: Final = 10_000
+MAX_RANGES: Final = 4096
 BUCKETS: Final = 64  # buckets of a range, by its keys' hash: the first read's granularity
 # a range with this many differences had most of its buckets differ: the next range of its table is read
 # row by row at once (`compare_range`, dense)
@@ -409,3 +420,31 @@ def run_partition(job: CompareJob, tasks: Iterable[RangeTask]) -> Iterator[Diffe
         finally:
             for conn in conns:
                 conn.close()
+
+
+def cut_ranges(
+    conn: psycopg.Connection[Any], table: CompareTable, estimate: int, index: int = 0
+) -> list[RangeTask]:
+    """`table`'s key ranges, as every node reads them alike: an integer first key cut from its min and max
+    here, another from the planner's histogram of it here; a keyless table whole. `estimate`: its rows
+    (ROWS_PER_RANGE a range, at most MAX_RANGES); `index`: the tasks' table index."""
+    if table.keyless:  # read whole in one task (router.cluster.compare.multiset)
+        return [RangeTask(index, None, None)]
+    parts = max(1, min(MAX_RANGES, estimate // ROWS_PER_RANGE))
+    rel = sql.Identifier(table.schema, table.name)
+    cuts: list[tuple[str | None, str | None]] = [(None, None)]
+    if table.first_type in INTEGER_TYPES:
+        first = sql.Identifier(table.keys[0])
+        query = sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=first, t=rel)
+        low_high = conn.execute(query).fetchone()
+        if low_high is not None and low_high[0] is not None:
+            return integer_ranges(index, int(low_high[0]), int(low_high[1]), parts)
+    elif parts > 1:
+        bounds = conn.execute(
+            "SELECT histogram_bounds::text::text[] FROM pg_catalog.pg_stats"
+            " WHERE schemaname = %s AND tablename = %s AND attname = %s",
+            [table.schema, table.name, table.keys[0]],
+        ).fetchone()
+        if bounds is not None and bounds[0]:
+            cuts = bound_ranges(list(bounds[0]), parts)
+    return [RangeTask(index, lo, hi) for lo, hi in cuts]

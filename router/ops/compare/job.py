@@ -34,18 +34,16 @@ from psycopg import sql
 
 from router.cluster.compare.multiset import counts_sql
 from router.cluster.compare.plan import (
-    INTEGER_TYPES,
     CompareTable,
     RangeTask,
-    bound_ranges,
     compared_on,
-    integer_ranges,
     partitions,
 )
 from router.cluster.compare.worker import (
     SESSION_SQL,
     CompareJob,
     Difference,
+    cut_ranges,
     keyless_where,
     row_hashes_sql,
     run_partition,
@@ -63,10 +61,6 @@ from router.service.admin import ask_router
 __all__ = ["CompareReport", "Divergence", "FirstPass", "cmd_compare", "compare_cluster"]
 
 ROUNDS: Final = 3
-# Ranges of about this many rows (a table this small gets one): each is first read whole, without
-# grouping (worker.range_sql), and only a range that differs is cut into buckets; at most MAX_RANGES
-ROWS_PER_RANGE: Final = 10_000
-MAX_RANGES: Final = 4096
 
 _TABLES_SQL: Final = "SELECT schemaname, tablename FROM pg_catalog.pg_publication_tables WHERE pubname = %s"
 # Every table `[replication] tables` may match (as init picks them: partitioned ones by their root)
@@ -259,27 +253,7 @@ def _ranges(
     row = conn.execute(
         "SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %s::regclass", [rel.as_string(conn)]
     ).fetchone()
-    estimate = max(0, int((row[0] if row else 0) or 0))
-    if table.keyless:  # read whole in one task (router.cluster.compare.multiset)
-        return [RangeTask(index, None, None)]
-    parts = max(1, min(MAX_RANGES, estimate // ROWS_PER_RANGE))
-    cuts: list[tuple[str | None, str | None]] = [(None, None)]
-    if table.first_type in INTEGER_TYPES:
-        first = sql.Identifier(table.keys[0])
-        low_high = conn.execute(
-            sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=first, t=rel)
-        ).fetchone()
-        if low_high is not None and low_high[0] is not None:
-            return integer_ranges(index, int(low_high[0]), int(low_high[1]), parts)
-    elif parts > 1:
-        bounds = conn.execute(
-            "SELECT histogram_bounds::text::text[] FROM pg_catalog.pg_stats"
-            " WHERE schemaname = %s AND tablename = %s AND attname = %s",
-            [table.schema, table.name, table.keys[0]],
-        ).fetchone()
-        if bounds is not None and bounds[0]:
-            cuts = bound_ranges(list(bounds[0]), parts)
-    return [RangeTask(index, lo, hi) for lo, hi in cuts]
+    return cut_ranges(conn, table, max(0, int((row[0] if row else 0) or 0)), index)
 
 
 class FirstPass(msgspec.Struct, frozen=True):

@@ -1,10 +1,10 @@
 """What a verification pass compares: the tables in the cluster's publication (or those of them `[verify]
 tables` names), read on the first full node, each with its key columns, as compared on the nodes
 (router.cluster.compare.plan `compared_on`: the full nodes with each other, a partial node with the
-reference through its part), cut into key ranges of about `ROWS_PER_RANGE` rows (as `pgmesh compare`
-cuts them), each with its estimated rows (what the rate bound counts). A table without a key is one range,
-compared as a multiset (router.cluster.compare.multiset). A table missing on some node, or named in
-`[verify] tables` but not published, is left out with why.
+reference through its part), cut into key ranges of about `ROWS_PER_RANGE` rows as `pgmesh compare` cuts
+them (router.cluster.compare.worker `cut_ranges`), each with its estimated rows (what the rate bound
+counts). A table without a key is one range, compared as a multiset (router.cluster.compare.multiset).
+A table missing on some node, or named in `[verify] tables` but not published, is left out with why.
 
 Must not: write anything, or keep a session (router.service.verify.sessions owns them).
 """
@@ -18,21 +18,13 @@ import msgspec
 import psycopg
 from psycopg import sql
 
-from router.cluster.compare.plan import (
-    INTEGER_TYPES,
-    CompareTable,
-    RangeTask,
-    bound_ranges,
-    compared_on,
-    integer_ranges,
-)
+from router.cluster.compare.plan import CompareTable, RangeTask, compared_on
+from router.cluster.compare.worker import cut_ranges
 from router.cluster.partial import is_partial, reaches
 from router.config.model import Config, NodeConfig, split_table_name
 
-__all__ = ["MAX_RANGES", "ROWS_PER_RANGE", "Scope", "read_scope"]
+__all__ = ["Scope", "read_scope"]
 
-ROWS_PER_RANGE: Final = 10_000  # as `pgmesh compare` (router.ops.compare.job): a range is read whole first
-MAX_RANGES: Final = 4096
 
 _PUBLISHED_SQL: Final = (
     "SELECT schemaname, tablename FROM pg_catalog.pg_publication_tables WHERE pubname = %s"
@@ -109,30 +101,6 @@ def _ranges(conn: psycopg.Connection[Any], table: CompareTable) -> list[tuple[Ra
     """The table's key ranges (as `pgmesh compare` cuts them), each with its share of the estimated rows."""
     rel = sql.Identifier(table.schema, table.name)
     estimate = _estimate(conn, rel)
-    tasks = _cut(conn, rel, table, max(1, min(MAX_RANGES, estimate // ROWS_PER_RANGE)))
+    tasks = cut_ranges(conn, table, estimate)
     share = max(1, estimate // len(tasks))
     return [(task, share) for task in tasks]
-
-
-def _cut(
-    conn: psycopg.Connection[Any], rel: sql.Identifier, table: CompareTable, parts: int
-) -> list[RangeTask]:
-    if table.keyless:  # read whole (router.cluster.compare.multiset)
-        return [RangeTask(0, None, None)]
-    if table.first_type in INTEGER_TYPES:
-        first = sql.Identifier(table.keys[0])
-        query = sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=first, t=rel)
-        low_high = conn.execute(query).fetchone()
-        if low_high is not None and low_high[0] is not None:
-            return integer_ranges(0, int(low_high[0]), int(low_high[1]), parts)
-        return [RangeTask(0, None, None)]
-    cuts: list[tuple[str | None, str | None]] = [(None, None)]
-    if parts > 1:
-        bounds = conn.execute(
-            "SELECT histogram_bounds::text::text[] FROM pg_catalog.pg_stats"
-            " WHERE schemaname = %s AND tablename = %s AND attname = %s",
-            [table.schema, table.name, table.keys[0]],
-        ).fetchone()
-        if bounds is not None and bounds[0]:
-            cuts = bound_ranges(list(bounds[0]), parts)
-    return [RangeTask(0, lo, hi) for lo, hi in cuts]
