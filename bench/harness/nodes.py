@@ -1,7 +1,8 @@
 """What every bench does to its throw-away nodes, and the clocks it reads them with.
 
 Owns: the server settings every system's nodes get (`NODE_SETTINGS`; `SETTINGS` adds pglogical's
-preload when it is installed), the bench tables each system creates at setup (`EXTRA_SCHEMA`), running
+preload when it is installed, and its output plugin to `output_plugin_libraries` on servers that have
+that setting: Debian's 15.19+, 18.6), the bench tables each system creates at setup (`EXTRA_SCHEMA`), running
 pgbench from the PostgreSQL bindir without the caller's libpq variables (`client_env`, `pgbench`,
 `pgbench_field`), a node's pgbench tables (`pgbench_init`), the marker rows a backlog ends with, a
 CHECKPOINT, a node's server CPU from /proc, and the uvloop event loop the router runs on in a bench
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,10 +56,43 @@ def pglogical_installed() -> bool:
         return False
 
 
+PGLOGICAL_PLUGIN = "pglogical_output"  # the output plugin pglogical 2's subscriber asks its provider for
+
+
+def described_default(setting: str) -> str | None:
+    """The built-in default of `setting` by the server's `postgres --describe-config` (which runs without
+    a data directory, also as root), or None when this server has no such setting or cannot say."""
+    try:
+        argv = [str(find_pg_bindir() / "postgres"), "--describe-config"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        return None
+    for line in out.splitlines():
+        fields = line.split("\t")
+        if fields[0] == setting and len(fields) > 4:
+            return fields[4]
+    return None
+
+
+def pglogical_settings() -> dict[str, str]:
+    """pglogical's server settings, when it is installed: its preload and, where the server has
+    `output_plugin_libraries` (Debian's 15.19+ and 18.6 refuse a plugin not listed there: "library
+    \"pglogical_output\" may not be used as an output plugin"), the default list plus its plugin.
+    Older minor releases lack the setting (a server refuses to start with an unknown one): none there."""
+    if not pglogical_installed():
+        return {}
+    settings = {"shared_preload_libraries": "pglogical"}
+    allowed = described_default("output_plugin_libraries")
+    if allowed is not None:
+        listed = [name.strip() for name in allowed.split(",") if name.strip()]
+        settings["output_plugin_libraries"] = ", ".join(
+            listed if PGLOGICAL_PLUGIN in listed else [*listed, PGLOGICAL_PLUGIN]
+        )
+    return settings
+
+
 # Identical server settings for every system's nodes in the suite.
-SETTINGS: dict[str, str] = {
-    **NODE_SETTINGS, **({"shared_preload_libraries": "pglogical"} if pglogical_installed() else {})
-}
+SETTINGS: dict[str, str] = {**NODE_SETTINGS, **pglogical_settings()}
 
 
 def client_env() -> dict[str, str]:
