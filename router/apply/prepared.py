@@ -36,7 +36,10 @@ from router.apply.statements import (
     untouched,
 )
 
-__all__ = ["Prepared", "prepared_delete", "prepared_insert", "prepared_update"]
+__all__ = [
+    "Prepared", "delete_sql", "insert_locks_sql", "insert_sql", "prepared_delete", "prepared_insert",
+    "prepared_update", "update_sql",
+]
 
 _SETUP_KEY: Final = (0, "S", b"")  # the origin's xact_setup in `Prepared` (no relation has id 0)
 _BARE_SETUP_KEY: Final = (0, "SB", b"")  # the same without `pgmesh.remote`
@@ -164,6 +167,50 @@ def _deciding(statement: str, origin: str, function: str, arguments: int) -> str
 
 
 
+def update_sql(
+    relation: Relation, table: TargetTable, sets: list[int], keys: list[int], origin: str | None,
+    prepared: Prepared,
+) -> str:
+    """A keyed UPDATE setting columns `sets` (parameters $1...) of the row with key columns `keys` (the
+    parameters after them). With `origin` (SQL for the source's origin id: a parameter, or a literal where
+    the session has it in the statement's text) it applies only to a row the source wrote last, and
+    otherwise calls its decision function (created through `prepared`), or raises for the careful path."""
+    cols = relation.columns
+    # an identity GENERATED ALWAYS is set by no UPDATE (router.apply.statements.update_sets): its value
+    # is matched instead (the key's is anyway), so that its parameter still has a type
+    always = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name in table.always]
+    written = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name not in table.always]
+    assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in written) or untouched(
+        table, [c.name for c in cols])
+    matches = [
+        f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
+        for n, i in [*enumerate(keys, len(sets) + 1), *always]
+    ]
+    where = " AND ".join(matches)
+    statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
+    if origin is not None and prepared.decisions is not None:
+        decisions = prepared.decisions
+        function = decisions.update(relation, table, sets, keys, prepared.creates, prepared.functions)
+        return _deciding(statement, origin, function, len(sets) + len(keys))
+    return guard(statement, origin)
+
+
+def delete_sql(
+    relation: Relation, table: TargetTable, keys: list[int], origin: str | None, prepared: Prepared
+) -> str:
+    """A keyed DELETE of the row with key columns `keys` (parameters $1...); `origin`: as `update_sql`."""
+    cols = relation.columns
+    where = " AND ".join(
+        f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
+        for n, i in enumerate(keys, 1)
+    )
+    statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
+    if origin is not None and prepared.decisions is not None:
+        function = prepared.decisions.delete(relation, table, keys, prepared.creates, prepared.functions)
+        return _deciding(statement, origin, function, len(keys))
+    return guard(statement, origin)
+
+
 def prepared_update(
     relation: Relation,
     table: TargetTable,
@@ -188,23 +235,8 @@ def prepared_update(
     keys = [i for i, c in enumerate(cols) if c.key]
 
     def build() -> str:
-        # an identity GENERATED ALWAYS is set by no UPDATE (router.apply.statements.update_sets): its value
-        # is matched instead (the key's is anyway), so that its parameter still has a type
-        always = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name in table.always]
-        written = [(n, i) for n, i in enumerate(sets, 1) if cols[i].name not in table.always]
-        assignments = ", ".join(f"{quote_ident(cols[i].name)} = ${n}" for n, i in written) or untouched(
-            table, [c.name for c in cols])
-        matches = [
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
-            for n, i in [*enumerate(keys, len(sets) + 1), *always]
-        ]
-        where = " AND ".join(matches)
-        statement = f"UPDATE {table.qualified} AS {TABLE_ALIAS} SET {assignments} WHERE {where}"
-        if origin is not None and prepared.decisions is not None:
-            decisions = prepared.decisions
-            function = decisions.update(relation, table, sets, keys, prepared.creates, prepared.functions)
-            return _deciding(statement, f"${len(sets) + len(keys) + 1}", function, len(sets) + len(keys))
-        return guard(statement, None if origin is None else f"${len(sets) + len(keys) + 1}")
+        origin_sql = None if origin is None else f"${len(sets) + len(keys) + 1}"
+        return update_sql(relation, table, sets, keys, origin_sql, prepared)
 
     mask = bytes(1 if new.kinds[i] == KIND_UNCHANGED else 0 for i in range(len(cols)))
     name = prepared.name(relation, shape, mask, build, out)
@@ -227,15 +259,7 @@ def prepared_delete(
     keys = [i for i, c in enumerate(cols) if c.key]
 
     def build() -> str:
-        where = " AND ".join(
-            f"{TABLE_ALIAS}.{quote_ident(cols[i].name)} = {typed(f'${n}', table.compare.get(cols[i].name))}"
-            for n, i in enumerate(keys, 1)
-        )
-        statement = f"DELETE FROM {table.qualified} AS {TABLE_ALIAS} WHERE {where}"
-        if origin is not None and prepared.decisions is not None:
-            function = prepared.decisions.delete(relation, table, keys, prepared.creates, prepared.functions)
-            return _deciding(statement, f"${len(keys) + 1}", function, len(keys))
-        return guard(statement, None if origin is None else f"${len(keys) + 1}")
+        return delete_sql(relation, table, keys, None if origin is None else f"${len(keys) + 1}", prepared)
 
     name = prepared.name(relation, "D" if origin is None else "DG", b"", build, out)
     literals = _literals(relation, change.old, keys)
@@ -265,7 +289,7 @@ def prepared_insert(
     values = _literals(relation, change.new, range(len(relation.columns)))
     keys = [values[i] for i in key_columns]
     if setup is None:
-        lock = prepared.name(relation, "IL", b"", lambda: f"SELECT {_insert_locks(table, key_types)}", out)
+        lock = prepared.name(relation, "IL", b"", lambda: f"SELECT {insert_locks_sql(table, key_types)}", out)
         first = _execute(lock, keys)
     else:
         n = len(keys)
@@ -273,14 +297,14 @@ def prepared_insert(
         fused = prepared.name(
             relation, "ISL" if remote else "ISLB", b"",
             lambda: (f"SELECT pg_catalog.pg_replication_origin_xact_setup(${n + 1}, ${n + 2}),{remote}"
-                     f" {_insert_locks(table, key_types)}"),
+                     f" {insert_locks_sql(table, key_types)}"),
             out,
         )
         first = _execute(fused, [*keys, *setup])
     return f"{first};\n{_execute(insert, values)}"
 
 
-def _insert_locks(table: TargetTable, key_types: list[str]) -> str:
+def insert_locks_sql(table: TargetTable, key_types: list[str]) -> str:
     """The locks of a single guarded insert, its key as parameters $1...: the table's, shared (as
     `table_lock`), then the key's (`key_lock`)."""
     texts = [f"${n}::{t}::text" for n, t in enumerate(key_types, 1)]
@@ -296,56 +320,61 @@ def _plan_insert(
     relation: Relation, table: TargetTable, prepared: Prepared, out: list[str]
 ) -> tuple[str, list[int], list[str]]:
     """The PREPARE (into `out`) of a single guarded insert into `relation`, where its key is."""
+    sql, key_positions, key_types = insert_sql(relation, table, prepared)
+    insert = prepared.name(relation, "IG", b"", lambda: sql, out)
+    plan = (insert, key_positions, key_types)
+    prepared.insert_plans[id(relation)] = plan
+    return plan
+
+
+def insert_sql(
+    relation: Relation, table: TargetTable, prepared: Prepared
+) -> tuple[str, list[int], list[str]]:
+    """A single guarded insert into `relation` (every column a parameter, $1...): its SQL, the positions
+    of its key's columns in the row and the types they are compared as."""
     cols = relation.columns
     position = {c.name: i for i, c in enumerate(cols)}
     key = [k for k in table.tombstone_key if k in position]
     key_types = [table.compare[k] for k in key]
     bounded = bounded_key(key_types)
-
-    def build_insert() -> str:
-        names = ", ".join(quote_ident(c.name) for c in cols)
-        picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
-        keys = ", ".join(f"${position[k] + 1}::{table.compare[k]}::text" for k in key)
-        exists = (
-            f"EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
-            f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
-            f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]', bounded)})"
+    names = ", ".join(quote_ident(c.name) for c in cols)
+    picks = ", ".join(f"${i + 1}::{table.types.get(c.name, 'text')}" for i, c in enumerate(cols))
+    keys = ", ".join(f"${position[k] + 1}::{table.compare[k]}::text" for k in key)
+    exists = (
+        f"EXISTS (SELECT 1 FROM pgmesh.tombstones AS {TOMBSTONE_ALIAS}"
+        f" WHERE {TOMBSTONE_ALIAS}.table_name = {quote_literal(table.name)}"
+        f" AND {TOMBSTONE_ALIAS}.key = {tombstone_key(f'ARRAY[{keys}]::text[]', bounded)})"
+    )
+    plan = ([position[k] for k in key], key_types)
+    decisions = prepared.decisions
+    written = [c.name for c in cols if c.name not in table.always]
+    if decisions is not None and table.pk and not table.deferred and written:
+        # a tombstone: its decision function says whether to insert
+        args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
+        deleted = decisions.insert_deleted(relation, table, prepared.creates, prepared.functions)
+        insert = (
+            f"INSERT INTO {table.qualified} AS {TABLE_ALIAS} ({names}) {_OVERRIDING} SELECT {picks}"
+            f" WHERE CASE WHEN {exists} THEN {deleted}(VARIADIC ARRAY[{args}]::text[]) ELSE true END"
         )
-        decisions = prepared.decisions
-        written = [c.name for c in cols if c.name not in table.always]
-        if decisions is not None and table.pk and not table.deferred and written:
-            # a tombstone: its decision function says whether to insert
-            args = ", ".join(f"${i + 1}::text" for i in range(len(cols)))
-            deleted = decisions.insert_deleted(relation, table, prepared.creates, prepared.functions)
-            insert = (
-                f"INSERT INTO {table.qualified} AS {TABLE_ALIAS} ({names}) {_OVERRIDING} SELECT {picks}"
-                f" WHERE CASE WHEN {exists} THEN {deleted}(VARIADIC ARRAY[{args}]::text[]) ELSE true END"
-            )
-            if table.name not in decisions.contested:
-                # a row with the key raises unique_violation: that transaction is decided the careful
-                # way, and the table's inserts decide it in the statement from then on (`contested`,
-                # router.apply.link.LinkSession.contest). Until then no ON CONFLICT: speculative insertion
-                # costs every insert a third more on the target (and its walsender), conflict or not
-                return insert
-            # a row with the key: ON CONFLICT locks it and the other function says whether to overwrite it
-            exists_fn = decisions.insert_exists(relation, table, prepared.creates, prepared.functions)
-            # every column, the key too: equal by its collation is not the same bytes (as the careful
-            # path writes the winning row whole); not an identity GENERATED ALWAYS (no UPDATE may set it)
-            sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in written)
-            return (
-                f"{insert} ON CONFLICT ({', '.join(quote_ident(k) for k in table.pk)}) DO UPDATE SET {sets}"
-                f" WHERE {exists_fn}(VARIADIC ARRAY[{args}]::text[])"
-            )
-        # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
-        # folding the call) is cheaper for the target than counting through a data-modifying CTE.
+        if table.name not in decisions.contested:
+            # a row with the key raises unique_violation: that transaction is decided the careful
+            # way, and the table's inserts decide it in the statement from then on (`contested`,
+            # router.apply.link.LinkSession.contest). Until then no ON CONFLICT: speculative insertion
+            # costs every insert a third more on the target (and its walsender), conflict or not
+            return insert, *plan
+        # a row with the key: ON CONFLICT locks it and the other function says whether to overwrite it
+        exists_fn = decisions.insert_exists(relation, table, prepared.creates, prepared.functions)
+        # every column, the key too: equal by its collation is not the same bytes (as the careful
+        # path writes the winning row whole); not an identity GENERATED ALWAYS (no UPDATE may set it)
+        sets = ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in written)
         return (
-            f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
-            f" WHERE CASE WHEN {exists} THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END"
+            f"{insert} ON CONFLICT ({', '.join(quote_ident(k) for k in table.pk)}) DO UPDATE SET {sets}"
+            f" WHERE {exists_fn}(VARIADIC ARRAY[{args}]::text[])", *plan,
         )
-
-    insert = prepared.name(relation, "IG", b"", build_insert, out)
-    plan = (insert, [position[k] for k in key], key_types)
-    prepared.insert_plans[id(relation)] = plan
-    return plan
-
-
+    # Raising in the WHERE clause (CASE evaluates in order; the subquery keeps the planner from
+    # folding the call) is cheaper for the target than counting through a data-modifying CTE.
+    return (
+        f"INSERT INTO {table.qualified} ({names}) {_OVERRIDING} SELECT {picks}"
+        f" WHERE CASE WHEN {exists} THEN pgmesh.expect_rows((SELECT 0::bigint), 1) IS NULL ELSE true END",
+        *plan,
+    )
