@@ -1,15 +1,15 @@
 """Where the CPU goes during each bench workload: every PostgreSQL process, the router, py-spy's stacks.
 
-`python -m bench.suite.profile [--system S ...] [--workload W ...] [--scale S] [--out DIR]`: one run per
-system on fresh nodes (bench.harness.runs.run_once), its workloads in order. Inside each workload's timed
-window (bench.harness.workloads.Context.window) it measures the CPU of every PostgreSQL process of every
-node (utime + stime of the postmaster's children, read at the window's start, every TRACK_S and at its end,
-by process title: walsender, apply worker, pglogical, backend, background; what the postmaster's cutime +
-cstime gained beyond the last readings of children that exited is `exited`), the bench process's (for
-pgmesh: the router, on uvloop), the wall time and the CPU per unit of the workload; for pgmesh also
-`py-spy record` on this process: top functions by self and inclusive samples, and the collapsed stacks
-for a flame graph.
-Files: DIR/<system>-<workload>.txt, DIR/<system>-<workload>.collapsed.txt[.gz], DIR/README.md.
+`python -m bench.suite.profile [--system S ...] [--workload W ...] [--scale S] [--backlog long] [--out
+DIR]`: one run per system on fresh nodes (bench.harness.runs.run_once), its workloads in order. Inside each
+workload's timed window (bench.harness.workloads.Context.window) it measures the CPU of every PostgreSQL
+process of every node (utime + stime of the postmaster's children, read at the window's start, every
+TRACK_S and at its end, by process title: walsender, apply worker, pglogical, backend, background; what the
+postmaster's cutime + cstime gained beyond the last readings of children that exited is `exited`), the
+bench process's (for pgmesh: the router, on uvloop), the wall time and the CPU per unit of the workload;
+for pgmesh also `py-spy record` on this process: top functions by self and inclusive samples, and the
+collapsed stacks for a flame graph. Files: DIR/<system>-<workload>.txt,
+DIR/<system>-<workload>.collapsed.txt[.gz], DIR/README.md.
 
 Owns: the window's measurements, the parsing of py-spy's collapsed stacks and these files. Must not: change
 how the suite runs or times a workload (the window only observes), or touch processes it did not start.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bench.harness.runs import SYSTEMS, plan_workloads, run_once
 from bench.harness.system import System
-from bench.harness.workloads import WORKLOAD_TIMEOUT_S, Measurement, Sizes
+from bench.harness.workloads import BACKLOGS, WORKLOAD_TIMEOUT_S, Measurement, Sizes
 from bench.harness.workloads import Window as WindowFactory
 from bench.suite.report import PRIMARY, git_commit
 
@@ -411,6 +411,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", action="append", choices=WORKLOADS,
                         help=f"repeatable ({', '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size factor, as the suite's")
+    parser.add_argument("--backlog", choices=tuple(BACKLOGS), default="default",
+                        help="backlog sizes, as the suite's (long: 80,000 TPC-B, 400,000 one-row inserts)")
     parser.add_argument("--out", type=Path, default=OUT, help="output directory (bench/results/profiles)")
     parser.add_argument("--no-py-spy", action="store_true", help="only the CPU tables")
     args = parser.parse_args(argv)
@@ -422,7 +424,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def profile_system(name: str, workloads: Sequence[str], args: argparse.Namespace, profiler: Profiler,
                    header: list[str], names: Sequence[str]) -> list[str]:
     """One run of one system, each workload's file written; returns its README rows."""
-    sizes = Sizes.for_scale(args.scale)
+    sizes = Sizes.for_scale(args.scale, backlog=args.backlog)
     limit = WORKLOAD_TIMEOUT_S * max(1.0, args.scale)
     results, failures = run_once(name, sizes, 0, workloads, limit, profiler.windows)
     done = {m.workload: m for m in results}
@@ -462,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in systems:
         print(f"{name}: {', '.join(planned[name])}", file=sys.stderr)
         rows += profile_system(name, planned[name], args, profiler, header, names)
-    sizes = Sizes.for_scale(args.scale).describe()
+    sizes = Sizes.for_scale(args.scale, backlog=args.backlog).describe()
     write_readme(args.out, command, header + [f"workload {line}" for line in sizes
                                               if line.split(":")[0] in workloads], rows, names)
     print(f"wrote {args.out / 'README.md'}", file=sys.stderr)

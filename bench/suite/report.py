@@ -60,15 +60,25 @@ def system_status(doc: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def _window(row: dict[str, Any]) -> str:
+    """A rate's window: `catch-up s (first apply s)`, medians; '' when not timed as a window."""
+    seconds, first = row.get("seconds"), row.get("first_apply_s")
+    if seconds is None:
+        return ""
+    return f"{seconds:.2f}" + (f" ({first:.2f})" if first is not None else "")
+
+
 def results_table(doc: dict[str, Any]) -> list[str]:
-    lines = ["| system | workload | metric | min | median | ratio to native |", "|---|---|---|--:|--:|--:|"]
+    lines = ["| system | workload | metric | min | median | ratio to native | s (first apply s) |",
+             "|---|---|---|--:|--:|--:|--:|"]
     for row in doc["summary"]:
         ratio = _ratio(row["ratio"])
         if ratio and row["workload"] == "multimaster":
             ratio += " (of pgmesh2)"
         low, mid = _fmt(row["min"], row["metric"]), _fmt(row["median"], row["metric"])
-        lines.append(f"| {row['system']} | {row['workload']} | {row['metric']} | {low} | {mid} | {ratio} |")
-    lines += [f"| {n['system']} | {n['workload']} | {PRIMARY[n['workload']]} | n/a | n/a | {n['reason']} |"
+        lines.append(f"| {row['system']} | {row['workload']} | {row['metric']} | {low} | {mid} | {ratio}"
+                     f" | {_window(row)} |")
+    lines += [f"| {n['system']} | {n['workload']} | {PRIMARY[n['workload']]} | n/a | n/a | {n['reason']} |  |"
               for n in doc["not_run"]]
     return lines
 
@@ -106,7 +116,7 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in doc["server_settings"].items()],
         "",
-        f"## Workloads (scale {doc['sizes']['scale']:g})",
+        f"## Workloads (scale {doc['sizes']['scale']:g}, {doc['sizes'].get('backlog', 'default')} backlogs)",
         "",
         *[f"- {line}" for line in doc["workload_sizes"]],
         "",
@@ -130,6 +140,11 @@ def render_markdown(doc: dict[str, Any], results_link: str) -> str:
         " seconds, so higher is always better and 1.00x = as good as native. Multimaster has no native"
         " anchor: its ratio is system/pgmesh2. `conflicts` is the count the system reports for the"
         " workload (pgmesh: decided on every link; Bucardo: its \"Conflicts for\" log lines), not timed.",
+        "`s (first apply s)`: median seconds the rate's window lasted (a backlog: from the start command"
+        " until every target had the marker, per link until that target had it; multimaster: until the"
+        " nodes converged) and, in brackets, until a target's origin first moved (the apply worker's or the"
+        " router's start; for bulk the one big transaction's decoding and apply). A start that is a large"
+        " part of the window weighs on the rate: compare with `--backlog long`.",
         "",
     ]
     if doc["links"]:

@@ -18,8 +18,14 @@ bench.suite.report).
     .venv/bin/python -m bench --all                                    # scale 1, 2 runs (~30 min)
     .venv/bin/python -m bench --all --scale 0.05 --runs 1 --out /tmp/suite/RESULTS.md   # quick
     .venv/bin/python -m bench.suite --only-system pgmesh3 --only-workload tpcb
+    .venv/bin/python -m bench.suite --backlog long --runs 3 --only-workload tpcb --only-workload inserts
     .venv/bin/python -m bench --all --rtt-ms 0.65 --only-system native --only-system pgmesh2   # ~1 ms RTT
     .venv/bin/python -m bench.suite.profile    # where the CPU goes in each workload
+
+`--backlog long` makes the backlogs 80,000 TPC-B and 400,000 one-row inserts (times --scale; default:
+20,000 and 100,000), so that the in-server workers' catch-up lasts seconds and worker or router start is a
+small part; `--tpcb-txns N` / `--insert-txns N` set a count exactly. Each backlog's catch-up seconds and
+first-apply seconds are reported beside its rate.
 
 `--rtt-ms` puts a delaying proxy (bench.harness.delay) on every system's replication connections; its
 threads add about 0.35 ms to what is asked, so the round trip is measured before the runs and reported.
@@ -48,7 +54,7 @@ from typing import Any, Final
 
 from bench.harness.nodes import SETTINGS, pgbench_ready
 from bench.harness.runs import Failure, measure_rtt, plan_workloads, run_once
-from bench.harness.workloads import WORKLOAD_TIMEOUT_S, WORKLOADS, Measurement, Sizes
+from bench.harness.workloads import BACKLOGS, WORKLOAD_TIMEOUT_S, WORKLOADS, Measurement, Sizes
 from bench.suite.report import (
     INFO_ONLY,
     LOWER_IS_BETTER,
@@ -77,9 +83,26 @@ __all__ = ["SYSTEM_ORDER", "WORKLOADS", "Failure", "Sizes", "build_doc", "link_c
 # Summary
 
 
+def _seconds(m: Measurement, metric: str) -> float | None:
+    """How long the timed window of a rate lasted (a backlog's catch-up, multimaster's convergence): for
+    `tx/s a->x` target x's catch-up; None for other metrics."""
+    if base_metric(metric) not in ("tx/s", "rows/s"):
+        return None
+    _, arrow, target = metric.partition(" a->")
+    value = m.details.get("catchup_s", {}).get(target) if arrow else m.details.get("seconds")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def summary(results: Sequence[Measurement], systems: Sequence[str]) -> list[dict[str, Any]]:
     """One row per (workload, metric, system): min, median, and the ratio of the medians to the anchor
-    (native; pgmesh2 for multimaster), oriented so that higher is better."""
+    (native; pgmesh2 for multimaster), oriented so that higher is better; for a rate also the median
+    seconds its window lasted (`seconds`: a backlog's catch-up) and until a target first applied
+    (`first_apply_s`: worker or router start, or a big transaction's decoding)."""
     keys: list[tuple[str, str]] = []
     for m in results:
         keys.extend((m.workload, metric) for metric in m.values if (m.workload, metric) not in keys)
@@ -88,14 +111,17 @@ def summary(results: Sequence[Measurement], systems: Sequence[str]) -> list[dict
     rows: list[dict[str, Any]] = []
     for workload, metric in keys:
         for system in systems:
-            values = [m.values[metric] for m in results
-                      if m.system == system and m.workload == workload and metric in m.values]
-            if not values:
+            runs = [m for m in results
+                    if m.system == system and m.workload == workload and metric in m.values]
+            if not runs:
                 continue
+            values = [m.values[metric] for m in runs]
             medians[(workload, metric, system)] = statistics.median(values)
+            seconds = _median_or_none([_seconds(m, metric) for m in runs])
+            first = _median_or_none([m.details.get("first_apply_s") for m in runs]) if seconds else None
             rows.append({"system": system, "workload": workload, "metric": metric, "min": min(values),
                          "max": max(values), "median": statistics.median(values), "runs": len(values),
-                         "ratio": None})
+                         "ratio": None, "seconds": seconds, "first_apply_s": first})
     for row in rows:
         anchor = "pgmesh2" if row["workload"] == "multimaster" else "native"
         base = medians.get((row["workload"], base_metric(row["metric"]), anchor))
@@ -184,6 +210,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     about = (__doc__ or "").splitlines()[0]
     parser = argparse.ArgumentParser(prog="python -m bench --all", description=about)
     parser.add_argument("--scale", type=float, default=1.0, help="workload size factor (default 1)")
+    parser.add_argument("--backlog", choices=tuple(BACKLOGS), default="default",
+                        help="backlog sizes at scale 1: default = 20,000 TPC-B and 100,000 one-row inserts;"
+                             " long = 80,000 and 400,000 (the in-server workers' catch-up lasts seconds)")
+    parser.add_argument("--tpcb-txns", type=int, default=None, metavar="N",
+                        help="exactly N TPC-B transactions in the tpcb backlog (not scaled)")
+    parser.add_argument("--insert-txns", type=int, default=None, metavar="N",
+                        help="exactly N one-row inserts in the inserts backlog (not scaled)")
     parser.add_argument("--runs", type=int, default=2, help="runs per system; min and median are reported")
     parser.add_argument("--only-system", action="append", choices=SYSTEM_ORDER, metavar="SYSTEM",
                         help=f"run only this system ({', '.join(SYSTEM_ORDER)}); repeatable")
@@ -201,14 +234,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.scale <= 0 or args.runs < 1 or args.rtt_ms < 0:
         parser.error("--scale must be > 0, --runs at least 1 and --rtt-ms at least 0")
+    if (args.tpcb_txns is not None and args.tpcb_txns < 1) or (args.insert_txns is not None
+                                                              and args.insert_txns < 1):
+        parser.error("--tpcb-txns and --insert-txns must be at least 1")
     return args
+
+
+def sizes_from(args: argparse.Namespace) -> Sizes:
+    return Sizes.for_scale(args.scale, backlog=args.backlog, tpcb_txns=args.tpcb_txns,
+                           insert_txns=args.insert_txns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
     command = shlex.join([".venv/bin/python", "-m", "bench", "--all", *[a for a in raw if a != "--all"]])
-    sizes = Sizes.for_scale(args.scale)
+    sizes = sizes_from(args)
     chosen = args.only_system if args.only_system is not None else DEFAULT_SYSTEMS
     systems = [s for s in SYSTEM_ORDER if s in chosen]
     workloads = [w for w in WORKLOADS if args.only_workload is None or w in args.only_workload]
