@@ -1,0 +1,303 @@
+"""Router CPU per source transaction against the mesh size: TPC-B at N = 2, 3, 5, 8 nodes (issue 39).
+
+One node (a) writes a backlog of pgbench TPC-B transactions while replication is stopped; every other
+node is a target. For each N: fresh nodes, the bench's pgmesh on all of them (`bench.harness.pgmesh`,
+`pgmesh2` .. `pgmesh8`), the backlog timed as the suite times it (`bench.harness.workloads`, from the
+router's start until every target has the marker) through `bench.harness.runs.run_once`. The router runs
+in this process, so its CPU is this process's (`time.process_time()`, user + system of every thread, as
+`bench.suite.profile` counts the bench process; the watcher that polls the targets is another process):
+
+  window      from the start command until every target has the marker (the router's start included)
+  drained     the window plus until every logical slot on every node is confirmed up to that node's WAL
+              position at the window's end: on 15 the router also reads what it applied on each target
+              back from that target (the echoes, skipped by origin), N-1 per source transaction
+
+Beside them, native logical replication to one subscriber (`native`) and to two (`native3`): native3's
+per-link rate over native's is the control for pgmesh3 / pgmesh2 (what a second target costs PostgreSQL's
+own apply on the same cores). Medians over `--runs`; the order of the systems alternates between runs.
+
+    .venv/bin/python -m bench.micro.meshsize                # 80,000 TPC-B, 3 runs (~15 min here)
+    .venv/bin/python -m bench.micro.meshsize --quick        # 2,000 TPC-B, 1 run: a size check (~1 min)
+    .venv/bin/python -m bench.micro.meshsize --sizes 2,3 --runs 1 --tpcb-txns 20000
+
+Output: the table on stdout and, unless --quick, bench/results/issue39/meshsize.md and meshsize.json (or
+--out DIR).
+
+Owns: the router CPU readings around the suite's timed window, the drain after it, and this table. Must
+not: time the backlog differently from the suite (`workloads.time_backlog` does), or touch a node it did
+not create.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.harness.nodes import pgbench_ready
+from bench.harness.runs import SYSTEMS, Failure, run_once
+from bench.harness.system import System
+from bench.harness.workloads import WORKLOAD_TIMEOUT_S, Measurement, Sizes
+from bench.harness.workloads import Window as WindowFactory
+from bench.suite.report import git_commit
+from bench.suite.runner import machine_facts
+
+MESH_SIZES = (2, 3, 5, 8)
+NATIVE = ("native", "native3")
+TPCB_TXNS = 80_000  # the suite's --backlog long: native's catch-up lasts seconds
+QUICK_TXNS = 2_000
+RUNS = 3
+DRAIN_POLL_S = 0.1
+DRAIN_LIMIT_S = 300.0
+OUT = Path(__file__).resolve().parents[1] / "results" / "issue39"
+SLOTS_BEHIND = ("SELECT count(*) FROM pg_catalog.pg_replication_slots WHERE slot_type = 'logical'"
+                " AND (confirmed_flush_lsn IS NULL OR confirmed_flush_lsn < %s::pg_lsn)")
+
+
+@dataclass(slots=True)
+class Reading:
+    """What one window measured: the router's (this process's) CPU and the wall time, to the end of the
+    window and to the end of the drain (pgmesh only; NaN when the drain timed out)."""
+
+    system: str
+    run: int
+    window_cpu_s: float = float("nan")
+    window_wall_s: float = float("nan")
+    drained_cpu_s: float = float("nan")
+    drained_wall_s: float = float("nan")
+
+
+async def drain(system: System) -> bool:
+    """Wait until every logical slot on every data node is confirmed up to the node's WAL position of
+    now (the router has read every echo); False when DRAIN_LIMIT_S passed first."""
+    async with contextlib.AsyncExitStack() as stack:
+        conns = [await stack.enter_async_context(await psycopg.AsyncConnection.connect(node.dsn(),
+                                                                                       autocommit=True))
+                 for node in system.data_nodes]
+        wanted = []
+        for conn in conns:
+            row = await (await conn.execute("SELECT pg_catalog.pg_current_wal_lsn()::text")).fetchone()
+            wanted.append(row[0] if row else "0/0")
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while time.monotonic() < deadline:
+            behind = 0
+            for conn, lsn in zip(conns, wanted, strict=True):
+                row = await (await conn.execute(SLOTS_BEHIND, [lsn])).fetchone()
+                behind += row[0] if row else 1
+            if not behind:
+                return True
+            await asyncio.sleep(DRAIN_POLL_S)
+    return False
+
+
+class Meter:
+    """Makes each backlog's window (a `bench.harness.workloads.Windows`) and keeps its `Reading`."""
+
+    __slots__ = ("readings", "run")
+
+    def __init__(self) -> None:
+        self.readings: dict[tuple[str, int], Reading] = {}
+        self.run = 0
+
+    def windows(self, system: System, workload: str) -> WindowFactory:
+        return lambda: self._window(system)
+
+    @contextlib.asynccontextmanager
+    async def _window(self, system: System) -> AsyncIterator[None]:
+        reading = self.readings[(system.name, self.run)] = Reading(system.name, self.run)
+        cpu, began = time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            reading.window_cpu_s = time.process_time() - cpu
+            reading.window_wall_s = time.perf_counter() - began
+        if system.name.startswith("pgmesh") and await drain(system):
+            reading.drained_cpu_s = time.process_time() - cpu
+            reading.drained_wall_s = time.perf_counter() - began
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs and the table
+
+
+def systems_for(sizes: Sequence[int], native: bool) -> list[str]:
+    return [f"pgmesh{n}" for n in sizes] + (list(NATIVE) if native else [])
+
+
+def nodes_of(system: str) -> int:
+    return len(SYSTEMS[system].node_names)
+
+
+def per_link_rate(m: Measurement) -> float:
+    """The median of the per-link rates (`tx/s a->x`; with one target its `tx/s`)."""
+    links = [v for k, v in m.values.items() if k.startswith("tx/s a->")]
+    return statistics.median(links) if links else m.values["tx/s"]
+
+
+def median(values: Sequence[float]) -> float:
+    present = [v for v in values if v == v]  # not NaN
+    return statistics.median(present) if present else float("nan")
+
+
+def summarize(results: Sequence[Measurement], readings: dict[tuple[str, int], Reading]
+              ) -> list[dict[str, Any]]:
+    """One row per system: medians over its runs."""
+    rows = []
+    for system in dict.fromkeys(m.system for m in results):
+        runs = [m for m in results if m.system == system]
+        txns = [float(m.details["transactions"]) for m in runs]
+        got = [readings.get((system, m.run)) for m in runs]
+        rows.append({
+            "system": system, "nodes": nodes_of(system), "links": nodes_of(system) - 1, "runs": len(runs),
+            "transactions": median(txns),
+            "catchup_s": median([float(m.details["seconds"]) for m in runs]),
+            "first_apply_s": median([float(m.details["first_apply_s"]) for m in runs]),
+            "tps_per_link": median([per_link_rate(m) for m in runs]),
+            "cpu_s": median([r.window_cpu_s for r in got if r]),
+            "cpu_us_per_txn": median([r.window_cpu_s / t * 1e6
+                                      for r, t in zip(got, txns, strict=True) if r]),
+            "drained_cpu_us_per_txn": median([r.drained_cpu_s / t * 1e6
+                                              for r, t in zip(got, txns, strict=True) if r]),
+            "drained_s": median([r.drained_wall_s for r in got if r]),
+        })
+    return rows
+
+
+def _f(value: float, spec: str) -> str:
+    return "n/a" if value != value else format(value, spec)
+
+
+def render(rows: Sequence[dict[str, Any]]) -> list[str]:
+    by = {r["system"]: r for r in rows}
+    base = by.get("pgmesh2")
+    lines = ["| N | links from a | source tx | router CPU s | µs / source tx | + µs per extra link"
+             " | µs / source tx, echoes read | catch-up s (first apply) | tx/s per link | vs N=2 |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in sorted((r for r in rows if r["system"].startswith("pgmesh")), key=lambda r: r["nodes"]):
+        growth = vs = float("nan")
+        if base is not None and r["nodes"] > 2:
+            growth = (r["cpu_us_per_txn"] - base["cpu_us_per_txn"]) / (r["nodes"] - 2)
+        if base is not None:
+            vs = r["tps_per_link"] / base["tps_per_link"]
+        lines.append(
+            f"| {r['nodes']} | {r['links']} | {r['transactions']:,.0f} | {_f(r['cpu_s'], '.2f')}"
+            f" | {_f(r['cpu_us_per_txn'], '.1f')} | {'' if r['nodes'] == 2 else _f(growth, '+.1f')}"
+            f" | {_f(r['drained_cpu_us_per_txn'], '.1f')}"
+            f" | {r['catchup_s']:.2f} ({r['first_apply_s']:.2f}) | {r['tps_per_link']:,.0f}"
+            f" | {_f(vs, '.2f')}x |")
+    if "native" in by and "native3" in by:
+        n2, n3 = by["native"], by["native3"]
+        lines += ["", "| native | subscribers | source tx | catch-up s (first apply) | tx/s per link |",
+                  "|---|--:|--:|--:|--:|"]
+        lines += [f"| {r['system']} | {r['links']} | {r['transactions']:,.0f}"
+                  f" | {r['catchup_s']:.2f} ({r['first_apply_s']:.2f}) | {r['tps_per_link']:,.0f} |"
+                  for r in (n2, n3)]
+        ratio = n3["tps_per_link"] / n2["tps_per_link"]
+        lines += ["", f"Per link, 3 nodes against 2: native3 / native = **{ratio:.2f}x**"]
+        if "pgmesh2" in by and "pgmesh3" in by:
+            mine = by["pgmesh3"]["tps_per_link"] / by["pgmesh2"]["tps_per_link"]
+            lines[-1] += f"; pgmesh3 / pgmesh2 = **{mine:.2f}x** (the issue's aim: pgmesh's >= native's)."
+    return lines
+
+
+NOTES = [
+    "",
+    "Router CPU: this process's user + system CPU (`time.process_time()`) from the router's start command"
+    " until every target had the backlog's marker, over the source transactions; `+ µs per extra link` ="
+    " (µs at N - µs at 2) / (N - 2), the issue's aim <= 5 µs on TPC-B. `echoes read`: the same CPU up to"
+    " every logical slot on every node confirmed to the node's WAL position at the window's end (on 15 the"
+    " router reads back what it applied on each target). Catch-up: start until every target had the"
+    " marker (first apply: until a target's origin first moved). tx/s per link: the median over a's"
+    " links. Medians over the runs.",
+]
+
+
+def write(out: Path, doc: dict[str, Any], lines: Sequence[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meshsize.json").write_text(json.dumps(doc, indent=1) + "\n")
+    header = [f"# Router CPU per source transaction against the mesh size (TPC-B, {doc['finished']})", "",
+              f"`{doc['command']}` at commit {doc['commit']}; {doc['runs']} run(s), took"
+              f" {doc['wall_s'] / 60:.1f} min; {doc['postgres']}.", ""]
+    failures = [f"- {f['system']} run {f['run']}: {f['error']}" for f in doc["failures"]]
+    (out / "meshsize.md").write_text("\n".join([*header, *lines, *NOTES, "", "Failures:", "",
+                                                *(failures or ["None."]), ""]))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    about = (__doc__ or "").splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.micro.meshsize", description=about)
+    parser.add_argument("--sizes", default=",".join(map(str, MESH_SIZES)),
+                        help=f"mesh sizes, comma-separated, from {MESH_SIZES} (default all)")
+    parser.add_argument("--runs", type=int, default=None, help=f"runs per system (default {RUNS}; --quick 1)")
+    parser.add_argument("--tpcb-txns", type=int, default=None, metavar="N",
+                        help=f"TPC-B transactions in the backlog (default {TPCB_TXNS:,};"
+                             f" --quick {QUICK_TXNS:,})")
+    parser.add_argument("--no-native", action="store_true", help="without native and native3")
+    parser.add_argument("--quick", action="store_true",
+                        help="a size check: 2,000 transactions, 1 run, written to a temporary directory")
+    parser.add_argument("--out", type=Path, default=None, help=f"output directory (default {OUT})")
+    args = parser.parse_args(argv)
+    try:
+        args.mesh_sizes = [int(n) for n in args.sizes.split(",")]
+    except ValueError:
+        parser.error("--sizes: comma-separated numbers")
+    if any(f"pgmesh{n}" not in SYSTEMS for n in args.mesh_sizes):
+        parser.error(f"--sizes: each of {MESH_SIZES}")
+    args.runs = args.runs or (1 if args.quick else RUNS)
+    args.tpcb_txns = args.tpcb_txns or (QUICK_TXNS if args.quick else TPCB_TXNS)
+    if args.runs < 1 or args.tpcb_txns < 1:
+        parser.error("--runs and --tpcb-txns must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    if (missing := pgbench_ready()) is not None:
+        print(missing, file=sys.stderr)
+        return 2
+    out: Path = args.out or (Path(tempfile.mkdtemp(prefix="pgmesh-meshsize-")) if args.quick else OUT)
+    systems = systems_for(args.mesh_sizes, not args.no_native)
+    sizes = Sizes.for_scale(1.0, tpcb_txns=args.tpcb_txns)
+    timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.tpcb_txns / 20_000)
+    commit, began = git_commit(), time.perf_counter()
+    meter = Meter()
+    results: list[Measurement] = []
+    failures: list[Failure] = []
+    for run in range(args.runs):
+        meter.run = run
+        for name in systems if run % 2 == 0 else systems[::-1]:
+            print(f"run {run}: {name} ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr)
+            done, failed = run_once(name, sizes, run, ["tpcb"], timeout, meter.windows)
+            results += done
+            failures += failed
+    rows = summarize(results, meter.readings)
+    lines = render(rows)
+    command = shlex.join([".venv/bin/python", "-m", "bench.micro.meshsize", *raw])
+    doc = {"bench": "meshsize", "command": command,
+           "commit": commit, "finished": time.strftime("%Y-%m-%d %H:%M %Z"), "runs": args.runs,
+           "wall_s": time.perf_counter() - began, "postgres": machine_facts()["postgres"],
+           "systems": systems, "rows": rows, "readings": [asdict(r) for r in meter.readings.values()],
+           "measurements": [asdict(m) for m in results], "failures": [asdict(f) for f in failures]}
+    write(out, doc, lines)
+    print("\n".join(lines))
+    for f in failures:
+        print(f"FAILED {f.system} run {f.run}: {f.error}", file=sys.stderr)
+    print(f"took {doc['wall_s']:.0f} s; wrote {out / 'meshsize.md'} and meshsize.json", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
