@@ -37,11 +37,13 @@ from protocol.transactions import Transaction
 from router import failpoints
 from router.apply.careful.transaction import CarefulApplier
 from router.apply.clock import LinkClockView, NoClock
+from router.apply.encode import Encoded, Encoder
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large, whole_transaction
 from router.apply.quarantine import Guard, QuarantineIndex
+from router.apply.shapes import Unpipeable
 from router.apply.side import SideSession
 from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
 from router.apply.state import RUNNING, LinkCondition, LinkHold, LinkState, LinkStats, LinkView, Liveness
@@ -96,6 +98,7 @@ class Applier(LinkView):
         clock: Callable[[], float] = time.time,
         target_clock: LinkClockView | None = None,
         quarantine: QuarantineIndex | None = None,
+        encoder: Encoder | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -108,6 +111,9 @@ class Applier(LinkView):
         # the target's pending quarantine keys, shared by its appliers (router.apply.quarantine)
         self.quarantine = quarantine if quarantine is not None else QuarantineIndex(target.name)
         self._quarantines = config.quarantines()  # some table sets refused changes aside
+        # the source's transactions encoded once for all its links (router.apply.encode), sent by the pipe
+        self.encoder = encoder if encoder is not None else Encoder()
+        self._piped = config.replication.apply_transport == "pipeline"
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
@@ -465,6 +471,58 @@ class Applier(LinkView):
                 raise
         return link.script(fitted, prelude)
 
+    def _encoded(self, batch: list[Transaction]) -> list[Encoded]:
+        """The batch's first transactions as the pipe sends them (router.apply.encode), up to the first it
+        does not take ([] when that is the first: the script path's batch)."""
+        link = self.link
+        if not self._piped or self.lanes > 1 or link.source_origin is None:
+            return []
+        out: list[Encoded] = []
+        encoded, holds, tables = self.encoder.encoded, self.quarantine.holds, link.tables
+        for txn in batch:
+            if has_ddl(txn) or (self.quarantine.counts and holds(txn, tables)):
+                break
+            enc = encoded(txn)
+            if enc is None:
+                break
+            out.append(enc)
+        return out
+
+    async def _pipe(self, batch: list[Transaction], encoded: list[Encoded]) -> int:
+        """Apply the first of `batch` (encoded as `encoded`) through the pipe in one round trip; returns how
+        many (0: the first does not go this way on this target, the script path takes the batch)."""
+        link = self.link
+        pipe, statements = await link.open_pipe()
+        prepared, remote = link.prepared, link.decisions.remote
+        plan: list[tuple[bytes, list[bytes | None] | None]] = []
+        count = 0
+        for enc in encoded:
+            try:
+                plan += statements.transaction(enc, prepared, remote)
+            except (Unpipeable, ApplyError):
+                break  # (the script path fits it to the target or says what does not fit)
+            count += 1
+        if not count:
+            return 0
+        plan += statements.ending(batch[:count], link.announce, link.source)
+        link.built(count)
+        await link.make_functions(prepared)  # committed before the batch that calls them
+        prepares = statements.new
+        statements.sent()
+        self._alone = count == 1
+        result = await pipe.run(prepares, plan)
+        if result.error is not None:
+            statements.lost()
+            # the transaction that failed is known: the first left in hand once those committed are let go
+            # (_after_failure), unless a statement failed to prepare
+            assert result.failed_at is not None
+            self._alone = count == 1 or result.failed_at >= len(prepares)
+            raise result.error
+        statements.fresh = []
+        if result.decided:  # a decision function decided a conflict
+            await link.count_conflicts()
+        return count
+
     async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
         """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
         schema ends the batch."""
@@ -570,7 +628,11 @@ class Applier(LinkView):
         """One step without lanes: the batch's first transaction with DDL or a large one alone, else as
         many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
         the batch back in smaller batches). Leaves what is still to apply in `_in_hand`."""
-        await self.link.take_origin()
+        piped = self._encoded(batch)
+        if piped:
+            await self.link.open_pipe()
+        else:
+            await self.link.take_origin()
         self._alone = True
         # a table with pending keys: the careful way, once whole (one handed out before its commit goes in
         # parts, and meets what is pending by version: docs/conflicts.md "Quarantine")
@@ -592,7 +654,10 @@ class Applier(LinkView):
                     batch[0] = await self._large.apply(batch[0])  # the whole one, if it came early
                 await self.link.count_conflicts()
                 done = 1
+            elif piped and (sent := await self._pipe(batch, piped)):
+                done = sent
             else:
+                await self.link.take_origin()
                 prelude, scripts = await self._scripts(batch)
                 self._alone = len(scripts) <= 1
                 notes = self.link.applied_note(batch[: len(scripts)])  # (16+: instead of echoes)
@@ -662,6 +727,7 @@ class Applier(LinkView):
         """
         link = self.link
         assert link.conn is not None
+        await link.take_origin()  # (the pipe's until now, after a conflict there)
         whole = materialize(txn)  # a transaction spilled to disk is read back whole, for this path only
         changes = await link.conn.fetchval(SCHEMA_CHANGES)  # DDL run here changes keys (router.ddl.capture)
         if changes != self._schema_changes:
@@ -713,6 +779,7 @@ class Applier(LinkView):
         if link.conn is None or link.conn.is_closed():
             return  # the next connect reads the origin's progress
         self._parallel.forget()  # the main session's and the lanes' prepared statements
+        await link.recover_pipe()  # its failed transaction's locks go first
         with contextlib.suppress(Exception):
             await link.conn.execute("ROLLBACK")
             # else the failed transaction's origin LSN stays, for a later commit without a setup to record

@@ -14,7 +14,7 @@ Must not: decide who holds the lease (router.service.lease), or connect.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Protocol
 
 import asyncpg
 
@@ -25,6 +25,12 @@ __all__ = ["FENCE", "Fence", "application_prefix"]
 
 _CHECK: Final = (f'SELECT 1 FROM "{PGMESH_SCHEMA}".lease'
                  " WHERE cluster = $1 AND holder = $2 AND term = $3")
+
+
+class Reads(Protocol):
+    """A session the fence reads its lease row through (asyncpg's, or the pipe's: router.apply.pipe)."""
+
+    async def fetchval(self, query: str, *args: object) -> object: ...
 
 
 def application_prefix(cluster: str) -> str:
@@ -55,7 +61,7 @@ class Fence:
     def application_name(self) -> str | None:
         return None if self.cluster is None else application_prefix(self.cluster) + self.holder
 
-    async def check(self, conn: asyncpg.Connection, dsn: str) -> None:
+    async def check(self, conn: Reads | asyncpg.Connection, dsn: str) -> None:
         """Refuse a session on a node not yet fenced in this term, or whose lease row does not name this
         process and its term."""
         if self.cluster is None:

@@ -30,9 +30,11 @@ from protocol.lsn import datetime_to_pg_us, parse_lsn
 from protocol.messages import Insert, Message, Relation
 from protocol.transactions import Transaction
 from router.apply.decide import Decisions, session_settings
+from router.apply.pipe import Pipe
 from router.apply.prepared import Prepared
 from router.apply.scripts import ORIGIN_MARK, transaction_script
 from router.apply.sessions import open_session, take_origin
+from router.apply.shapes import Statements
 from router.apply.state import LinkStats
 from router.apply.statements import TargetTable, UniqueIndex, quote_ident, quote_literal
 from router.config.model import Config, NodeConfig
@@ -105,8 +107,8 @@ class LinkSession:
     __slots__ = (
         "ahead", "announce", "config", "conflicts", "conn", "ddl_conn", "decisions", "drift", "dropped",
         "history_at", "installed_at", "lost_inserts", "lost_logged", "mark", "name", "origin", "origin_held",
-        "prepared", "settings", "setup_last",
-        "source", "source_conn", "source_origin", "stats", "tables", "target",
+        "pipe", "prepared", "settings", "setup_last", "source", "source_conn", "source_origin", "statements",
+        "stats", "tables", "target",
     )
 
     def __init__(self, config: Config, source: str, target: NodeConfig, stats: LinkStats) -> None:
@@ -145,6 +147,9 @@ class LinkSession:
         self.installed_at: str | None = None
         # Scripts built while the previous batch ran on the target, by id() (Applier._build_ahead).
         self.ahead: dict[int, tuple[Transaction, str]] = {}
+        # the pipelined session (router.apply.pipe), opened at its first batch, and its statements
+        self.pipe: Pipe | None = None
+        self.statements: Statements | None = None
 
     @property
     def connected(self) -> bool:
@@ -187,6 +192,8 @@ class LinkSession:
             if isinstance(change, Insert) and change.relid in relations:
                 relation = relations[change.relid]
                 self.decisions.contested.add(f"{relation.schema}.{relation.name}")
+        if self.statements is not None:  # its inserts' statements change
+            self.statements.reset()
 
     def script(self, txn: Transaction, prelude: list[str]) -> str:
         """`txn`'s target transaction, as the main session runs it in a batch (router.apply.scripts)."""
@@ -284,6 +291,9 @@ class LinkSession:
         if self.conn is not None and not self.conn.is_closed():
             self.dropped = True
             self.conn.terminate()
+        if self.pipe is not None:
+            self.dropped = True
+            self.pipe.terminate()
 
     async def close(self) -> None:
         """Close the main session (terminated when it does not close in 5 s), and the one on the source."""
@@ -291,6 +301,9 @@ class LinkSession:
             if other is not None:
                 other.terminate()
         self.source_conn = self.ddl_conn = None
+        pipe, self.pipe, self.statements = self.pipe, None, None
+        if pipe is not None:
+            await pipe.close()
         conn, self.conn = self.conn, None
         self.origin_held = False
         if conn is not None:
@@ -338,6 +351,9 @@ class LinkSession:
                 found.deferrable = True
         self.tables = tables
         self.ahead = {}  # built for the tables as they were
+        if self.statements is not None:  # the pipe's statements follow the tables too
+            self.statements.tables = tables
+            self.statements.reset()
         drift: dict[str, dict[str, str | None]] = {}
         for table_name, old, new in await self.conn.fetch(_DRIFT_QUERY):
             drift.setdefault(table_name, {})[old] = new
@@ -395,11 +411,44 @@ class LinkSession:
         return table is not None and bool(table.generated) and any(
             c.name in table.generated for c in relation.columns)
 
+    async def open_pipe(self) -> tuple[Pipe, Statements]:
+        """The pipelined session (router.apply.pipe), opened at first use, holding the source's origin
+        (the main session lets it go first)."""
+        if self.pipe is None or self.pipe.closed or self.statements is None:
+            if self.pipe is not None:
+                await self.pipe.close()
+            self.pipe = await Pipe.open(
+                self.target.dsn, self.target.name, source=self.source, installed_at=self.installed_at,
+                synchronous_commit=self.config.apply_synchronous_commit(self.target.name),
+                settings=self.settings,
+            )
+            self.statements = Statements(self.source, self.origin, late=self.setup_last, mark=self.mark)
+            self.statements.tables = self.tables
+            self.statements.origin = str(self.source_origin)
+        if not self.pipe.origin_held:
+            await self.let_origin_go()
+            await self.pipe.take_origin(self.origin)
+        return self.pipe, self.statements
+
+    async def recover_pipe(self) -> None:
+        """After a failed batch: the pipe's failed transaction rolled back (its locks let go before the
+        careful path runs), or the pipe closed when even that fails."""
+        pipe = self.pipe
+        if pipe is None or pipe.closed:
+            return
+        try:
+            await pipe.recover()
+        except Exception:
+            self.pipe = self.statements = None
+            await pipe.close()
+
     async def take_origin(self) -> None:
         """The main session takes the source's origin back after lanes or a side session had it (a
         session that just ended may not have let it go yet: a moment is allowed for that)."""
         if self.origin_held or self.conn is None:
             return
+        if self.pipe is not None and self.pipe.origin_held:
+            await self.pipe.let_origin_go()
         await take_origin(self.conn, self.origin)
         self.origin_held = True
 

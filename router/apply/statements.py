@@ -42,8 +42,9 @@ __all__ = [
     "BOUNDED_KEY_COLUMNS", "COMMIT_ALIAS", "KEY_LOCKS_MAX", "REMOTE_ALIAS", "RESERVED_NAMES", "TABLE_ALIAS",
     "TOMBSTONE_ALIAS", "TargetTable", "UniqueIndex", "bounded_key", "check_always", "commit_time_literal",
     "delete_statement", "guard", "identity_match", "insert_rows", "key_lock", "quote_ident", "quote_literal",
-    "remote_setting_sql", "setup_args", "setup_statement", "table_lock", "target_table", "tombstone_key",
-    "truncate_statement", "typed", "untouched", "update_sets", "update_statement", "xact_setup_sql",
+    "remote_setting_sql", "remote_version", "setup_args", "setup_statement", "table_lock", "target_table",
+    "tombstone_key", "truncate_statement", "typed", "untouched", "update_sets", "update_statement",
+    "xact_setup_sql",
 ]
 
 # The source's values for GENERATED ALWAYS identity columns are the row's values (as the native apply
@@ -343,7 +344,13 @@ def setup_args(txn: Transaction, origin_lsn: int | None, remote: bool = True) ->
     when = commit_time_literal(txn.commit_time)
     if not remote:
         return [f"'{lsn}'", f"'{when}'"]
-    return [f"'{lsn}'", f"'{when}'", quote_literal(f"{lsn}|{when}|{_views(txn.seen)}")]
+    return [f"'{lsn}'", f"'{when}'", quote_literal(remote_version(txn, lsn, when))]
+
+
+def remote_version(txn: Transaction, lsn: str, when: str) -> str:
+    """The remote version the decision functions read (`pgmesh.remote`): `lsn` and `when` (the origin
+    set-up's position and commit time, as text) and what the source had seen of the other nodes."""
+    return f"{lsn}|{when}|{_views(txn.seen)}"
 
 
 @functools.lru_cache(maxsize=16)

@@ -63,6 +63,7 @@ WORDS: Final[dict[str, Words]] = {
     "replication.tables": "must list at least one pattern",
     "replication.apply_lanes": "must be between 1 and 16",
     "replication.apply_synchronous_commit": "must be one of " + ", ".join(SYNCHRONOUS_COMMIT),
+    "replication.apply_transport": 'must be "pipeline" or "script"',
     "replication.spill_mb": "must be >= 0 (0: never spill to disk)",
     "replication.new_table_without_key": "{value!r} is not full, warn or refuse",
     "ddl.mode": "{value!r} is not one of " + ", ".join(DDL_MODES),

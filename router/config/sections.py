@@ -113,6 +113,9 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     columns: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
+ApplyTransport = Literal["pipeline", "script"]
+
+
 class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Which tables replicate, and how the appliers behave."""
 
@@ -156,6 +159,11 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # change aside in pgmesh.quarantine on the target, with the later changes of its key, and the link
     # streams on (docs/conflicts.md "Quarantine"). `[[tables]] on_refused` overrides it per table.
     on_refused: OnRefused = "pause"
+    # How the appliers send small transactions: "pipeline" (the extended protocol in libpq's pipeline mode,
+    # each statement prepared once and bound to the tuple's own bytes, one Sync a batch:
+    # router.apply.pipe) or "script" (SQL text by the simple query protocol, as before 0.39); large
+    # transactions, DDL, conflicts and parallel lanes go the script way either way.
+    apply_transport: ApplyTransport = "pipeline"
 
     def replicates(self, schema: str, table: str) -> bool:
         """Whether `schema.table` replicates: matched by `tables`, not by `exclude`, not a system schema."""

@@ -23,6 +23,7 @@ import psycopg
 from protocol.lsn import parse_lsn
 from protocol.transactions import Transaction
 from router.apply.applier import Applier
+from router.apply.encode import Encoder
 from router.apply.quarantine import QuarantineIndex
 from router.apply.recorder import RECORDED_SQL, TombstoneRecorder
 from router.apply.state import LinkHold
@@ -202,6 +203,7 @@ class Wiring:
             stored = self.logs.stored(source_node.name)  # a node down now: where it was at the last tick
             k = self.config.synchronous(source_node.name)  # > 0: confirmed at each commit (.synchronous)
             confirm = CommitConfirm(self._on_applied_hook) if k else None
+            encoder = Encoder()  # its transactions encoded once for all its links (router.apply.encode)
             for target_node in members:
                 if target_node is source_node or source_node.receive_only:  # (router.cluster.receive)
                     continue
@@ -215,7 +217,7 @@ class Wiring:
                 applier = Applier(self.config, source_node.name, target_node, queue, link,
                                   on_applied=confirm.applied if confirm else self._on_applied_hook,
                                   clock=self.clock, target_clock=target_clock,
-                                  quarantine=self._quarantine(target_node.name))
+                                  quarantine=self._quarantine(target_node.name), encoder=encoder)
                 target_clock.report_to(applier.condition)
                 if key in paused:
                     applier.pause(paused[key] or "paused by the operator")

@@ -1,0 +1,203 @@
+"""A source transaction encoded once for every target: the statements its changes become, each a `Shape`
+and its parameters, the tuple's own text bytes as pgoutput sent them (router.apply.pipe binds them as
+they are: no Python value, no SQL literal per column).
+
+A shape says what a statement does and on which columns: a keyed update (the columns it sets: those
+the change carries, an unchanged TOAST value is not; then the key's columns), a keyed delete (the key's
+columns), a single insert (every column; its locks and the insert read the same parameters). Nothing
+here depends on the target: what its SQL is there (the target's types and keys, the origin's id, the
+decision functions) the pipe works out once per shape and session (router.apply.shapes). So a
+transaction is encoded once, by the first of its source's links that sends it (`Encoder`, shared by
+the links of one source), and every other link sends the same parameters.
+
+What the pipe does not take is left to the script path (router.apply.scripts): a transaction large
+enough to lock whole tables (router.apply.parts.is_large), a TRUNCATE, a row matched by its whole
+row (REPLICA IDENTITY FULL), an update that moves its key, a value in binary, a key value left out as an
+unchanged TOAST value. `encode` returns None for those.
+
+Must not: build SQL, know a target's tables, or connect.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Final
+
+from protocol.lsn import format_lsn
+from protocol.messages import (
+    KIND_NULL,
+    KIND_TEXT,
+    KIND_UNCHANGED,
+    Delete,
+    Insert,
+    Message,
+    Relation,
+    TupleData,
+    Type,
+    Update,
+)
+from protocol.transactions import Transaction
+from router.apply.parts import is_large
+from router.apply.statements import commit_time_literal, remote_version
+
+__all__ = ["DELETE", "INSERT", "UPDATE", "Encoded", "Encoder", "Shape", "encode"]
+
+UPDATE: Final = "U"
+DELETE: Final = "D"
+INSERT: Final = "I"
+
+# A new tuple's kinds -> its mask: 1 where a value is an unchanged TOAST value (left out), else 0.
+_MASK: Final = bytes(1 if i == KIND_UNCHANGED else 0 for i in range(256))
+_CACHED: Final = 4096  # transactions whose encoding a source's links share (the oldest go first)
+
+Params = list[bytes | None]
+
+
+class Shape:
+    """What one statement does, on which relation version and columns: `sets` (an update's columns set,
+    parameters first), `keys` (the key's columns, parameters after them). The same object for every
+    change of that shape (`Encoder`), so a session finds its statement by identity."""
+
+    __slots__ = ("code", "keys", "relation", "sets")
+
+    def __init__(self, code: str, relation: Relation, sets: tuple[int, ...], keys: tuple[int, ...]) -> None:
+        self.code = code
+        self.relation = relation
+        self.sets = sets
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        name = f"{self.relation.schema}.{self.relation.name}"
+        return f"Shape({self.code} {name} sets={self.sets} keys={self.keys})"
+
+
+Change = Insert | Update | Delete
+
+
+class Encoded:
+    """One transaction's statements, `(shape, parameters, change)` in order, and its origin set-up's
+    parameters: `setup` (end LSN, commit time) and `remote` (the same and the remote version the decision
+    functions read, router.apply.decide). The change is kept for what a target checks by value
+    (an identity GENERATED ALWAYS column an update would move)."""
+
+    __slots__ = ("remote", "setup", "statements")
+
+    def __init__(self, statements: list[tuple[Shape, Params, Change]], setup: Params, remote: Params) -> None:
+        self.statements = statements
+        self.setup = setup
+        self.remote = remote
+
+
+def _values(row: TupleData, columns: tuple[int, ...]) -> Params | None:
+    """The text bytes of `columns` (None for NULL); None when one is binary or an unchanged TOAST value."""
+    kinds, values = row.kinds, row.values
+    out: Params = []
+    for i in columns:
+        kind = kinds[i]
+        if kind == KIND_TEXT:
+            value = values[i]
+            if not isinstance(value, bytes):
+                return None
+            out.append(value)
+        elif kind == KIND_NULL:
+            out.append(None)
+        else:
+            return None
+    return out
+
+
+class Encoder:
+    """Encodes one source's transactions for all its links (`encoded`), each once: the shapes of
+    statements and the last transactions' encodings are shared."""
+
+    __slots__ = ("_cache", "_shapes", "encodes", "hits")
+
+    def __init__(self) -> None:
+        # (id(relation), code, mask) -> its shape; the shape holds the relation (its id stays its own)
+        self._shapes: dict[tuple[int, str, bytes], Shape] = {}
+        self._cache: OrderedDict[int, tuple[Transaction, Encoded | None]] = OrderedDict()
+        self.encodes = 0  # transactions encoded (each once)
+        self.hits = 0  # encodings another link had made
+
+    def encoded(self, txn: Transaction) -> Encoded | None:
+        """`txn` encoded (None: the script path takes it), by the first link that asks."""
+        cached = self._cache.get(id(txn))
+        if cached is not None and cached[0] is txn:
+            self.hits += 1
+            return cached[1]
+        result = encode(txn, self._shapes)
+        self.encodes += 1
+        cache = self._cache
+        cache[id(txn)] = (txn, result)
+        if len(cache) > _CACHED:
+            cache.popitem(last=False)
+        return result
+
+    def shape(self, code: str, relation: Relation, mask: bytes) -> Shape:
+        return _shape(self._shapes, code, relation, mask)
+
+
+def _shape(shapes: dict[tuple[int, str, bytes], Shape], code: str, relation: Relation, mask: bytes) -> Shape:
+    key = (id(relation), code, mask)
+    found = shapes.get(key)
+    if found is None:
+        keys = tuple(i for i, c in enumerate(relation.columns) if c.key)
+        sets = tuple(i for i in range(len(relation.columns)) if not mask[i]) if code == UPDATE else ()
+        if code == INSERT:
+            sets = tuple(range(len(relation.columns)))
+        found = shapes[key] = Shape(code, relation, sets, keys)
+    return found
+
+
+def encode(txn: Transaction, shapes: dict[tuple[int, str, bytes], Shape] | None = None) -> Encoded | None:
+    """`txn`'s statements and parameters (see the module's docstring); None when the pipe does not take it.
+    `shapes`: the shapes made so far, shared (`Encoder`)."""
+    if is_large(txn) or txn.spill is not None:
+        return None
+    shapes = {} if shapes is None else shapes
+    relations = dict(txn.relations)
+    statements: list[tuple[Shape, Params, Change]] = []
+    append = statements.append
+    for change in txn.changes:
+        kind = type(change)
+        if kind is Update:
+            assert isinstance(change, Update)
+            if change.old_kind is not None:  # a moved key ('K') or a whole old row ('O')
+                return None
+            relation = relations[change.relid]
+            new = change.new
+            shape = _shape(shapes, UPDATE, relation, new.kinds.translate(_MASK))
+            if not shape.keys:
+                return None
+            sets = _values(new, shape.sets)
+            keys = _values(new, shape.keys)
+            if sets is None or keys is None:  # a value in binary, a key value left out (unchanged TOAST)
+                return None
+            append((shape, sets + keys, change))
+        elif kind is Insert:
+            assert isinstance(change, Insert)
+            relation = relations[change.relid]
+            shape = _shape(shapes, INSERT, relation, b"")
+            values = _values(change.new, shape.sets)
+            if values is None:
+                return None
+            append((shape, values, change))
+        elif kind is Delete:
+            assert isinstance(change, Delete)
+            relation = relations[change.relid]
+            if change.old_kind != "K" or change.old is None:
+                return None
+            shape = _shape(shapes, DELETE, relation, b"")
+            keys = _values(change.old, shape.keys) if shape.keys else None
+            if keys is None:
+                return None
+            append((shape, keys, change))
+        elif kind is Relation:
+            assert isinstance(change, Relation)
+            relations[change.relid] = change
+        elif kind is not Type and kind is not Message:
+            return None  # a TRUNCATE, a raw insert read back from a spill
+    lsn, when = format_lsn(txn.end_lsn), commit_time_literal(txn.commit_time)
+    setup: Params = [lsn.encode(), when.encode()]
+    return Encoded(statements, setup, [*setup, remote_version(txn, lsn, when).encode()])
+

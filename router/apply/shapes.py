@@ -1,0 +1,212 @@
+"""The pipe session's statements on one target (`Statements`): what each shape of router.apply.encode is
+there, prepared once per session under a name of its own, and the plan of a batch of encoded transactions
+as the (statement, parameters) pairs the pipe sends (router.apply.pipe).
+
+Each applied transaction is BEGIN, its statements, the origin's set-up, COMMIT, as the script path's
+(router.apply.scripts): on PostgreSQL 15 the set-up goes first, on 16+ just before COMMIT (with the
+applied mark, router.progress.applied; after `SET CONSTRAINTS ALL IMMEDIATE` where a table checks
+constraints at COMMIT), and the remote version the decision functions read is set right after BEGIN.
+A shape's SQL is the script path's prepared statement (router.apply.prepared) with the source's origin id
+written into its text: every link sends the same parameters, the tuple's own bytes, and only this
+session knows its origin. A single insert is two statements, its locks and the insert, both reading
+every column (the locks pick the key's: which columns those are is this target's business).
+
+A shape this target cannot run as a statement raises `Unpipeable` (the script path takes that
+transaction); a table it does not get (a partial node) leaves the statement out.
+
+Must not: connect, send, retry, or decide conflicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from protocol.messages import Update
+from protocol.transactions import Transaction
+from router.apply.encode import INSERT, UPDATE, Encoded, Params, Shape
+from router.apply.prepared import Prepared, delete_sql, insert_sql, update_sql
+from router.apply.scripts import COMMIT_CHECKS
+from router.apply.statements import (
+    TargetTable,
+    check_always,
+    key_lock,
+    quote_literal,
+    setup_statement,
+    target_table,
+)
+from router.errors import PgmeshError
+from router.stream.seen import APPLIED_PREFIX, applied_content
+
+__all__ = ["DECIDED", "Statements", "Unpipeable"]
+
+_TEXT: Final = 25  # the text type's OID: a parameter the statement does not read has no type of its own
+
+# Conflicts decided since the last count: what router.apply.link.DECIDED asks, and reset here, in the pipe
+# session itself (where the decision functions set it).
+DECIDED: Final = (
+    "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
+    " FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
+)
+
+
+class Unpipeable(PgmeshError):
+    """A transaction the pipe does not take on this target: the script path applies it."""
+
+
+class _Statement:
+    """One shape's statement in this session: its name (None: the target does not get the table), the
+    insert's lock statement, the table (for the checks by value)."""
+
+    __slots__ = ("always", "deferrable", "lock", "name", "table")
+
+    def __init__(self, name: bytes | None, lock: bytes | None, table: TargetTable | None) -> None:
+        self.name = name
+        self.lock = lock
+        self.table = table
+        self.always = False  # an update's, on a table with an identity GENERATED ALWAYS (checked by value)
+        self.deferrable = table is not None and table.deferrable
+
+
+_SKIP: Final = _Statement(None, None, None)
+
+Plan = list[tuple[bytes, Params | None]]
+
+
+class Statements:
+    """The pipe session's prepared statements (see the module docstring)."""
+
+    __slots__ = (
+        "_counter", "_fixed", "_shapes", "fresh", "late", "mark", "new", "origin", "origin_name", "source",
+        "tables",
+    )
+
+    def __init__(self, source: str, origin_name: str, *, late: bool, mark: bool) -> None:
+        self.source = source
+        self.origin_name = origin_name
+        self.late = late  # the set-up just before COMMIT (16+)
+        self.mark = mark  # and the applied mark with it (16+)
+        self.origin = ""  # the source's origin id here, as SQL (set with the tables)
+        self.tables: dict[tuple[str, str], TargetTable] = {}
+        self._shapes: dict[Shape, _Statement] = {}
+        self._counter = 0
+        self.new: list[tuple[bytes, str, Sequence[int] | None]] = []  # PREPAREs not sent yet
+        self.fresh: list[bytes] = []  # names prepared by the batch in flight (gone if it fails)
+        self._fixed: dict[str, bytes] = {}
+
+    def reset(self) -> None:
+        """Every statement again under new names (the tables were read again, a table's inserts decide
+        insert_exists now: their SQL changed). The old ones stay in the session, never run again."""
+        self._shapes = {}
+        self._fixed = {}
+        self.new = []
+
+    def lost(self) -> None:
+        """The batch in flight failed: what it prepared may not be there."""
+        if self.fresh:
+            gone = set(self.fresh)
+            self._shapes = {
+                s: st for s, st in self._shapes.items() if st.name not in gone and st.lock not in gone}
+            self._fixed = {k: n for k, n in self._fixed.items() if n not in gone}
+            self.fresh = []
+
+    def sent(self) -> None:
+        """The batch's PREPAREs went out: they are the batch's own until it succeeds (`lost`)."""
+        self.fresh = [name for name, _, _ in self.new]
+        self.new = []
+
+    def _name(self, sql: str, types: Sequence[int] | None = None) -> bytes:
+        self._counter += 1
+        name = f"pgmesh_p{self._counter}".encode()
+        self.new.append((name, sql, types))
+        return name
+
+    def fixed(self, key: str, sql: str, types: Sequence[int] | None = None) -> bytes:
+        name = self._fixed.get(key)
+        if name is None:
+            name = self._fixed[key] = self._name(sql, types)
+        return name
+
+    def statement(self, shape: Shape, prepared: Prepared) -> _Statement:
+        found = self._shapes.get(shape)
+        if found is None:
+            found = self._shapes[shape] = self._make(shape, prepared)
+        return found
+
+    def _make(self, shape: Shape, prepared: Prepared) -> _Statement:
+        relation = shape.relation
+        table = target_table(relation, self.tables)  # SchemaMismatch: the script path fits or reports it
+        if table.skip:
+            return _SKIP
+        keys, sets = list(shape.keys), list(shape.sets)
+        if shape.code == UPDATE:
+            sql = update_sql(relation, table, sets, keys, self.origin, prepared)
+            made = _Statement(self._name(sql), None, table)
+            made.always = bool(table.always)
+            return made
+        if shape.code == INSERT:
+            if not table.types or not all(k in table.types for k in table.tombstone_key):
+                raise Unpipeable("an insert the target's types do not key", relation=table.name)
+            sql, positions, types = insert_sql(relation, table, prepared)
+            texts = [f"${p + 1}::{t}::text" for p, t in zip(positions, types, strict=True)]
+            single = texts[0] if len(texts) == 1 else None
+            array = "ARRAY[" + ", ".join(texts) + "]::text[]"
+            name = quote_literal(table.name)
+            locks = (f"SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
+                     f" {key_lock(table, array, single)}")
+            lock = self._name(locks, [_TEXT] * len(relation.columns))
+            return _Statement(self._name(sql), lock, table)
+        sql = delete_sql(relation, table, keys, self.origin, prepared)
+        return _Statement(self._name(sql), None, table)
+
+    def transaction(self, enc: Encoded, prepared: Prepared, remote: bool) -> Plan:
+        """The (statement, parameters) pairs of one encoded transaction: BEGIN to COMMIT. Raises
+        `Unpipeable`, or what router.apply.statements.target_table raises, for the script path to take it."""
+        begin = self.fixed("begin", "BEGIN")
+        late = self.late
+        if late:
+            setup = self.fixed("setup", setup_statement("$1::pg_lsn", "$2::timestamptz", None, self.mark))
+        else:
+            third = "$3" if remote else None
+            setup = self.fixed(f"setup{remote}",
+                               setup_statement("$1::pg_lsn", "$2::timestamptz", third, False))
+        out: Plan = [(begin, None)]
+        add = out.append
+        if not late:
+            add((setup, enc.remote if remote else enc.setup))
+        elif remote:
+            set_remote = self.fixed("remote", "SELECT pg_catalog.set_config('pgmesh.remote', $1, true)")
+            add((set_remote, enc.remote[2:]))
+        deferred = False
+        shapes = self._shapes
+        for shape, params, change in enc.statements:
+            st = shapes.get(shape) or self.statement(shape, prepared)
+            if st.name is None:
+                continue
+            if st.always:
+                assert st.table is not None and isinstance(change, Update)
+                check_always(shape.relation, st.table, change)
+            if st.lock is not None:
+                add((st.lock, params))
+            add((st.name, params))
+            deferred = deferred or st.deferrable
+        if late:
+            if deferred:
+                add((self.fixed("checks", COMMIT_CHECKS), None))
+            add((setup, enc.setup))
+        add((self.fixed("commit", "COMMIT"), None))
+        return out
+
+    def ending(self, batch: Sequence[Transaction], announce: bool, source: str) -> Plan:
+        """What follows a batch's commits: on 16+ the applied note (as
+        router.apply.link.LinkSession.applied_note), then DECIDED."""
+        out: Plan = []
+        if announce and batch:
+            note = self.fixed("note", (
+                "SELECT pg_catalog.pg_replication_origin_session_reset(),"
+                f" pg_catalog.pg_logical_emit_message(false, {quote_literal(APPLIED_PREFIX)}, $1),"
+                f" pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin_name)})"
+            ))
+            out.append((note, [applied_content(source, max(t.commit_time for t in batch)).encode()]))
+        out.append((self.fixed("decided", DECIDED), None))
+        return out
