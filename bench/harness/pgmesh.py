@@ -42,6 +42,7 @@ class Pgmesh2(System):
     multimaster = True
     unsupported: ClassVar[dict[str, str]] = {}
     lanes: ClassVar[int] = 1  # replication.apply_lanes
+    transport: ClassVar[str] = "pipeline"  # replication.apply_transport
     log: ClassVar[bool] = True  # [log] enabled: the router's log of each source (router.stream.log.store)
 
     def __init__(self, nodes: Sequence[LocalNode]) -> None:
@@ -58,7 +59,8 @@ class Pgmesh2(System):
         links = {n.name: self.link_dsn(n) for n in self.data_nodes}  # the router's connections
         self.config = msgspec.structs.replace(
             config, nodes=[msgspec.structs.replace(n, dsn=links[n.name]) for n in config.nodes],
-            replication=msgspec.structs.replace(config.replication, apply_lanes=self.lanes),
+            replication=msgspec.structs.replace(config.replication, apply_lanes=self.lanes,
+                                                apply_transport=self.transport),
             log=msgspec.structs.replace(config.log, enabled=self.log),
         )
         self.origin = self.config.origin_name(self.a.name)
@@ -174,6 +176,14 @@ class Pgmesh2Lanes(Pgmesh2):
 
     name = "pgmesh2lanes"
     lanes = 2
+
+
+class Pgmesh2Script(Pgmesh2):
+    """`Pgmesh2` applying by SQL text (`replication.apply_transport = "script"`, as before issue 39): the
+    pipelined transport's before, in the same run."""
+
+    name = "pgmesh2script"
+    transport = "script"
 
 
 class Pgmesh2NoLog(Pgmesh2):
