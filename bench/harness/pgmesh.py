@@ -219,3 +219,24 @@ class Pgmesh8(Pgmesh2):
 
     name = "pgmesh8"
     node_names = ("a", "b", "c", "d", "e", "f", "g", "h")
+
+
+class Pgmesh3Script(Pgmesh3):
+    """`Pgmesh3` applying by SQL text, as `Pgmesh2Script`: the before of pgmesh3's links in the same run."""
+
+    name = "pgmesh3script"
+    transport = "script"
+
+
+class Pgmesh5Script(Pgmesh5):
+    """`Pgmesh5` applying by SQL text, as `Pgmesh2Script` (bench.micro.meshsize --script)."""
+
+    name = "pgmesh5script"
+    transport = "script"
+
+
+class Pgmesh8Script(Pgmesh8):
+    """`Pgmesh8` applying by SQL text, as `Pgmesh2Script` (bench.micro.meshsize --script)."""
+
+    name = "pgmesh8script"
+    transport = "script"

@@ -33,8 +33,11 @@ from bench.harness.pgmesh import (
     Pgmesh2NoLogB,
     Pgmesh2Script,
     Pgmesh3,
+    Pgmesh3Script,
     Pgmesh5,
+    Pgmesh5Script,
     Pgmesh8,
+    Pgmesh8Script,
 )
 from bench.harness.subscriptions import Native, Native3, Pglogical
 from bench.harness.system import System
@@ -54,8 +57,11 @@ SYSTEMS: dict[str, type[System]] = {
     "pgmesh2nologb": Pgmesh2NoLogB,
     "pgmesh2b": Pgmesh2B,
     "pgmesh3": Pgmesh3,
+    "pgmesh3script": Pgmesh3Script,
     "pgmesh5": Pgmesh5,
+    "pgmesh5script": Pgmesh5Script,
     "pgmesh8": Pgmesh8,
+    "pgmesh8script": Pgmesh8Script,
 }
 
 

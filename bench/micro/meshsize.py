@@ -14,13 +14,16 @@ in this process, so its CPU is this process's (`time.process_time()`, user + sys
               position at the window's end: on 15 the router also reads what it applied on each target
               back from that target (the echoes, skipped by origin), N-1 per source transaction
 
-Beside them, native logical replication to one subscriber (`native`) and to two (`native3`): native3's
+With --script, also pgmesh applying by SQL text at each size (`pgmesh{N}script`,
+`replication.apply_transport = "script"`: the transport before issue 39) in the same run. Beside them,
+native logical replication to one subscriber (`native`) and to two (`native3`): native3's
 per-link rate over native's is the control for pgmesh3 / pgmesh2 (what a second target costs PostgreSQL's
 own apply on the same cores). Medians over `--runs`; the order of the systems alternates between runs.
 
     .venv/bin/python -m bench.micro.meshsize                # 80,000 TPC-B, 3 runs (~15 min here)
     .venv/bin/python -m bench.micro.meshsize --quick        # 2,000 TPC-B, 1 run: a size check (~1 min)
     .venv/bin/python -m bench.micro.meshsize --sizes 2,3 --runs 1 --tpcb-txns 20000
+    .venv/bin/python -m bench.micro.meshsize --script       # also the SQL-text transport (before)
 
 Output: the table on stdout and, unless --quick, bench/results/issue39/meshsize.md and meshsize.json (or
 --out DIR).
@@ -58,6 +61,7 @@ from bench.suite.runner import machine_facts
 
 MESH_SIZES = (2, 3, 5, 8)
 NATIVE = ("native", "native3")
+SCRIPT = "script"  # pgmesh{N}script: `replication.apply_transport = "script"`, the transport before issue 39
 TPCB_TXNS = 80_000  # the suite's --backlog long: native's catch-up lasts seconds
 QUICK_TXNS = 2_000
 RUNS = 3
@@ -154,8 +158,10 @@ class Meter:
 # Runs and the table
 
 
-def systems_for(sizes: Sequence[int], native: bool) -> list[str]:
-    return [f"pgmesh{n}" for n in sizes] + (list(NATIVE) if native else [])
+def systems_for(sizes: Sequence[int], native: bool, script: bool) -> list[str]:
+    """pgmesh at each size (and applying by SQL text at each size, `script`), then native and native3."""
+    suffixes = ("", SCRIPT) if script else ("",)
+    return [f"pgmesh{n}{x}" for x in suffixes for n in sizes] + (list(NATIVE) if native else [])
 
 
 def nodes_of(system: str) -> int:
@@ -205,21 +211,26 @@ def _f(value: float, spec: str) -> str:
     return "n/a" if value != value else format(value, spec)
 
 
+def transport(system: str) -> str:
+    return SCRIPT if system.endswith(SCRIPT) else "pipeline"
+
+
 def render(rows: Sequence[dict[str, Any]]) -> list[str]:
     by = {r["system"]: r for r in rows}
-    base = by.get("pgmesh2")
-    lines = ["| N | links from a | source tx | router CPU s (start) | µs / source tx | after first apply"
-             " | + µs per extra link | µs / source tx, echoes read | catch-up s (first apply) | tx/s per link"
-             " | vs N=2 |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in sorted((r for r in rows if r["system"].startswith("pgmesh")), key=lambda r: r["nodes"]):
+    lines = ["| transport | N | links from a | source tx | router CPU s (start) | µs / source tx"
+             " | after first apply | + µs per extra link | µs / source tx, echoes read"
+             " | catch-up s (first apply) | tx/s per link | vs N=2 |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    meshes = [r for r in rows if r["system"].startswith("pgmesh")]
+    for r in sorted(meshes, key=lambda r: (transport(r["system"]) != "pipeline", r["nodes"])):
+        base = by.get("pgmesh2" + ("" if transport(r["system"]) == "pipeline" else SCRIPT))
         growth = vs = float("nan")
         if base is not None and r["nodes"] > 2:
             growth = (r["steady_us_per_txn"] - base["steady_us_per_txn"]) / (r["nodes"] - 2)
         if base is not None:
             vs = r["tps_per_link"] / base["tps_per_link"]
         lines.append(
-            f"| {r['nodes']} | {r['links']} | {r['transactions']:,.0f}"
+            f"| {transport(r['system'])} | {r['nodes']} | {r['links']} | {r['transactions']:,.0f}"
             f" | {_f(r['cpu_s'], '.2f')} ({_f(r['start_cpu_s'], '.2f')})"
             f" | {_f(r['cpu_us_per_txn'], '.1f')} | {_f(r['steady_us_per_txn'], '.1f')}"
             f" | {'' if r['nodes'] == 2 else _f(growth, '+.1f')}"
@@ -235,9 +246,11 @@ def render(rows: Sequence[dict[str, Any]]) -> list[str]:
                   for r in (n2, n3)]
         ratio = n3["tps_per_link"] / n2["tps_per_link"]
         lines += ["", f"Per link, 3 nodes against 2: native3 / native = **{ratio:.2f}x**"]
-        if "pgmesh2" in by and "pgmesh3" in by:
-            mine = by["pgmesh3"]["tps_per_link"] / by["pgmesh2"]["tps_per_link"]
-            lines[-1] += f"; pgmesh3 / pgmesh2 = **{mine:.2f}x** (the issue's aim: pgmesh's >= native's)."
+        for x in ("", SCRIPT):
+            if f"pgmesh2{x}" in by and f"pgmesh3{x}" in by:
+                mine = by[f"pgmesh3{x}"]["tps_per_link"] / by[f"pgmesh2{x}"]["tps_per_link"]
+                lines[-1] += f"; pgmesh3{x} / pgmesh2{x} = **{mine:.2f}x**"
+        lines[-1] += " (the issue's aim: pgmesh3 / pgmesh2 >= native3 / native)."
     return lines
 
 
@@ -276,6 +289,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"TPC-B transactions in the backlog (default {TPCB_TXNS:,};"
                              f" --quick {QUICK_TXNS:,})")
     parser.add_argument("--no-native", action="store_true", help="without native and native3")
+    parser.add_argument("--script", action="store_true",
+                        help="also pgmesh applying by SQL text at each size (apply_transport = script, the"
+                             " before of issue 39), in the same run")
     parser.add_argument("--quick", action="store_true",
                         help="a size check: 2,000 transactions, 1 run, written to a temporary directory")
     parser.add_argument("--out", type=Path, default=None, help=f"output directory (default {OUT})")
@@ -300,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 2
     out: Path = args.out or (Path(tempfile.mkdtemp(prefix="pgmesh-meshsize-")) if args.quick else OUT)
-    systems = systems_for(args.mesh_sizes, not args.no_native)
+    systems = systems_for(args.mesh_sizes, not args.no_native, args.script)
     sizes = Sizes.for_scale(1.0, tpcb_txns=args.tpcb_txns)
     timeout = WORKLOAD_TIMEOUT_S * max(1.0, args.tpcb_txns / 20_000)
     commit, began = git_commit(), time.perf_counter()

@@ -2,7 +2,8 @@
 
 Systems (bench/harness/): native, pglogical, bucardo, pgmesh2 and pgmesh3 (a's changes measured on
 a -> b and a -> c); only with --only-system: native3 (native to two subscribers, the control for
-pgmesh3's links), pgmesh2lanes (two apply lanes a link), pgmesh5 and pgmesh8. Each gets fresh nodes
+pgmesh3's links), pgmesh2lanes (two apply lanes a link), pgmesh5 and pgmesh8, pgmesh2script and
+pgmesh3script (applying by SQL text, the transport before issue 39). Each gets fresh nodes
 per run with the same server settings (bench.harness.nodes.SETTINGS), `pgbench -i -s 1` and the same
 bench tables on every node; the system order alternates between runs. Workloads, in this order
 (bench/harness/workloads.py, sizes at --scale S):
@@ -68,7 +69,8 @@ from bench.suite.report import (
 from router.testing.localnodes import DEFAULT_SETTINGS, find_pg_bindir
 
 SYSTEM_ORDER = ("native", "pglogical", "bucardo", "pgmesh2", "pgmesh3", "native3", "pgmesh2lanes",
-                "pgmesh2nolog", "pgmesh5", "pgmesh8", "pgmesh2nologb", "pgmesh2b")
+                "pgmesh2nolog", "pgmesh5", "pgmesh8", "pgmesh2nologb", "pgmesh2b", "pgmesh2script",
+                "pgmesh3script")
 # without --only-system: native3 (the control for pgmesh3's links: PostgreSQL's own apply to two
 # subscribers), pgmesh2 with two apply lanes and the larger meshes (per-link throughput against N, issue
 # 20) only when asked
@@ -134,7 +136,7 @@ def summary(results: Sequence[Measurement], systems: Sequence[str]) -> list[dict
 
 # Three-node systems, each against its two-node self: pgmesh3's links (the target: each within 20% of the
 # 2-node rate), and native3's as the control (what a second subscriber costs PostgreSQL's own apply here).
-THREE_NODES: Final = {"pgmesh3": "pgmesh2", "native3": "native"}
+THREE_NODES: Final = {"pgmesh3": "pgmesh2", "native3": "native", "pgmesh3script": "pgmesh2script"}
 
 
 def link_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
