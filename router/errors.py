@@ -54,6 +54,7 @@ __all__ = [
     "SchemaWait",
     "SlotError",
     "SourceError",
+    "Unpipeable",
     "decide",
     "decide_link",
     "decide_sqlstate",
@@ -139,6 +140,11 @@ class ConnectionLost(PgmeshError):
 
 class ApplyError(PgmeshError):
     """A change that cannot be applied as is (schema mismatch, missing column, binary value)."""
+
+
+class Unpipeable(ApplyError):
+    """A transaction the pipelined transport does not take on a target (router.apply.shapes): the script
+    path applies it instead; never shown to anyone."""
 
 
 class SchemaMismatch(ApplyError):

@@ -5,7 +5,10 @@ applier: `large` and `parts` (a transaction too big for a batch, applied in part
 transaction applied ahead of its commit), `lanes` with `parallel` (disjoint transactions on several
 sessions), `careful` (row by row when a guarded statement found a conflict), `decide` (conflicts decided
 in the transaction's own round trip), `uniques` (secondary unique key clashes), `toast` (unchanged TOAST
-values read on the source). `scripts`, `statements` and `prepared` build the SQL; `sessions` opens and
+values read on the source). `sender` sends a batch one of two ways: through `pipe` (the extended
+protocol in libpq's pipeline mode), each transaction encoded once for all its source's links by `encode`
+and bound to the statements `shapes` prepares in each session; or as SQL scripts, which `scripts`,
+`statements` and `prepared` build. `sessions` opens and
 sets up target sessions; `fence` is the lease fence of this process's sessions; `clock` is what an
 applier sees of the node clocks; `skip` leaves out one named transaction (`pgmesh skip`); `quarantine`
 sets a change the target refuses aside (`on_refused = "quarantine"`), with the later changes of its key;

@@ -34,16 +34,15 @@ import asyncpg
 
 from protocol.lsn import format_lsn, pg_us_to_datetime
 from protocol.transactions import Transaction
-from router import failpoints
 from router.apply.careful.transaction import CarefulApplier
 from router.apply.clock import LinkClockView, NoClock
-from router.apply.encode import Encoded, Encoder
+from router.apply.encode import Encoder
 from router.apply.lanes import Lanes
 from router.apply.large import LargeApply
-from router.apply.link import DECIDED, LinkSession
+from router.apply.link import LinkSession
 from router.apply.parts import is_large, whole_transaction
 from router.apply.quarantine import Guard, QuarantineIndex
-from router.apply.shapes import Unpipeable
+from router.apply.sender import Sender
 from router.apply.side import SideSession
 from router.apply.skip import check_skip, drop_skip, due, read_skip, skip_transaction
 from router.apply.state import RUNNING, LinkCondition, LinkHold, LinkState, LinkStats, LinkView, Liveness
@@ -54,7 +53,6 @@ from router.errors import (
     SCHEMA_WAIT_S,
     UNIQUE_ATTEMPTS,
     Action,
-    ApplyError,
     LostBeforeCommit,
     PgmeshError,
     SchemaWait,
@@ -76,7 +74,6 @@ __all__ = ["Applier"]
 # Transactions sent to the target in one round trip: each stays its own target transaction (its own
 # BEGIN, origin setup and COMMIT), so every row keeps its source commit time; only the trips are shared.
 BATCH_TRANSACTIONS = 256
-BATCH_BYTES = 4 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +110,6 @@ class Applier(LinkView):
         self._quarantines = config.quarantines()  # some table sets refused changes aside
         # the source's transactions encoded once for all its links (router.apply.encode), sent by the pipe
         self.encoder = encoder if encoder is not None else Encoder()
-        self._piped = config.replication.apply_transport == "pipeline"
         self.queue = queue
         self.progress = progress
         self.apply_delay = config.replication.apply_delay_ms / 1000.0
@@ -145,6 +141,10 @@ class Applier(LinkView):
         self._parallel = Lanes(self.link, self.lanes)
         # Streamed transactions applied before their commit on a side session (router.apply.side).
         self._side = SideSession(self.link, self._large, queue, progress, self._resumed)
+        # a batch's way to the target: the pipe, or scripts (router.apply.sender)
+        self._sender = Sender(self.link, queue, self.stats, self.quarantine, self.encoder, lanes=self.lanes,
+                              piped=config.replication.apply_transport == "pipeline",
+                              apply_delay=self.apply_delay)
 
     @property
     def name(self) -> str:
@@ -449,151 +449,6 @@ class Applier(LinkView):
             self.condition.drop_hold(LinkHold.CLOCK)
         return waited
 
-    def _script(self, txn: Transaction, prelude: list[str], *, fit: bool = False) -> str:
-        """`txn`'s script; with `fit`, rows sent before a replicated rename or drop fitted to the target
-        first when they do not fit as they are. Only with tables just read: against tables read before
-        a DDL typed on the target, a column dropped and added again there would look dropped, and its
-        values would be left out without an error."""
-        link = self.link
-        ahead = link.ahead.pop(id(txn), None)
-        if ahead is not None and ahead[0] is txn:
-            self.stats.scripts_ahead += 1
-            return ahead[1]
-        mark = link.prepared.mark()
-        size = len(prelude)
-        try:
-            return link.script(txn, prelude)
-        except ApplyError:
-            link.prepared.forget_since(mark)  # its PREPAREs are never sent
-            del prelude[size:]
-            fitted = link.fit(txn) if fit else txn
-            if fitted is txn:
-                raise
-        return link.script(fitted, prelude)
-
-    def _encoded(self, batch: list[Transaction]) -> list[Encoded]:
-        """The batch's first transactions as the pipe sends them (router.apply.encode), up to the first it
-        does not take ([] when that is the first: the script path's batch)."""
-        link = self.link
-        if not self._piped or self.lanes > 1 or link.source_origin is None:
-            return []
-        out: list[Encoded] = []
-        encoded, holds, tables = self.encoder.encoded, self.quarantine.holds, link.tables
-        for txn in batch:
-            if has_ddl(txn) or (self.quarantine.counts and holds(txn, tables)):
-                break
-            enc = encoded(txn)
-            if enc is None:
-                break
-            out.append(enc)
-        return out
-
-    async def _pipe(self, batch: list[Transaction], encoded: list[Encoded]) -> int:
-        """Apply the first of `batch` (encoded as `encoded`) through the pipe in one round trip; returns how
-        many (0: the first does not go this way on this target, the script path takes the batch)."""
-        link = self.link
-        pipe, statements = await link.open_pipe()
-        prepared, remote = link.prepared, link.decisions.remote
-        plan: list[tuple[bytes, list[bytes | None] | None]] = []
-        count = 0
-        for enc in encoded:
-            try:
-                plan += statements.transaction(enc, prepared, remote)
-            except (Unpipeable, ApplyError):
-                break  # (the script path fits it to the target or says what does not fit)
-            count += 1
-        if not count:
-            return 0
-        plan += statements.ending(batch[:count], link.announce, link.source)
-        link.built(count)
-        await link.make_functions(prepared)  # committed before the batch that calls them
-        prepares = statements.new
-        statements.sent()
-        self._alone = count == 1
-        result = await pipe.run(prepares, plan)
-        if result.error is not None:
-            statements.lost()
-            # the transaction that failed is known: the first left in hand once those committed are let go
-            # (_after_failure), unless a statement failed to prepare
-            assert result.failed_at is not None
-            self._alone = count == 1 or result.failed_at >= len(prepares)
-            raise result.error
-        statements.fresh = []
-        if result.decided:  # a decision function decided a conflict
-            await link.count_conflicts()
-        return count
-
-    async def _scripts(self, batch: list[Transaction]) -> tuple[list[str], list[str]]:
-        """The batch's PREPAREs and transaction scripts; a transaction that does not fit the target's
-        schema ends the batch."""
-        prelude: list[str] = []
-        scripts: list[str] = []
-        size = 0
-        for i, txn in enumerate(batch):
-            if has_ddl(txn) or is_large(txn) or self.quarantine.holds(txn, self.link.tables):
-                break  # applied on its own (_apply_first)
-            try:
-                script = self._script(txn, prelude)
-            except ApplyError:
-                if i:
-                    break  # apply what comes before it first
-                await self.link.load_tables()  # the target's schema may have changed since we looked
-                script = self._script(txn, prelude, fit=True)
-            scripts.append(script)
-            size += len(script)
-            if size >= BATCH_BYTES:
-                break
-        self.link.built(len(scripts))
-        return prelude, scripts
-
-    def _build_ahead(self) -> None:
-        """While a batch runs on the target, build the scripts of the transactions queued behind it.
-
-        Building is the router's share of a small transaction's cost; done here, it overlaps the
-        target's work instead of following it (TPC-B: ~15% of the time was spent building while the
-        target waited). Only scripts that need no new prepared statement are kept, so throwing the
-        cache away (a reconnect, the tables read again, a conflict) never leaves a PREPARE unsent;
-        `_script` takes a cached script only for the very transaction object it was built from.
-        """
-        link = self.link
-        link.ahead = {}
-        if self.apply_delay > 0 or self.lanes > 1:
-            return
-        mark = link.prepared.mark()
-        size = 0
-        try:
-            for txn in self.queue.peek(self._batch_limit):
-                if has_ddl(txn) or is_large(txn):
-                    break
-                prelude: list[str] = []
-                script = link.script(txn, prelude)
-                if prelude:  # a new prepared statement: left to the batch that sends it
-                    link.prepared.forget_since(mark)
-                    break
-                link.ahead[id(txn)] = (txn, script)
-                size += len(script)
-                if size >= BATCH_BYTES:
-                    break
-        except ApplyError:
-            link.prepared.forget_since(mark)  # built the normal way, which handles it
-
-    async def _send(self, text: str) -> None:
-        """Run one batch's SQL on the target, building the next batch's scripts meanwhile."""
-        assert self.link.conn is not None
-        await self.link.make_functions(self.link.prepared)  # committed before the batch that calls them
-        task = asyncio.ensure_future(self.link.conn.execute(f"{text};\n{DECIDED}"))
-        try:
-            await asyncio.sleep(0)  # the task sends the query
-            if not task.done():
-                self._build_ahead()
-            if failpoints.ARMED:  # a test's: the batch sent, its result not read (router.failpoints)
-                await failpoints.hit("apply.batch_sent")
-            if await task == "SELECT 1":  # a decision function decided a conflict
-                await self.link.count_conflicts()
-        finally:
-            if not task.done():
-                task.cancel()
-
     async def _apply_batch(self, batch: list[Transaction]) -> None:
         """Apply `batch` (the transactions in hand, `_in_hand`) a step at a time: each step applies the first
         of them (several in lanes, or one alone, or a run in one round trip) and leaves the rest in hand."""
@@ -628,12 +483,12 @@ class Applier(LinkView):
         """One step without lanes: the batch's first transaction with DDL or a large one alone, else as
         many as fit one round trip; a conflict sends that transaction the careful way (and the rest of
         the batch back in smaller batches). Leaves what is still to apply in `_in_hand`."""
-        piped = self._encoded(batch)
+        piped = self._sender.encoded(batch)
         if piped:
             await self.link.open_pipe()
         else:
             await self.link.take_origin()
-        self._alone = True
+        self._alone = self._sender.alone = True
         # a table with pending keys: the careful way, once whole (one handed out before its commit goes in
         # parts, and meets what is pending by version: docs/conflicts.md "Quarantine")
         held = self.quarantine.holds(batch[0], self.link.tables) and whole_transaction(batch[0]).spill is None
@@ -654,16 +509,13 @@ class Applier(LinkView):
                     batch[0] = await self._large.apply(batch[0])  # the whole one, if it came early
                 await self.link.count_conflicts()
                 done = 1
-            elif piped and (sent := await self._pipe(batch, piped)):
-                done = sent
             else:
-                await self.link.take_origin()
-                prelude, scripts = await self._scripts(batch)
-                self._alone = len(scripts) <= 1
-                notes = self.link.applied_note(batch[: len(scripts)])  # (16+: instead of echoes)
-                await self._send("".join(f"{p};\n" for p in prelude) + "\n".join(scripts) + notes)
-                done = len(scripts)
+                sender = self._sender
+                done = (piped and await sender.pipe(batch, piped)) or await sender.scripts(batch,
+                                                                                          self._batch_limit)
+                self._alone = sender.alone
         except asyncpg.PostgresError as exc:
+            self._alone = self._sender.alone
             await self._after_failure()
             await self._after_conflict(exc)
         except LostBeforeCommit as lost:

@@ -145,7 +145,7 @@ class LinkSession:
         self.drift: Drift = {}  # columns renamed or dropped here by DDL (router.ddl.reconcile)
         self.source_origin: int | None = None
         self.installed_at: str | None = None
-        # Scripts built while the previous batch ran on the target, by id() (Applier._build_ahead).
+        # Scripts built while the previous batch ran on the target, by id() (router.apply.sender).
         self.ahead: dict[int, tuple[Transaction, str]] = {}
         # the pipelined session (router.apply.pipe), opened at its first batch, and its statements
         self.pipe: Pipe | None = None

@@ -128,12 +128,13 @@ class Pipe:
     def closed(self) -> bool:
         return self.pg.status != pq.ConnStatus.OK
 
-    async def run(
+    async def send(
         self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]],
         plan: Sequence[tuple[bytes, Sequence[bytes | None] | None]],
-    ) -> PipeResult:
-        """Prepare `prepares` (name, SQL, parameter types), run `plan` (name, parameters), one Sync; read
-        every result back. The last of `plan` is DECIDED (router.apply.shapes)."""
+    ) -> int:
+        """Prepare `prepares` (name, SQL, parameter types), run `plan` (name, parameters), one Sync, all
+        written out; returns how many commands `results` reads back. The last of `plan` is DECIDED
+        (router.apply.shapes)."""
         pg = self.pg
         try:
             for name, sql, types in prepares:
@@ -145,7 +146,11 @@ class Pipe:
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
         await self._flush()
-        return await self._results(len(prepares) + len(plan))
+        return len(prepares) + len(plan)
+
+    async def results(self, commands: int) -> PipeResult:
+        """The results of the `commands` sent, up to their Sync."""
+        return await self._results(commands)
 
     async def _results(self, commands: int) -> PipeResult:
         pg = self.pg

@@ -35,10 +35,10 @@ from router.apply.statements import (
     setup_statement,
     target_table,
 )
-from router.errors import PgmeshError
+from router.errors import Unpipeable
 from router.stream.seen import APPLIED_PREFIX, applied_content
 
-__all__ = ["DECIDED", "Statements", "Unpipeable"]
+__all__ = ["DECIDED", "Statements"]
 
 _TEXT: Final = 25  # the text type's OID: a parameter the statement does not read has no type of its own
 
@@ -48,10 +48,6 @@ DECIDED: Final = (
     "SELECT pg_catalog.set_config('pgmesh.decided', '', false)"
     " FROM pg_catalog.current_setting('pgmesh.decided', true) AS d WHERE d = 'y'"
 )
-
-
-class Unpipeable(PgmeshError):
-    """A transaction the pipe does not take on this target: the script path applies it."""
 
 
 class _Statement:

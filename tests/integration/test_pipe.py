@@ -32,7 +32,7 @@ async def _transfers(dsn: str, first: int, count: int) -> None:
 
 async def test_small_transactions_go_through_the_pipe_encoded_once(mesh: MeshFactory) -> None:
     m = await mesh(nodes=3, schema=SCHEMA)
-    a, b, c = m.nodes
+    a, b, _c = m.nodes
     await execute(a.dsn(), "INSERT INTO acct SELECT i, 100, repeat('x', i) FROM generate_series(0, 9) i")
     async with running_router(m.config) as router:
         await wait_converged(m.nodes, ["acct", "hist"])
@@ -58,7 +58,8 @@ async def test_conflicts_met_in_the_pipe_are_decided_and_converge(mesh: MeshFact
     async with running_router(m.config) as router:
         await wait_converged(m.nodes, ["acct"])
         await router.pause(None)
-        await asyncio.gather(_transfers(a.dsn(), 0, 40), _transfers(b.dsn(), 5, 40), _transfers(c.dsn(), 7, 40))
+        await asyncio.gather(
+            _transfers(a.dsn(), 0, 40), _transfers(b.dsn(), 5, 40), _transfers(c.dsn(), 7, 40))
         # the same new key on two nodes: a unique violation in the pipe, decided the careful way
         await execute(a.dsn(), "INSERT INTO acct VALUES (50, 1, 'a')")
         await execute(b.dsn(), "INSERT INTO acct VALUES (50, 2, 'b')")
@@ -72,7 +73,7 @@ async def test_conflicts_met_in_the_pipe_are_decided_and_converge(mesh: MeshFact
 
 async def test_script_transport_still_applies(mesh: MeshFactory) -> None:
     m = await mesh(nodes=2, schema=SCHEMA)
-    a, b = m.nodes
+    a, _b = m.nodes
     replication = msgspec.structs.replace(m.config.replication, apply_transport="script")
     config = msgspec.structs.replace(m.config, replication=replication)
     await execute(a.dsn(), "INSERT INTO acct SELECT i, 100, NULL FROM generate_series(0, 9) i")
