@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Final
 
+import msgspec
+
 from protocol.lsn import format_lsn
 from protocol.messages import (
     KIND_NULL,
@@ -50,7 +52,7 @@ INSERT: Final = "I"
 _MASK: Final = bytes(1 if i == KIND_UNCHANGED else 0 for i in range(256))
 _CACHED: Final = 4096  # transactions whose encoding a source's links share (the oldest go first)
 
-Params = list[bytes | None]
+Params = tuple[bytes | None, ...]
 
 
 class Shape:
@@ -74,24 +76,28 @@ class Shape:
 Change = Insert | Update | Delete
 
 
-class Encoded:
+class Encoded(msgspec.Struct, frozen=True, gc=False):
     """One transaction's statements, `(shape, parameters, change)` in order, and its origin set-up's
-    parameters: `setup` (end LSN, commit time) and `remote` (the same and the remote version the decision
-    functions read, router.apply.decide). The change is kept for what a target checks by value
-    (an identity GENERATED ALWAYS column an update would move)."""
+    parameters: `setup` (end LSN, commit time). The change is kept for what a target checks by value
+    (an identity GENERATED ALWAYS column an update would move). Not tracked by the garbage collector
+    (the fan-out holds thousands: as `Transaction`)."""
 
-    __slots__ = ("remote", "setup", "statements")
+    statements: tuple[tuple[Shape, Params, Change], ...]
+    setup: Params
+    txn: Transaction
 
-    def __init__(self, statements: list[tuple[Shape, Params, Change]], setup: Params, remote: Params) -> None:
-        self.statements = statements
-        self.setup = setup
-        self.remote = remote
+    def remote(self) -> Params:
+        """`setup` and the remote version the decision functions read (router.apply.decide): only for a
+        link that sends it (`Decisions.remote`)."""
+        lsn, when = self.setup
+        assert lsn is not None and when is not None
+        return (lsn, when, remote_version(self.txn, lsn.decode(), when.decode()).encode())
 
 
 def _values(row: TupleData, columns: tuple[int, ...]) -> Params | None:
     """The text bytes of `columns` (None for NULL); None when one is binary or an unchanged TOAST value."""
     kinds, values = row.kinds, row.values
-    out: Params = []
+    out: list[bytes | None] = []
     for i in columns:
         kind = kinds[i]
         if kind == KIND_TEXT:
@@ -103,7 +109,7 @@ def _values(row: TupleData, columns: tuple[int, ...]) -> Params | None:
             out.append(None)
         else:
             return None
-    return out
+    return tuple(out)
 
 
 class Encoder:
@@ -197,7 +203,6 @@ def encode(txn: Transaction, shapes: dict[tuple[int, str, bytes], Shape] | None 
             relations[change.relid] = change
         elif kind is not Type and kind is not Message:
             return None  # a TRUNCATE, a raw insert read back from a spill
-    lsn, when = format_lsn(txn.end_lsn), commit_time_literal(txn.commit_time)
-    setup: Params = [lsn.encode(), when.encode()]
-    return Encoded(statements, setup, [*setup, remote_version(txn, lsn, when).encode()])
+    setup = (format_lsn(txn.end_lsn).encode(), commit_time_literal(txn.commit_time).encode())
+    return Encoded(tuple(statements), setup, txn)
 

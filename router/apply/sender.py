@@ -20,6 +20,7 @@ from router.apply.encode import Encoded, Encoder
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large
 from router.apply.quarantine import QuarantineIndex
+from router.apply.shapes import Plan
 from router.apply.state import LinkStats
 from router.ddl.messages import has_ddl
 from router.errors import ApplyError, Unpipeable
@@ -104,7 +105,7 @@ class Sender:
         link = self.link
         pipe, statements = await link.open_pipe()
         prepared, remote = link.prepared, link.decisions.remote
-        plan: list[tuple[bytes, list[bytes | None] | None]] = []
+        plan: Plan = []
         count = 0
         for enc in encoded:
             try:

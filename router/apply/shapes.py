@@ -38,7 +38,7 @@ from router.apply.statements import (
 from router.errors import Unpipeable
 from router.stream.seen import APPLIED_PREFIX, applied_content
 
-__all__ = ["DECIDED", "Statements"]
+__all__ = ["DECIDED", "Plan", "Statements"]
 
 _TEXT: Final = 25  # the text type's OID: a parameter the statement does not read has no type of its own
 
@@ -54,12 +54,17 @@ class _Statement:
     """One shape's statement in this session: its name (None: the target does not get the table), the
     insert's lock statement, the table (for the checks by value)."""
 
-    __slots__ = ("always", "deferrable", "lock", "name", "table")
+    __slots__ = ("always", "deferrable", "fused", "lock", "locks", "name", "table", "width")
 
     def __init__(self, name: bytes | None, lock: bytes | None, table: TargetTable | None) -> None:
         self.name = name
         self.lock = lock
         self.table = table
+        self.locks = ""  # an insert's locks (SQL items), for `fused`
+        self.width = 0  # an insert's parameters
+        # the locks with the origin's set-up first (PostgreSQL 15: a transaction's first statement), by
+        # whether they set the remote version too
+        self.fused: dict[bool, bytes] = {}
         self.always = False  # an update's, on a table with an identity GENERATED ALWAYS (checked by value)
         self.deferrable = table is not None and table.deferrable
 
@@ -123,6 +128,18 @@ class Statements:
             name = self._fixed[key] = self._name(sql, types)
         return name
 
+    def _fused(self, st: _Statement, remote: bool) -> bytes:
+        """An insert's locks with the origin's set-up (and the remote version) first: its parameters are
+        the row's, then the set-up's."""
+        name = st.fused.get(remote)
+        if name is None:
+            n = st.width
+            setting = f", pg_catalog.set_config('pgmesh.remote', ${n + 3}, true)" if remote else ""
+            setup = f"pg_catalog.pg_replication_origin_xact_setup(${n + 1}::pg_lsn, ${n + 2}::timestamptz)"
+            sql = f"SELECT {setup}{setting}, {st.locks}"
+            name = st.fused[remote] = self._name(sql, [_TEXT] * (n + (3 if remote else 2)))
+        return name
+
     def statement(self, shape: Shape, prepared: Prepared) -> _Statement:
         found = self._shapes.get(shape)
         if found is None:
@@ -148,10 +165,12 @@ class Statements:
             single = texts[0] if len(texts) == 1 else None
             array = "ARRAY[" + ", ".join(texts) + "]::text[]"
             name = quote_literal(table.name)
-            locks = (f"SELECT pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
+            locks = (f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
                      f" {key_lock(table, array, single)}")
-            lock = self._name(locks, [_TEXT] * len(relation.columns))
-            return _Statement(self._name(sql), lock, table)
+            width = len(relation.columns)
+            made = _Statement(self._name(sql), self._name(f"SELECT {locks}", [_TEXT] * width), table)
+            made.locks, made.width = locks, width
+            return made
         sql = delete_sql(relation, table, keys, self.origin, prepared)
         return _Statement(self._name(sql), None, table)
 
@@ -168,11 +187,10 @@ class Statements:
                                setup_statement("$1::pg_lsn", "$2::timestamptz", third, False))
         out: Plan = [(begin, None)]
         add = out.append
-        if not late:
-            add((setup, enc.remote if remote else enc.setup))
-        elif remote:
+        pending = not late  # (15) the set-up still to send, with the first statement if it can
+        if late and remote:
             set_remote = self.fixed("remote", "SELECT pg_catalog.set_config('pgmesh.remote', $1, true)")
-            add((set_remote, enc.remote[2:]))
+            add((set_remote, enc.remote()[2:]))
         deferred = False
         shapes = self._shapes
         for shape, params, change in enc.statements:
@@ -183,9 +201,18 @@ class Statements:
                 assert st.table is not None and isinstance(change, Update)
                 check_always(shape.relation, st.table, change)
             if st.lock is not None:
-                add((st.lock, params))
+                if pending:  # one statement fewer for the target
+                    pending = False
+                    add((self._fused(st, remote), params + (enc.remote() if remote else enc.setup)))
+                else:
+                    add((st.lock, params))
+            elif pending:
+                pending = False
+                add((setup, enc.remote() if remote else enc.setup))
             add((st.name, params))
             deferred = deferred or st.deferrable
+        if pending:
+            add((setup, enc.remote() if remote else enc.setup))
         if late:
             if deferred:
                 add((self.fixed("checks", COMMIT_CHECKS), None))
@@ -203,6 +230,6 @@ class Statements:
                 f" pg_catalog.pg_logical_emit_message(false, {quote_literal(APPLIED_PREFIX)}, $1),"
                 f" pg_catalog.pg_replication_origin_session_setup({quote_literal(self.origin_name)})"
             ))
-            out.append((note, [applied_content(source, max(t.commit_time for t in batch)).encode()]))
+            out.append((note, (applied_content(source, max(t.commit_time for t in batch)).encode(),)))
         out.append((self.fixed("decided", DECIDED), None))
         return out
