@@ -20,21 +20,22 @@ Must not: build SQL, know a target's tables, or connect.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
 
 from protocol.lsn import format_lsn
 from protocol.messages import (
-    KIND_NULL,
-    KIND_TEXT,
+    KIND_BINARY,
     KIND_UNCHANGED,
+    Cell,
     Delete,
     Insert,
     Message,
     Relation,
-    TupleData,
     Type,
     Update,
 )
@@ -60,13 +61,23 @@ class Shape:
     parameters first), `keys` (the key's columns, parameters after them). The same object for every
     change of that shape (`Encoder`), so a session finds its statement by identity."""
 
-    __slots__ = ("code", "keys", "relation", "sets")
+    __slots__ = ("code", "keys", "pick", "relation", "sets", "usable")
 
-    def __init__(self, code: str, relation: Relation, sets: tuple[int, ...], keys: tuple[int, ...]) -> None:
+    def __init__(self, code: str, relation: Relation, sets: tuple[int, ...], keys: tuple[int, ...],
+                 usable: bool) -> None:
         self.code = code
         self.relation = relation
         self.sets = sets
         self.keys = keys
+        # the parameters out of a row's values, in C: an update's set columns then its key, a delete's
+        # key, an insert's row as it is (None for NULL, the text bytes otherwise)
+        columns = keys if code == DELETE else sets + keys if code == UPDATE else ()
+        self.pick: Callable[[tuple[Cell, ...]], Params] = (
+            _whole if code == INSERT else (lambda v, i=columns[0]: (v[i],)) if len(columns) == 1  # type: ignore[misc]
+            else operator.itemgetter(*columns))
+        # a change of this shape can go through the pipe: it names its row by a key, none of whose values
+        # is an unchanged TOAST value (an update's key from its new row)
+        self.usable = usable
 
     def __repr__(self) -> str:
         name = f"{self.relation.schema}.{self.relation.name}"
@@ -94,22 +105,9 @@ class Encoded(msgspec.Struct, frozen=True, gc=False):
         return (lsn, when, remote_version(self.txn, lsn.decode(), when.decode()).encode())
 
 
-def _values(row: TupleData, columns: tuple[int, ...]) -> Params | None:
-    """The text bytes of `columns` (None for NULL); None when one is binary or an unchanged TOAST value."""
-    kinds, values = row.kinds, row.values
-    out: list[bytes | None] = []
-    for i in columns:
-        kind = kinds[i]
-        if kind == KIND_TEXT:
-            value = values[i]
-            if not isinstance(value, bytes):
-                return None
-            out.append(value)
-        elif kind == KIND_NULL:
-            out.append(None)
-        else:
-            return None
-    return tuple(out)
+def _whole(values: tuple[Cell, ...]) -> Params:
+    return values  # type: ignore[return-value]  # an insert's row: no unchanged TOAST value in it
+
 
 
 class Encoder:
@@ -149,9 +147,10 @@ def _shape(shapes: dict[tuple[int, str, bytes], Shape], code: str, relation: Rel
     if found is None:
         keys = tuple(i for i, c in enumerate(relation.columns) if c.key)
         sets = tuple(i for i in range(len(relation.columns)) if not mask[i]) if code == UPDATE else ()
+        usable = code == INSERT or (bool(keys) and not any(mask[i] for i in keys))
         if code == INSERT:
             sets = tuple(range(len(relation.columns)))
-        found = shapes[key] = Shape(code, relation, sets, keys)
+        found = shapes[key] = Shape(code, relation, sets, keys, usable)
     return found
 
 
@@ -170,34 +169,27 @@ def encode(txn: Transaction, shapes: dict[tuple[int, str, bytes], Shape] | None 
             assert isinstance(change, Update)
             if change.old_kind is not None:  # a moved key ('K') or a whole old row ('O')
                 return None
-            relation = relations[change.relid]
             new = change.new
-            shape = _shape(shapes, UPDATE, relation, new.kinds.translate(_MASK))
-            if not shape.keys:
+            kinds = new.kinds
+            shape = _shape(shapes, UPDATE, relations[change.relid], kinds.translate(_MASK))
+            if not shape.usable or KIND_BINARY in kinds:
                 return None
-            sets = _values(new, shape.sets)
-            keys = _values(new, shape.keys)
-            if sets is None or keys is None:  # a value in binary, a key value left out (unchanged TOAST)
-                return None
-            append((shape, sets + keys, change))
+            append((shape, shape.pick(new.values), change))
         elif kind is Insert:
             assert isinstance(change, Insert)
-            relation = relations[change.relid]
-            shape = _shape(shapes, INSERT, relation, b"")
-            values = _values(change.new, shape.sets)
-            if values is None:
+            new = change.new
+            if KIND_BINARY in new.kinds or KIND_UNCHANGED in new.kinds:
                 return None
-            append((shape, values, change))
+            append((_shape(shapes, INSERT, relations[change.relid], b""), new.values, change))  # type: ignore[arg-type]
         elif kind is Delete:
             assert isinstance(change, Delete)
-            relation = relations[change.relid]
-            if change.old_kind != "K" or change.old is None:
+            old = change.old
+            if change.old_kind != "K" or old is None:
                 return None
-            shape = _shape(shapes, DELETE, relation, b"")
-            keys = _values(change.old, shape.keys) if shape.keys else None
-            if keys is None:
+            shape = _shape(shapes, DELETE, relations[change.relid], b"")
+            if not shape.usable or KIND_BINARY in old.kinds:
                 return None
-            append((shape, keys, change))
+            append((shape, shape.pick(old.values), change))
         elif kind is Relation:
             assert isinstance(change, Relation)
             relations[change.relid] = change
