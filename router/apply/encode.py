@@ -147,7 +147,7 @@ def _shape(shapes: dict[tuple[int, str, bytes], Shape], code: str, relation: Rel
     if found is None:
         keys = tuple(i for i, c in enumerate(relation.columns) if c.key)
         sets = tuple(i for i in range(len(relation.columns)) if not mask[i]) if code == UPDATE else ()
-        usable = code == INSERT or (bool(keys) and not any(mask[i] for i in keys))
+        usable = code == INSERT or (bool(keys) and not (mask and any(mask[i] for i in keys)))
         if code == INSERT:
             sets = tuple(range(len(relation.columns)))
         found = shapes[key] = Shape(code, relation, sets, keys, usable)
