@@ -108,6 +108,9 @@ class Statements:
             gone = set(self.fresh)
             self._shapes = {
                 s: st for s, st in self._shapes.items() if st.name not in gone and st.lock not in gone}
+            for st in self._shapes.values():
+                if st.fused:
+                    st.fused = {remote: name for remote, name in st.fused.items() if name not in gone}
             self._fixed = {k: n for k, n in self._fixed.items() if n not in gone}
             self.fresh = []
 
@@ -174,17 +177,19 @@ class Statements:
         sql = delete_sql(relation, table, keys, self.origin, prepared)
         return _Statement(self._name(sql), None, table)
 
+    def _setup(self, remote: bool) -> bytes:
+        """The origin's set-up alone: on 16+ the last statement, with the applied mark (the remote version
+        is set apart, first); on 15 the first, with the remote version when `remote`."""
+        if self.late:
+            return self.fixed("setup", setup_statement("$1::pg_lsn", "$2::timestamptz", None, self.mark))
+        third = "$3" if remote else None
+        return self.fixed(f"setup{remote}", setup_statement("$1::pg_lsn", "$2::timestamptz", third, False))
+
     def transaction(self, enc: Encoded, prepared: Prepared, remote: bool) -> Plan:
         """The (statement, parameters) pairs of one encoded transaction: BEGIN to COMMIT. Raises
         `Unpipeable`, or what router.apply.statements.target_table raises, for the script path to take it."""
         begin = self.fixed("begin", "BEGIN")
         late = self.late
-        if late:
-            setup = self.fixed("setup", setup_statement("$1::pg_lsn", "$2::timestamptz", None, self.mark))
-        else:
-            third = "$3" if remote else None
-            setup = self.fixed(f"setup{remote}",
-                               setup_statement("$1::pg_lsn", "$2::timestamptz", third, False))
         out: Plan = [(begin, None)]
         add = out.append
         pending = not late  # (15) the set-up still to send, with the first statement if it can
@@ -208,15 +213,15 @@ class Statements:
                     add((st.lock, params))
             elif pending:
                 pending = False
-                add((setup, enc.remote() if remote else enc.setup))
+                add((self._setup(remote), enc.remote() if remote else enc.setup))
             add((st.name, params))
             deferred = deferred or st.deferrable
         if pending:
-            add((setup, enc.remote() if remote else enc.setup))
+            add((self._setup(remote), enc.remote() if remote else enc.setup))
         if late:
             if deferred:
                 add((self.fixed("checks", COMMIT_CHECKS), None))
-            add((setup, enc.setup))
+            add((self._setup(False), enc.setup))
         add((self.fixed("commit", "COMMIT"), None))
         return out
 

@@ -188,8 +188,6 @@ def test_a_lost_batch_prepares_its_statements_again() -> None:
     assert sorted(sql.split(" ")[0] for _, sql, _ in made.new) == ["INSERT", "SELECT"]
 
 
-@pytest.mark.xfail(strict=True, reason="shapes.Statements.lost keeps an insert's fused name the failed batch"
-                   " prepared (router/apply/shapes.py: _Statement.fused is not pruned)")
 def test_a_lost_batch_prepares_the_fused_setup_again() -> None:
     """On 15: an insert's statements prepared by a batch that succeeded, its locks fused with the set-up
     first prepared by one that failed: the fused statement must be prepared again."""
@@ -212,8 +210,8 @@ def test_reset_renames_everything() -> None:
     made.sent()
     made.reset()
     second = made.transaction(enc(insert(b"1")), Prepared(None), False)
-    # BEGIN, the set-up, the insert, its locks, them fused with the set-up, COMMIT
-    assert len(made.new) == 6 and len(second) == len(first) == 4
+    # BEGIN, the insert, its locks, them fused with the set-up, COMMIT (the set-up alone is not needed)
+    assert len(made.new) == 5 and len(second) == len(first) == 4
     assert not {n for n, _ in first} & {n for n, _ in second}
     assert {n for n, _ in second} <= {n for n, _, _ in made.new}
 
