@@ -122,8 +122,8 @@ class Sender:
         statements.sent()
         self.alone = count == 1
         commands = await pipe.send(prepares, plan)
-        if failpoints.ARMED:  # a test's: the batch sent, its result not read (router.failpoints)
-            await failpoints.hit("apply.batch_sent")
+        if failpoints.ARMED:
+            await _batch_sent()
         result = await pipe.results(commands)
         if result.error is not None:
             statements.lost()
@@ -200,11 +200,15 @@ class Sender:
             await asyncio.sleep(0)  # the task sends the query
             if not task.done():
                 self._build_ahead(limit)
-            if failpoints.ARMED:  # a test's: the batch sent, its result not read (router.failpoints)
-                await failpoints.hit("apply.batch_sent")
+            if failpoints.ARMED:
+                await _batch_sent()
             if await task == "SELECT 1":  # a decision function decided a conflict
                 await self.link.count_conflicts()
         finally:
             if not task.done():
                 task.cancel()
 
+
+async def _batch_sent() -> None:
+    """A test's fail point: a batch sent (by either way), its result not read (router.failpoints)."""
+    await failpoints.hit("apply.batch_sent")
