@@ -10,7 +10,7 @@ origin), for two transaction shapes, each in batches of 250 transactions per rou
   tpcb     three keyed UPDATEs (every column, as pgoutput sends them) and one INSERT into pgbench_history
   inserts  one INSERT into bench_ins
 
-and three ways of sending them:
+and four ways of sending them:
 
   pgmesh    what the applier sends: `router.apply.scripts.transaction_script` builds each script from the
             changes as pgoutput sends them (guards, locks, the origin's set-up), one simple query a batch
@@ -19,14 +19,19 @@ and three ways of sending them:
   pipeline  the same plain statements by the extended protocol (Bind/Execute of statements prepared once,
             text parameters straight from the tuple, no SQL text), pipelined with one Sync a batch (libpq
             pipeline mode): the floor of any client-side apply over SQL
+  pipe      what the applier sends through its pipe for the same transactions as `pgmesh`:
+            `router.apply.encode` and `router.apply.shapes.Statements` plan each batch (the decision
+            functions, the origin's set-up, on 16+ the applied mark and the batch's applied note), its
+            statements prepared before it, then run by Bind/Execute with one Sync a batch, as
+            `router.apply.pipe` sends it
 
 Compare with the native apply worker's CPU per transaction from `bench.suite.profile` in the same sitting.
 
     .venv/bin/python -m bench.micro.floor                  # 8 batches per shape and way
     .venv/bin/python -m bench.micro.floor --batches 4 --shape inserts
 
-Owns: the plain statements and their batches. Must not: build the `pgmesh` way's SQL itself
-(`transaction_script` does, as for the applier), or touch a node it did not create.
+Owns: the plain statements and their batches. Must not: build the `pgmesh` or `pipe` way's SQL itself
+(`transaction_script` and `Statements` do, as for the applier), or touch a node it did not create.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import select
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import psycopg
 from psycopg import pq
@@ -48,8 +54,10 @@ from bench.micro import guards
 from protocol.messages import Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Change, Transaction
 from router.apply.decide import Decisions
+from router.apply.encode import Encoder
 from router.apply.prepared import Prepared
 from router.apply.scripts import transaction_script
+from router.apply.shapes import Plan, Statements
 from router.apply.statements import TargetTable
 from router.progress.applied import MARK_START, SOURCE_SETTING
 from router.stream.items import ORIGIN_NONE_SINCE
@@ -58,13 +66,14 @@ from router.testing.mesh import execute, fetch
 
 PER_BATCH = 250
 SHAPES = ("tpcb", "inserts")
-WAYS = ("pgmesh", "simple", "pipeline")
+WAYS = ("pgmesh", "simple", "pipeline", "pipe")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 
 _INS = Relation(16400, "public", "bench_ins", "d", (
     Column("id", 20, -1, True), Column("v", 23, -1, False), Column("at", 1184, -1, False)))
 _INS_TARGET = TargetTable("public", "bench_ins", frozenset(("id", "v", "at")),
                           {"id": "bigint", "v": "integer", "at": "timestamp with time zone"}, pk=("id",))
+_TABLES: Final = {**guards.TARGET, ("public", "bench_ins"): _INS_TARGET}
 _PLAIN = {
     "u1": "UPDATE pgbench_accounts SET aid = $1, bid = $2, abalance = $3, filler = $4 WHERE aid = $5",
     "u2": "UPDATE pgbench_tellers SET tid = $1, bid = $2, tbalance = $3, filler = $4 WHERE tid = $5",
@@ -119,18 +128,12 @@ def _literal(value: bytes | None) -> str:
     return "NULL" if value is None else "'" + value.decode().replace("'", "''") + "'"
 
 
-def _pgmesh_script(
-    batch: list[list[Statement]], keys: Keys, prepared: Prepared, origin: int, sixteen: bool
-) -> tuple[str, str]:
-    """The applier's prelude and script for `batch`, built by `transaction_script` from pgoutput changes
-    as `LinkSession.script` builds it on a link that met no conflict lately (no `pgmesh.remote`); on 16+
-    the set-up comes last and sets the applied mark."""
+def _transactions(batch: list[list[Statement]], keys: Keys) -> list[Transaction]:
+    """`batch` as the source's transactions, their changes as pgoutput sends them."""
     relations = {r.relid: r for r in (*guards.RELATIONS.values(), _INS)}
     by_name = {"u1": "pgbench_accounts", "u2": "pgbench_tellers", "u3": "pgbench_branches",
                "h": "pgbench_history"}
-    tables = {**guards.TARGET, ("public", "bench_ins"): _INS_TARGET}
-    prelude: list[str] = []
-    scripts = []
+    out = []
     for statements in batch:
         changes: list[Change] = []
         for name, values in statements:
@@ -142,12 +145,37 @@ def _pgmesh_script(
             kind = Insert if name == "h" else Update
             changes.append(kind(relation.relid, _row(row)))
         keys.lsn += 1
-        txn = Transaction(keys.lsn, keys.lsn << 8, (keys.lsn << 8) + 1, guards.WHEN_US + keys.lsn, changes,
-                          relations)
-        script = transaction_script(txn, tables, prepared=prepared, guard_origin=origin, prelude=prelude,
-                                    remote=False, setup_last=sixteen, mark=sixteen)
-        scripts.append(script)
+        lsn = keys.lsn
+        out.append(Transaction(lsn, lsn << 8, (lsn << 8) + 1, guards.WHEN_US + lsn, changes, relations))
+    return out
+
+
+def _pgmesh_script(
+    txns: list[Transaction], prepared: Prepared, origin: int, sixteen: bool
+) -> tuple[str, str]:
+    """The applier's prelude and script for `txns`, built by `transaction_script` as `LinkSession.script`
+    builds it on a link that met no conflict lately (no `pgmesh.remote`); on 16+ the set-up comes last and
+    sets the applied mark."""
+    prelude: list[str] = []
+    scripts = [
+        transaction_script(txn, _TABLES, prepared=prepared, guard_origin=origin, prelude=prelude,
+                           remote=False, setup_last=sixteen, mark=sixteen)
+        for txn in txns
+    ]
     return "".join(f"{p};\n" for p in prelude), "\n".join(scripts)
+
+
+def _pipe_plan(txns: list[Transaction], encoder: Encoder, statements: Statements, prepared: Prepared,
+               source: str) -> Plan:
+    """What `router.apply.sender.Sender.pipe` sends for `txns` on a link that met no conflict lately (no
+    remote version): each transaction's statements, then the batch's ending (16+: the applied note)."""
+    plan: Plan = []
+    for txn in txns:
+        enc = encoder.encoded(txn)
+        assert enc is not None, "the pipe takes every transaction here"
+        plan += statements.transaction(enc, prepared, False)
+    plan += statements.ending(txns, statements.late, source)  # announce: on 16+, as the link's
+    return plan
 
 
 def _row(values: Sequence[bytes | None]) -> TupleData:
@@ -205,6 +233,22 @@ class Session:
             for name, values in [("b", []), *statements, keys.setup(), ("c", [])]:
                 pg.send_query_prepared(name.encode(), values or None)
                 sent += 1
+        self._sync(sent)
+
+    def piped(self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]], plan: Plan) -> None:
+        """Prepare `prepares` (name, SQL, parameter types) and run `plan` (name, parameters), one Sync, as
+        `router.apply.pipe.Pipe.send` does."""
+        pg = self.pg
+        pg.enter_pipeline_mode()
+        for name, sql, types in prepares:
+            pg.send_prepare(name, sql.encode(), types)
+        for name, params in plan:
+            pg.send_query_prepared(name, params)
+        self._sync(len(prepares) + len(plan))
+
+    def _sync(self, sent: int) -> None:
+        """Sync the pipeline, read the `sent` commands' results up to it, leave pipeline mode."""
+        pg = self.pg
         pg.pipeline_sync()
         while pg.flush():
             select.select([], [pg.socket], [])
@@ -248,6 +292,11 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
     prepared = Prepared(Decisions(system.config))  # the statements decide conflicts, as the applier's
     # one session: a replication origin is one session's at a time
     session = Session(node.dsn(), system.origin, system.a.name)
+    # the pipe's, as `LinkSession.open_pipe` sets them up (tables, Decisions and Prepared: `pgmesh`'s)
+    encoder = Encoder()
+    statements = Statements(system.a.name, system.origin, late=session.sixteen, mark=session.sixteen)
+    statements.tables = _TABLES
+    statements.origin = str(origin_id)
     runs: dict[str, Callable[[Session, list[list[Statement]]], None]] = {
         "simple": lambda s, b: s.simple(_simple_script(b, keys)),
         "pipeline": lambda s, b: s.pipeline(b, keys),
@@ -259,14 +308,24 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
                 for way in ways:
                     batch = keys.tpcb() if shape == "tpcb" else keys.inserts()
                     if way == "pgmesh":
-                        prelude, script = _pgmesh_script(batch, keys, prepared, origin_id, session.sixteen)
-                        if prepared.creates:  # the decision functions, as `LinkSession.make_functions`
-                            session.simple(";\n".join(prepared.creates))
-                            prepared.creates = []
+                        txns = _transactions(batch, keys)
+                        prelude, script = _pgmesh_script(txns, prepared, origin_id, session.sixteen)
+                        _make_functions(session, prepared)
                         if prelude:
                             session.simple(prelude)
                         began = session.cpu()
                         session.simple(script)
+                    elif way == "pipe":
+                        txns = _transactions(batch, keys)
+                        plan = _pipe_plan(txns, encoder, statements, prepared, system.a.name)
+                        _make_functions(session, prepared)
+                        prepares = statements.new
+                        statements.sent()
+                        if prepares:  # as `pgmesh`'s prelude: prepared before, outside the measure
+                            session.piped(prepares, [])
+                        statements.fresh = []  # the batch succeeded (`Sender.pipe`)
+                        began = session.cpu()
+                        session.piped([], plan)
                     else:
                         began = session.cpu()
                         runs[way](session, batch)
@@ -275,6 +334,13 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
     finally:
         session.close()
     return out
+
+
+def _make_functions(session: Session, prepared: Prepared) -> None:
+    """The decision functions not created yet, as `LinkSession.make_functions`."""
+    if prepared.creates:
+        session.simple(";\n".join(prepared.creates))
+        prepared.creates = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
