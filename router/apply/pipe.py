@@ -102,7 +102,11 @@ class Pipe:
     ) -> Pipe:
         """A new session on the target, set up as every applier session is (router.apply.sessions)."""
         name = FENCE.application_name
-        extra: dict[str, Any] = {} if name is None else {"application_name": name}
+        # UTF-8, as the replication connection reads the rows (and as asyncpg's sessions are): else a
+        # database in another encoding would read the tuple's bytes in its own
+        extra: dict[str, Any] = {"client_encoding": "UTF8"}
+        if name is not None:
+            extra["application_name"] = name
         try:
             conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **extra)
         except psycopg.OperationalError as exc:

@@ -50,6 +50,11 @@ class Sender:
         self.apply_delay = apply_delay
         self.alone = True  # the last batch's failure names its transaction
 
+    def takes(self, link: LinkSession) -> bool:
+        """Whether the pipe sends this link's small transactions (not under lanes, nor before the source's
+        origin exists on the target)."""
+        return self.piped and self.lanes == 1 and link.source_origin is not None
+
     async def scripts(self, batch: list[Transaction], limit: int) -> int:
         """Apply the first of `batch` as scripts in one round trip (the origin taken by the main
         session); returns how many. `limit`: the applier's batch size (to build ahead)."""
@@ -86,7 +91,7 @@ class Sender:
         """The batch's first transactions as the pipe sends them (router.apply.encode), up to the first it
         does not take ([] when that is the first: the script path's batch)."""
         link = self.link
-        if not self.piped or self.lanes > 1 or link.source_origin is None:
+        if not self.takes(link):
             return []
         out: list[Encoded] = []
         encoded, holds, tables = self.encoder.encoded, self.quarantine.holds, link.tables
