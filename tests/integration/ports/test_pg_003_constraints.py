@@ -70,6 +70,10 @@ async def test_003_constraints(mesh: MeshFactory) -> None:
         # the trigger works on both nodes: ids >= 10 are filtered where they are inserted
         await execute(a.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (1, 1), (11, 11), (2, 2)")
         await execute(b.dsn(), "INSERT INTO tab_fk_ref (id, bid) VALUES (3, 3), (12, 12)")
+        # b updates a's row once it is there (as 003_constraints.pl waits for the catch-up): sent at once,
+        # the update raced the row's arrival, which the first insert into a new table makes wait for its
+        # decision functions to be created (about 10 ms)
+        await rows_everywhere([b], "SELECT id FROM tab_fk_ref WHERE id = 1", [(1,)])
         await execute(b.dsn(), "UPDATE tab_fk_ref SET bid = 4 WHERE id = 1")
         await wait_converged(m.nodes, ["tab_fk_ref"])
         rows = await fetch(b.dsn(), "SELECT id, junk, bid FROM tab_fk_ref ORDER BY id")
