@@ -52,6 +52,7 @@ INSERT: Final = "I"
 # A new tuple's kinds -> its mask: 1 where a value is an unchanged TOAST value (left out), else 0.
 _MASK: Final = bytes(1 if i == KIND_UNCHANGED else 0 for i in range(256))
 _CACHED: Final = 4096  # transactions whose encoding a source's links share (the oldest go first)
+_CACHED_BYTES: Final = 16 << 20  # and their payload bytes at most (the encodings hold the same values)
 
 Params = tuple[bytes | None, ...]
 
@@ -114,27 +115,34 @@ class Encoder:
     """Encodes one source's transactions for all its links (`encoded`), each once: the shapes of
     statements and the last transactions' encodings are shared."""
 
-    __slots__ = ("_cache", "_shapes", "encodes", "hits")
+    __slots__ = ("_bytes", "_cache", "_shapes", "encodes", "hits")
 
     def __init__(self) -> None:
         # (id(relation), code, mask) -> its shape; the shape holds the relation (its id stays its own)
         self._shapes: dict[tuple[int, str, bytes], Shape] = {}
-        self._cache: OrderedDict[int, tuple[Transaction, Encoded | None]] = OrderedDict()
+        # id(txn) -> the transaction, its encoding, its payload bytes: the newest, within _CACHED and
+        # _CACHED_BYTES (a link further behind than that encodes again: memory stays bounded)
+        self._cache: OrderedDict[int, tuple[Transaction, Encoded, int]] = OrderedDict()
+        self._bytes = 0
         self.encodes = 0  # transactions encoded (each once)
         self.hits = 0  # encodings another link had made
 
     def encoded(self, txn: Transaction) -> Encoded | None:
         """`txn` encoded (None: the script path takes it), by the first link that asks."""
-        cached = self._cache.get(id(txn))
+        cache = self._cache
+        cached = cache.get(id(txn))
         if cached is not None and cached[0] is txn:
             self.hits += 1
             return cached[1]
         result = encode(txn, self._shapes)
         self.encodes += 1
-        cache = self._cache
-        cache[id(txn)] = (txn, result)
-        if len(cache) > _CACHED:
-            cache.popitem(last=False)
+        if result is None:
+            return None
+        size = txn.nbytes
+        cache[id(txn)] = (txn, result, size)
+        self._bytes += size
+        while len(cache) > _CACHED or self._bytes > _CACHED_BYTES:
+            self._bytes -= cache.popitem(last=False)[1][2]
         return result
 
     def shape(self, code: str, relation: Relation, mask: bytes) -> Shape:

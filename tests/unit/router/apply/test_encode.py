@@ -3,6 +3,7 @@ script path, and the parameters of each statement (the tuple's own bytes). No se
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol.messages import (
@@ -155,7 +156,19 @@ def test_the_encoder_shares_an_encoding_for_the_same_transaction_object() -> Non
     assert again.statements[0][0] is first.statements[0][0]  # the shapes are shared
     truncate = txn(Truncate((7,), False, False))
     assert encoder.encoded(truncate) is None and encoder.encoded(truncate) is None
-    assert encoder.encodes == 3 and encoder.hits == 2  # a transaction left to scripts is remembered too
+    # a transaction left to scripts is not kept (a large one would stay in memory for nothing)
+    assert encoder.encodes == 4 and encoder.hits == 1
+
+
+def test_the_encoder_keeps_a_bounded_number_of_bytes() -> None:
+    """The shared encodings hold their transactions: at most _CACHED_BYTES of payload, the oldest go."""
+    encoder = Encoder()
+    big = [msgspec.structs.replace(txn(INSERT_ONE), nbytes=6 << 20) for _ in range(4)]
+    for t in big:
+        encoder.encoded(t)
+    assert encoder.encoded(big[-1]) is not None and encoder.hits == 1  # the newest is kept
+    encoder.encoded(big[0])  # 24 MB came after it: gone, encoded again
+    assert encoder.hits == 1 and encoder.encodes == 5
 
 
 def test_remote_is_the_setup_and_the_remote_version() -> None:
