@@ -134,13 +134,15 @@ class Pipe:
 
     async def send(
         self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]],
-        plan: Sequence[tuple[bytes, Sequence[bytes | None] | None]],
+        plan: Sequence[tuple[bytes, Sequence[bytes | None] | None]], closes: Sequence[bytes] = (),
     ) -> int:
-        """Prepare `prepares` (name, SQL, parameter types), run `plan` (name, parameters), one Sync, all
-        written out; returns how many commands `results` reads back. The last of `plan` is DECIDED
-        (router.apply.shapes)."""
+        """Close `closes` (statements no longer used), prepare `prepares` (name, SQL, parameter types), run
+        `plan` (name, parameters), one Sync, all written out; returns how many commands `results` reads
+        back. The last of `plan` is DECIDED (router.apply.shapes)."""
         pg = self.pg
         try:
+            for name in closes:  # (closing one that is not there is no error)
+                pg.send_close_prepared(name)
             for name, sql, types in prepares:
                 pg.send_prepare(name, sql.encode(), types)
             send = pg.send_query_prepared
@@ -150,7 +152,7 @@ class Pipe:
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
         await self._flush()
-        return len(prepares) + len(plan)
+        return len(closes) + len(prepares) + len(plan)
 
     async def results(self, commands: int) -> PipeResult:
         """The results of the `commands` sent, up to their Sync."""

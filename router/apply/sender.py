@@ -126,7 +126,8 @@ class Sender:
         prepares = statements.new
         statements.sent()
         self.alone = count == 1
-        commands = await pipe.send(prepares, plan)
+        closes, statements.stale = statements.stale, []
+        commands = await pipe.send(prepares, plan, closes)
         if failpoints.ARMED:
             await _batch_sent()
         result = await pipe.results(commands)
@@ -135,7 +136,7 @@ class Sender:
             # the transaction that failed is known: the first left in hand once those committed are let go
             # (_after_failure), unless a statement failed to prepare
             assert result.failed_at is not None
-            self.alone = count == 1 or result.failed_at >= len(prepares)
+            self.alone = count == 1 or result.failed_at >= len(closes) + len(prepares)
             raise result.error
         statements.fresh = []
         if result.decided:  # a decision function decided a conflict

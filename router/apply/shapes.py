@@ -79,7 +79,7 @@ class Statements:
 
     __slots__ = (
         "_counter", "_fixed", "_shapes", "fresh", "late", "mark", "new", "origin", "origin_name", "source",
-        "tables",
+        "stale", "tables",
     )
 
     def __init__(self, source: str, origin_name: str, *, late: bool, mark: bool) -> None:
@@ -93,11 +93,17 @@ class Statements:
         self._counter = 0
         self.new: list[tuple[bytes, str, Sequence[int] | None]] = []  # PREPAREs not sent yet
         self.fresh: list[bytes] = []  # names prepared by the batch in flight (gone if it fails)
+        self.stale: list[bytes] = []  # names no shape uses any more, for the next batch to close
         self._fixed: dict[str, bytes] = {}
 
     def reset(self) -> None:
         """Every statement again under new names (the tables were read again, a table's inserts decide
-        insert_exists now: their SQL changed). The old ones stay in the session, never run again."""
+        insert_exists now: their SQL changed). The old ones are closed by the next batch (`stale`)."""
+        unsent = {name for name, _, _ in self.new}
+        for st in self._shapes.values():
+            names = (st.name, st.lock, *st.fused.values())
+            self.stale += [n for n in names if n is not None and n not in unsent]
+        self.stale += [n for n in self._fixed.values() if n not in unsent]
         self._shapes = {}
         self._fixed = {}
         self.new = []

@@ -289,3 +289,16 @@ def test_the_origin_id_is_a_literal_in_the_statements_text() -> None:
     sql = next(sql for _, sql, _ in made.new if sql.startswith("WITH pgmesh_w AS (UPDATE"))
     assert "roident = 7 THEN" in sql and "pgmesh.expect_origin(" in sql and ", 7)" in sql
     assert "$5" not in sql and "$4" in sql
+
+
+def test_reset_leaves_the_old_statements_to_close() -> None:
+    """What a reset renames is closed by the next batch (`stale`), but never a name not yet prepared."""
+    made = statements(late=False)
+    made.transaction(enc(insert(b"1")), Prepared(None), False)
+    made.sent()
+    sent = set(made.fresh)
+    made.fresh = []
+    made.transaction(enc(update(b"2")), Prepared(None), False)  # its PREPARE not sent yet
+    unsent = {name for name, _, _ in made.new}
+    made.reset()
+    assert set(made.stale) == sent and not set(made.stale) & unsent
