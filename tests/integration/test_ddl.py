@@ -247,7 +247,11 @@ async def test_a_column_dropped_and_added_again_on_a_target_whose_link_read_its_
                        "the drop recorded on b")
         assert link.link.conn is not None
         old = link.link.conn.get_server_pid()
-        await execute(a.dsn(), f"SELECT pg_terminate_backend({old})")
+        # both of the link's sessions: the main one and the pipe's (router.apply.pipe), which applies b's
+        # insert below; with only the main one gone the link would notice at its next use of it
+        pipe = link.link.pipe
+        ended = [old] if pipe is None else [old, pipe.pg.backend_pid]
+        await execute(a.dsn(), *[f"SELECT pg_terminate_backend({pid})" for pid in ended])
         await execute(b.dsn(), "INSERT INTO t VALUES (0, 'b before')")  # the link finds its session gone
 
         def reconnected() -> bool:
