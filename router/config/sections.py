@@ -159,11 +159,11 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # change aside in pgmesh.quarantine on the target, with the later changes of its key, and the link
     # streams on (docs/conflicts.md "Quarantine"). `[[tables]] on_refused` overrides it per table.
     on_refused: OnRefused = "pause"
-    # How the appliers send small transactions: "pipeline" (the extended protocol in libpq's pipeline mode,
-    # each statement prepared once and bound to the tuple's own bytes, one Sync a batch:
-    # router.apply.pipe) or "script" (SQL text by the simple query protocol, as before 0.39); large
-    # transactions, DDL, conflicts and parallel lanes go the script way either way.
-    apply_transport: ApplyTransport = "pipeline"
+    # How the appliers send small transactions: "script" (SQL text by the simple query protocol) or
+    # "pipeline" (the extended protocol in libpq's pipeline mode, each statement prepared once and bound to
+    # the tuple's own bytes, one Sync a batch: router.apply.pipe; faster, not yet the default: issue 39).
+    # Large transactions, DDL, conflicts and parallel lanes go the script way either way.
+    apply_transport: ApplyTransport = "script"
 
     def replicates(self, schema: str, table: str) -> bool:
         """Whether `schema.table` replicates: matched by `tables`, not by `exclude`, not a system schema."""

@@ -30,8 +30,11 @@ async def _transfers(dsn: str, first: int, count: int) -> None:
         )
 
 
+PIPELINE = 'apply_transport = "pipeline"'
+
+
 async def test_small_transactions_go_through_the_pipe_encoded_once(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=3, schema=SCHEMA)
+    m = await mesh(nodes=3, schema=SCHEMA, replication=PIPELINE)
     a, b, _c = m.nodes
     await execute(a.dsn(), "INSERT INTO acct SELECT i, 100, repeat('x', i) FROM generate_series(0, 9) i")
     async with running_router(m.config) as router:
@@ -57,7 +60,7 @@ async def test_small_transactions_go_through_the_pipe_encoded_once(mesh: MeshFac
 
 
 async def test_conflicts_met_in_the_pipe_are_decided_and_converge(mesh: MeshFactory) -> None:
-    m = await mesh(nodes=3, schema=SCHEMA)
+    m = await mesh(nodes=3, schema=SCHEMA, replication=PIPELINE)
     a, b, c = m.nodes
     await execute(a.dsn(), "INSERT INTO acct SELECT i, 100, NULL FROM generate_series(0, 9) i")
     async with running_router(m.config) as router:
