@@ -334,8 +334,8 @@ class Applier(LinkView):
         self._careful.mark = link.mark
         if installed_at is not None:
             self._careful.installed_at = installed_at
-        if self._sender.takes(link):  # opened now: the first batch does not wait for it
-            await link.open_pipe()
+        if self._sender.takes(link):  # opened with the link only (LinkSession.open_pipe)
+            await link.open_pipe(fresh=True)
         self.condition.to(self._running(), None)  # (paused while it connected: shown paused)
         logger.info("link %s: connected, target has everything up to %s", self.name,
                     format_lsn(self.progress.applied))

@@ -40,7 +40,7 @@ from router.apply.statements import TargetTable, UniqueIndex, quote_ident, quote
 from router.config.model import Config, NodeConfig
 from router.ddl.messages import DDL_PREFIX, ddl_command, describe_command
 from router.ddl.reconcile import Drift, reconcile
-from router.errors import ApplyError, describe, sqlstate_of
+from router.errors import ApplyError, ConnectionLost, describe, sqlstate_of
 from router.progress.applied import MARK_START, position_sql
 from router.stream.items import ORIGIN_NONE_SINCE
 from router.stream.seen import APPLIED_PREFIX, applied_content
@@ -411,12 +411,18 @@ class LinkSession:
         return table is not None and bool(table.generated) and any(
             c.name in table.generated for c in relation.columns)
 
-    async def open_pipe(self) -> tuple[Pipe, Statements]:
-        """The pipelined session (router.apply.pipe), opened at first use, holding the source's origin
-        (the main session lets it go first)."""
-        if self.pipe is None or self.pipe.closed or self.statements is None:
-            if self.pipe is not None:
-                await self.pipe.close()
+    async def open_pipe(self, *, fresh: bool = False) -> tuple[Pipe, Statements]:
+        """The pipelined session (router.apply.pipe), holding the source's origin (the main session lets
+        it go first). It is opened only when the link connects (`fresh`): a pipe found gone later raises
+        ConnectionLost, so that the whole link connects again and reads the target's own word on what it
+        has (the node may have crashed and lost commits it had not flushed: LinkProgress.restart_at).
+        Opening a new pipe there instead went on past such lost commits without a word."""
+        if not fresh and (self.pipe is None or self.pipe.closed or self.statements is None):
+            pipe, self.pipe, self.statements = self.pipe, None, None
+            if pipe is not None:
+                await pipe.close()
+            raise ConnectionLost("the pipe session was lost; the link connects again", node=self.target.name)
+        if self.pipe is None or self.statements is None:
             self.pipe = await Pipe.open(
                 self.target.dsn, self.target.name, source=self.source, installed_at=self.installed_at,
                 synchronous_commit=self.config.apply_synchronous_commit(self.target.name),
