@@ -147,7 +147,7 @@ class LinkSession:
         self.installed_at: str | None = None
         # Scripts built while the previous batch ran on the target, by id() (router.apply.sender).
         self.ahead: dict[int, tuple[Transaction, str]] = {}
-        # the pipelined session (router.apply.pipe), opened at its first batch, and its statements
+        # the pipelined session (router.apply.pipe), opened when the link connects, and its statements
         self.pipe: Pipe | None = None
         self.statements: Statements | None = None
 

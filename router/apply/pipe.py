@@ -246,30 +246,27 @@ class Pipe:
                 raise self._lost(exc) from None
 
     async def _readable(self) -> None:
-        loop = asyncio.get_running_loop()
-        fd = self.pg.socket
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _wake, ready)
-        self._waiting = ready
-        try:
-            await ready
-        finally:
-            self._waiting = None
-            loop.remove_reader(fd)
+        await self._wait(writable=False)
 
     async def _either(self) -> None:
+        """Until the socket is readable or writable (a flush that could not finish)."""
+        await self._wait(writable=True)
+
+    async def _wait(self, *, writable: bool) -> None:
         loop = asyncio.get_running_loop()
         fd = self.pg.socket
         ready: asyncio.Future[None] = loop.create_future()
         loop.add_reader(fd, _wake, ready)
-        loop.add_writer(fd, _wake, ready)
+        if writable:
+            loop.add_writer(fd, _wake, ready)
         self._waiting = ready
         try:
             await ready
         finally:
             self._waiting = None
             loop.remove_reader(fd)
-            loop.remove_writer(fd)
+            if writable:
+                loop.remove_writer(fd)
 
     def terminate(self) -> None:
         """End the session at once: a batch in flight fails with ConnectionLost."""
