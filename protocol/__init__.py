@@ -13,6 +13,7 @@ it with plain bytes.
   transactions.py  the assembler: messages in, whole committed transactions out
   changes.py       the kinds of change a transaction carries, and one `{change kind: handler}` table
   lsn.py           WAL positions and PostgreSQL timestamps
+  frontend.py      the extended query protocol's frontend side: Parse/Bind/Execute/Close/Sync, results
   errors.py        the errors this layer raises
 """
 

@@ -1,0 +1,154 @@
+"""The frontend side of PostgreSQL's extended query protocol, for a pipeline of batches: the bytes of
+Parse, Bind + Execute, Close (a statement) and Sync, and `Results`, which walks the server's answer to
+one batch (up to its ReadyForQuery) out of a buffer.
+
+Every parameter is text (format code 0 for all), None is NULL, no result format is asked for (text),
+and no Describe is sent: Execute answers with its rows (DataRow) and CommandComplete, never with a
+RowDescription. A Bind and its Execute are one bytes object (`bind_execute`), so a caller can build it
+once and write it to several sessions that prepared the same name.
+
+`Results` counts commands as a caller sent them: each Close (CloseComplete), Parse (ParseComplete) and
+Execute (CommandComplete or EmptyQueryResponse) is one; a Bind is not. An ErrorResponse names the
+command that failed (`failed_at`, then the server skips to the Sync) with its fields as asyncpg's
+exceptions take them; `decided` says whether the last command returned a row.
+
+Must not: touch a socket, or decide what an error means.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+__all__ = [
+    "SYNC",
+    "Results",
+    "bind_execute",
+    "close_statement",
+    "parse",
+]
+
+_I32: Final = struct.Struct("!i")
+_NULL: Final = b"\xff\xff\xff\xff"
+_EXECUTE: Final = b"E\x00\x00\x00\x09\x00\x00\x00\x00\x00"  # the unnamed portal, every row
+SYNC: Final = b"S\x00\x00\x00\x04"
+
+# The fields of an ErrorResponse asyncpg's exceptions are made from (asyncpg.PostgresError.new).
+ERROR_FIELDS: Final = frozenset(b"CMDHSWstcnd")
+
+
+def parse(name: bytes, sql: bytes, types: Sequence[int] | None = None) -> bytes:
+    """Parse: prepare `sql` as statement `name`, with these parameter type OIDs (0: the server infers)."""
+    count = len(types) if types else 0
+    body = b"".join((name, b"\x00", sql, b"\x00", struct.pack(f"!H{count}I", count, *(types or ()))))
+    return b"P" + _I32.pack(len(body) + 4) + body
+
+
+def bind_execute(name: bytes, params: Sequence[bytes | None] | None) -> bytes:
+    """Bind statement `name` to the unnamed portal with text `params` (None: NULL), then Execute it."""
+    pack = _I32.pack
+    parts = [b"", b"\x00", name, b"\x00\x00\x00", struct.pack("!H", len(params) if params else 0)]
+    if params:
+        append = parts.append
+        for value in params:
+            if value is None:
+                append(_NULL)
+            else:
+                append(pack(len(value)))
+                append(value)
+    parts.append(b"\x00\x00")  # no result format codes: all text
+    parts[0] = b"B" + pack(sum(map(len, parts)) + 4)
+    parts.append(_EXECUTE)
+    return b"".join(parts)
+
+
+def close_statement(name: bytes) -> bytes:
+    """Close the prepared statement `name` (closing one that is not there is no error)."""
+    return b"C" + _I32.pack(len(name) + 6) + b"S" + name + b"\x00"
+
+
+def error_fields(body: bytes | bytearray | memoryview) -> dict[str, str]:
+    """An ErrorResponse's (or a NoticeResponse's) fields: code letter -> text, those asyncpg reads."""
+    out: dict[str, str] = {}
+    data = bytes(body)
+    pos = 0
+    end = len(data)
+    while pos < end and data[pos]:
+        code = data[pos]
+        stop = data.index(b"\x00", pos + 1)
+        if code in ERROR_FIELDS:
+            out[chr(code)] = data[pos + 1:stop].decode(errors="replace")
+        pos = stop + 1
+    return out
+
+
+# Message types (their first byte), as the walk below dispatches them.
+_PARSE_DONE: Final = ord("1")
+_BIND_DONE: Final = ord("2")
+_CLOSE_DONE: Final = ord("3")
+_COMMAND_DONE: Final = ord("C")
+_DATA_ROW: Final = ord("D")
+_EMPTY: Final = ord("I")
+_ERROR: Final = ord("E")
+_READY: Final = ord("Z")
+# a command ends: Parse, Close, Execute (of a statement with rows or none, or an empty one)
+_ENDS: Final = frozenset((_PARSE_DONE, _CLOSE_DONE, _COMMAND_DONE, _EMPTY))
+_UNPACK: Final = struct.Struct("!I").unpack_from
+
+
+class Results:
+    """One batch's answer, read as it arrives (`feed`): the batch sent `commands` commands and a Sync.
+
+    `failed_at` is the index of the command that failed (None: none), `error` its fields, `decided`
+    whether the last command returned a row, `ready` whether the Sync's ReadyForQuery came (the batch
+    is over; `status` is its transaction status: b"I" idle, b"T" in a transaction, b"E" failed)."""
+
+    __slots__ = ("decided", "error", "failed_at", "index", "last", "ready", "status")
+
+    def __init__(self, commands: int) -> None:
+        self.last = commands - 1
+        self.index = 0
+        self.failed_at: int | None = None
+        self.error: dict[str, str] | None = None
+        self.decided = False
+        self.ready = False
+        self.status = b""
+
+    def feed(self, buf: bytearray) -> bool:
+        """Consume the whole messages at the start of `buf` (removed from it), up to the ReadyForQuery;
+        returns `ready`. Any message not named here (a notice, a parameter status, a notification) is
+        skipped."""
+        pos = 0
+        size = len(buf)
+        index = self.index
+        ends = _ENDS
+        try:
+            while size - pos >= 5:
+                length = _UNPACK(buf, pos + 1)[0]
+                stop = pos + 1 + length
+                if stop > size:
+                    break
+                code = buf[pos]
+                if code == _BIND_DONE:
+                    pass
+                elif code in ends:
+                    index += 1
+                elif code == _DATA_ROW:
+                    if index == self.last:
+                        self.decided = True
+                elif code == _ERROR:
+                    if self.failed_at is None:
+                        self.failed_at = index
+                        self.error = error_fields(buf[pos + 5:stop])
+                elif code == _READY:
+                    self.status = bytes(buf[pos + 5:stop])
+                    self.ready = True
+                    pos = stop
+                    break
+                pos = stop
+        finally:
+            self.index = index
+            if pos:
+                del buf[:pos]
+        return self.ready
