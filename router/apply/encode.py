@@ -8,7 +8,10 @@ columns), a single insert (every column; its locks and the insert read the same 
 here depends on the target: what its SQL is there (the target's types and keys, the origin's id, the
 decision functions) the pipe works out once per shape and session (router.apply.shapes). So a
 transaction is encoded once, by the first of its source's links that sends it (`Encoder`, shared by
-the links of one source), and every other link sends the same parameters.
+the links of one source), and every other link sends the same parameters. A shape's number (one
+`Encoder`'s count) names its statements in every session of the source's links (router.apply.shapes), so
+the Bind + Execute bytes of a change are built once too, by the first link that sends them, and kept in
+its `Encoded` (`bound`) for the others.
 
 What the pipe does not take is left to the script path (router.apply.scripts): a transaction large
 enough to lock whole tables (router.apply.parts.is_large), a TRUNCATE, a row matched by its whole
@@ -52,7 +55,9 @@ INSERT: Final = "I"
 # A new tuple's kinds -> its mask: 1 where a value is an unchanged TOAST value (left out), else 0.
 _MASK: Final = bytes(1 if i == KIND_UNCHANGED else 0 for i in range(256))
 _CACHED: Final = 4096  # transactions whose encoding a source's links share (the oldest go first)
-_CACHED_BYTES: Final = 16 << 20  # and their payload bytes at most (the encodings hold the same values)
+# and their bytes at most (`_size`): 16 MB of payload, and the Bind bytes the links build of it
+_CACHED_BYTES: Final = 48 << 20
+_BIND_BYTES: Final = 48  # a Bind + Execute's own bytes besides its parameters' (name, lengths, Execute)
 
 Params = tuple[bytes | None, ...]
 
@@ -62,11 +67,12 @@ class Shape:
     parameters first), `keys` (the key's columns, parameters after them). The same object for every
     change of that shape (`Encoder`), so a session finds its statement by identity."""
 
-    __slots__ = ("code", "keys", "pick", "relation", "sets", "usable")
+    __slots__ = ("code", "keys", "number", "pick", "relation", "sets", "usable")
 
     def __init__(self, code: str, relation: Relation, sets: tuple[int, ...], keys: tuple[int, ...],
-                 usable: bool) -> None:
+                 usable: bool, number: int = 0) -> None:
         self.code = code
+        self.number = number  # unique among one Encoder's shapes: its statements' names in every session
         self.relation = relation
         self.sets = sets
         self.keys = keys
@@ -91,12 +97,16 @@ Change = Insert | Update | Delete
 class Encoded(msgspec.Struct, frozen=True, gc=False):
     """One transaction's statements, `(shape, parameters, change)` in order, and its origin set-up's
     parameters: `setup` (end LSN, commit time). The change is kept for what a target checks by value
-    (an identity GENERATED ALWAYS column an update would move). Not tracked by the garbage collector
-    (the fan-out holds thousands: as `Transaction`)."""
+    (an identity GENERATED ALWAYS column an update would move). `bound`: the Bind + Execute bytes of its
+    statements by (place, statement name), filled by the first link that sends each
+    (router.apply.shapes.Statements.wire; names are the same in every session of the source's links). Not
+    tracked by the garbage collector (the fan-out holds thousands: as `Transaction`; `bound` holds bytes
+    only)."""
 
     statements: tuple[tuple[Shape, Params, Change], ...]
     setup: Params
     txn: Transaction
+    bound: dict[tuple[int, bytes], bytes] = msgspec.field(default_factory=dict)
 
     def remote(self) -> Params:
         """`setup` and the remote version the decision functions read (router.apply.decide): only for a
@@ -104,6 +114,13 @@ class Encoded(msgspec.Struct, frozen=True, gc=False):
         lsn, when = self.setup
         assert lsn is not None and when is not None
         return (lsn, when, remote_version(self.txn, lsn.decode(), when.decode()).encode())
+
+
+def _size(txn: Transaction, enc: Encoded) -> int:
+    """What a cached encoding holds at most: the payload, and its Bind bytes built for the links (each
+    change's parameters bound at most twice, as an insert's locks and the insert, or once with the set-up
+    fused in; the set-up's own)."""
+    return 3 * txn.nbytes + _BIND_BYTES * (2 * len(enc.statements) + 3)
 
 
 def _whole(values: tuple[Cell, ...]) -> Params:
@@ -138,7 +155,7 @@ class Encoder:
         self.encodes += 1
         if result is None:
             return None
-        size = txn.nbytes
+        size = _size(txn, result)
         cache[id(txn)] = (txn, result, size)
         self._bytes += size
         while len(cache) > _CACHED or self._bytes > _CACHED_BYTES:
@@ -158,7 +175,7 @@ def _shape(shapes: dict[tuple[int, str, bytes], Shape], code: str, relation: Rel
         usable = code == INSERT or (bool(keys) and not (mask and any(mask[i] for i in keys)))
         if code == INSERT:
             sets = tuple(range(len(relation.columns)))
-        found = shapes[key] = Shape(code, relation, sets, keys, usable)
+        found = shapes[key] = Shape(code, relation, sets, keys, usable, len(shapes) + 1)
     return found
 
 

@@ -1,7 +1,12 @@
-"""One link's pipelined session on its target (`Pipe`): the extended protocol through libpq's pipeline mode
-(psycopg's `pq` layer), the statements prepared once, each run by Bind/Execute with the tuple's own text
-bytes as its parameters, a whole batch of transactions sent with one Sync and its results read back in
-one pass.
+"""One link's pipelined session on its target (`Pipe`): the extended protocol, the statements prepared
+once, each run by Bind/Execute with the tuple's own text bytes as its parameters, a whole batch of
+transactions sent with one Sync and its results read back in one pass.
+
+psycopg connects, authenticates and sets the session up; then a session without TLS is driven through its
+socket by protocol.frontend (`_SocketPipe`: the batch's bytes written as they are, a change's Bind +
+Execute built once for all the source's links, router.apply.shapes.Statements.wire, and the answer walked
+in one pass), libpq left idle until the session closes. A session over TLS keeps libpq's pipeline mode
+(`_LibpqPipe`: psycopg's `pq` layer, one call per statement), libpq owning the encryption.
 
 asyncpg cannot do this: it pipelines only many executions of one statement (`executemany`), and a batch
 runs a handful of statements per transaction. Its simple query protocol, which the script path uses, makes
@@ -25,21 +30,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import asyncpg
 import psycopg
 from psycopg import pq
 
+from protocol.frontend import SYNC, Results, bind_execute, close_statement, parse
 from router.apply.fence import FENCE
 from router.apply.sessions import SESSION_SETUP
 from router.errors import ConnectionLost
 from router.progress.applied import SOURCE_SETTING
 
-__all__ = ["Pipe", "PipeResult"]
+__all__ = ["Piece", "Pipe", "PipeResult"]
 
 logger = logging.getLogger(__name__)
+
+# What a batch runs: a statement's Bind + Execute as bytes (router.apply.shapes.Statements.wire: only for a
+# pipe that is `raw`), or its (name, parameters)
+Piece = bytes | tuple[bytes, Sequence[bytes | None] | None]
+_READ: Final = 1 << 18  # bytes read at most per recv
 
 _OK: Final = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _SYNC: Final = pq.ExecStatus.PIPELINE_SYNC
@@ -84,16 +97,19 @@ def _server_error(result: pq.abc.PGresult) -> BaseException:
 
 
 class Pipe:
-    """One link's pipelined session (see the module docstring)."""
+    """One link's pipelined session (see the module docstring): what both ways share. `raw`: the batch
+    may carry Bind + Execute bytes (`Piece`)."""
 
-    __slots__ = ("_waiting", "conn", "node", "origin_held", "pg")
+    __slots__ = ("_watch", "conn", "node", "origin_held", "pg")
+    raw: ClassVar[bool] = False
 
     def __init__(self, conn: psycopg.AsyncConnection[Any], node: str) -> None:
         self.conn = conn
         self.pg = conn.pgconn
         self.node = node
         self.origin_held = False
-        self._waiting: asyncio.Future[None] | None = None
+        # while waiting for the socket: the future woken, the loop and fd watched, whether for writing too
+        self._watch: tuple[asyncio.Future[None], asyncio.AbstractEventLoop, int, bool] | None = None
 
     @classmethod
     async def open(
@@ -120,96 +136,47 @@ class Pipe:
                 await _raw(conn, "SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
             if settings:
                 await conn.execute(settings)
-            conn.pgconn.nonblocking = 1
-            conn.pgconn.enter_pipeline_mode()
+            if conn.pgconn.ssl_in_use:
+                conn.pgconn.nonblocking = 1
+                conn.pgconn.enter_pipeline_mode()
+                return _LibpqPipe(conn, node)
+            return _SocketPipe(conn, node)  # (libpq idle from here on)
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close()
             raise
-        return cls(conn, node)
 
     @property
     def closed(self) -> bool:
-        return self.pg.status != pq.ConnStatus.OK
+        raise NotImplementedError
 
     async def send(
-        self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]],
-        plan: Sequence[tuple[bytes, Sequence[bytes | None] | None]], closes: Sequence[bytes] = (),
+        self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]], plan: Sequence[Piece],
+        closes: Sequence[bytes] = (),
     ) -> int:
-        """Close `closes` (statements no longer used), prepare `prepares` (name, SQL, parameter types), run
-        `plan` (name, parameters), one Sync, all written out; returns how many commands `results` reads
-        back. The last of `plan` is DECIDED (router.apply.shapes)."""
-        pg = self.pg
-        try:
-            for name in closes:  # (closing one that is not there is no error)
-                pg.send_close_prepared(name)
-            for name, sql, types in prepares:
-                pg.send_prepare(name, sql.encode(), types)
-            send = pg.send_query_prepared
-            for name, params in plan:
-                send(name, params)
-            pg.pipeline_sync()
-        except psycopg.OperationalError as exc:
-            raise self._lost(exc) from None
-        await self._flush()
-        return len(closes) + len(prepares) + len(plan)
+        """Close `closes` (statements no longer used, or to be prepared again), prepare `prepares` (name,
+        SQL, parameter types), run `plan`, one Sync, all written out; returns how many commands `results`
+        reads back. The last of `plan` is DECIDED (router.apply.shapes)."""
+        raise NotImplementedError
 
     async def results(self, commands: int) -> PipeResult:
         """The results of the `commands` sent, up to their Sync."""
-        return await self._results(commands)
-
-    async def _results(self, commands: int) -> PipeResult:
-        pg = self.pg
-        out = PipeResult()
-        index = 0
-        last = commands - 1
-        result: pq.abc.PGresult | None
-        while True:
-            while pg.is_busy():
-                await self._readable()
-                try:
-                    pg.consume_input()
-                except psycopg.OperationalError as exc:
-                    raise self._lost(exc) from None
-            result = pg.get_result()
-            if result is None:
-                continue
-            status = result.status
-            if status == _SYNC:
-                break
-            if status == _ERROR and out.failed_at is None:
-                out.failed_at, out.error = index, _server_error(result)
-            elif index == last and status in _OK:
-                out.decided = result.ntuples > 0
-            index += 1
-        if self.closed:
-            raise ConnectionLost("the pipe session was closed by the server", node=self.node)
-        return out
+        raise NotImplementedError
 
     async def recover(self) -> None:
         """After a failed batch: roll the failed transaction back and clear the origin's set-up left in
         the session (else a later commit without a set-up would record it)."""
-        pg = self.pg
-        try:
-            pg.send_query_params(b"ROLLBACK", None)
-            pg.send_query_params(b"SELECT pg_catalog.pg_replication_origin_xact_reset()", None)
-            pg.pipeline_sync()
-        except psycopg.OperationalError as exc:
-            raise self._lost(exc) from None
-        await self._flush()
-        result = await self._results(2)
+        result = await self._unnamed(
+            (b"ROLLBACK", None), (b"SELECT pg_catalog.pg_replication_origin_xact_reset()", None))
         if result.error is not None:
             raise result.error
 
     async def statement(self, sql: str, params: Sequence[bytes | None] | None = None) -> PipeResult:
         """One statement on its own (the origin taken or let go)."""
-        try:
-            self.pg.send_query_params(sql.encode(), params)
-            self.pg.pipeline_sync()
-        except psycopg.OperationalError as exc:
-            raise self._lost(exc) from None
-        await self._flush()
-        return await self._results(1)
+        return await self._unnamed((sql.encode(), params))
+
+    async def _unnamed(self, *statements: tuple[bytes, Sequence[bytes | None] | None]) -> PipeResult:
+        raise NotImplementedError
 
     async def take_origin(self, origin: str) -> None:
         """Hold the source's origin (a session that just let it go may not have yet: a moment allowed)."""
@@ -231,7 +198,222 @@ class Pipe:
             self.origin_held = False
 
     def _lost(self, exc: BaseException) -> ConnectionLost:
-        return ConnectionLost(f"the pipe session was lost: {str(exc).splitlines()[0]}", node=self.node)
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return ConnectionLost(f"the pipe session was lost: {text}", node=self.node)
+
+    async def _wait(self, fd: int, *, writable: bool) -> None:
+        """Until `fd` is readable (or, `writable`, readable or writable)."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, ready)
+        if writable:
+            loop.add_writer(fd, _wake, ready)
+        self._watch = (ready, loop, fd, writable)
+        try:
+            await ready
+        finally:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        """Stop watching the socket (before it is closed: its number may be another's next)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            _, loop, fd, writable = watch
+            loop.remove_reader(fd)
+            if writable:
+                loop.remove_writer(fd)
+
+    def terminate(self) -> None:
+        """End the session at once: a batch in flight fails with ConnectionLost."""
+        watch = self._watch
+        self._unwatch()
+        if watch is not None and not watch[0].done():
+            watch[0].set_exception(ConnectionLost("the pipe session was ended", node=self.node))
+        self._end()
+        with contextlib.suppress(Exception):
+            self.pg.finish()
+
+    def _end(self) -> None:
+        """What a way of sending closes of its own."""
+
+    async def close(self) -> None:
+        self.terminate()
+        with contextlib.suppress(Exception):
+            await self.conn.close()
+
+
+class _SocketPipe(Pipe):
+    """The pipe written and read through the session's socket (no TLS): protocol.frontend's bytes."""
+
+    __slots__ = ("_buf", "_gone", "_sock")
+    raw = True
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], node: str) -> None:
+        super().__init__(conn, node)
+        # our own descriptor of libpq's socket: closed by us, libpq's by pg.finish()
+        self._sock = socket.socket(fileno=os.dup(self.pg.socket))
+        self._sock.setblocking(False)
+        self._buf = bytearray()  # read, not yet walked
+        self._gone = False
+
+    @property
+    def closed(self) -> bool:
+        return self._gone
+
+    async def send(
+        self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]], plan: Sequence[Piece],
+        closes: Sequence[bytes] = (),
+    ) -> int:
+        parts = [close_statement(name) for name in closes]
+        parts += [parse(name, sql.encode(), types) for name, sql, types in prepares]
+        parts += [piece if type(piece) is bytes else bind_execute(*piece) for piece in plan]
+        commands = len(parts)
+        parts.append(SYNC)
+        await self._write(b"".join(parts))
+        return commands
+
+    async def results(self, commands: int) -> PipeResult:
+        reader = Results(commands)
+        buf = self._buf
+        while not reader.feed(buf):
+            await self._wait(self._fileno(), writable=False)
+            try:
+                self._read()
+            except ConnectionLost:
+                if reader.error is None:
+                    raise
+                said = reader.error.get("M", "")  # (a FATAL error: the server ends the session)
+                raise ConnectionLost(f"the pipe session was closed by the server: {said}",
+                                     node=self.node) from None
+        out = PipeResult()
+        if reader.error is not None:
+            out.failed_at = reader.failed_at
+            out.error = asyncpg.PostgresError.new(reader.error)
+        out.decided = reader.decided
+        return out
+
+    async def _unnamed(self, *statements: tuple[bytes, Sequence[bytes | None] | None]) -> PipeResult:
+        parts: list[bytes] = []
+        for sql, params in statements:
+            parts += (parse(b"", sql), bind_execute(b"", params))
+        await self._write(b"".join(parts) + SYNC)
+        return await self.results(len(parts))
+
+    def _fileno(self) -> int:
+        if self._gone:
+            raise ConnectionLost("the pipe session was ended", node=self.node)
+        return self._sock.fileno()
+
+    async def _write(self, data: bytes) -> None:
+        """Write `data` out; while the socket is full, read what the server writes meanwhile (else both
+        sides may block on a large batch)."""
+        view = memoryview(data)
+        sock = self._sock
+        while True:
+            fd = self._fileno()
+            try:
+                sent = sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._gone = True
+                raise self._lost(exc) from None
+            if sent == len(view):
+                return
+            view = view[sent:]
+            await self._wait(fd, writable=True)
+            self._read()
+
+    def _read(self) -> None:
+        """What the socket has now, into the buffer; ConnectionLost at its end."""
+        sock, buf = self._sock, self._buf
+        while True:
+            try:
+                data = sock.recv(_READ)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._gone = True
+                raise self._lost(exc) from None
+            if not data:
+                self._gone = True
+                raise ConnectionLost("the pipe session was closed by the server", node=self.node)
+            buf += data
+            if len(data) < _READ:
+                return
+
+    def _end(self) -> None:
+        self._gone = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class _LibpqPipe(Pipe):
+    """The pipe through libpq's pipeline mode (a session over TLS: libpq encrypts)."""
+
+    __slots__ = ()
+
+    @property
+    def closed(self) -> bool:
+        return self.pg.status != pq.ConnStatus.OK
+
+    async def send(
+        self, prepares: Sequence[tuple[bytes, str, Sequence[int] | None]], plan: Sequence[Piece],
+        closes: Sequence[bytes] = (),
+    ) -> int:
+        pg = self.pg
+        try:
+            for name in closes:  # (closing one that is not there is no error)
+                pg.send_close_prepared(name)
+            for name, sql, types in prepares:
+                pg.send_prepare(name, sql.encode(), types)
+            send = pg.send_query_prepared
+            for piece in plan:
+                assert type(piece) is tuple, "Bind bytes are for a raw pipe"
+                send(*piece)
+            pg.pipeline_sync()
+        except psycopg.OperationalError as exc:
+            raise self._lost(exc) from None
+        await self._flush()
+        return len(closes) + len(prepares) + len(plan)
+
+    async def results(self, commands: int) -> PipeResult:
+        pg = self.pg
+        out = PipeResult()
+        index = 0
+        last = commands - 1
+        result: pq.abc.PGresult | None
+        while True:
+            while pg.is_busy():
+                await self._wait(pg.socket, writable=False)
+                try:
+                    pg.consume_input()
+                except psycopg.OperationalError as exc:
+                    raise self._lost(exc) from None
+            result = pg.get_result()
+            if result is None:
+                continue
+            status = result.status
+            if status == _SYNC:
+                break
+            if status == _ERROR and out.failed_at is None:
+                out.failed_at, out.error = index, _server_error(result)
+            elif index == last and status in _OK:
+                out.decided = result.ntuples > 0
+            index += 1
+        if self.closed:
+            raise ConnectionLost("the pipe session was closed by the server", node=self.node)
+        return out
+
+    async def _unnamed(self, *statements: tuple[bytes, Sequence[bytes | None] | None]) -> PipeResult:
+        try:
+            for sql, params in statements:
+                self.pg.send_query_params(sql, params)
+            self.pg.pipeline_sync()
+        except psycopg.OperationalError as exc:
+            raise self._lost(exc) from None
+        await self._flush()
+        return await self.results(len(statements))
 
     async def _flush(self) -> None:
         pg = self.pg
@@ -240,46 +422,10 @@ class Pipe:
                 if pg.flush() == 0:
                     return
                 # the server may be writing results while we write: read them too, or both sides block
-                await self._either()
+                await self._wait(pg.socket, writable=True)
                 pg.consume_input()
             except psycopg.OperationalError as exc:
                 raise self._lost(exc) from None
-
-    async def _readable(self) -> None:
-        await self._wait(writable=False)
-
-    async def _either(self) -> None:
-        """Until the socket is readable or writable (a flush that could not finish)."""
-        await self._wait(writable=True)
-
-    async def _wait(self, *, writable: bool) -> None:
-        loop = asyncio.get_running_loop()
-        fd = self.pg.socket
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _wake, ready)
-        if writable:
-            loop.add_writer(fd, _wake, ready)
-        self._waiting = ready
-        try:
-            await ready
-        finally:
-            self._waiting = None
-            loop.remove_reader(fd)
-            if writable:
-                loop.remove_writer(fd)
-
-    def terminate(self) -> None:
-        """End the session at once: a batch in flight fails with ConnectionLost."""
-        waiting = self._waiting
-        if waiting is not None and not waiting.done():
-            waiting.set_exception(ConnectionLost("the pipe session was ended", node=self.node))
-        with contextlib.suppress(Exception):
-            self.pg.finish()
-
-    async def close(self) -> None:
-        self.terminate()
-        with contextlib.suppress(Exception):
-            await self.conn.close()
 
 
 class _Raw:

@@ -19,8 +19,8 @@ from router import failpoints
 from router.apply.encode import Encoded, Encoder
 from router.apply.link import DECIDED, LinkSession
 from router.apply.parts import is_large
+from router.apply.pipe import Piece
 from router.apply.quarantine import QuarantineIndex
-from router.apply.shapes import Plan
 from router.apply.state import LinkStats
 from router.ddl.messages import has_ddl
 from router.errors import ApplyError, Unpipeable
@@ -110,11 +110,12 @@ class Sender:
         link = self.link
         pipe, statements = await link.open_pipe()
         prepared, remote = link.prepared, link.decisions.remote
-        plan: Plan = []
+        plan: list[Piece] = []
+        build = statements.wire if pipe.raw else statements.transaction  # (Bind bytes: once for all links)
         count = 0
         for enc in encoded:
             try:
-                plan += statements.transaction(enc, prepared, remote)
+                plan += build(enc, prepared, remote)
             except (Unpipeable, ApplyError):
                 break  # (the script path fits it to the target or says what does not fit)
             count += 1

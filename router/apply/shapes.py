@@ -11,6 +11,12 @@ written into its text: every link sends the same parameters, the tuple's own byt
 session knows its origin. A single insert is two statements, its locks and the insert, both reading
 every column (the locks pick the key's: which columns those are is this target's business).
 
+A statement's name is the same in every session of the source's links: a shape's from its number
+(router.apply.encode.Shape), the fixed statements' (BEGIN, the set-up, COMMIT, ...) from what they are.
+So a change's Bind + Execute bytes, built by the first link that sends them, serve every other link
+(`wire`, cached in the `Encoded`). A statement made again (a reset, a lost batch) keeps its name: the
+next batch closes the old one first (`stale`; PostgreSQL runs a batch's Close, then Parse, in order).
+
 A shape this target cannot run as a statement raises `Unpipeable` (the script path takes that
 transaction); a table it does not get (a partial node) leaves the statement out.
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from protocol.frontend import bind_execute
 from protocol.messages import Update
 from protocol.transactions import Transaction
 from router.apply.encode import INSERT, UPDATE, Encoded, Params, Shape
@@ -72,14 +79,20 @@ class _Statement:
 _SKIP: Final = _Statement(None, None, None)
 
 Plan = list[tuple[bytes, Params | None]]
+# (place, name, parameters): place is the change's index in its Encoded (or one of the set-up's below), so
+# that (place, name) always means the same parameters of that transaction, on every link
+_Item = tuple[int, bytes, Params | None]
+_SETUP15: Final = -1  # the set-up alone, first (15)
+_REMOTE: Final = -2  # the remote version (16+)
+_SETUP16: Final = -3  # the set-up with the applied mark, last (16+)
 
 
 class Statements:
     """The pipe session's prepared statements (see the module docstring)."""
 
     __slots__ = (
-        "_counter", "_fixed", "_shapes", "fresh", "late", "mark", "new", "origin", "origin_name", "source",
-        "stale", "tables",
+        "_bare", "_counter", "_fixed", "_numbers", "_shapes", "fresh", "late", "mark", "new", "origin",
+        "origin_name", "source", "stale", "tables",
     )
 
     def __init__(self, source: str, origin_name: str, *, late: bool, mark: bool) -> None:
@@ -90,34 +103,41 @@ class Statements:
         self.origin = ""  # the source's origin id here, as SQL (set with the tables)
         self.tables: dict[tuple[str, str], TargetTable] = {}
         self._shapes: dict[Shape, _Statement] = {}
+        self._numbers: dict[int, Shape] = {}  # whose number names its statements (one per number)
         self._counter = 0
+        self._bare: dict[bytes, bytes] = {}  # the Bind + Execute of a statement without parameters
         self.new: list[tuple[bytes, str, Sequence[int] | None]] = []  # PREPAREs not sent yet
         self.fresh: list[bytes] = []  # names prepared by the batch in flight (gone if it fails)
         self.stale: list[bytes] = []  # names no shape uses any more, for the next batch to close
         self._fixed: dict[str, bytes] = {}
 
     def reset(self) -> None:
-        """Every statement again under new names (the tables were read again, a table's inserts decide
-        insert_exists now: their SQL changed). The old ones are closed by the next batch (`stale`)."""
+        """Every statement made again (the tables were read again, a table's inserts decide insert_exists
+        now: their SQL changed), under the same names: the old ones are closed by the next batch
+        (`stale`), before it prepares any again."""
         unsent = {name for name, _, _ in self.new}
         for st in self._shapes.values():
             names = (st.name, st.lock, *st.fused.values())
             self.stale += [n for n in names if n is not None and n not in unsent]
         self.stale += [n for n in self._fixed.values() if n not in unsent]
         self._shapes = {}
+        self._numbers = {}
         self._fixed = {}
         self.new = []
 
     def lost(self) -> None:
-        """The batch in flight failed: what it prepared may not be there."""
+        """The batch in flight failed: what it prepared may or may not be there (a Parse before the failed
+        command ran): prepared again when used, each closed first (`stale`)."""
         if self.fresh:
             gone = set(self.fresh)
             self._shapes = {
                 s: st for s, st in self._shapes.items() if st.name not in gone and st.lock not in gone}
+            self._numbers = {n: s for n, s in self._numbers.items() if s in self._shapes}
             for st in self._shapes.values():
                 if st.fused:
                     st.fused = {remote: name for remote, name in st.fused.items() if name not in gone}
             self._fixed = {k: n for k, n in self._fixed.items() if n not in gone}
+            self.stale += self.fresh
             self.fresh = []
 
     def sent(self) -> None:
@@ -125,17 +145,25 @@ class Statements:
         self.fresh = [name for name, _, _ in self.new]
         self.new = []
 
-    def _name(self, sql: str, types: Sequence[int] | None = None) -> bytes:
-        self._counter += 1
-        name = f"pgmesh_p{self._counter}".encode()
+    def _name(self, name: bytes, sql: str, types: Sequence[int] | None = None) -> bytes:
         self.new.append((name, sql, types))
         return name
 
     def fixed(self, key: str, sql: str, types: Sequence[int] | None = None) -> bytes:
+        """A statement known by `key` (its name's end: the same in every session of the source)."""
         name = self._fixed.get(key)
         if name is None:
-            name = self._fixed[key] = self._name(sql, types)
+            name = self._fixed[key] = self._name(f"pgmesh_{key}".encode(), sql, types)
         return name
+
+    def _base(self, shape: Shape) -> str:
+        """The start of `shape`'s statements' names: its number, or (a shape not of the source's Encoder,
+        whose number another shape has here) one of this session's own."""
+        held = self._numbers.setdefault(shape.number, shape) if shape.number else None
+        if held is shape:
+            return f"pgmesh_{shape.number}"
+        self._counter += 1
+        return f"pgmesh_x{self._counter}"
 
     def _fused(self, st: _Statement, remote: bool) -> bytes:
         """An insert's locks with the origin's set-up (and the remote version) first: its parameters are
@@ -146,7 +174,9 @@ class Statements:
             setting = f", pg_catalog.set_config('pgmesh.remote', ${n + 3}, true)" if remote else ""
             setup = f"pg_catalog.pg_replication_origin_xact_setup(${n + 1}::pg_lsn, ${n + 2}::timestamptz)"
             sql = f"SELECT {setup}{setting}, {st.locks}"
-            name = st.fused[remote] = self._name(sql, [_TEXT] * (n + (3 if remote else 2)))
+            assert st.name is not None
+            name = st.fused[remote] = self._name(
+                st.name + (b"f1" if remote else b"f0"), sql, [_TEXT] * (n + (3 if remote else 2)))
         return name
 
     def statement(self, shape: Shape, prepared: Prepared) -> _Statement:
@@ -161,9 +191,10 @@ class Statements:
         if table.skip:
             return _SKIP
         keys, sets = list(shape.keys), list(shape.sets)
+        base = self._base(shape).encode()
         if shape.code == UPDATE:
             sql = update_sql(relation, table, sets, keys, self.origin, prepared)
-            made = _Statement(self._name(sql), None, table)
+            made = _Statement(self._name(base, sql), None, table)
             made.always = bool(table.always)
             return made
         if shape.code == INSERT:
@@ -177,11 +208,12 @@ class Statements:
             locks = (f"pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext({name}), 0),"
                      f" {key_lock(table, array, single)}")
             width = len(relation.columns)
-            made = _Statement(self._name(sql), self._name(f"SELECT {locks}", [_TEXT] * width), table)
+            lock = self._name(base + b"l", f"SELECT {locks}", [_TEXT] * width)
+            made = _Statement(self._name(base, sql), lock, table)
             made.locks, made.width = locks, width
             return made
         sql = delete_sql(relation, table, keys, self.origin, prepared)
-        return _Statement(self._name(sql), None, table)
+        return _Statement(self._name(base, sql), None, table)
 
     def _setup(self, remote: bool) -> bytes:
         """The origin's set-up alone: on 16+ the last statement, with the applied mark (the remote version
@@ -194,17 +226,39 @@ class Statements:
     def transaction(self, enc: Encoded, prepared: Prepared, remote: bool) -> Plan:
         """The (statement, parameters) pairs of one encoded transaction: BEGIN to COMMIT. Raises
         `Unpipeable`, or what router.apply.statements.target_table raises, for the script path to take it."""
+        return [(name, params) for _, name, params in self._items(enc, prepared, remote)]
+
+    def wire(self, enc: Encoded, prepared: Prepared, remote: bool) -> list[bytes]:
+        """`transaction` as the Bind + Execute bytes of each pair: those with parameters built once per
+        transaction for all the source's links (`enc.bound`), those without once per session."""
+        bound, bare = enc.bound, self._bare
+        out: list[bytes] = []
+        add = out.append
+        for place, name, params in self._items(enc, prepared, remote):
+            if params is None:
+                piece = bare.get(name)
+                if piece is None:
+                    piece = bare[name] = bind_execute(name, None)
+            else:
+                key = (place, name)
+                piece = bound.get(key)
+                if piece is None:
+                    piece = bound[key] = bind_execute(name, params)
+            add(piece)
+        return out
+
+    def _items(self, enc: Encoded, prepared: Prepared, remote: bool) -> list[_Item]:
         begin = self.fixed("begin", "BEGIN")
         late = self.late
-        out: Plan = [(begin, None)]
+        out: list[_Item] = [(0, begin, None)]
         add = out.append
         pending = not late  # (15) the set-up still to send, with the first statement if it can
         if late and remote:
             set_remote = self.fixed("remote", "SELECT pg_catalog.set_config('pgmesh.remote', $1, true)")
-            add((set_remote, enc.remote()[2:]))
+            add((_REMOTE, set_remote, enc.remote()[2:]))
         deferred = False
         shapes = self._shapes
-        for shape, params, change in enc.statements:
+        for place, (shape, params, change) in enumerate(enc.statements):
             st = shapes.get(shape) or self.statement(shape, prepared)
             if st.name is None:
                 continue
@@ -214,21 +268,21 @@ class Statements:
             if st.lock is not None:
                 if pending:  # one statement fewer for the target
                     pending = False
-                    add((self._fused(st, remote), params + (enc.remote() if remote else enc.setup)))
+                    add((place, self._fused(st, remote), params + (enc.remote() if remote else enc.setup)))
                 else:
-                    add((st.lock, params))
+                    add((place, st.lock, params))
             elif pending:
                 pending = False
-                add((self._setup(remote), enc.remote() if remote else enc.setup))
-            add((st.name, params))
+                add((_SETUP15, self._setup(remote), enc.remote() if remote else enc.setup))
+            add((place, st.name, params))
             deferred = deferred or st.deferrable
         if pending:
-            add((self._setup(remote), enc.remote() if remote else enc.setup))
+            add((_SETUP15, self._setup(remote), enc.remote() if remote else enc.setup))
         if late:
             if deferred:
-                add((self.fixed("checks", COMMIT_CHECKS), None))
-            add((self._setup(False), enc.setup))
-        add((self.fixed("commit", "COMMIT"), None))
+                add((0, self.fixed("checks", COMMIT_CHECKS), None))
+            add((_SETUP16, self._setup(False), enc.setup))
+        add((0, self.fixed("commit", "COMMIT"), None))
         return out
 
     def ending(self, batch: Sequence[Transaction], announce: bool, source: str) -> Plan:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.frontend import bind_execute
 from protocol.messages import UNCHANGED_TOAST, Column, Insert, Relation, TupleData, Update
 from protocol.transactions import Transaction
 from router.apply.encode import Encoded, Shape, encode
@@ -177,7 +178,9 @@ def test_a_lost_batch_prepares_its_statements_again() -> None:
     second = made.transaction(enc(update(b"1")), Prepared(None), False)
     again = {name: sql for name, sql, _ in made.new}
     assert sorted(again.values()) == sorted(prepared.values())
-    assert not set(again) & set(prepared)  # under new names
+    # under the same names (shared by every link's session), each closed first: the failed batch may have
+    # prepared it
+    assert set(again) == set(prepared) and set(made.stale) == set(prepared)
     assert [again[n] for n, _ in second] == [prepared[n] for n, _ in first]
     # a batch that succeeded keeps its statements: the next `sent` forgets it
     made.sent()
@@ -200,7 +203,7 @@ def test_a_lost_batch_prepares_the_fused_setup_again() -> None:
     made.sent()
     made.lost()
     plan = made.transaction(enc(insert(b"3")), Prepared(None), False)
-    assert plan[1][0] != gone  # got: the lost name, never prepared again
+    assert plan[1][0] == gone and made.stale == [gone]  # closed, then prepared again
     assert [name for name, _, _ in made.new] == [plan[1][0]]
 
 
@@ -212,7 +215,8 @@ def test_reset_renames_everything() -> None:
     second = made.transaction(enc(insert(b"1")), Prepared(None), False)
     # BEGIN, the insert, its locks, them fused with the set-up, COMMIT (the set-up alone is not needed)
     assert len(made.new) == 5 and len(second) == len(first) == 4
-    assert not {n for n, _ in first} & {n for n, _ in second}
+    # the same names (every link's session names a statement alike), each closed before it is prepared
+    assert {n for n, _ in first} == {n for n, _ in second} <= set(made.stale)
     assert {n for n, _ in second} <= {n for n, _, _ in made.new}
 
 
@@ -289,6 +293,27 @@ def test_the_origin_id_is_a_literal_in_the_statements_text() -> None:
     sql = next(sql for _, sql, _ in made.new if sql.startswith("WITH pgmesh_w AS (UPDATE"))
     assert "roident = 7 THEN" in sql and "pgmesh.expect_origin(" in sql and ", 7)" in sql
     assert "$5" not in sql and "$4" in sql
+
+
+def test_names_are_the_same_in_every_session_and_bound_once() -> None:
+    """Two links' sessions of one source name a shape's statements alike, so a change's Bind + Execute
+    bytes are built by the first and reused by the second (`Encoded.bound`); the origin literal in the
+    SQL differs, the names do not."""
+    one, two = statements(late=False), statements(late=False)
+    two.origin = "9"
+    e = enc(update(b"1"), insert(b"2"))
+    first, second = one.wire(e, Prepared(None), False), two.wire(e, Prepared(None), False)
+    assert first == second
+    assert [n for n, _, _ in one.new] == [n for n, _, _ in two.new]
+    assert [s for _, s, _ in one.new] != [s for _, s, _ in two.new]  # (the origin id)
+    plan = one.transaction(e, Prepared(None), False)
+    with_params = [i for i, (_, params) in enumerate(plan) if params is not None]
+    assert with_params and all(first[i] is second[i] for i in with_params)  # built once
+    assert first == [bind_execute(name, params) for name, params in plan]
+    assert len(e.bound) == sum(params is not None for _, params in plan)
+    sixteen = statements(late=True)  # another plan: the cached pieces are only those it names
+    assert sixteen.wire(e, Prepared(None), True) == [
+        bind_execute(name, params) for name, params in sixteen.transaction(e, Prepared(None), True)]
 
 
 def test_reset_leaves_the_old_statements_to_close() -> None:
