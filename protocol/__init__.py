@@ -15,9 +15,17 @@ it with plain bytes.
   lsn.py           WAL positions and PostgreSQL timestamps
   frontend.py      the extended query protocol's frontend side: Parse/Bind/Execute/Close/Sync, results
   errors.py        the errors this layer raises
+  native.py        whether the hot modules run compiled (mypyc, `deploy/compile.py`) or as these sources
+
+The hot modules (`native.COMPILED`) are imported from a compiled build in `_native/` when one was built
+from exactly these sources by this interpreter and `PGMESH_PURE_PYTHON` is not set (`compiled` says
+which); otherwise, and always without a build, from the sources. Both behave the same: the unit tests
+run both ways (`./dev test`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path as _Path
 
 from protocol.errors import (
     MalformedMessage,
@@ -28,6 +36,16 @@ from protocol.errors import (
     WrongState,
 )
 from protocol.lsn import LSN, format_lsn, parse_lsn
+from protocol.native import native_dir as _native_dir
+
+# Before any of `native.COMPILED` is imported (errors and lsn, above, are never compiled): a current
+# build comes first on the package's path.
+_NATIVE = _native_dir(_Path(__file__).parent)
+if _NATIVE is not None:
+    __path__.insert(0, _NATIVE)
+
+compiled: bool = _NATIVE is not None
+"""Whether the hot modules come from a compiled build (`protocol.native`)."""
 
 __all__ = [
     "LSN",
