@@ -319,6 +319,7 @@ class Applier(LinkView):
     async def _connect(self) -> None:
         link = self.link
         self.condition.to(Liveness.CONNECTING, keep_error=True)  # shown "down" (with why) until it runs
+        self.queue.forget_interrupt()  # (this connection finds out what the target has)
         if self.progress.restart_at(await link.open()):
             logger.warning("link %s: the target lost unflushed commits; re-reading from %s",
                            self.name, format_lsn(self.progress.applied))

@@ -359,6 +359,11 @@ class Router(Wiring):
         for (_, target), applier in self.appliers.items():
             if target == name:
                 applier.link.drop()
+                # an idle link connects again now, not at its next transaction: the node may have crashed
+                # and lost applied commits it had not flushed, which only the new connection finds out
+                # (router.progress.positions.LinkProgress.restart_at); until then nothing would bring
+                # them back, and the link would show streaming
+                applier.queue.interrupt(ConnectionLost(why, node=name))
         pump = self.pumps.get(name)
         if pump is not None:
             pump.source.connection.abort(ConnectionLost(why, node=name))

@@ -35,8 +35,8 @@ class LinkQueue:
     counts `clear()`s (the link detached or restarted: what was announced may never come here).
     """
 
-    __slots__ = ("_bytes", "_items", "_nonempty", "_room", "_side", "_side_ready", "cleared", "max_bytes",
-                 "maxlen")
+    __slots__ = ("_bytes", "_interrupt", "_items", "_nonempty", "_room", "_side", "_side_ready", "cleared",
+                 "max_bytes", "maxlen")
 
     def __init__(self, maxlen: int, max_bytes: int = 1 << 62) -> None:
         """At most `maxlen` transactions and `max_bytes` of their payload in memory (`Transaction.nbytes`:
@@ -51,6 +51,7 @@ class LinkQueue:
         self._side: EarlyStream | None = None
         self._side_ready = asyncio.Event()
         self.cleared = 0
+        self._interrupt: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -65,7 +66,12 @@ class LinkQueue:
         return True
 
     async def get(self) -> Transaction:
+        """The next transaction, once there is one; raises what `interrupt` was given when the queue is
+        (or becomes) empty meanwhile."""
         while not self._items:
+            if self._interrupt is not None:
+                exc, self._interrupt = self._interrupt, None
+                raise exc
             self._nonempty.clear()
             await self._nonempty.wait()
         txn = self._items.popleft()
@@ -73,6 +79,17 @@ class LinkQueue:
         if not self.full:
             self._room.set()
         return txn
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the consumer's next wait on an empty queue (or the one in progress) raise `exc`, once: an idle
+        link whose sessions were dropped connects again now, instead of at its next transaction (its target
+        may have lost commits it had not flushed, which only a new connection finds out)."""
+        self._interrupt = exc
+        self._nonempty.set()
+
+    def forget_interrupt(self) -> None:
+        """The consumer connected again: an `interrupt` not raised yet is moot."""
+        self._interrupt = None
 
     def push_front(self, txn: Transaction) -> None:
         """Put back a transaction taken too early (may exceed maxlen briefly; the fan-out sees full)."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from protocol.transactions import Transaction
+from router.errors import ConnectionLost
 from router.stream.linkqueue import LinkQueue
 
 
@@ -29,3 +32,18 @@ def test_full_at_whichever_bound_comes_first_and_one_big_transaction_always_fits
     for end in range(10):
         assert queue.offer(txn(end + 10, 1))
     assert queue.full  # ten transactions
+
+
+async def test_interrupt_wakes_an_idle_consumer_once_and_a_reconnect_forgets_it() -> None:
+    queue = LinkQueue(maxlen=10)
+    waiting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0)
+    queue.interrupt(ConnectionLost("dropped", node="b"))
+    with pytest.raises(ConnectionLost):
+        await waiting
+    queue.interrupt(ConnectionLost("dropped", node="b"))
+    queue.forget_interrupt()  # the consumer connected again meanwhile
+    waiting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    waiting.cancel()
