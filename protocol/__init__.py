@@ -7,6 +7,7 @@ imports only the standard library and msgspec, so the router, the tests and the 
 it with plain bytes.
 
   replication.py   the streaming replication CopyData framing (both directions)
+  copyframes.py    the backend messages of a replication socket read past libpq, split into frames
   pgoutput.py      the decoder of pgoutput's binary messages
   messages.py      those messages as frozen data
   relations.py     the relation cache: what each relation id means right now

@@ -4,9 +4,11 @@ A `ReplicationConnection` owns one psycopg 3 connection in `replication=database
 opens it, runs the replication commands (IDENTIFY_SYSTEM, CREATE_ / DROP_REPLICATION_SLOT, optionally
 handing out an exported snapshot that outlives the slot's creation, see `router.stream.slots`; the slot's
 row in pg_replication_slots comes over a short-lived normal connection), and streams pgoutput with
-START_REPLICATION. The stream is read with `pgconn.get_copy_data` driven by the event loop (no threads)
-and handed up as batches of XLogData CopyData bodies (`frames`), as they are: the source above decodes
-them, and can be fed the same batches from captured bytes.
+START_REPLICATION. On a plain socket (no TLS, no GSS encryption) START_REPLICATION and everything after
+it go through `router.stream.wire` (the stream read straight into one reusable buffer, status updates
+written to the socket); over TLS the stream is read with `pgconn.get_copy_data`. Either way it is driven
+by the event loop (no threads) and handed up as batches of XLogData CopyData bodies (`frames`), as they
+are: the source above decodes them, and can be fed the same batches from captured bytes.
 Primary keepalives are answered here, and standby status updates go out on their own timer with the
 positions the source reports (`Positions`), so the walsender never times the link out, even while
 nobody reads; silence past `receive_timeout` while ready to read ends the connection.
@@ -23,20 +25,26 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import psycopg
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict
 
+from protocol.copyframes import CopyEnd, query
+from protocol.errors import UnknownMessage
 from protocol.lsn import format_lsn, parse_lsn, unix_seconds_to_pg_us
-from protocol.replication import PrimaryKeepalive, parse_copy_data, standby_status_update
+from protocol.replication import PrimaryKeepalive, copy_data, parse_copy_data, standby_status_update
 from router.errors import Action, ConnectionLost, SlotError, SourceError, decide, decide_sqlstate, describe
 from router.stream.items import SourceOptions, StreamSettings, SystemInfo, negotiate
 from router.stream.slots import FAILOVER_SLOTS_SINCE, SlotCreated, SlotInfo, keep_snapshot
 from router.stream.state import Lifecycle, SourceState, SourceStats
+from router.stream.wire import WireStream
 
-__all__ = ["Positions", "ReplicationConnection"]
+__all__ = ["Frames", "Positions", "ReplicationConnection"]
+
+# What `frames` yields: XLogData bodies read past libpq (bytes), or by libpq (memoryviews, over TLS).
+Frames = list[bytes] | list[memoryview]
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +92,12 @@ class ReplicationConnection:
 
     __slots__ = (
         "_clock", "_confirm_event", "_conn", "_dsn", "_last_status_sent", "_life", "_positions", "_reading",
-        "_send_lock", "_starved_since", "_stats", "_status_task", "_streaming", "node", "options",
+        "_send_lock", "_starved_since", "_stats", "_status_task", "_streaming", "_wire", "node", "options",
         "publications", "settings", "slot",
     )
+
+    # False: libpq reads the stream on a plain socket too, as over TLS (tests and benches compare them).
+    own_reads = True
 
     def __init__(
         self,
@@ -122,8 +133,14 @@ class ReplicationConnection:
         self._send_lock = asyncio.Lock()
         self._status_task: asyncio.Task[None] | None = None
         self._reading: tuple[int, asyncio.Future[None]] | None = None
+        self._wire: WireStream | None = None  # the socket, read by us from START_REPLICATION on
         # what the last START_REPLICATION asked of the server (`negotiate`: options and its version)
         self.settings: StreamSettings | None = None
+
+    @property
+    def reads_past_libpq(self) -> bool:
+        """Whether the stream now streaming is read and written past libpq (`router.stream.wire`)."""
+        return self._wire is not None and self._streaming
 
     # ---------------------------------------------------------------- connection
 
@@ -180,6 +197,9 @@ class ReplicationConnection:
                 await task
         conn, self._conn = self._conn, None
         self._streaming = False
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close()
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close()
@@ -284,26 +304,11 @@ class ReplicationConnection:
             await self._check_publications(lsn)
         pgconn = conn.pgconn
         settings = negotiate(self.options, conn.info.server_version)
-        pgconn.send_query(self._start_command(lsn, settings))
-        await self._flush_out(pgconn)
-        while True:
-            pgconn.consume_input()
-            if not pgconn.is_busy():
-                break
-            await self._wait_readable(pgconn, self.options.receive_timeout)
-        result = pgconn.get_result()
-        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
-            message = result.error_message.decode(errors="replace").strip() if result else "no result"
-            state = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
-            code = state.decode() if state else None
-            error_cls = SlotError if code in ("42704", "55006") else SourceError
-            raise error_cls(
-                f"START_REPLICATION on slot {self.slot!r} failed: {message}",
-                node=self.node,
-                lsn=lsn,
-                sqlstate=code,
-                hint=_SLOT_MISSING_HINT if code == "42704" else None,
-            )
+        command = self._start_command(lsn, settings)
+        if self.own_reads and not pgconn.ssl_in_use and not pgconn.used_gssapi:
+            await self._start_wire(pgconn, command, lsn)
+        else:
+            await self._start_libpq(pgconn, command, lsn)
         pgconn.nonblocking = 1
         self.settings = settings
         self._positions.on_stream_start(settings)
@@ -314,10 +319,46 @@ class ReplicationConnection:
             f" {settings.streaming}, {'binary' if settings.binary else 'text'} values"
         ))
 
-    async def _wait_readable(self, pgconn: pq.abc.PGconn, limit: float | None) -> None:
-        """Until the socket is readable; `abort` ends the wait with ConnectionLost."""
+    async def _start_libpq(self, pgconn: pq.abc.PGconn, command: bytes, lsn: int) -> None:
+        pgconn.send_query(command)
+        await self._flush_out(pgconn)
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            await self._wait_readable(pgconn.socket, self.options.receive_timeout)
+        result = pgconn.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            message = result.error_message.decode(errors="replace").strip() if result else "no result"
+            state = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
+            self._start_failed(lsn, message, state.decode() if state else None)
+
+    async def _start_wire(self, pgconn: pq.abc.PGconn, command: bytes, lsn: int) -> None:
+        """START_REPLICATION written and its answer read past libpq: from here on the socket is ours.
+
+        libpq's input buffer is empty here: every command before ended at its ReadyForQuery, after which
+        the server sends nothing until asked.
+        """
+        wire = self._wire = WireStream(pgconn.socket, self.node)
+        await wire.write(query(command), self.options.receive_timeout)
+        while (answer := wire.answer(lsn)) is False:
+            await self._wait_readable(wire.fd, self.options.receive_timeout)
+        if isinstance(answer, CopyEnd):
+            self._start_failed(lsn, answer.text, answer.sqlstate)
+
+    def _start_failed(self, lsn: int, message: str, code: str | None) -> None:
+        error_cls = SlotError if code in ("42704", "55006") else SourceError
+        raise error_cls(
+            f"START_REPLICATION on slot {self.slot!r} failed: {message}",
+            node=self.node,
+            lsn=lsn,
+            sqlstate=code,
+            hint=_SLOT_MISSING_HINT if code == "42704" else None,
+        )
+
+    async def _wait_readable(self, fd: int, limit: float | None) -> None:
+        """Until socket `fd` is readable; `abort` ends the wait with ConnectionLost."""
         loop = asyncio.get_running_loop()
-        fd = pgconn.socket
         ready: asyncio.Future[None] = loop.create_future()
         loop.add_reader(fd, _wake, ready)
         self._reading = (fd, ready)
@@ -355,10 +396,13 @@ class ReplicationConnection:
             flush = self._positions.flush_position()
             write = max(self._positions.received_lsn, flush)
             now = unix_seconds_to_pg_us(self._clock())
-            pgconn = conn.pgconn
+            update = standby_status_update(write, flush, flush, now, reply)
             try:
-                pgconn.put_copy_data(standby_status_update(write, flush, flush, now, reply))
-                await self._flush_out(pgconn)
+                if self._wire is not None:
+                    await self._wire.write(copy_data(update), self.options.receive_timeout)
+                else:
+                    conn.pgconn.put_copy_data(update)
+                    await self._flush_out(conn.pgconn)
             except (psycopg.Error, OSError, TimeoutError) as exc:
                 raise ConnectionLost(f"cannot send status update: {describe(exc)}", node=self.node) from exc
             self._last_status_sent = asyncio.get_running_loop().time()
@@ -394,6 +438,8 @@ class ReplicationConnection:
             if not ready.done():
                 lost = reason or ConnectionLost("receive timeout: the node stopped answering", node=self.node)
                 ready.set_exception(lost)
+        if self._wire is not None:
+            self._wire.close(reason)
         conn = self._conn
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -439,8 +485,9 @@ class ReplicationConnection:
             return error_cls(f"stream ended: {message}", node=self.node, lsn=received, sqlstate=code)
         return ConnectionLost("the server ended the replication stream", node=self.node, lsn=received)
 
-    async def frames(self, start_lsn: int) -> AsyncGenerator[list[memoryview], None]:
-        """Batches of XLogData CopyData bodies ('w' and all) from one connection, from `start_lsn`.
+    async def frames(self, start_lsn: int) -> AsyncGenerator[Frames, None]:
+        """Batches of XLogData CopyData bodies ('w' and all) from one connection, from `start_lsn`: bytes
+        read past libpq (`router.stream.wire`), memoryviews from libpq (over TLS).
 
         Keepalives are handled here (`Positions.on_keepalive`, and a reply when asked for), each after
         the frames before it were yielded. Ends only by raising: ConnectionLost when retrying may help.
@@ -448,33 +495,58 @@ class ReplicationConnection:
         await self._start(start_lsn)
         assert self._conn is not None
         pgconn = self._conn.pgconn
+        wire = self._wire
+        counted = 0  # the wire's bytes counted in the stats
         loop = asyncio.get_running_loop()
         self._status_task = asyncio.create_task(self._status_loop(), name=f"pgmesh-status-{self.node}")
         try:
             while True:
+                batch: Frames | None
                 try:
-                    batch = self._read_available(pgconn)
+                    if wire is not None:
+                        batch = wire.available(_BATCH, self._positions.received_lsn)
+                    else:
+                        batch = self._read_available(pgconn)
                 except (psycopg.Error, OSError) as exc:
                     text = f"replication connection lost: {describe(exc)}"
                     raise ConnectionLost(text, node=self.node, lsn=self._positions.received_lsn) from exc
                 if batch is None:
+                    if wire is not None:
+                        raise wire.ended(self._positions.received_lsn)
                     raise self._end_of_copy(pgconn)
                 if not batch:
                     if self._starved_since is None:
                         self._starved_since = loop.time()
                     try:
-                        await self._wait_readable(pgconn, self.options.receive_timeout)
+                        await self._wait_readable(
+                            wire.fd if wire is not None else pgconn.socket, self.options.receive_timeout
+                        )
                     except TimeoutError:
                         continue  # the status loop decides when silence means death
                     except (psycopg.Error, OSError, ValueError) as exc:  # socket closed under us
                         raise ConnectionLost(f"replication socket closed: {exc}", node=self.node) from exc
                     continue
                 self._starved_since = None
+                if wire is not None:
+                    counted, before = wire.reader.data_bytes, counted
+                    self._stats.bytes_received += counted - before
+                    last = batch[-1]
+                    if last and last[0] == _XLOG_TAG:
+                        yield batch
+                        reply = False
+                    else:  # a keepalive ends its batch (CopyReader.split): the frames before it first
+                        del batch[-1]
+                        if batch:
+                            yield batch
+                        reply = self._control(last)
+                    if reply or loop.time() - self._last_status_sent > self.options.status_interval:
+                        await self.send_status()
+                    continue
                 self._stats.bytes_received += sum(map(len, batch))
                 frames: list[memoryview] = []
                 append = frames.append
                 reply = False
-                for data in batch:
+                for data in cast("list[memoryview]", batch):
                     tag = data[0]
                     if tag == _XLOG_TAG:
                         append(data)
@@ -485,9 +557,9 @@ class ReplicationConnection:
                             yield frames
                             frames = []
                             append = frames.append
-                        reply = self._keepalive(data) or reply
+                        reply = self._control(data) or reply
                     else:
-                        parse_copy_data(data)  # raises the right ProtocolError
+                        self._control(data)  # raises the right ProtocolError
                 if frames:
                     yield frames
                 # The status task runs only when the loop is free; a long backlog read straight from a
@@ -503,9 +575,14 @@ class ReplicationConnection:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    def _keepalive(self, data: memoryview) -> bool:
+    def _control(self, data: bytes | memoryview) -> bool:
+        """A CopyData body that is not XLogData: a keepalive (`_keepalive`), else ProtocolError."""
+        keepalive = parse_copy_data(data)  # raises the right ProtocolError for anything else
+        if not isinstance(keepalive, PrimaryKeepalive):
+            raise UnknownMessage("XLogData where a keepalive was expected", tag="w")
+        return self._keepalive(keepalive)
+
+    def _keepalive(self, keepalive: PrimaryKeepalive) -> bool:
         """Pass a primary keepalive's WAL end up; True when the server asks for an immediate reply."""
-        keepalive = parse_copy_data(data)
-        assert isinstance(keepalive, PrimaryKeepalive)
         self._positions.on_keepalive(keepalive.wal_end)
         return keepalive.reply_requested

@@ -50,7 +50,7 @@ from protocol.replication import XLogData, parse_copy_data
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router import failpoints
 from router.errors import ConnectionLost, SourceError
-from router.stream.connection import ReplicationConnection
+from router.stream.connection import Frames, ReplicationConnection
 from router.stream.items import EarlyStream, SourceOptions, StreamSettings, SystemInfo
 from router.stream.slots import SlotCreated, SlotInfo, check_slot_name
 from router.stream.spool import Spool
@@ -310,7 +310,7 @@ class ReplicationSource:
         self._assembler.reset()
         self._announced.clear()
 
-    def feed(self, batch: list[memoryview]) -> list[Item]:
+    def feed(self, batch: Frames) -> list[Item]:
         """Decode a batch of XLogData bodies; return what completed and was not handed out before.
 
         When a frame fails, nothing of the batch counts as handed out (a retry reads it all again).
@@ -483,7 +483,7 @@ class ReplicationSource:
         return final
 
 
-def _row_run(batch: list[memoryview], start: int, tag: int, echo: bool) -> int:
+def _row_run(batch: Frames, start: int, tag: int, echo: bool) -> int:
     """Where the run of row messages that `batch[start - 1]` (tag `tag`) opens ends: the inserts right
     after an insert, or, in an echo, every row message right after a row (`start` when none)."""
     end, n = start, len(batch)
