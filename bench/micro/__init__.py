@@ -1,6 +1,7 @@
 """One question each, beside its native anchor: `python -m bench.micro.<name>`.
 
 - `decode`: the source and decoder against `pg_recvlogical`.
+- `compiled`: the decoder compiled with mypyc (`protocol/_native/`) against pure Python, same bytes.
 - `apply`: apply throughput and lag A -> B against native logical replication (the suite's workloads).
 - `guards`: the target's cost per TPC-B transaction by conflict-guard variant.
 - `conflicts`: apply throughput with 10% conflicting transactions beside none.
