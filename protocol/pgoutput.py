@@ -56,21 +56,21 @@ __all__ = [
     "Decoder", "decode", "decode_raw_insert", "raw_copy_text", "raw_insert", "raw_insert_run", "raw_tuple",
 ]
 
-_I16 = struct.Struct(">h")
-_I32 = struct.Struct(">i")
-_U32 = struct.Struct(">I")
-_I64 = struct.Struct(">q")
-_U64 = struct.Struct(">Q")
-_BEGIN = struct.Struct(">QqI")
-_COMMIT = struct.Struct(">BQQq")
-_STREAM_COMMIT = struct.Struct(">IBQQq")
-_STREAM_ABORT = struct.Struct(">II")
-_STREAM_ABORT_INFO = struct.Struct(">IIQq")  # proto_version 4, streaming 'parallel': + abort LSN, time
-_STREAM_START = struct.Struct(">IB")
-_COLUMN_TAIL = struct.Struct(">Ii")
-_MESSAGE_HEAD = struct.Struct(">BQ")
-_TRUNCATE_HEAD = struct.Struct(">iB")
-_ROW_HEAD = struct.Struct(">IB")  # relation id, then the first tuple's marker byte
+_I16: Final = struct.Struct(">h")
+_I32: Final = struct.Struct(">i")
+_U32: Final = struct.Struct(">I")
+_I64: Final = struct.Struct(">q")
+_U64: Final = struct.Struct(">Q")
+_BEGIN: Final = struct.Struct(">QqI")
+_COMMIT: Final = struct.Struct(">BQQq")
+_STREAM_COMMIT: Final = struct.Struct(">IBQQq")
+_STREAM_ABORT: Final = struct.Struct(">II")
+_STREAM_ABORT_INFO: Final = struct.Struct(">IIQq")  # proto_version 4, streaming 'parallel': + abort LSN, time
+_STREAM_START: Final = struct.Struct(">IB")
+_COLUMN_TAIL: Final = struct.Struct(">Ii")
+_MESSAGE_HEAD: Final = struct.Struct(">BQ")
+_TRUNCATE_HEAD: Final = struct.Struct(">iB")
+_ROW_HEAD: Final = struct.Struct(">IB")  # relation id, then the first tuple's marker byte
 
 _TRUNCATE_CASCADE: Final = 1
 _TRUNCATE_RESTART_IDENTITY: Final = 2
