@@ -73,7 +73,8 @@ def _config(nodes: list[LocalNode], certs: Certs, tmp: Path, root: Path, admin_p
         f'[cluster]\nname = "tls"\n'
         f'[[nodes]]\nname = "a"\ndsn = "{_dsn(a, certs, root)}"\npassword_file = "{secret}"\n'
         f'[[nodes]]\nname = "b"\ndsn = "{_dsn(b, certs, root, f" passfile={pgpass}")}"\n'
-        f'[replication]\nstatus_interval_ms = 100\n[admin]\nlisten = "127.0.0.1:{admin_port}"\n'
+        f'[replication]\nstatus_interval_ms = 100\napply_transport = "pipeline"\n'
+        f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n'
         f'[log]\ndirectory = "{log_directory()}"\n'
     )
 
@@ -124,6 +125,8 @@ async def test_router_and_spark_copy_over_verify_full_with_passwords_from_files(
                                       " WHERE a.backend_type = 'client backend' AND a.usename = 'postgres'"
                                       " AND a.pid <> pg_backend_pid() AND NOT s.ssl")
         assert applying == [(0,)]  # every session of the router is encrypted
+        pipe = router.appliers[("b", "a")].link.pipe  # the pipe over TLS: libpq's pipeline mode
+        assert pipe is not None and not pipe.raw and router.appliers[("b", "a")].encoder.encodes > 0
         status = msgspec.json.encode(router.status()).decode()
         _, metrics = await admin_request("127.0.0.1", port, "GET", "/metrics")
         # a Spark copy (pgmesh push) over the same DSNs: its workers read the certificates and passfiles
