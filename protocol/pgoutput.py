@@ -199,7 +199,7 @@ def _learn(key: int, state: _Shape | int | None, data: TupleData, size: int) -> 
     compiled = struct.Struct("".join(fmt))
     if compiled.size != size:  # cannot happen: the layout is what was just read
         raise AssertionError(f"tuple layout of {compiled.size} bytes for a tuple of {size}")
-    pick_values = itemgetter(*(i if i >= 0 else n + 2 + i for i in value_at))
+    pick_values = itemgetter(*[i if i >= 0 else n + 2 + i for i in value_at])
     _SHAPES[key] = (
         compiled.unpack_from, itemgetter(*header_at), tuple(header), pick_values, data.kinds, size, learned
     )
