@@ -90,6 +90,10 @@ class MonitorTarget:
         self.down_since: float | None = None  # since when the node has not answered (router's clock)
         self.retained: RetainedWal | None = None  # the node's slot, as last read (`read_retained`)
         self.gate = StandbyGate()
+        self.started: object = None  # the node's pg_postmaster_start_time() as last read
+        # it restarted since the router last saw it (`started` changed): set by `query`, taken by the
+        # supervisor, whose links into the node then connect again (router.service.supervisor)
+        self.restarted = False
 
     async def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         if self.conn is None or self.conn.closed:
@@ -98,6 +102,11 @@ class MonitorTarget:
             )
             if self.config.synchronous(self.node.name) > 0:  # its writes never wait for the router itself
                 await self.conn.execute("SET synchronous_commit = local")
+            cur = await self.conn.execute("SELECT pg_catalog.pg_postmaster_start_time()")
+            started = (await cur.fetchall())[0][0]
+            if self.started is not None and started != self.started:
+                self.restarted = True
+            self.started = started
         cur = await self.conn.execute(sql, params)
         return await cur.fetchall() if cur.description else []
 

@@ -345,6 +345,10 @@ class Router(Wiring):
         if target.down_since is not None:
             logger.info("node %s answers the router again", name)
             target.down_since = None
+        if target.restarted:  # (between two ticks, unseen by them)
+            target.restarted = False
+            logger.warning("node %s restarted since the router last read it: its links connect again", name)
+            self._reconnect_links(name, "the node restarted")
         try:  # what its slot keeps: shown, never a reason to take the node for down
             async with asyncio.timeout(timeout):
                 await target.read_retained(self.config.slot_name)
@@ -356,17 +360,20 @@ class Router(Wiring):
     def _cut_off(self, name: str, why: str) -> None:
         """Drop every session the router has with node `name`: the appliers' into it and its source."""
         logger.warning("node %s: %s; its links are down until it answers", name, why)
-        for (_, target), applier in self.appliers.items():
-            if target == name:
-                applier.link.drop()
-                # an idle link connects again now, not at its next transaction: the node may have crashed
-                # and lost applied commits it had not flushed, which only the new connection finds out
-                # (router.progress.positions.LinkProgress.restart_at); until then nothing would bring
-                # them back, and the link would show streaming
-                applier.queue.interrupt(ConnectionLost(why, node=name))
+        self._reconnect_links(name, why)
         pump = self.pumps.get(name)
         if pump is not None:
             pump.source.connection.abort(ConnectionLost(why, node=name))
+
+    def _reconnect_links(self, name: str, why: str) -> None:
+        """Every link into node `name` connects again now, idle or not: the node may have crashed and lost
+        applied commits it had not flushed (the appliers commit with synchronous_commit off), which only a
+        new connection finds out (router.progress.positions.LinkProgress.restart_at). An idle link would
+        otherwise find out only at its next transaction, and show streaming meanwhile."""
+        for (_, target), applier in self.appliers.items():
+            if target == name:
+                applier.link.drop()
+                applier.queue.interrupt(ConnectionLost(why, node=name))
 
     def health(self) -> tuple[bool, str]:
         return self.reporter.health(self)

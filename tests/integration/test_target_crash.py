@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from router.testing.mesh import NODE_SETTINGS, execute, fetch, running_router, wait_converged, wait_for
@@ -66,3 +67,28 @@ async def test_a_target_crash_loses_unflushed_commits_and_gets_them_again(
         assert any(lost), f"b flushed every applied commit in every round: this test proved nothing ({lost})"
     for node in m.nodes:
         assert await fetch(node.dsn(), "SELECT count(*), sum(v) FROM kv") == [(rows, rows * (rows + 1) // 2)]
+
+
+async def test_a_target_restarting_between_two_progress_reads_gets_what_it_lost(mesh: MeshFactory) -> None:
+    """b crashes and is back before the router's next progress read: nothing but its restart (its
+    postmaster's start time, read on the monitor's new connection) tells the router; its idle link into b
+    must still connect again and send what b lost."""
+    m = await mesh(nodes=2, schema=SCHEMA, settings=SETTINGS, replication='apply_transport = "pipeline"')
+    a, b = m.nodes
+    config = msgspec.structs.replace(
+        m.config, replication=msgspec.structs.replace(m.config.replication, status_interval_ms=3000))
+    async with running_router(config) as router:
+        await wait_for(lambda: all(x.state.value == "streaming" for x in router.appliers.values()),
+                       "both links streaming")
+        for i in range(1, ROWS + 1):
+            await execute(a.dsn(), "INSERT INTO kv VALUES (%s, %s)", params=[i, i])
+
+        async def applied() -> bool:
+            return await fetch(b.dsn(), "SELECT count(*) FROM kv") == [(ROWS,)]
+
+        await wait_for(applied, "b to have a's rows")
+        await asyncio.to_thread(b.stop, "immediate")
+        await asyncio.to_thread(b.start)
+        await wait_converged(m.nodes, ["kv"], limit=60)
+    for node in m.nodes:
+        assert await fetch(node.dsn(), "SELECT count(*), sum(v) FROM kv") == [(ROWS, ROWS * (ROWS + 1) // 2)]
