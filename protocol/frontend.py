@@ -33,6 +33,10 @@ _I32: Final = struct.Struct("!i")
 _NULL: Final = b"\xff\xff\xff\xff"
 _EXECUTE: Final = b"E\x00\x00\x00\x09\x00\x00\x00\x00\x00"  # the unnamed portal, every row
 SYNC: Final = b"S\x00\x00\x00\x04"
+_SHORT: Final = 4096  # a value's length up to this from a table, not packed (a Bind's main cost)
+_LENGTHS: Final = tuple(_I32.pack(n) for n in range(_SHORT))
+_MANY: Final = 1 << 10
+_COUNTS: Final = tuple(struct.pack("!H", n) for n in range(_MANY))
 
 # The fields of an ErrorResponse asyncpg's exceptions are made from (asyncpg.PostgresError.new).
 ERROR_FIELDS: Final = frozenset(b"CMDHSWstcnd")
@@ -47,20 +51,21 @@ def parse(name: bytes, sql: bytes, types: Sequence[int] | None = None) -> bytes:
 
 def bind_execute(name: bytes, params: Sequence[bytes | None] | None) -> bytes:
     """Bind statement `name` to the unnamed portal with text `params` (None: NULL), then Execute it."""
-    pack = _I32.pack
-    parts = [b"", b"\x00", name, b"\x00\x00\x00", struct.pack("!H", len(params) if params else 0)]
+    lengths = _LENGTHS
+    count = len(params) if params else 0
+    parts = [b"\x00", name, b"\x00\x00\x00", _COUNTS[count] if count < _MANY else struct.pack("!H", count)]
     if params:
         append = parts.append
         for value in params:
             if value is None:
                 append(_NULL)
             else:
-                append(pack(len(value)))
+                size = len(value)
+                append(lengths[size] if size < _SHORT else _I32.pack(size))
                 append(value)
     parts.append(b"\x00\x00")  # no result format codes: all text
-    parts[0] = b"B" + pack(sum(map(len, parts)) + 4)
-    parts.append(_EXECUTE)
-    return b"".join(parts)
+    body = b"".join(parts)
+    return b"".join((b"B", _I32.pack(len(body) + 4), body, _EXECUTE))
 
 
 def close_statement(name: bytes) -> bytes:

@@ -128,6 +128,11 @@ def test_the_messages_bytes() -> None:
             + b"\x00\x00\x00\x00" + b"\x00\x00")
     assert bound == b"B" + struct.pack("!I", len(bind) + 4) + bind + b"E\x00\x00\x00\x09\x00\x00\x00\x00\x00"
     assert bind_execute(b"s", None) == bind_execute(b"s", ())
+    long, many = b"x" * 70_000, [b"1"] * 1500  # a length packed, not from the table; a count too
+    start = b"B" + struct.pack("!I", 70_017) + b"\x00s\x00\x00\x00\x00\x01" + struct.pack("!I", 70_000)
+    assert bind_execute(b"s", [long])[:18] == start + b"xx"
+    assert bind_execute(b"s", many)[10:12] == struct.pack("!H", 1500)
+    assert len(bind_execute(b"s", many)) == 1 + 4 + 1 + 2 + 2 + 2 + 1500 * 5 + 2 + 10
 
 
 def test_error_fields_stop_at_the_terminator() -> None:
