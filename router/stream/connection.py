@@ -5,10 +5,11 @@ opens it, runs the replication commands (IDENTIFY_SYSTEM, CREATE_ / DROP_REPLICA
 handing out an exported snapshot that outlives the slot's creation, see `router.stream.slots`; the slot's
 row in pg_replication_slots comes over a short-lived normal connection), and streams pgoutput with
 START_REPLICATION. On a plain socket (no TLS, no GSS encryption) START_REPLICATION and everything after
-it go through `router.stream.wire` (the stream read straight into one reusable buffer, status updates
-written to the socket); over TLS the stream is read with `pgconn.get_copy_data`. Either way it is driven
-by the event loop (no threads) and handed up as batches of XLogData CopyData bodies (`frames`), as they
-are: the source above decodes them, and can be fed the same batches from captured bytes.
+it go through `router.stream.wire` (the stream read in large chunks and split by `protocol.copyframes`,
+status updates written to the socket); over TLS the stream is read with `pgconn.get_copy_data`. Either
+way it is driven by the event loop (no threads) and handed up as batches of XLogData CopyData bodies
+(`frames`), as they are: the source above decodes them, and can be fed the same batches from captured
+bytes.
 Primary keepalives are answered here, and standby status updates go out on their own timer with the
 positions the source reports (`Positions`), so the walsender never times the link out, even while
 nobody reads; silence past `receive_timeout` while ready to read ends the connection.
@@ -25,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol
 
 import psycopg
 from psycopg import pq, sql
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 _OUTPUT_SETTINGS: Final = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 
 _XLOG_TAG: Final = 0x77  # 'w'
-_KEEPALIVE_TAG: Final = 0x6B  # 'k'
 _BATCH: Final = 512
 # server_version_num from which pgoutput skips a missing publication with a warning instead of failing
 SKIPS_MISSING_PUBLICATION_SINCE: Final = 180000
@@ -344,6 +344,8 @@ class ReplicationConnection:
         while (answer := wire.answer(lsn)) is False:
             await self._wait_readable(wire.fd, self.options.receive_timeout)
         if isinstance(answer, CopyEnd):
+            # Its ReadyForQuery may still be on the way, unread: libpq must not find it. Not used again.
+            await self.disconnect()
             self._start_failed(lsn, answer.text, answer.sqlstate)
 
     def _start_failed(self, lsn: int, message: str, code: str | None) -> None:
@@ -448,7 +450,8 @@ class ReplicationConnection:
     # ---------------------------------------------------------------- reading
 
     def _read_available(self, pgconn: pq.abc.PGconn) -> list[memoryview] | None:
-        """Up to _BATCH messages already received; [] when none; None when the COPY stream ended.
+        """Up to _BATCH messages already received, and up to the first that is not XLogData (then the
+        last, as `CopyReader.split` does); [] when none; None when the COPY stream ended.
 
         The socket is read only once libpq's buffer holds no whole message (libpq grows that buffer to
         hold whatever was read and never shrinks it).
@@ -461,6 +464,8 @@ class ReplicationConnection:
             n, data = get_copy_data(1)
             if n > 0:
                 append(data)
+                if data[0] != _XLOG_TAG:
+                    break
             elif n == 0:
                 if consumed or out:
                     break
@@ -530,38 +535,19 @@ class ReplicationConnection:
                 if wire is not None:
                     counted, before = wire.reader.data_bytes, counted
                     self._stats.bytes_received += counted - before
-                    last = batch[-1]
-                    if last and last[0] == _XLOG_TAG:
+                else:
+                    self._stats.bytes_received += sum(map(len, batch))
+                last = batch[-1]
+                if last and last[0] == _XLOG_TAG:
+                    yield batch
+                    reply = False
+                else:
+                    # A keepalive ends its batch. Everything sent before it must be assembled and handed
+                    # out before its WAL end may count as the idle position: yield the frames first.
+                    del batch[-1]
+                    if batch:
                         yield batch
-                        reply = False
-                    else:  # a keepalive ends its batch (CopyReader.split): the frames before it first
-                        del batch[-1]
-                        if batch:
-                            yield batch
-                        reply = self._control(last)
-                    if reply or loop.time() - self._last_status_sent > self.options.status_interval:
-                        await self.send_status()
-                    continue
-                self._stats.bytes_received += sum(map(len, batch))
-                frames: list[memoryview] = []
-                append = frames.append
-                reply = False
-                for data in cast("list[memoryview]", batch):
-                    tag = data[0]
-                    if tag == _XLOG_TAG:
-                        append(data)
-                    elif tag == _KEEPALIVE_TAG:
-                        # Everything sent before this keepalive must be assembled and handed out before
-                        # its WAL end may count as the idle position: yield the frames first.
-                        if frames:
-                            yield frames
-                            frames = []
-                            append = frames.append
-                        reply = self._control(data) or reply
-                    else:
-                        self._control(data)  # raises the right ProtocolError
-                if frames:
-                    yield frames
+                    reply = self._control(last)
                 # The status task runs only when the loop is free; a long backlog read straight from a
                 # full socket never frees it, so status goes out from here too when it is due (else the
                 # walsender's wal_sender_timeout ends a connection that is only busy).
