@@ -73,7 +73,7 @@ _INS = Relation(16400, "public", "bench_ins", "d", (
     Column("id", 20, -1, True), Column("v", 23, -1, False), Column("at", 1184, -1, False)))
 _INS_TARGET = TargetTable("public", "bench_ins", frozenset(("id", "v", "at")),
                           {"id": "bigint", "v": "integer", "at": "timestamp with time zone"}, pk=("id",))
-_TABLES: Final = {**guards.TARGET, ("public", "bench_ins"): _INS_TARGET}
+TABLES: Final = {**guards.TARGET, ("public", "bench_ins"): _INS_TARGET}
 _PLAIN = {
     "u1": "UPDATE pgbench_accounts SET aid = $1, bid = $2, abalance = $3, filler = $4 WHERE aid = $5",
     "u2": "UPDATE pgbench_tellers SET tid = $1, bid = $2, tbalance = $3, filler = $4 WHERE tid = $5",
@@ -128,7 +128,7 @@ def _literal(value: bytes | None) -> str:
     return "NULL" if value is None else "'" + value.decode().replace("'", "''") + "'"
 
 
-def _transactions(batch: list[list[Statement]], keys: Keys) -> list[Transaction]:
+def transactions(batch: list[list[Statement]], keys: Keys) -> list[Transaction]:
     """`batch` as the source's transactions, their changes as pgoutput sends them."""
     relations = {r.relid: r for r in (*guards.RELATIONS.values(), _INS)}
     by_name = {"u1": "pgbench_accounts", "u2": "pgbench_tellers", "u3": "pgbench_branches",
@@ -158,7 +158,7 @@ def _pgmesh_script(
     sets the applied mark."""
     prelude: list[str] = []
     scripts = [
-        transaction_script(txn, _TABLES, prepared=prepared, guard_origin=origin, prelude=prelude,
+        transaction_script(txn, TABLES, prepared=prepared, guard_origin=origin, prelude=prelude,
                            remote=False, setup_last=sixteen, mark=sixteen)
         for txn in txns
     ]
@@ -273,7 +273,7 @@ class Session:
         self.conn.close()
 
 
-async def _prepare(nodes: list[LocalNode]) -> tuple[Pgmesh2, int]:
+async def prepare(nodes: list[LocalNode]) -> tuple[Pgmesh2, int]:
     for node in nodes:
         await pgbench_init(node)
         await execute(node.dsn(), SCHEMA)
@@ -288,14 +288,14 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
             batches: int) -> dict[tuple[str, str], list[float]]:
     """Backend CPU µs per transaction, per (shape, way), one figure per batch; ways interleaved."""
     keys = Keys()
-    assert system.config is not None  # set up by `_prepare`
+    assert system.config is not None  # set up by `prepare`
     prepared = Prepared(Decisions(system.config))  # the statements decide conflicts, as the applier's
     # one session: a replication origin is one session's at a time
     session = Session(node.dsn(), system.origin, system.a.name)
     # the pipe's, as `LinkSession.open_pipe` sets them up (tables, Decisions and Prepared: `pgmesh`'s)
     encoder = Encoder()
     statements = Statements(system.a.name, system.origin, late=session.sixteen, mark=session.sixteen)
-    statements.tables = _TABLES
+    statements.tables = TABLES
     statements.origin = str(origin_id)
     runs: dict[str, Callable[[Session, list[list[Statement]]], None]] = {
         "simple": lambda s, b: s.simple(_simple_script(b, keys)),
@@ -308,7 +308,7 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
                 for way in ways:
                     batch = keys.tpcb() if shape == "tpcb" else keys.inserts()
                     if way == "pgmesh":
-                        txns = _transactions(batch, keys)
+                        txns = transactions(batch, keys)
                         prelude, script = _pgmesh_script(txns, prepared, origin_id, session.sixteen)
                         _make_functions(session, prepared)
                         if prelude:
@@ -316,7 +316,7 @@ def measure(node: LocalNode, system: Pgmesh2, origin_id: int, shapes: Sequence[s
                         began = session.cpu()
                         session.simple(script)
                     elif way == "pipe":
-                        txns = _transactions(batch, keys)
+                        txns = transactions(batch, keys)
                         plan = _pipe_plan(txns, encoder, statements, prepared, system.a.name)
                         _make_functions(session, prepared)
                         prepares = statements.new
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes, ways = args.shape or list(SHAPES), args.way or list(WAYS)
     nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
     try:
-        system, origin_id = run_async(lambda: _prepare(nodes))
+        system, origin_id = run_async(lambda: prepare(nodes))
         results = measure(nodes[1], system, origin_id, shapes, ways, args.batches)
     finally:
         for node in nodes:

@@ -4,8 +4,8 @@ One node b set up as bench.micro.floor's (pgmesh init, pgbench tables, `bench_in
 insert transactions as pgoutput sends them (floor's `Keys`), encoded by `router.apply.encode` (untimed),
 then, in batches of 250, three ways, interleaved, each its own session:
 
-  libpq    `Statements.transaction` plans, libpq's pipeline mode sends and reads (`_LibpqPipe`, what a
-           TLS session does, and every session before the socket pipe)
+  libpq    `Statements.transaction` plans, libpq's pipeline mode sends and reads (`Pipe.open(libpq=True)`,
+           what a TLS session does, and every session before the socket pipe)
   socket   `Statements.wire` builds each change's Bind + Execute, written to the socket and the answer
            walked by protocol.frontend (`_SocketPipe`): the first of a source's links
   shared   the same with the Bind bytes already built by another link (`Encoded.bound`): each further
@@ -36,10 +36,10 @@ from bench.harness.nodes import NODE_SETTINGS, run_async
 from bench.micro import floor
 from router.apply.decide import Decisions, session_settings
 from router.apply.encode import Encoded, Encoder
-from router.apply.pipe import Pipe, _LibpqPipe
+from router.apply.pipe import Pipe
 from router.apply.prepared import Prepared
 from router.apply.shapes import Statements
-from router.progress.applied import MARK_START, SOURCE_SETTING
+from router.progress.applied import MARK_START
 from router.stream.items import ORIGIN_NONE_SINCE
 from router.testing.localnodes import create_nodes
 
@@ -52,20 +52,8 @@ async def _open(dsn: str, way: str, source: str, settings: str) -> Pipe:
         row = await cur.fetchone()
         assert row is not None
         installed_at = str(row[0])
-    pipe = await Pipe.open(dsn, "b", source=source, synchronous_commit="off", installed_at=installed_at,
-                           settings=settings)
-    if way == "libpq":  # the same session, driven as over TLS
-        assert pipe.raw
-        pipe.terminate()
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        await conn.execute("SET session_replication_role = replica; SET synchronous_commit = off")
-        await conn.execute(settings)
-        await conn.execute("SELECT set_config(%s, %s, false)", [SOURCE_SETTING, source])
-        await conn.execute("SELECT set_config('pgmesh.installed_at', %s, false)", [installed_at])
-        conn.pgconn.nonblocking = 1
-        conn.pgconn.enter_pipeline_mode()
-        pipe = _LibpqPipe(conn, "b")
-    return pipe
+    return await Pipe.open(dsn, "b", source=source, synchronous_commit="off", installed_at=installed_at,
+                           settings=settings, libpq=way == "libpq")
 
 
 async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
@@ -83,7 +71,7 @@ async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
             row = await cur.fetchone()
             sixteen = row is not None and int(row[0]) >= ORIGIN_NONE_SINCE
         plans[way] = Statements(source, origin, late=sixteen, mark=sixteen)
-        plans[way].tables = floor._TABLES
+        plans[way].tables = floor.TABLES
         plans[way].origin = str(origin_id)
         if sixteen:
             await pipes[way].statement(MARK_START, [origin.encode(), source.encode()])
@@ -92,7 +80,7 @@ async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
             for shape in shapes:
                 for way in WAYS:
                     batch = keys.tpcb() if shape == "tpcb" else keys.inserts()
-                    txns = floor._transactions(batch, keys)
+                    txns = floor.transactions(batch, keys)
                     encoder = Encoder()
                     encoded = [encoder.encoded(t) for t in txns]
                     pipe, statements = pipes[way], plans[way]
@@ -152,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = args.shape or list(floor.SHAPES)
     nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
     try:
-        system, origin_id = run_async(lambda: floor._prepare(nodes))
+        system, origin_id = run_async(lambda: floor.prepare(nodes))
         results = asyncio.run(measure(nodes[1].dsn(), system, origin_id, shapes, args.batches))
     finally:
         for node in nodes:

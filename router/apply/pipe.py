@@ -114,9 +114,10 @@ class Pipe:
     @classmethod
     async def open(
         cls, dsn: str, node: str, *, source: str, synchronous_commit: str, installed_at: str | None,
-        settings: str,
+        settings: str, libpq: bool = False,
     ) -> Pipe:
-        """A new session on the target, set up as every applier session is (router.apply.sessions)."""
+        """A new session on the target, set up as every applier session is (router.apply.sessions).
+        `libpq`: through libpq's pipeline mode even without TLS (bench.micro.pipecpu compares the two)."""
         name = FENCE.application_name
         # UTF-8, as the replication connection reads the rows (and as asyncpg's sessions are): else a
         # database in another encoding would read the tuple's bytes in its own
@@ -136,7 +137,7 @@ class Pipe:
                 await _raw(conn, "SELECT set_config('pgmesh.installed_at', $1, false)", installed_at)
             if settings:
                 await conn.execute(settings)
-            if conn.pgconn.ssl_in_use:
+            if conn.pgconn.ssl_in_use or libpq:
                 conn.pgconn.nonblocking = 1
                 conn.pgconn.enter_pipeline_mode()
                 return _LibpqPipe(conn, node)
