@@ -97,8 +97,8 @@ _DATA_ROW: Final = ord("D")
 _EMPTY: Final = ord("I")
 _ERROR: Final = ord("E")
 _READY: Final = ord("Z")
-# a command ends: Parse, Close, Execute (of a statement with rows or none, or an empty one)
-_ENDS: Final = frozenset((_PARSE_DONE, _CLOSE_DONE, _COMMAND_DONE, _EMPTY))
+# the other ends of a command: Parse, Close, an empty query's Execute (the usual one: CommandComplete)
+_ENDS: Final = frozenset((_PARSE_DONE, _CLOSE_DONE, _EMPTY))
 _UNPACK: Final = struct.Struct("!I").unpack_from
 
 
@@ -126,21 +126,20 @@ class Results:
         skipped."""
         pos = 0
         size = len(buf)
-        index = self.index
-        ends = _ENDS
+        index, last = self.index, self.last
+        unpack = _UNPACK
         try:
             while size - pos >= 5:
-                length = _UNPACK(buf, pos + 1)[0]
-                stop = pos + 1 + length
+                stop = pos + 1 + unpack(buf, pos + 1)[0]
                 if stop > size:
                     break
                 code = buf[pos]
                 if code == _BIND_DONE:
                     pass
-                elif code in ends:
+                elif code == _COMMAND_DONE or code in _ENDS:
                     index += 1
                 elif code == _DATA_ROW:
-                    if index == self.last:
+                    if index == last:
                         self.decided = True
                 elif code == _ERROR:
                     if self.failed_at is None:

@@ -277,9 +277,10 @@ class _SocketPipe(Pipe):
         reader = Results(commands)
         buf = self._buf
         while not reader.feed(buf):
-            await self._wait(self._fileno(), writable=False)
             try:
-                self._read()
+                if not self._read():  # (what arrived while walking the last part: no wait for it)
+                    await self._wait(self._fileno(), writable=False)
+                    self._read()
             except ConnectionLost:
                 if reader.error is None:
                     raise
@@ -325,14 +326,15 @@ class _SocketPipe(Pipe):
             await self._wait(fd, writable=True)
             self._read()
 
-    def _read(self) -> None:
-        """What the socket has now, into the buffer; ConnectionLost at its end."""
+    def _read(self) -> bool:
+        """What the socket has now, into the buffer (whether anything); ConnectionLost at its end."""
         sock, buf = self._sock, self._buf
+        got = False
         while True:
             try:
                 data = sock.recv(_READ)
             except (BlockingIOError, InterruptedError):
-                return
+                return got
             except OSError as exc:
                 self._gone = True
                 raise self._lost(exc) from None
@@ -340,8 +342,9 @@ class _SocketPipe(Pipe):
                 self._gone = True
                 raise ConnectionLost("the pipe session was closed by the server", node=self.node)
             buf += data
+            got = True
             if len(data) < _READ:
-                return
+                return got
 
     def _end(self) -> None:
         self._gone = True
