@@ -157,20 +157,24 @@ class CopyReader:
         `out` is complete (`limit` reached, or a message that is not XLogData taken)."""
         buf = self._buf
         end = len(buf)
+        last = end - 6  # a message's head and its body's first byte must be there
         append = out.append
         unpack = _FRAME.unpack_from
         start, first = pos, len(out)
-        room = limit - first
-        full = room <= 0
-        while not full and end - pos >= 6:
+        full = True
+        for _ in range(limit - first):
+            if pos > last:
+                full = False
+                break
             tag, length, kind = unpack(buf, pos)
             stop = pos + 1 + length
-            if tag != _DATA or not pos + 6 <= stop <= end:
+            if tag != _DATA or stop > end or length < 5:
+                full = False
                 break
             append(buf[pos + 5 : stop])
             pos = stop
-            room -= 1
-            full = kind != _XLOG or room <= 0
+            if kind != _XLOG:
+                break
         self.data_bytes += pos - start - 5 * (len(out) - first)
         return pos, full
 
