@@ -2,7 +2,8 @@
 
 One node b set up as bench.micro.floor's (pgmesh init, pgbench tables, `bench_ins`), TPC-B and one-row
 insert transactions as pgoutput sends them (floor's `Keys`), encoded by `router.apply.encode` (untimed),
-then, in batches of 250, three ways, interleaved, each its own session:
+then, in batches of 250 (`--size`), three ways, interleaved, each its own session and `Encoder` (its
+shapes and statements kept across batches, as a source's):
 
   libpq    `Statements.transaction` plans, libpq's pipeline mode sends and reads (`Pipe.open(libpq=True)`,
            what a TLS session does, and every session before the socket pipe)
@@ -15,7 +16,7 @@ The figure is this process's CPU (time.process_time) per transaction, from the p
 so the router's per-link cost of the apply side, without decoding (the same for every way).
 
     .venv/bin/python -m bench.micro.pipecpu                # 8 batches per shape and way, ~30 s
-    .venv/bin/python -m bench.micro.pipecpu --batches 4 --shape inserts
+    .venv/bin/python -m bench.micro.pipecpu --batches 40 --size 10 --shape inserts
 
 Must not: touch a node it did not create.
 """
@@ -57,13 +58,14 @@ async def _open(dsn: str, way: str, source: str, settings: str) -> Pipe:
 
 
 async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
-                  batches: int) -> dict[tuple[str, str], list[float]]:
+                  batches: int, size: int) -> dict[tuple[str, str], list[float]]:
     keys = floor.Keys()
     prepared = Prepared(Decisions(system.config))
     source, origin = system.a.name, system.origin
     settings = session_settings(source, "b", origin_id, system.config.origin_name(""))
     out: dict[tuple[str, str], list[float]] = {(s, w): [] for s in shapes for w in WAYS}
     pipes, plans = {}, {}
+    encoders = {way: Encoder() for way in WAYS}  # one a way for the run, as one a source (its shapes kept)
     for way in WAYS:
         pipes[way] = await _open(dsn, way, source, settings)
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
@@ -79,10 +81,9 @@ async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
         for round_ in range(batches + 1):  # the first round warms up (prepares), untimed
             for shape in shapes:
                 for way in WAYS:
-                    batch = keys.tpcb() if shape == "tpcb" else keys.inserts()
+                    batch = (keys.tpcb() if shape == "tpcb" else keys.inserts())[:size]
                     txns = floor.transactions(batch, keys)
-                    encoder = Encoder()
-                    encoded = [encoder.encoded(t) for t in txns]
+                    encoded = [encoders[way].encoded(t) for t in txns]
                     pipe, statements = pipes[way], plans[way]
                     await pipe.take_origin(origin)
                     if way == "shared":  # another link built the Bind bytes
@@ -94,7 +95,7 @@ async def measure(dsn: str, system: Any, origin_id: int, shapes: Sequence[str],
                     spent = time.process_time() - began
                     await pipe.let_origin_go()
                     if round_:
-                        out[(shape, way)].append(spent / floor.PER_BATCH * 1e6)
+                        out[(shape, way)].append(spent / size * 1e6)
     finally:
         for pipe in pipes.values():
             await pipe.close()
@@ -134,18 +135,19 @@ async def _batch(pipe: Pipe, statements: Statements, prepared: Prepared, encoded
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.micro.pipecpu",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=8, help="timed batches of 250 per shape and way")
+    parser.add_argument("--batches", type=int, default=8, help="timed batches per shape and way")
+    parser.add_argument("--size", type=int, default=floor.PER_BATCH, help="transactions a batch (<= 250)")
     parser.add_argument("--shape", action="append", choices=floor.SHAPES, help="repeatable (default: both)")
     args = parser.parse_args(argv)
     shapes = args.shape or list(floor.SHAPES)
     nodes = create_nodes(["a", "b"], settings=NODE_SETTINGS)
     try:
         system, origin_id = run_async(lambda: floor.prepare(nodes))
-        results = asyncio.run(measure(nodes[1].dsn(), system, origin_id, shapes, args.batches))
+        results = asyncio.run(measure(nodes[1].dsn(), system, origin_id, shapes, args.batches, args.size))
     finally:
         for node in nodes:
             node.destroy()
-    print(f"router CPU µs per transaction, apply side ({args.batches} batches of {floor.PER_BATCH})")
+    print(f"router CPU µs per transaction, apply side ({args.batches} batches of {args.size})")
     print("| shape | way | min | median | vs libpq |")
     print("|---|---|--:|--:|--:|")
     for shape in shapes:
