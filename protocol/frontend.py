@@ -24,7 +24,9 @@ from typing import Final
 __all__ = [
     "SYNC",
     "Results",
+    "bind_body",
     "bind_execute",
+    "bind_named",
     "close_statement",
     "parse",
 ]
@@ -51,9 +53,14 @@ def parse(name: bytes, sql: bytes, types: Sequence[int] | None = None) -> bytes:
 
 def bind_execute(name: bytes, params: Sequence[bytes | None] | None) -> bytes:
     """Bind statement `name` to the unnamed portal with text `params` (None: NULL), then Execute it."""
+    return bind_named(name, bind_body(params))
+
+
+def bind_body(params: Sequence[bytes | None] | None) -> bytes:
+    """What a Bind carries after the statement's name: text `params` (None: NULL), text results."""
     lengths = _LENGTHS
     count = len(params) if params else 0
-    parts = [b"\x00", name, b"\x00\x00\x00", _COUNTS[count] if count < _MANY else struct.pack("!H", count)]
+    parts = [b"\x00\x00", _COUNTS[count] if count < _MANY else struct.pack("!H", count)]
     if params:
         append = parts.append
         for value in params:
@@ -64,8 +71,12 @@ def bind_execute(name: bytes, params: Sequence[bytes | None] | None) -> bytes:
                 append(lengths[size] if size < _SHORT else _I32.pack(size))
                 append(value)
     parts.append(b"\x00\x00")  # no result format codes: all text
-    body = b"".join(parts)
-    return b"".join((b"B", _I32.pack(len(body) + 4), body, _EXECUTE))
+    return b"".join(parts)
+
+
+def bind_named(name: bytes, body: bytes) -> bytes:
+    """A Bind of statement `name` to the unnamed portal with `body` (`bind_body`), then its Execute."""
+    return b"".join((b"B", _I32.pack(len(name) + len(body) + 6), b"\x00", name, b"\x00", body, _EXECUTE))
 
 
 def close_statement(name: bytes) -> bytes:

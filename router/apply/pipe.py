@@ -246,7 +246,7 @@ class Pipe:
 class _SocketPipe(Pipe):
     """The pipe written and read through the session's socket (no TLS): protocol.frontend's bytes."""
 
-    __slots__ = ("_buf", "_gone", "_sock")
+    __slots__ = ("_bare", "_buf", "_gone", "_sock")
     raw = True
 
     def __init__(self, conn: psycopg.AsyncConnection[Any], node: str) -> None:
@@ -256,6 +256,7 @@ class _SocketPipe(Pipe):
         self._sock.setblocking(False)
         self._buf = bytearray()  # read, not yet walked
         self._gone = False
+        self._bare: dict[bytes, bytes] = {}  # the Bind + Execute of a statement without parameters
 
     @property
     def closed(self) -> bool:
@@ -267,7 +268,19 @@ class _SocketPipe(Pipe):
     ) -> int:
         parts = [close_statement(name) for name in closes]
         parts += [parse(name, sql.encode(), types) for name, sql, types in prepares]
-        parts += [piece if type(piece) is bytes else bind_execute(*piece) for piece in plan]
+        bare = self._bare
+        for piece in plan:
+            if isinstance(piece, bytes):
+                parts.append(piece)
+                continue
+            name, params = piece
+            if params is None:  # (DECIDED, every batch)
+                found = bare.get(name)
+                if found is None:
+                    found = bare[name] = bind_execute(name, None)
+                parts.append(found)
+            else:
+                parts.append(bind_execute(name, params))
         commands = len(parts)
         parts.append(SYNC)
         await self._write(b"".join(parts))
@@ -276,10 +289,13 @@ class _SocketPipe(Pipe):
     async def results(self, commands: int) -> PipeResult:
         reader = Results(commands)
         buf = self._buf
+        waited = False
         while not reader.feed(buf):
             try:
-                if not self._read():  # (what arrived while walking the last part: no wait for it)
+                # after the first part, what arrived while it was walked is read without a wait
+                if not waited or not self._read():
                     await self._wait(self._fileno(), writable=False)
+                    waited = True
                     self._read()
             except ConnectionLost:
                 if reader.error is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from protocol.frontend import bind_execute
+from protocol.frontend import bind_body, bind_execute, bind_named
 from protocol.messages import Update
 from protocol.transactions import Transaction
 from router.apply.encode import INSERT, UPDATE, Encoded, Params, Shape
@@ -234,6 +234,8 @@ class Statements:
         bound, bare = enc.bound, self._bare
         out: list[bytes] = []
         add = out.append
+        last: Params | None = None  # an insert's locks and the insert bind the same parameters: built once
+        body = b""
         for place, name, params in self._items(enc, prepared, remote):
             if params is None:
                 piece = bare.get(name)
@@ -243,7 +245,9 @@ class Statements:
                 key = (place, name)
                 piece = bound.get(key)
                 if piece is None:
-                    piece = bound[key] = bind_execute(name, params)
+                    if params is not last:
+                        last, body = params, bind_body(params)
+                    piece = bound[key] = bind_named(name, body)
             add(piece)
         return out
 

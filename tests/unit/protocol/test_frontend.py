@@ -10,7 +10,16 @@ import struct
 import asyncpg
 import pytest
 
-from protocol.frontend import SYNC, Results, bind_execute, close_statement, error_fields, parse
+from protocol.frontend import (
+    SYNC,
+    Results,
+    bind_body,
+    bind_execute,
+    bind_named,
+    close_statement,
+    error_fields,
+    parse,
+)
 
 # The batches sent (each followed by Sync), in order, on one session with `CREATE TABLE t (id int PRIMARY
 # KEY, v text)`; their answers are CAPTURED's values.
@@ -128,6 +137,7 @@ def test_the_messages_bytes() -> None:
             + b"\x00\x00\x00\x00" + b"\x00\x00")
     assert bound == b"B" + struct.pack("!I", len(bind) + 4) + bind + b"E\x00\x00\x00\x09\x00\x00\x00\x00\x00"
     assert bind_execute(b"s", None) == bind_execute(b"s", ())
+    assert bind_named(b"s", bind_body([b"xy", None, b""])) == bound  # a body shared by two names
     long, many = b"x" * 70_000, [b"1"] * 1500  # a length packed, not from the table; a count too
     start = b"B" + struct.pack("!I", 70_017) + b"\x00s\x00\x00\x00\x00\x01" + struct.pack("!I", 70_000)
     assert bind_execute(b"s", [long])[:18] == start + b"xx"
