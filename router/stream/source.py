@@ -49,7 +49,7 @@ from protocol.pgoutput import Decoder, raw_insert, raw_insert_run
 from protocol.replication import XLogData, parse_copy_data
 from protocol.transactions import Spill, SpillDropped, Transaction, TransactionAssembler
 from router import failpoints
-from router.errors import ConnectionLost, SourceError
+from router.errors import ConnectionLost, SlotError, SourceError
 from router.stream.connection import Frames, ReplicationConnection
 from router.stream.items import EarlyStream, SourceOptions, StreamSettings, SystemInfo
 from router.stream.slots import SlotCreated, SlotInfo, check_slot_name
@@ -65,6 +65,7 @@ _ROW_TAGS: Final = frozenset(b"IUD")
 _INSERT_TAG: Final = 0x49  # 'I'
 _COMMIT_TAGS: Final = frozenset(b"Cc")  # Commit, Stream Commit
 _COMMITS: Final = (Commit, StreamCommit)
+_BUSY_S: Final = 30.0  # how long a slot found active (55006) is taken for this router's own walsender exiting
 _XLOG_PAYLOAD: Final = 25  # 'w' + WAL start, WAL end, send time
 
 Item = Transaction | Message | EarlyStream
@@ -243,13 +244,31 @@ class ReplicationSource:
         transactions yet).
         """
         backoff = self.options.backoff_initial
+        busy_since: float | None = None  # since when START_REPLICATION finds the slot active (55006)
         while True:
             try:
                 async with contextlib.aclosing(self._stream_once()) as items:
                     async for item in items:
                         backoff = self.options.backoff_initial
+                        busy_since = None
                         yield item
+            except SlotError as exc:
+                # "active for PID n": most likely this router's own walsender of a moment ago, still
+                # exiting after a reconnect or a rewind: retried for a while, then the error stands (another
+                # process holds the slot)
+                now = self._clock()
+                busy_since = now if busy_since is None else busy_since
+                if exc.sqlstate != "55006" or now - busy_since > _BUSY_S:
+                    self._life.to(SourceState.FAILED, error=str(exc))
+                    await self.connection.disconnect()
+                    raise
+                self._life.to(SourceState.RECONNECTING, error=str(exc), detail=f"retrying in {backoff:.1f} s")
+                await self.connection.disconnect()
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, self.options.backoff_max)
+                continue
             except ConnectionLost as exc:
+                busy_since = None
                 if self._rewind_to is not None:
                     self._skip_before, self._rewind_to = self._rewind_to, None
                     logger.info("node %s: re-reading from %s", self.node, format_lsn(self._skip_before))

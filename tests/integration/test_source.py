@@ -336,3 +336,30 @@ async def test_stalled_link_detected_by_receive_timeout(node: Any, tcp_proxy: An
         await items.aclose()
         await source.close()
     assert seen == list(range(1, 11))
+
+
+async def test_a_slot_busy_for_a_moment_is_waited_for(node: Any) -> None:
+    """START_REPLICATION on a slot still active for another walsender (55006: this router's own of a
+    moment ago, exiting after a reconnect) is retried for a while, not a failed source."""
+    holder = await new_source(node)
+    await insert_each(node.dsn(), range(1, 3))
+    held = holder.stream()
+    try:
+        await take(held, 1)  # the slot is active for the holder's walsender
+        second = ReplicationSource(node.name, node.dsn(), "s1", ["pub"], options=FAST)
+        items = second.stream()
+        pending = asyncio.ensure_future(take(items, 2))
+        deadline = asyncio.get_running_loop().time() + 30
+        while "active" not in (second.last_error or ""):
+            assert asyncio.get_running_loop().time() < deadline, "the second source never met the busy slot"
+            assert not pending.done(), pending
+            await asyncio.sleep(0.05)
+    finally:
+        await held.aclose()
+        await holder.close()
+    try:
+        txns = await asyncio.wait_for(pending, 60)  # the holder let go: the second one streams
+        assert [ids_of(t) for t in txns] == [[1], [2]]
+    finally:
+        await items.aclose()
+        await second.close()
