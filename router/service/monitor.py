@@ -102,7 +102,8 @@ class MonitorTarget:
             )
             if self.config.synchronous(self.node.name) > 0:  # its writes never wait for the router itself
                 await self.conn.execute("SET synchronous_commit = local")
-            cur = await self.conn.execute("SELECT pg_catalog.pg_postmaster_start_time()")
+            # (as text: psycopg parses no timestamptz in every DateStyle)
+            cur = await self.conn.execute("SELECT pg_catalog.pg_postmaster_start_time()::text")
             started = (await cur.fetchall())[0][0]
             if self.started is not None and started != self.started:
                 self.restarted = True

@@ -190,7 +190,9 @@ class Reporter:
             state = LinkState.CATCHING_UP
         down = _nodes_down(router)
         cut = [n for n in (key[1], key[0]) if n in down]  # the target first: its own word on why
-        if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP):  # nothing can move over it
+        # nothing can move over it; a link retrying its connection meanwhile (router.service.supervisor
+        # makes the links into a node that stopped answering connect again) shows the node's word too
+        if cut and state in (LinkState.STREAMING, LinkState.CATCHING_UP, LinkState.DOWN):
             state, last_error = LinkState.DOWN, f"node {cut[0]}: {down[cut[0]]}"
         stats = applier.stats
         last = stats.last_commit_time
