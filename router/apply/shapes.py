@@ -161,7 +161,7 @@ class Statements:
         whose number another shape has here) one of this session's own."""
         held = self._numbers.setdefault(shape.number, shape) if shape.number else None
         if held is shape:
-            return f"pgmesh_{shape.number}"
+            return f"pgmesh_s{shape.number}"
         self._counter += 1
         return f"pgmesh_x{self._counter}"
 
