@@ -160,8 +160,9 @@ class ReplicationSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     # streams on (docs/conflicts.md "Quarantine"). `[[tables]] on_refused` overrides it per table.
     on_refused: OnRefused = "pause"
     # How the appliers send small transactions: "script" (SQL text by the simple query protocol) or
-    # "pipeline" (the extended protocol in libpq's pipeline mode, each statement prepared once and bound to
-    # the tuple's own bytes, one Sync a batch: router.apply.pipe; faster, not yet the default: issue 39).
+    # "pipeline" (the extended protocol, pipelined, each statement prepared once and bound to
+    # the tuple's own bytes, one Sync a batch: router.apply.pipe; faster on multi-statement transactions,
+    # slower on one-row inserts, so not yet the default: docs/config.md).
     # Large transactions, DDL, conflicts and parallel lanes go the script way either way.
     apply_transport: ApplyTransport = "script"
 
