@@ -358,15 +358,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for node in nodes:
             node.destroy()
     print(f"target backend CPU µs per transaction ({args.batches} batches of {PER_BATCH} per shape and way)")
-    print("| shape | way | min | median | vs " + ways[0] + " |")
+    print_table(results, shapes, ways, ways[0])
+    return 0
+
+
+def print_table(
+    results: dict[tuple[str, str], list[float]], shapes: Sequence[str], ways: Sequence[str], base: str
+) -> None:
+    """Min and median µs per shape and way, and each median against `base`'s (also bench.micro.pipecpu)."""
+    print(f"| shape | way | min | median | vs {base} |")
     print("|---|---|--:|--:|--:|")
     for shape in shapes:
-        base = statistics.median(results[(shape, ways[0])])
+        reference = statistics.median(results[(shape, base)])
         for way in ways:
             values = results[(shape, way)]
             median = statistics.median(values)
-            print(f"| {shape} | {way} | {min(values):.1f} | {median:.1f} | {median / base:.2f} |")
-    return 0
+            print(f"| {shape} | {way} | {min(values):.1f} | {median:.1f} | {median / reference:.2f} |")
 
 
 if __name__ == "__main__":

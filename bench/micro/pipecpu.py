@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -148,14 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for node in nodes:
             node.destroy()
     print(f"router CPU µs per transaction, apply side ({args.batches} batches of {args.size})")
-    print("| shape | way | min | median | vs libpq |")
-    print("|---|---|--:|--:|--:|")
-    for shape in shapes:
-        base = statistics.median(results[(shape, "libpq")])
-        for way in WAYS:
-            values = results[(shape, way)]
-            median = statistics.median(values)
-            print(f"| {shape} | {way} | {min(values):.1f} | {median:.1f} | {median / base:.2f} |")
+    floor.print_table(results, shapes, WAYS, "libpq")
     return 0
 
 

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-import psycopg
 import pytest
 
 from protocol.messages import Insert
@@ -21,14 +20,9 @@ from router.errors import SlotError
 from router.stream.connection import ReplicationConnection
 from router.stream.items import SourceOptions
 from router.stream.source import ReplicationSource
+from router.testing.mesh import execute
 
 FAST = SourceOptions(status_interval=0.2, backoff_initial=0.05, backoff_max=0.5, receive_timeout=10)
-
-
-async def execute(dsn: str, *statements: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        for statement in statements:
-            await conn.execute(statement)
 
 
 @pytest.fixture
