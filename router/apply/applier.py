@@ -53,6 +53,7 @@ from router.errors import (
     SCHEMA_WAIT_S,
     UNIQUE_ATTEMPTS,
     Action,
+    ConnectionLost,
     LostBeforeCommit,
     PgmeshError,
     SchemaWait,
@@ -275,6 +276,13 @@ class Applier(LinkView):
         logger.error("link %s: %s, while handling: %s", self.name, bad, describe(exc))
         self.condition.to(Liveness.ERROR, f"internal error: {bad}, while handling: {describe(exc)};"
                                           " `pgmesh resume` connects again")
+
+    def reconnect(self, why: str) -> None:
+        """Connect again now, busy or idle: the sessions are ended at once and an idle link stops waiting
+        for its next transaction (its target may have lost commits it had not flushed, which only a new
+        connection finds out: router.progress.positions.LinkProgress.restart_at)."""
+        self.link.drop()
+        self.queue.interrupt(ConnectionLost(why, node=self.target.name))
 
     def fail(self, exc: Exception) -> None:
         """Stop this link on the error (state "error"); `resume()` retries the same transaction."""

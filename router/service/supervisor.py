@@ -372,8 +372,7 @@ class Router(Wiring):
         otherwise find out only at its next transaction, and show streaming meanwhile."""
         for (_, target), applier in self.appliers.items():
             if target == name:
-                applier.link.drop()
-                applier.queue.interrupt(ConnectionLost(why, node=name))
+                applier.reconnect(why)
 
     def health(self) -> tuple[bool, str]:
         return self.reporter.health(self)
